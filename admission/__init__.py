@@ -1,0 +1,1 @@
+"""Per-tenant token budgets in Redis, capacity admission and load shedding."""

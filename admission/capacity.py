@@ -1,0 +1,242 @@
+"""Capacity admission: does any worker have room for this request's KV tokens?
+
+`CapacityGate` is pure asyncio logic over a callable that returns the current
+per-worker capacity views (the gateway adapts the router's worker stats into
+`WorkerCapacity`). A request's cost is the KV tokens it may occupy (prompt +
+max_tokens - expected cached prefix). A request is admitted when some live,
+non-draining worker has `kv_free - queued_tokens - pending >= cost`, where
+`pending` is the cost of tickets this gate admitted after that worker's stats
+sample was taken (so a burst cannot over-admit between two stats updates).
+Batch requests must additionally leave `interactive_reserve` of the worker's
+KV capacity free, so they are shed first. Otherwise the request waits in a
+FIFO queue per priority (interactive served first) for up to
+`admission_wait_ms`, woken by `notify()` (new stats) and `release()`, then
+fails with `Overloaded(retry_after_s)`: the time the observed drain rate needs
+to free the deficit, bounded to [min_retry_s, max_retry_s]. The drain rate is
+measured over the current busy period only (at most `DRAIN_WINDOW_S`; a busy
+period ends when nothing was admitted for `IDLE_RESET_S`): idle time before a
+burst would otherwise dilute it into a far too long retry-after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+
+INTERACTIVE, BATCH = "interactive", "batch"
+DRAIN_WINDOW_S = 30.0
+IDLE_RESET_S = 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerCapacity:
+    """One worker's capacity as last reported (tokens of KV cache)."""
+
+    worker_id: str
+    kv_free: int
+    kv_total: int
+    queued_tokens: int = 0
+    draining: bool = False
+    updated_at: float = 0.0  # clock() time of the stats sample; 0: unknown (all pending tickets count)
+
+
+class Overloaded(Exception):
+    """No capacity within the wait budget: 503 server_overloaded with `retry-after`."""
+
+    def __init__(self, retry_after_s: float, message: str) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class CapacityNeverFits(ValueError):
+    """The request needs more KV tokens than any worker has in total."""
+
+
+@dataclass(slots=True, eq=False)
+class CapacityTicket:
+    """An admitted request's claim on capacity; give it back with `CapacityGate.release`."""
+
+    cost: int
+    priority: str
+    worker_id: str       # the worker whose headroom admitted it (a routing hint, not a binding)
+    admitted_at: float
+    released: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    cost: int
+    future: asyncio.Future = field(repr=False)
+
+
+class CapacityGate:
+    """Admit, queue (bounded wait, interactive first) or shed requests by KV-token cost."""
+
+    def __init__(self, views: Callable[[], Iterable[WorkerCapacity]], *, admission_wait_ms: int = 2000,
+                 interactive_reserve: float = 0.2, min_retry_s: float = 1.0, max_retry_s: float = 30.0,
+                 fallback_retry_s: float = 5.0, max_queue: int = 1024,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0.0 <= interactive_reserve < 1.0:
+            raise ValueError("interactive_reserve must be in [0, 1)")
+        self._views = views
+        self.admission_wait_s = admission_wait_ms / 1000
+        self.interactive_reserve = interactive_reserve
+        self.min_retry_s, self.max_retry_s, self.fallback_retry_s = min_retry_s, max_retry_s, fallback_retry_s
+        self.max_queue = max_queue
+        self._clock = clock
+        self._queues: dict[str, deque[_Waiter]] = {INTERACTIVE: deque(), BATCH: deque()}
+        self._pending: dict[str, list[CapacityTicket]] = {}
+        self._drained: deque[tuple[float, int]] = deque()
+        self._outstanding = 0  # tickets admitted and not yet released
+        self._idle_since: float | None = None  # when _outstanding last dropped to 0
+        self.shed: dict[str, int] = {INTERACTIVE: 0, BATCH: 0}
+
+    # ---- public API -------------------------------------------------------------------------------
+    async def acquire(self, cost: int, priority: str) -> CapacityTicket:
+        """Admit now, or wait up to `admission_wait_ms`; raises Overloaded or CapacityNeverFits."""
+        if priority not in self._queues:
+            raise ValueError(f"priority must be {INTERACTIVE!r} or {BATCH!r}")
+        if cost < 0:
+            raise ValueError("cost must be >= 0")
+        views = self._live_views()
+        if views and cost > max(v.kv_total for v in views):
+            raise CapacityNeverFits(f"request needs {cost} KV tokens; the largest worker holds "
+                                    f"{max(v.kv_total for v in views)}")
+        if not self._blocked(priority):
+            ticket = self._try_admit(cost, priority, views)
+            if ticket is not None:
+                return ticket
+        queue = self._queues[priority]
+        if len(queue) >= self.max_queue:
+            raise self._overloaded(cost, priority, "admission queue full")
+        waiter = _Waiter(cost, asyncio.get_running_loop().create_future())
+        queue.append(waiter)
+        try:
+            await asyncio.wait({waiter.future}, timeout=self.admission_wait_s)
+        except asyncio.CancelledError:
+            self._abandon(queue, waiter)
+            raise
+        if waiter.future.done():
+            return waiter.future.result()
+        self._abandon(queue, waiter)
+        raise self._overloaded(cost, priority, f"no capacity within {self.admission_wait_s * 1000:.0f} ms")
+
+    def release(self, ticket: CapacityTicket) -> None:
+        """The request ended: forget its cost, count it as drained capacity and wake waiters."""
+        if ticket.released:
+            return
+        ticket.released = True
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._idle_since = self._clock()
+        tickets = self._pending.get(ticket.worker_id)
+        if tickets is not None:
+            with contextlib.suppress(ValueError):
+                tickets.remove(ticket)
+        self._drained.append((self._clock(), ticket.cost))
+        self.notify()
+
+    def notify(self) -> None:
+        """Capacity may have changed (new worker stats, a release): admit waiters that now fit."""
+        views = None
+        for priority in (INTERACTIVE, BATCH):
+            queue = self._queues[priority]
+            while queue:
+                waiter = queue[0]
+                if waiter.future.done():
+                    queue.popleft()
+                    continue
+                if priority == BATCH and self._queues[INTERACTIVE]:
+                    return
+                views = views if views is not None else self._live_views()
+                ticket = self._try_admit(waiter.cost, priority, views)
+                if ticket is None:
+                    break
+                queue.popleft()
+                waiter.future.set_result(ticket)
+
+    @contextlib.asynccontextmanager
+    async def admit(self, cost: int, priority: str) -> AsyncIterator[CapacityTicket]:
+        ticket = await self.acquire(cost, priority)
+        try:
+            yield ticket
+        finally:
+            self.release(ticket)
+
+    @property
+    def waiting(self) -> dict[str, int]:
+        return {p: len(q) for p, q in self._queues.items()}
+
+    def retry_after_s(self, cost: int, priority: str) -> float:
+        """Seconds until the deficit for this request (and those queued ahead) should have drained."""
+        views = self._live_views()
+        best = max((self._headroom(v, priority) for v in views), default=0)
+        ahead = sum(w.cost for w in self._queues[INTERACTIVE])
+        if priority == BATCH:
+            ahead += sum(w.cost for w in self._queues[BATCH])
+        deficit = max(0, cost + ahead - best)
+        rate = self.drain_rate()
+        seconds = deficit / rate if rate > 0 else self.fallback_retry_s
+        return float(min(self.max_retry_s, max(self.min_retry_s, math.ceil(seconds * 10) / 10)))
+
+    def drain_rate(self) -> float:
+        """KV tokens per second released recently (0.0 when nothing was released in the window)."""
+        now = self._clock()
+        while self._drained and now - self._drained[0][0] > DRAIN_WINDOW_S:
+            self._drained.popleft()
+        if not self._drained:
+            return 0.0
+        span = max(1.0, now - self._drained[0][0])
+        return sum(c for _, c in self._drained) / span
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _live_views(self) -> list[WorkerCapacity]:
+        return [v for v in self._views() if not v.draining and v.kv_total > 0]
+
+    def _blocked(self, priority: str) -> bool:
+        """FIFO fairness: a newcomer may not pass waiters of its own or a higher priority."""
+        if self._queues[INTERACTIVE]:
+            return True
+        return priority == BATCH and bool(self._queues[BATCH])
+
+    def _headroom(self, view: WorkerCapacity, priority: str) -> int:
+        pending = sum(t.cost for t in self._pending.get(view.worker_id, ()) if t.admitted_at >= view.updated_at)
+        room = view.kv_free - view.queued_tokens - pending
+        if priority == BATCH:
+            room -= int(self.interactive_reserve * view.kv_total)
+        return room
+
+    def _try_admit(self, cost: int, priority: str, views: list[WorkerCapacity]) -> CapacityTicket | None:
+        best, best_room = None, -1
+        for view in views:
+            room = self._headroom(view, priority)
+            if room >= cost and room > best_room:
+                best, best_room = view, room
+        if best is None:
+            return None
+        now = self._clock()
+        ticket = CapacityTicket(cost, priority, best.worker_id, now)
+        if self._outstanding == 0 and self._idle_since is not None and now - self._idle_since > IDLE_RESET_S:
+            self._drained.clear()  # a new busy period: releases before the idle gap say nothing of now
+        self._outstanding += 1
+        self._pending.setdefault(best.worker_id, []).append(ticket)
+        return ticket
+
+    def _abandon(self, queue: deque[_Waiter], waiter: _Waiter) -> None:
+        with contextlib.suppress(ValueError):
+            queue.remove(waiter)
+        if waiter.future.done() and not waiter.future.cancelled():
+            self.release(waiter.future.result())  # admitted just as we gave up: give it back
+        else:
+            waiter.future.cancel()
+        self.notify()  # a blocked head may have left: let the next ones try
+
+    def _overloaded(self, cost: int, priority: str, why: str) -> Overloaded:
+        self.shed[priority] += 1
+        retry = self.retry_after_s(cost, priority)
+        return Overloaded(retry, f"Server overloaded ({why}); retry after {retry:g}s.")

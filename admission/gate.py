@@ -1,0 +1,108 @@
+"""The gateway's single entry point to admission: budget, then capacity.
+
+`Admission.admit(tenant, prompt_tokens, max_tokens, priority)` is an async
+context manager: it reserves the tenant's budget (429/400/503 errors from
+`admission.results` / `tenancy.errors`), then waits for KV capacity when a
+`CapacityGate` is configured (`Overloaded` -> 503; the budget reservation is
+then settled as unserved, so a shed request costs the tenant nothing). The
+yielded `AdmissionTicket` carries the `x-ratelimit-*` headers for the response
+and takes the actual usage; on exit, however the request ended, capacity is
+released and the budget settled (refund + metering). `error_response` maps
+every admission exception to the HTTP status, OpenAI error fields and headers
+without this package knowing about HTTP frameworks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from admission.budget import Reservation
+from admission.capacity import CapacityGate, CapacityNeverFits, CapacityTicket, Overloaded
+from admission.headers import rate_limit_headers, retry_headers
+from admission.hold import BudgetGuard
+from admission.results import QuotaExceeded, RequestTooLarge, TenantRejected
+from tenancy.errors import QuotaServiceUnavailable
+from tenancy.schema import Tenant
+
+QUOTA_UNAVAILABLE_RETRY_MS = 1000
+
+
+@dataclass(slots=True)
+class AdmissionTicket:
+    """An admitted request: response headers and the usage to settle with."""
+
+    reservation: Reservation
+    capacity: CapacityTicket | None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def record_usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self.reservation.prompt_tokens = min(self.reservation.prompt_tokens, max(0, int(prompt_tokens)))
+        self.reservation.record(completion_tokens, cached_tokens)
+
+    def unserved(self) -> None:
+        """The request never reached a worker (e.g. no live worker): refund it fully, meter nothing."""
+        self.reservation.unserved()
+
+
+class Admission:
+    """Budget (Redis) + optional capacity gate, as one context manager per request."""
+
+    def __init__(self, guard: BudgetGuard, capacity: CapacityGate | None = None) -> None:
+        self.guard = guard
+        self.capacity = capacity
+
+    @contextlib.asynccontextmanager
+    async def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, priority: str,
+                    expected_cached_tokens: int = 0) -> AsyncIterator[AdmissionTicket]:
+        res = await self.guard.acquire(tenant, prompt_tokens, max_tokens)
+        cap: CapacityTicket | None = None
+        try:
+            if self.capacity is not None:
+                cost = max(0, prompt_tokens + max_tokens - expected_cached_tokens)
+                try:
+                    cap = await self.capacity.acquire(cost, priority)
+                except (Overloaded, CapacityNeverFits):
+                    res.unserved()
+                    raise
+            yield AdmissionTicket(res, cap, rate_limit_headers(res.result))
+        finally:
+            if cap is not None and self.capacity is not None:
+                self.capacity.release(cap)
+            await self.guard.release(res)
+
+    async def aclose(self) -> None:
+        await self.guard.aclose()
+
+
+@dataclass(slots=True, frozen=True)
+class ErrorSpec:
+    """How the gateway should answer an admission exception."""
+
+    status: int
+    type: str
+    code: str
+    message: str
+    headers: dict[str, str]
+
+
+def error_response(exc: BaseException) -> ErrorSpec | None:
+    """HTTP status, OpenAI error type/code, message and headers for an admission error (None: not one)."""
+    if isinstance(exc, QuotaExceeded):
+        kind = "tokens" if exc.result.limit_name == "tokens" else "requests"
+        return ErrorSpec(429, kind, "rate_limit_exceeded", str(exc), rate_limit_headers(exc.result))
+    if isinstance(exc, RequestTooLarge):
+        return ErrorSpec(400, "invalid_request_error", "request_too_large", str(exc), rate_limit_headers(exc.result))
+    if isinstance(exc, CapacityNeverFits):
+        return ErrorSpec(400, "invalid_request_error", "request_too_large", str(exc), {})
+    if isinstance(exc, TenantRejected):
+        return ErrorSpec(401, "invalid_request_error", "invalid_api_key", str(exc), {})
+    if isinstance(exc, Overloaded):
+        return ErrorSpec(503, "server_error", "server_overloaded", str(exc),
+                         retry_headers(int(exc.retry_after_s * 1000)))
+    if isinstance(exc, QuotaServiceUnavailable):
+        return ErrorSpec(503, "server_error", "quota_service_unavailable",
+                         "The quota service is temporarily unavailable; please retry.",
+                         retry_headers(QUOTA_UNAVAILABLE_RETRY_MS))
+    return None

@@ -1,0 +1,1 @@
+"""Benchmark harnesses; each prints one JSON line with ratios against a same-run baseline."""

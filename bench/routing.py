@@ -1,0 +1,216 @@
+"""Benchmark: prefix-aware routing vs round-robin vs one worker (the hit-rate oracle), one run.
+
+Starts worker processes (`switchyard worker`, default model SmolLM2-135M unless
+`--model`): three form the cluster, each with a KV cache of `--kv-tokens` tokens,
+and a fourth, with three times that cache (the cluster's total), serves the oracle
+run. The workload is 16 distinct "system prompts" of ~600 random token ids, each
+followed by a short unique user turn, 6 requests per prompt (96) in random order,
+6 in flight at a time, `--max-tokens` output tokens each. It runs (a) through
+`router.Router` (stable prefix = the system prompt), (b) round-robin over the same
+three workers, (c) all to the oracle worker; each run uses its own cache namespace,
+so no run reuses another's cache. Prints one JSON line:
+
+    {"hit_rate": {"router", "round_robin", "oracle"}, "ttft_p50_ms": {...},
+     "max_over_mean_load": ours, ...details}
+
+`hit_rate` is cached prompt tokens / prompt tokens; `max_over_mean_load` is the
+largest worker's time-averaged outstanding KV tokens (sampled at every routing
+decision) over the mean. Targets: hit rate (a) >= 0.9 x (c) and >= 2.5 x (b),
+ttft_p50 (a) <= 0.5 x (b), max_over_mean_load <= 1 + eps + 0.1.
+
+    .venv/bin/python bench/routing.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script
+    sys.path.insert(0, str(REPO))
+
+from router.client import WorkerError  # noqa: E402
+from router.dispatch import Router, RouteRequest  # noqa: E402
+from router.membership import Membership  # noqa: E402
+from router.prefix import namespace_root  # noqa: E402
+from tests.worker_procs import WorkerProc  # noqa: E402
+
+SECRET = b"bench-routing"
+# SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V) x 2 bytes (bf16)
+DEFAULT_MODEL_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
+
+
+@dataclass(slots=True)
+class Result:
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    error: str | None = None
+
+
+def build_workload(seed: int, n_prompts: int, prompt_len: int, per_prompt: int) -> list[tuple[int, list[int]]]:
+    """(system prompt index, tokens) in random order; tokens are ids in a safe range of the vocabulary."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(100, 40000) for _ in range(prompt_len)] for _ in range(n_prompts)]
+    work = []
+    for p, system in enumerate(systems):
+        for _ in range(per_prompt):
+            work.append((p, system + [rng.randrange(100, 40000) for _ in range(rng.randint(12, 24))]))
+    rng.shuffle(work)
+    return work
+
+
+async def stream_direct(client, rid: str, ns: bytes, tokens: list[int], sampling: dict) -> Result:
+    t0 = time.perf_counter()
+    ttft, cached = None, 0
+    async for chunk in client.generate(rid, ns, tokens, sampling, 0, time.time() + 300):
+        if ttft is None and chunk.tokens:
+            ttft = time.perf_counter() - t0
+        cached = max(cached, chunk.cached_tokens)
+        if chunk.finish_reason is not None:
+            break
+    return Result(len(tokens), cached, ttft if ttft is not None else float("nan"))
+
+
+async def stream_routed(router: Router, req: RouteRequest, samples: list[dict[str, float]]) -> Result:
+    t0 = time.perf_counter()
+    ttft, cached = None, 0
+    gen = router.stream(req)
+    try:
+        async for chunk in gen:
+            if ttft is None:
+                samples.append(router.membership.loads.loads())  # includes this request, just sent
+            if ttft is None and chunk.tokens:
+                ttft = time.perf_counter() - t0
+            cached = max(cached, chunk.cached_tokens)
+            if chunk.finish_reason is not None:
+                break
+    finally:
+        await gen.aclose()
+    return Result(len(req.tokens), cached, ttft if ttft is not None else float("nan"))
+
+
+async def run_mode(mode: str, membership: Membership, router: Router, cluster: list[str], oracle: str,
+                   work: list[tuple[int, list[int]]], args: argparse.Namespace,
+                   samples: list[dict[str, float]]) -> list[Result]:
+    ns = namespace_root(args.model, "bench", mode, SECRET)
+    sampling = {"max_tokens": args.max_tokens, "ignore_eos": True}
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(i: int, p: int, tokens: list[int]) -> Result:
+        async with sem:
+            rid = f"{mode}-{i}"
+            try:
+                if mode == "router":
+                    req = RouteRequest(rid=rid, ns=ns, tokens=tokens, cost=len(tokens) + args.max_tokens,
+                                       sampling=sampling, stable_len=args.prompt_len)
+                    return await stream_routed(router, req, samples)
+                target = cluster[i % len(cluster)] if mode == "round_robin" else oracle
+                return await stream_direct(membership.client(target), rid, ns, tokens, sampling)
+            except WorkerError as err:
+                return Result(len(tokens), 0, float("nan"), err.code)
+
+    # Requests are issued in order; the semaphore keeps `concurrency` in flight.
+    return await asyncio.gather(*(one(i, p, toks) for i, (p, toks) in enumerate(work)))
+
+
+def summarize(results: list[Result]) -> tuple[float, float]:
+    """(hit rate, ttft p50 ms) over the requests that completed."""
+    ok = [r for r in results if r.error is None]
+    if not ok:
+        return 0.0, float("nan")
+    hit = sum(r.cached_tokens for r in ok) / sum(r.prompt_tokens for r in ok)
+    return round(hit, 4), round(statistics.median(r.ttft_s for r in ok) * 1000, 1)
+
+
+def load_ratio(samples: list[dict[str, float]], cluster: list[str]) -> float:
+    means = [statistics.fmean(s.get(w, 0.0) for s in samples) for w in cluster]
+    return round(max(means) / statistics.fmean(means), 3)
+
+
+async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
+    bytes_per_token = args.kv_bytes_per_token
+    common = ["--stats-interval", "0.1", "--max-num-batched-tokens", str(args.max_batched_tokens)]
+    common += ["--dtype", args.dtype] if args.dtype else []
+    procs = [WorkerProc(log_dir, model=args.model, threads=args.threads,
+                        extra=common + ["--kv-cache-bytes", str(args.kv_tokens * bytes_per_token)])
+             for _ in range(3)]
+    procs.append(WorkerProc(log_dir, model=args.model, threads=args.threads,
+                            extra=common + ["--kv-cache-bytes", str(3 * args.kv_tokens * bytes_per_token)]))
+    # WorkerProc passes its own --kv-cache-bytes first; ours, later on the command line, wins.
+    cluster, oracle = [p.endpoint for p in procs[:3]], procs[3].endpoint
+    membership = Membership(gateway_id="bench-routing", static_endpoints=cluster + [oracle],
+                            dead_after=args.dead_after,
+                            epsilon=args.epsilon)
+    try:
+        await membership.start()
+        await membership.wait_until(lambda m: len(m.live()) == 4, timeout=args.ready_timeout)
+        # the oracle worker is a separate process outside the routed cluster
+        membership.ring.remove(oracle)
+        router = Router(membership, secret=SECRET, route_prefix_tokens=args.prompt_len)
+        work = build_workload(args.seed, args.prompts, args.prompt_len, args.per_prompt)
+        out: dict = {"hit_rate": {}, "ttft_p50_ms": {}}
+        samples: list[dict[str, float]] = []
+        for mode in ("router", "round_robin", "oracle"):
+            t0 = time.perf_counter()
+            results = await run_mode(mode, membership, router, cluster, oracle, work, args, samples)
+            out["hit_rate"][mode], out["ttft_p50_ms"][mode] = summarize(results)
+            out.setdefault("wall_s", {})[mode] = round(time.perf_counter() - t0, 1)
+            out.setdefault("errors", {})[mode] = sum(r.error is not None for r in results)
+        out["max_over_mean_load"] = load_ratio(samples, cluster)
+        out["kv_tokens_per_worker"] = {ep: membership.member(ep).stats.kv_total for ep in cluster + [oracle]}
+        hr, tt = out["hit_rate"], out["ttft_p50_ms"]
+        out["checks"] = {
+            "hit_vs_oracle": round(hr["router"] / hr["oracle"], 3) if hr["oracle"] else None,
+            "hit_vs_round_robin": round(hr["router"] / hr["round_robin"], 3) if hr["round_robin"] else None,
+            "ttft_vs_round_robin": round(tt["router"] / tt["round_robin"], 3),
+        }
+        out.update(model=args.model, workers=3, requests=len(work), concurrency=args.concurrency,
+                   prompt_len=args.prompt_len, max_tokens=args.max_tokens, epsilon=args.epsilon)
+        return out
+    finally:
+        await membership.close()
+        for p in procs:
+            p.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    ap.add_argument("--model", default="default", help="worker model spec ('default', 'tiny-random', path)")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
+    ap.add_argument("--kv-tokens", type=int, default=5000, help="KV cache tokens per cluster worker")
+    ap.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_MODEL_KV_BYTES_PER_TOKEN)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=600)
+    ap.add_argument("--per-prompt", type=int, default=6)
+    ap.add_argument("--concurrency", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--epsilon", type=float, default=0.25)
+    ap.add_argument("--max-batched-tokens", type=int, default=256,
+                    help="worker step token budget (bounds a step, so stats keep flowing on a busy CPU)")
+    ap.add_argument("--dead-after", type=float, default=10.0,
+                    help="seconds without stats before a worker counts as lost (CPU steps can be long)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--ready-timeout", type=float, default=180.0)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="sy-bench-routing-") as tmp:
+        result = asyncio.run(bench(args, Path(tmp)))
+    if not args.json:
+        print(json.dumps(result, indent=2), file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Benchmark: what the ZeroMQ hop (worker process + router client) costs against the bare engine.
+
+Runs the engine benchmark's workload (`bench.engine_throughput`, 64 requests,
+seed 1, all submitted at once) twice in one run: (a) on an in-process `Engine`,
+(b) through a `switchyard worker` process and `router.client.WorkerClient`.
+Prints one JSON line with `engine_tok_s`, `zmq_tok_s`, `ratio_vs_engine` (target
+>= 0.95) and `extra_latency_ms_p50` / `extra_latency_ms_p99`: for every output
+token, the time from the worker sending its `out` frame (the frame's `ts`) to the
+client's stream yielding it (encode, socket, decode, demultiplex, wake-up), in
+the same run; worker and client share this machine's clock. The worker loop's own
+cost (frame draining, packing) shows in the throughput ratio instead.
+
+    .venv/bin/python bench/zmq_overhead.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script
+    sys.path.insert(0, str(REPO))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run_in_process(args: argparse.Namespace) -> tuple[list[tuple[list[int], int]], float]:
+    """(workload, wall seconds) of the workload on an in-process engine."""
+    import torch
+
+    from bench.engine_throughput import workload as make_workload  # the engine benchmark owns the workload
+    from worker.config import EngineConfig
+    from worker.engine import Engine
+    from worker.sampling import SamplingParams
+    from worker.tiny_model import load_any
+
+    torch.set_num_threads(args.threads)
+    loaded = load_any(args.model, dtype=args.dtype)
+    engine = Engine(loaded, EngineConfig(dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes))
+    workload = make_workload(args.requests, args.seed, loaded.config.vocab_size)
+    engine.generate([workload[0][0][:32]], SamplingParams(max_tokens=4))  # warm-up, as the engine bench does
+    start = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(workload):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=out_len, ignore_eos=True))
+    produced = 0
+    while engine.has_work():
+        produced += sum(len(out.new_tokens) for out in engine.step())
+    wall = time.perf_counter() - start
+    if produced != sum(n for _, n in workload):
+        raise RuntimeError("the engine produced the wrong number of tokens")
+    del engine, loaded
+    return workload, wall
+
+
+async def _through_worker(endpoint: str, workload: list[tuple[list[int], int]],
+                          ready_timeout: float) -> tuple[float, list[float]]:
+    """(wall seconds, per-token hop latencies in seconds)."""
+    from router.client import WorkerClient
+
+    client = WorkerClient(endpoint, gateway_id=f"bench-{os.getpid()}", inter_token_timeout=120.0,
+                          worker_timeout=10.0)
+    await client.start()
+    try:
+        await client.wait_ready(ready_timeout)
+        async for _ in client.generate("warm-up", b"bench", workload[0][0][:32], {"max_tokens": 4}):
+            pass
+        hops: list[float] = []
+        start = time.perf_counter()
+
+        async def one(i: int, prompt: list[int], out_len: int) -> int:
+            n = 0
+            async for chunk in client.generate(f"r{i}", b"bench", prompt,
+                                               {"max_tokens": out_len, "ignore_eos": True}):
+                hops.extend([time.time() - chunk.sent_at] * len(chunk.tokens))
+                n += len(chunk.tokens)
+            return n
+
+        counts = await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(workload)))
+        wall = time.perf_counter() - start
+        if counts != [n for _, n in workload]:
+            raise RuntimeError("the worker produced the wrong number of tokens")
+        return wall, hops
+    finally:
+        await client.close()
+
+
+def run_through_worker(args: argparse.Namespace,
+                       workload: list[tuple[list[int], int]]) -> tuple[float, list[float]]:
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "config.cli", "worker", "--model", args.model, "--bind", endpoint,
+           "--num-threads", str(args.threads), "--log-level", "WARNING", "--dtype", args.dtype,
+           "--kv-cache-bytes", str(args.kv_cache_bytes)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        return asyncio.run(_through_worker(endpoint, workload, args.ready_timeout))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON line only")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                    help="engine dtype on both sides (the engine benchmark runs bf16)")
+    ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30, help="as the engine benchmark")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ready-timeout", type=float, default=180.0)
+    args = ap.parse_args(argv)
+
+    workload, eng_wall = run_in_process(args)
+    out_tokens = sum(n for _, n in workload)
+    zmq_wall, hops = run_through_worker(args, workload)
+    extra = [h * 1000.0 for h in hops]
+    result = {
+        "requests": args.requests, "seed": args.seed, "model": args.model, "output_tokens": out_tokens,
+        "engine_tok_s": round(out_tokens / eng_wall, 1), "zmq_tok_s": round(out_tokens / zmq_wall, 1),
+        "ratio_vs_engine": round(eng_wall / zmq_wall, 3),
+        "extra_latency_ms_p50": round(_percentile(extra, 0.5), 2),
+        "extra_latency_ms_p99": round(_percentile(extra, 0.99), 2),
+    }
+    if not args.json:
+        print(f"in-process {eng_wall:.2f}s, through the worker {zmq_wall:.2f}s", file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

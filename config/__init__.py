@@ -1,0 +1,1 @@
+"""Composition root: typed settings, the `switchyard` CLI and the process launcher."""

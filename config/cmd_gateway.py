@@ -1,0 +1,147 @@
+"""`switchyard gateway`: build the gateway app from settings and serve it with uvicorn (uvloop).
+
+`build_app(settings)` is the composition root of a gateway process: the served
+model's tokenizer, the Redis-backed tenant directory, worker membership (the
+static `--workers` list, else the Redis registry) with the prefix-aware router,
+and admission (the per-tenant Redis budget, then KV capacity over the workers'
+stats: `gateway.capacity`), all handed to `gateway.app.create_app`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import socket
+import sys
+
+from config.settings import Settings, flags_to_overrides, load_settings
+
+TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML settings file")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    parser.add_argument("--redis-url", dest="redis_url", help="Redis URL (or SWITCHYARD_REDIS_URL)")
+    parser.add_argument("--workers", help="comma-separated worker endpoints, e.g. tcp://127.0.0.1:5555; "
+                        "without it the Redis worker registry is used")
+    parser.add_argument("--model", help="model spec whose tokenizer to use (default: the default model)")
+    parser.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, help="request body limit")
+    parser.add_argument("--body-timeout", dest="body_timeout", type=float,
+                        help="seconds for a request's headers, then for its whole body, to arrive "
+                        "(late headers: connection closed; late body: 408; default 10)")
+    parser.add_argument("--worker-timeout", dest="worker_timeout", type=float,
+                        help="seconds without worker stats before it counts as lost (default 1)")
+    parser.add_argument("--log-level", dest="log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", dest="log_format", choices=["json", "text"],
+                        help="log lines as JSON objects (default) or text")
+    parser.add_argument("--drain-timeout", dest="drain_timeout", type=float,
+                        help="on SIGTERM, seconds for in-flight requests to finish before exiting (default 30)")
+    parser.add_argument("--fail-open", dest="fail_open", action="store_true", default=None,
+                        help="Redis unreachable: admit up to this gateway's share of each tenant's limits "
+                             "(default: fail closed with 503 quota_service_unavailable)")
+    parser.add_argument("--metrics-tenant-labels", dest="metrics_tenant_labels",
+                        help="comma-separated tenants that get their own metric label (others: 'other')")
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "worker_timeout", "log_level",
+             "log_format", "drain_timeout", "fail_open")
+    values = {k: getattr(args, k, None) for k in names}
+    if getattr(args, "metrics_tenant_labels", None) is not None:
+        values["metrics_tenant_labels"] = [t.strip() for t in args.metrics_tenant_labels.split(",") if t.strip()]
+    if args.workers is not None:
+        values["workers"] = [w.strip() for w in args.workers.split(",") if w.strip()]
+    return flags_to_overrides(values, "gateway", TOP_LEVEL)
+
+
+def build_app(settings: Settings):
+    """The Starlette app of one gateway process (services start in its lifespan)."""
+    from admission.budget import Budget
+    from admission.capacity import CapacityGate
+    from admission.gate import Admission
+    from admission.gateways import GatewayRegistry
+    from admission.hold import BudgetGuard
+    from admission.local_limits import LocalLimiter
+    from gateway.app import AppConfig, create_app
+    from gateway.capacity import MembershipCapacity, with_gate_notify
+    from gateway.metrics import configure as configure_metrics
+    from gateway.model import ServedModel
+    from gateway.service import GatewayService, ServiceConfig
+    from router.client import WorkerClient
+    from router.dispatch import Router
+    from router.membership import Membership
+    from tenancy.directory import TenantDirectory
+    from tenancy.redis_client import async_client
+
+    gw = settings.gateway
+    if not settings.redis_url:
+        raise ValueError("the gateway needs Redis: pass --redis-url or set SWITCHYARD_REDIS_URL")
+    redis = async_client(settings.redis_url)
+    gateway_id = gw.gateway_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    async def make_service() -> GatewayService:
+        model = ServedModel.load(gw.model)
+        clients = functools.partial(WorkerClient, inter_token_timeout=gw.inter_token_timeout)
+        views, gate = MembershipCapacity(), None
+        if gw.capacity_admission:
+            gate = CapacityGate(views, admission_wait_ms=gw.admission_wait_ms,
+                                interactive_reserve=gw.interactive_reserve)
+            clients = with_gate_notify(clients, gate)
+        membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers,
+                                redis_url=None if gw.workers else settings.redis_url,
+                                dead_after=gw.worker_timeout, client_factory=clients)
+        views.membership = membership
+        await membership.start()
+        router = Router(membership, secret=gw.hash_secret.encode())
+        local = None
+        if gw.fail_open:
+            # Gateways count each other while Redis is up; the last count splits the limits during an outage.
+            registry = GatewayRegistry(redis, gateway_id)
+            registry.start()
+            closers.append(registry.aclose)
+            local = LocalLimiter(lambda: registry.live_count)
+        budget = Budget(redis, lease_ttl_s=gw.lease_ttl, fail_open=gw.fail_open, local=local)
+        admission = Admission(BudgetGuard(budget), gate)
+        closers.append(admission.aclose)
+        tenants = TenantDirectory(redis, serve_stale_on_error=gw.fail_open)
+        return GatewayService(model, tenants, router, admission,
+                              ServiceConfig(request_timeout_s=gw.request_timeout))
+
+    closers: list = []
+    configure_metrics(gw.metrics_tenant_labels)
+
+    async def redis_ok() -> bool:
+        return bool(await redis.ping())
+
+    async def close() -> None:
+        for closer in closers:
+            await closer()
+        await redis.aclose()
+
+    return create_app(make_service, AppConfig(max_body_bytes=gw.max_body_bytes, body_timeout_s=gw.body_timeout,
+                                               ready_check=redis_ok),
+                      on_close=close)
+
+
+def run(args: argparse.Namespace) -> int:
+    from config.logs import configure_logging
+    from gateway.drain import serve
+    from gateway.header_deadline import header_deadline_protocol
+    from gateway.logs import RequestIdFilter
+
+    try:
+        settings = load_settings(args.config, _overrides(args))
+        app = build_app(settings)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"switchyard gateway: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format, [RequestIdFilter()])
+    gw = settings.gateway
+    # SIGTERM: lame-duck for drain_timeout (gateway.drain), then a short window before stragglers are cancelled
+    return serve(app, app.state.drain, gw.drain_timeout, host=gw.host, port=gw.port, loop="uvloop",
+                 http=header_deadline_protocol(gw.body_timeout), log_level=settings.log_level.lower(),
+                 access_log=False, log_config=None,
+                 timeout_graceful_shutdown=2)

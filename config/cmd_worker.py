@@ -1,0 +1,82 @@
+"""`switchyard worker`: load a model, build the engine, and serve it over ZeroMQ until drained.
+
+Flags override `SWITCHYARD_WORKER__*` / `SWITCHYARD_REDIS_URL` environment variables,
+which override the `[worker]` table of the `--config` TOML file (see
+`config.settings`). Torch and the model load only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from config.settings import Settings, WorkerSettings, flags_to_overrides, load_settings
+
+_TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
+_ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--config", help="TOML settings file (top-level keys and a [worker] table)")
+    a("--model", help="'default', 'tiny-random', a .gguf file or a local HF folder")
+    a("--bind", help="ZeroMQ endpoint to bind, e.g. tcp://127.0.0.1:5555")
+    a("--advertise", help="endpoint gateways should connect to (default: the bound one)")
+    a("--worker-id", help="registry id (default: <hostname>-<port>)")
+    a("--redis-url", help="register in this Redis (env SWITCHYARD_REDIS_URL)")
+    a("--drain-timeout", type=float, help="seconds to finish running requests after SIGTERM")
+    a("--gateway-timeout", type=float, help="abort a gateway's requests after this many silent seconds")
+    a("--stats-interval", type=float, help="seconds between stats frames")
+    a("--block-size", type=int)
+    a("--max-num-batched-tokens", type=int)
+    a("--max-num-seqs", type=int)
+    a("--kv-cache-bytes", type=int, help="KV cache budget on CPU")
+    a("--num-threads", type=int, help="torch intra-op threads")
+    a("--dtype", choices=["auto", "bfloat16", "float32", "float16"])
+    a("--device", help="auto, cpu, cuda or cuda:N")
+    a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
+    a("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    a("--log-format", choices=["json", "text"], help="log lines as JSON objects (default) or text")
+    a("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default 0: off)")
+    a("--metrics-host", help="address of the metrics port (default 0.0.0.0)")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    values = {k: v for k, v in vars(args).items() if k in WorkerSettings.model_fields or k in _TOP_LEVEL}
+    return load_settings(args.config, flags_to_overrides(values, "worker", _TOP_LEVEL))
+
+
+def engine_config(ws: WorkerSettings) -> Any:
+    from worker.config import EngineConfig
+
+    kwargs: dict[str, Any] = {k: getattr(ws, k) for k in _ENGINE_FIELDS if getattr(ws, k) is not None}
+    cfg = EngineConfig(dtype=ws.dtype, device=ws.device, enable_prefix_cache=ws.enable_prefix_cache, **kwargs)
+    cfg.validate()
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from config.logs import configure_logging
+
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level, settings.log_format)
+    ws = settings.worker
+    if ws.num_threads:
+        import torch
+
+        torch.set_num_threads(ws.num_threads)
+    from worker.engine import Engine
+    from worker.server import ServerConfig, WorkerServer
+    from worker.tiny_model import load_any
+
+    server_cfg = ServerConfig(bind=ws.bind, advertise=ws.advertise, worker_id=ws.worker_id,
+                              redis_url=settings.redis_url, drain_timeout=ws.drain_timeout,
+                              gateway_timeout=ws.gateway_timeout, stats_interval=ws.stats_interval)
+    loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,
+                      device=None if ws.device == "auto" else ws.device)
+    engine = Engine(loaded, engine_config(ws))
+    if ws.metrics_port:
+        from worker.metrics import start_metrics_server
+
+        start_metrics_server(ws.metrics_port, ws.metrics_host)
+    return WorkerServer(engine, server_cfg).run()

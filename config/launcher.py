@@ -1,0 +1,193 @@
+"""`make run`: a private Switchyard stack on this machine, stopped with Ctrl-C.
+
+Starts a private `redis-server` unless `SWITCHYARD_REDIS_URL` is set, one
+worker with the default model and one gateway (port `PORT`, default 8000),
+waits for the gateway's `/ready` with a deadline, creates (or reuses) a demo
+tenant, issues it a key and prints a ready-to-paste curl line. Ctrl-C or
+SIGTERM stops every process it started; so does any of them dying. `Stack` is
+also what the end-to-end tests use to run the same processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEMO_TENANT = "demo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on port {port} after {timeout}s")
+
+
+@dataclass(slots=True)
+class StackConfig:
+    port: int = 8000
+    redis_url: str | None = None  # None: start a private redis-server
+    model: str = "default"
+    worker_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    ready_timeout: float = 180.0
+    log_dir: Path | None = None  # None: children inherit this process's stdout/stderr
+
+
+class Stack:
+    """Redis (optional), one worker and one gateway as child processes."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.redis_url = config.redis_url
+        self.worker_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.base_url = f"http://127.0.0.1:{config.port}"
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        out = None
+        if self.config.log_dir is not None:
+            self.config.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.config.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
+                                start_new_session=True)
+        if out is not None:
+            out.close()
+        self.procs[name] = proc
+        return proc
+
+    def start(self) -> None:
+        try:
+            if self.redis_url is None:
+                self._start_redis()
+            cli = [sys.executable, "-m", "config.cli"]
+            self._spawn("worker", [*cli, "worker", "--model", self.config.model, "--bind", self.worker_endpoint,
+                                   "--redis-url", self.redis_url, *self.config.worker_args])
+            self._spawn("gateway", [*cli, "gateway", "--port", str(self.config.port), "--redis-url",
+                                    self.redis_url, "--workers", self.worker_endpoint, "--model",
+                                    self.config.model, "--worker-timeout", "10", *self.config.gateway_args])
+            self.wait_ready(self.config.ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found: install it (make run does) or set SWITCHYARD_REDIS_URL")
+        port = free_port()
+        self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"])
+        wait_for_port(port, 10.0)
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.dead():
+                raise RuntimeError(f"{', '.join(self.dead())} exited during start-up")
+            try:
+                with urllib.request.urlopen(self.base_url + "/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"gateway not ready after {timeout}s")
+
+    def create_tenant(self, name: str = DEMO_TENANT, **fields: object) -> str:
+        """Create (or update) tenant `name` and return a fresh API key for it."""
+        from tenancy.store import tenant_with_new_key
+
+        assert self.redis_url is not None
+        return tenant_with_new_key(self.redis_url, name, **fields)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM every child (gateway first, Redis last), then SIGKILL what is left after `timeout`."""
+        order = [n for n in ("gateway", "worker", "redis") if n in self.procs]
+        for name in order:
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self.procs.clear()
+
+
+def curl_line(base_url: str, key: str, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32, "temperature": 0})
+    return (f"curl -s {base_url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+            f"-H 'Content-Type: application/json' -d '{body}'")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m config.launcher", description=__doc__.split("\n\n")[0])
+    p.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    p.add_argument("--model", default=os.environ.get("SWITCHYARD_MODEL", "default"))
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--log-dir", type=Path, default=None, help="write child logs here instead of the terminal")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    stack = Stack(StackConfig(port=args.port, redis_url=os.environ.get("SWITCHYARD_REDIS_URL") or None,
+                              model=args.model, ready_timeout=args.ready_timeout, log_dir=args.log_dir))
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(f"starting Switchyard (redis, worker, gateway on port {args.port}); this takes a minute...",
+              flush=True)
+        stack.start()
+        key = stack.create_tenant(DEMO_TENANT)
+        print(f"\nSwitchyard is ready at {stack.base_url}\ndemo tenant key: {key}\n\n"
+              f"{curl_line(stack.base_url, key, 'default')}\n\nCtrl-C stops everything.", flush=True)
+        while not stack.dead():
+            time.sleep(0.5)
+        print(f"{', '.join(stack.dead())} exited; stopping the rest", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"make run: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stack.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""One typed settings model for every Switchyard process, with sections per component.
+
+Values come from, highest precedence first: CLI flags (passed to `load_settings` as
+`overrides`, a nested dict holding only the flags the user actually gave), the
+environment (`SWITCHYARD_<FIELD>` for top-level fields such as
+`SWITCHYARD_REDIS_URL`, `SWITCHYARD_<SECTION>__<FIELD>` inside a section such as
+`SWITCHYARD_WORKER__BIND`), then a TOML file (`--config`; top-level keys plus
+`[worker]`, `[gateway]` tables), then the defaults below. Components add their own
+section models here; the `config` package is the composition root and may import
+every other package, but nothing imports it except the CLI modules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+
+class WorkerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "default"  # "default", "tiny-random" or a local HF folder / GGUF path
+    bind: str = "tcp://127.0.0.1:5555"
+    advertise: str | None = None  # endpoint gateways connect to; default: the bound one
+    worker_id: str | None = None  # default: <hostname>-<port>
+    drain_timeout: float = Field(30.0, gt=0)
+    gateway_timeout: float = Field(5.0, gt=0)
+    stats_interval: float = Field(0.1, gt=0)
+    # engine knobs (worker.config.EngineConfig); None keeps the engine's default
+    block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    kv_cache_bytes: int | None = None
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
+    device: str = "auto"
+    enable_prefix_cache: bool = True
+    num_threads: int | None = None
+    metrics_port: int = Field(0, ge=0, le=65535)  # Prometheus /metrics HTTP port; 0 = disabled
+    metrics_host: str = "0.0.0.0"
+
+
+class GatewaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: list[str] = Field(default_factory=list)  # static worker endpoints; empty => Redis registry
+    gateway_id: str | None = None  # default: <hostname>-<pid>
+    inter_token_timeout: float = Field(30.0, gt=0)
+    worker_timeout: float = Field(1.0, gt=0)  # no stats for this long => worker lost
+    model: str = "default"  # tokenizer/model spec the gateway serves (same as the workers')
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger request bodies get 413
+    body_timeout: float = Field(10.0, gt=0)  # seconds for a request's headers, then its body, to arrive
+    request_timeout: float = Field(600.0, gt=0)  # whole-request deadline sent to the worker
+    hash_secret: str = "switchyard-dev-secret"  # per-deployment key of prefix hashes; set it in production
+    # capacity admission (admission.capacity.CapacityGate over the workers' KV stats)
+    capacity_admission: bool = True
+    admission_wait_ms: int = Field(2000, ge=0)  # queue this long for KV capacity, then 503 server_overloaded
+    interactive_reserve: float = Field(0.2, ge=0.0, lt=1.0)  # share of each worker's KV kept for interactive
+    fail_open: bool = False  # Redis down: admit up to this gateway's share of each limit instead of 503
+    lease_ttl: float = Field(60.0, gt=0)  # concurrency lease expiry (renewed every ttl/3 while streaming)
+    drain_timeout: float = Field(30.0, gt=0)  # SIGTERM: seconds for in-flight requests to finish
+    # tenants with their own `tenant` metric label (the rest are "other"); empty = no tenant label
+    metrics_tenant_labels: list[str] = Field(default_factory=list, max_length=100)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", env_nested_delimiter="__", extra="forbid")
+
+    redis_url: str | None = None
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "text"] = "json"
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+
+
+def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
+    """Build Settings from overrides (CLI) > environment > TOML file > defaults.
+
+    Raises FileNotFoundError for a missing config file and pydantic.ValidationError for bad values.
+    """
+    toml_path = Path(config_file) if config_file is not None else None
+    if toml_path is not None and not toml_path.is_file():
+        raise FileNotFoundError(f"config file not found: {toml_path}")
+
+    class _Settings(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+            if toml_path is not None:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+            return tuple(sources)
+
+    return _Settings(**(overrides or {}))
+
+
+def flags_to_overrides(values: dict[str, Any], section: str, top_level: frozenset[str]) -> dict[str, Any]:
+    """Turn argparse values into a nested overrides dict, keeping only flags that were given (not None)."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name in top_level:
+            out[name] = value
+        else:
+            out.setdefault(section, {})[name] = value
+    return out

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP front door: auth, validation, streaming (Starlette)."""

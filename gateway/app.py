@@ -1,0 +1,191 @@
+"""The Starlette application: routes, lifecycle and response framing.
+
+`create_app(service_factory, ...)` builds the app; the service (model,
+tenant directory, backend, admission) is made and started in the lifespan and
+closed on shutdown. Chat and completion routes share `_generate`: authenticate,
+read and parse the body, prepare, start the generation, then either collect it
+(non-streaming, cancelled if the client leaves) or stream it as SSE after the
+first delta arrived (so errors before the first token still get a proper HTTP
+status). Whatever happens, the generation is closed exactly once, which aborts
+the worker request and settles the tenant's reservation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway import metrics
+from gateway.drain import DrainMiddleware, DrainState
+from gateway.errors import ApiError, install_handlers
+from gateway.http import ClientGone, RequestIdMiddleware, read_json, until_disconnect
+from gateway.openapi import openapi_endpoint
+from gateway.schemas import GenerationRequest, parse_chat, parse_completion
+from gateway.service import Delta, GatewayService, Generation
+from gateway.sse import DONE, SSEResponse, event
+
+log = logging.getLogger("switchyard.gateway")
+
+THREAD_TOKENIZE_BYTES = 16 * 1024
+# nginx's convention for "client closed the request"; never seen by the client
+CLIENT_CLOSED = 499
+
+
+@dataclass(slots=True)
+class AppConfig:
+    max_body_bytes: int = 4 * 1024 * 1024
+    body_timeout_s: float = 10.0  # the whole body must arrive within this (408 otherwise)
+    ready_check: Callable[[], Awaitable[bool]] | None = None  # e.g. a Redis ping
+
+
+def _service(request: Request) -> GatewayService:
+    return request.app.state.service
+
+
+async def _generate(request: Request, parse: Callable[[Any], GenerationRequest]) -> Response:
+    svc = _service(request)
+    arrived = time.perf_counter()
+    rid = request.scope["state"]["request_id"]
+    tenant = await svc.authenticate(request.headers.get("authorization"))
+    config = request.app.state.config
+    body, size = await read_json(request, config.max_body_bytes, config.body_timeout_s)
+    req = parse(body)
+    if size < THREAD_TOKENIZE_BYTES:
+        prepared = svc.prepare(tenant, req, rid)
+    else:  # long prompts tokenize off the event loop (the tokenizer releases the GIL)
+        prepared = await run_in_threadpool(svc.prepare, tenant, req, rid)
+    trace = metrics.current().trace(prepared.priority, tenant.name, arrived)
+    gen = await svc.start(prepared)
+    trace.admitted()
+    try:
+        if req.stream:
+            first = await until_disconnect(request, gen.next())
+            trace.first_token(gen.usage.completion_tokens)
+            response: Response = SSEResponse(_sse_body(gen, first, trace), functools.partial(_close, gen, trace),
+                                             headers=gen.headers)
+            gen = None  # the response owns it now
+            return response
+        text, logprobs = await until_disconnect(request, gen.collect())
+        assert gen.finish_reason is not None
+        body = prepared.shape.full(text, gen.finish_reason, gen.usage, logprobs)
+        return JSONResponse(body, headers=gen.headers)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    except ApiError as exc:
+        exc.headers = {**(gen.headers if gen else {}), **exc.headers}
+        raise
+    finally:
+        if gen is not None:
+            await _close(gen, trace)
+
+
+async def _close(gen: Generation, trace: metrics.RequestTrace) -> None:
+    await gen.close()
+    u = gen.usage
+    trace.finished(u.prompt_tokens, u.completion_tokens, u.cached_tokens, gen.finish_reason is not None)
+
+
+async def _sse_body(gen: Generation, first: Delta | None, trace: metrics.RequestTrace) -> AsyncIterator[bytes]:
+    shape = gen.prepared.shape
+    usage_field = gen.prepared.req.include_usage
+    offset = 0
+    delta = first
+    is_first = True
+    try:
+        while delta is not None:
+            yield event(shape.chunk(delta.text, delta.finish_reason, delta.logprobs, first=is_first,
+                                    text_offset=offset, with_usage_field=usage_field))
+            offset += len(delta.text)
+            is_first = False
+            delta = await gen.next()
+            trace.next_chunk(gen.usage.completion_tokens)
+    except ApiError as exc:
+        # Headers are gone: the SDKs raise on an `error` event.
+        yield event(exc.body())
+        return
+    if usage_field:
+        yield event(shape.usage_chunk(gen.usage))
+    yield DONE
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, parse_chat)
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, parse_completion)
+
+
+async def list_models(request: Request) -> Response:
+    svc = _service(request)
+    tenant = await svc.authenticate(request.headers.get("authorization"))
+    model = svc.model.model_id
+    data = []
+    if tenant.allows_model(model):
+        data.append({"id": model, "object": "model", "created": request.app.state.started,
+                     "owned_by": "switchyard"})
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    svc = _service(request)
+    checks = {"worker": svc.ready, "redis": True}
+    probe = request.app.state.config.ready_check
+    if probe is not None:
+        try:
+            checks["redis"] = bool(await probe())
+        except Exception:
+            checks["redis"] = False
+    ok = all(checks.values())
+    return JSONResponse({"status": "ready" if ok else "not_ready", **checks}, status_code=200 if ok else 503,
+                        headers={} if ok else {"retry-after": "1"})
+
+
+def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: AppConfig | None = None,
+               on_close: Callable[[], Awaitable[None]] | None = None) -> Starlette:
+    """The gateway app; `make_service` runs at startup, `on_close` at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.service = await make_service()
+        try:
+            yield
+        finally:
+            await app.state.service.close()
+            if on_close is not None:
+                await on_close()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics.metrics_endpoint, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.config = config or AppConfig()
+    app.state.started = int(time.time())
+    app.state.drain = DrainState()  # flipped by gateway.drain.LameDuckServer on SIGTERM
+    install_handlers(app)
+    # outermost last: request id, then status counting and access log, then the lame-duck gate
+    app.add_middleware(DrainMiddleware, state=app.state.drain)
+    app.add_middleware(metrics.ObserveMiddleware)
+    app.add_middleware(RequestIdMiddleware)
+    return app

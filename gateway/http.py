@@ -1,0 +1,133 @@
+"""HTTP plumbing shared by the routes: request ids, bounded body reading, disconnect watching.
+
+`RequestIdMiddleware` (pure ASGI, so it does not buffer streams) gives every
+request an id, taken from a well-formed client `x-request-id` or generated, and
+echoes it on the response. `read_json` enforces the body limit while reading
+(the Content-Length header first, then the running total), so an oversized body
+is refused with 413 without being buffered; the whole body must arrive within
+`timeout_s` (408 otherwise, so a slowloris client cannot hold a request open),
+be declared as JSON when a content type is given (415), and be UTF-8 JSON that
+the parser and the tokenizer can take: invalid UTF-8, nesting too deep for the
+parser and unpaired UTF-16 surrogate escapes are 400s, not crashes.
+`until_disconnect` runs an awaitable while watching the connection, cancelling
+the work when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import body_too_large, invalid, request_timeout, unsupported_media_type
+from gateway.logs import bind_request_id
+
+T = TypeVar("T")
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# A JSON escape of a UTF-16 surrogate; only then can a parsed string hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+BODY_TIMEOUT_S = 10.0
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+        rid = given if _CLIENT_ID.match(given) else "req-" + uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        bind_request_id(rid)  # for log lines (gateway.logs); the request's task owns this context
+        raw_id = rid.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", raw_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> tuple[Any, int]:
+    """The decoded JSON body and its size in bytes; 413 past `limit`, 408 past `timeout_s`, 415/400 when not JSON."""
+    _check_content_type(request.headers.get("content-type"))
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise body_too_large(limit)
+    buf = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                buf += chunk
+                if len(buf) > limit:
+                    raise body_too_large(limit)
+    except TimeoutError:
+        raise request_timeout(timeout_s) from None
+    return _decode_json(buf), len(buf)
+
+
+def _check_content_type(value: str | None) -> None:
+    # No header is accepted (plain HTTP clients often omit it); a declared non-JSON type is refused.
+    if value is None:
+        return
+    media = value.partition(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise unsupported_media_type(value)
+
+
+def _decode_json(buf: bytearray) -> Any:
+    try:
+        # Strict UTF-8 first: json.loads(bytes) would let encoded surrogates through ('surrogatepass').
+        body = json.loads(buf.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise invalid("The request body is not valid UTF-8.") from None
+    except RecursionError:
+        raise invalid("The request body is nested too deeply.") from None
+    except ValueError:
+        raise invalid("The request body is not valid JSON.") from None
+    if _SURROGATE_ESCAPE.search(buf):
+        try:  # paired escapes were joined into one character; a lone one cannot be encoded
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise invalid("The request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff).") from None
+    return body
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; raise ClientGone (after cancelling it) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        raise ClientGone()
+    return task.result()

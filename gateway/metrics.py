@@ -1,0 +1,214 @@
+"""Prometheus metrics of the gateway (names are a contract with `docker/grafana-dashboard.json`).
+
+`GatewayMetrics` owns the collectors: latency histograms by `priority`
+(`switchyard_ttft_seconds`, `_inter_token_seconds`, `_e2e_seconds`,
+`_queue_seconds` = admission wait), token counters, `switchyard_requests_total`
+by HTTP status, and refusals by reason (`switchyard_rate_limited_total`,
+`switchyard_shed_total`). A `tenant` label is added only when the settings name
+tenants to label; every other tenant is reported as "other", so the label set
+stays bounded and no key or prompt ever becomes a label. `configure()` makes the
+process-wide instance and `current()` returns it. One `RequestTrace` per
+generation records its latencies; it pre-resolves the labelled children, so a
+streamed token costs one histogram observation, nothing more.
+`ObserveMiddleware` counts `/v1/` responses by status and writes one access log
+line per request (the request id comes from the log filter). `metrics_endpoint`
+serves `/metrics`; with `PROMETHEUS_MULTIPROC_DIR` set (uvicorn with several
+worker processes) it aggregates every process through `MultiProcessCollector`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from admission.capacity import Overloaded
+from admission.results import QuotaExceeded
+from tenancy.errors import QuotaServiceUnavailable
+
+log = logging.getLogger("switchyard.gateway.access")
+
+OTHER_TENANT = "other"
+API_PREFIX = "/v1/"
+SHED_REASONS = ("capacity", "no_worker", "draining", "quota_service_unavailable")
+RATE_LIMIT_REASONS = ("requests", "tokens", "concurrency")
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class GatewayMetrics:
+    def __init__(self, tenant_labels: Sequence[str] = (), registry: CollectorRegistry = REGISTRY) -> None:
+        self.labelled_tenants = frozenset(tenant_labels)
+        self.registry = registry
+        per_req = ["priority", "tenant"] if self.labelled_tenants else ["priority"]
+        tok = ["tenant"] if self.labelled_tenants else []
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, per_req, buckets=buckets, registry=registry)
+
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.ttft = hist("switchyard_ttft_seconds", "Time to first token of streamed requests", TTFT_BUCKETS)
+        self.inter_token = hist("switchyard_inter_token_seconds",
+                                "Gap between streamed tokens (per SSE chunk, divided by its tokens)", ITL_BUCKETS)
+        self.e2e = hist("switchyard_e2e_seconds", "Request latency, arrival to last token", E2E_BUCKETS)
+        self.queue = hist("switchyard_queue_seconds", "Admission wait (budget and capacity)", QUEUE_BUCKETS)
+        self.requests = counter("switchyard_requests", "API responses by HTTP status", ["status"])
+        self.prompt_tokens = counter("switchyard_prompt_tokens", "Prompt tokens of served requests", tok)
+        self.completion_tokens = counter("switchyard_completion_tokens", "Generated tokens", tok)
+        self.cached_tokens = counter("switchyard_cached_tokens", "Prompt tokens served from a prefix cache", tok)
+        self.rate_limited = counter("switchyard_rate_limited", "429s by the tenant limit hit", ["reason", *tok])
+        self.shed = counter("switchyard_shed", "503s by reason (our capacity, not the tenant's quota)", ["reason"])
+        self._collectors = (self.ttft, self.inter_token, self.e2e, self.queue, self.requests, self.prompt_tokens,
+                            self.completion_tokens, self.cached_tokens, self.rate_limited, self.shed)
+        for reason in SHED_REASONS:  # every reason is exported from the start, at 0
+            self.shed.labels(reason)
+        for reason in RATE_LIMIT_REASONS:
+            for tenant in sorted(self.labelled_tenants | {OTHER_TENANT}) if self.labelled_tenants else [None]:
+                self.rate_limited.labels(reason, *([tenant] if tenant else []))
+
+    def tenant_label(self, tenant: str) -> str:
+        return tenant if tenant in self.labelled_tenants else OTHER_TENANT
+
+    def _tok(self, tenant: str) -> tuple[str, ...]:
+        return (self.tenant_label(tenant),) if self.labelled_tenants else ()
+
+    def trace(self, priority: str, tenant: str, start: float) -> RequestTrace:
+        """A new request's latency recorder; `start` is its arrival (`time.perf_counter()`)."""
+        return RequestTrace(self, (priority, *self._tok(tenant)), self._tok(tenant), start, time.perf_counter())
+
+    def count_shed(self, reason: str) -> None:
+        self.shed.labels(reason).inc()
+
+    def admission_refused(self, exc: BaseException, tenant: str) -> None:
+        """Count an admission exception as rate-limited or shed (others are not refusals)."""
+        if isinstance(exc, QuotaExceeded):
+            self.rate_limited.labels(exc.result.limit_name or "requests", *self._tok(tenant)).inc()
+        elif isinstance(exc, Overloaded):
+            self.count_shed("capacity")
+        elif isinstance(exc, QuotaServiceUnavailable):
+            self.count_shed("quota_service_unavailable")
+
+    def unregister(self) -> None:
+        for collector in self._collectors:
+            self.registry.unregister(collector)
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """Latencies and usage of one generation; every method is called at most once per event."""
+
+    metrics: GatewayMetrics
+    labels: tuple[str, ...]  # (priority[, tenant])
+    token_labels: tuple[str, ...]  # ([tenant])
+    start: float
+    admit_start: float
+    last: float = 0.0
+    tokens: int = 0
+    _itl: Any = field(default=None)
+
+    def admitted(self) -> None:
+        self.metrics.queue.labels(*self.labels).observe(time.perf_counter() - self.admit_start)
+
+    def first_token(self, completion_tokens: int) -> None:
+        now = time.perf_counter()
+        self.metrics.ttft.labels(*self.labels).observe(now - self.start)
+        self._itl = self.metrics.inter_token.labels(*self.labels)
+        self.last, self.tokens = now, completion_tokens
+
+    def next_chunk(self, completion_tokens: int) -> None:
+        """A later streamed chunk: one observation of the mean gap of the tokens it carries."""
+        n = completion_tokens - self.tokens
+        if n <= 0 or self._itl is None:
+            return
+        now = time.perf_counter()
+        self._itl.observe((now - self.last) / n)
+        self.last, self.tokens = now, completion_tokens
+
+    def finished(self, prompt: int, completion: int, cached: int, completed: bool) -> None:
+        """The generation is closed; tokens count when a worker produced anything."""
+        m = self.metrics
+        if completed:
+            m.e2e.labels(*self.labels).observe(time.perf_counter() - self.start)
+        if completed or completion > 0:
+            for counter, n in ((m.prompt_tokens, prompt), (m.completion_tokens, completion), (m.cached_tokens, cached)):
+                (counter.labels(*self.token_labels) if self.token_labels else counter).inc(n)
+
+
+_CURRENT: GatewayMetrics | None = None
+
+
+def configure(tenant_labels: Sequence[str] = ()) -> GatewayMetrics:
+    """The process-wide metrics, (re)made when the tenant label set changes."""
+    global _CURRENT
+    if _CURRENT is not None and _CURRENT.labelled_tenants == frozenset(tenant_labels):
+        return _CURRENT
+    if _CURRENT is not None:
+        _CURRENT.unregister()
+    _CURRENT = GatewayMetrics(tenant_labels)
+    return _CURRENT
+
+
+def current() -> GatewayMetrics:
+    return _CURRENT if _CURRENT is not None else configure()
+
+
+class ObserveMiddleware:
+    """Counts `/v1/` responses by status and logs one access line per API request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # an exception that escapes before any response
+
+        async def send_observed(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_observed)
+        finally:
+            current().requests.labels(str(status)).inc()
+            log.info("%s %s %d", scope["method"], scope["path"], status,
+                     extra={"status": status, "duration_ms": round((time.perf_counter() - start) * 1000, 1)})
+
+
+def exposition() -> tuple[bytes, str]:
+    """The metrics page: this process's registry, or every process's in multiprocess mode."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(current().registry), CONTENT_TYPE_LATEST
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    body, content_type = exposition()
+    return Response(body, media_type=None, headers={"content-type": content_type})

@@ -1,0 +1,321 @@
+"""The per-request flow of the gateway, independent of HTTP framing.
+
+`GatewayService.authenticate` maps the bearer key to a tenant (401 otherwise);
+`prepare` checks the model (404/403), tokenizes, resolves `max_tokens` against
+the tenant's default and cap and the model context (400), and fixes priority,
+cache namespace and sampling; `start` enters admission (budget reserve: 429,
+400 never-fits, 503 quota store down; then KV capacity: 503 server_overloaded,
+or 503 no_live_worker before anything is charged), opens the routed worker stream and
+returns a `Generation`. A `Generation` turns worker token
+chunks into text deltas (UTF-8-safe detokenization, stop strings, logprobs,
+usage) and is closed exactly once by its owner, which aborts the worker request
+if it is still running and settles admission with the tokens actually used.
+While it runs it re-reads its tenant (through the directory's short cache) every
+`TENANT_RECHECK_S` between chunks, so disabling a tenant ends its in-flight
+requests (401 `tenant_disabled`, an SSE error event once streaming) within 1 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from admission.gate import Admission, AdmissionTicket, error_response
+from gateway import errors, metrics
+from gateway.detokenize import IncrementalDetokenizer, StopMatcher
+from gateway.errors import ApiError, invalid
+from gateway.model import ServedModel
+from gateway.responses import ResponseShape, TokenLogprob, Usage
+from gateway.schemas import GenerationRequest
+from router.client import TokenChunk, WorkerError
+from router.dispatch import Router, RouteRequest
+from router.prefix import namespace_root
+from router.ring import NoWorkerAvailable
+from tenancy.directory import TenantDirectory
+from tenancy.errors import QuotaServiceUnavailable
+from tenancy.schema import BATCH, Tenant
+
+log = logging.getLogger("switchyard.gateway")
+TENANT_RECHECK_S = 0.25  # plus the directory's 0.5 s cache: a disabled tenant's streams end within 1 s
+TENANT_OUTAGE_BACKOFF_S = 5.0
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    request_timeout_s: float = 600.0  # whole-request deadline sent to the worker
+    first_token_timeout_s: float = 120.0
+
+
+@dataclass(slots=True)
+class Prepared:
+    request_id: str  # the HTTP request id (x-request-id), for logs
+    req: GenerationRequest
+    tenant: Tenant
+    prompt_ids: list[int]
+    stable_len: int | None
+    max_tokens: int
+    priority: str
+    ns: bytes
+    shape: ResponseShape
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+
+
+def _bearer(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _worker_error(exc: WorkerError) -> ApiError:
+    if exc.code == "bad_request":
+        return invalid(f"The worker rejected the request: {exc.message}")
+    if exc.code == "capacity" and not exc.retryable:
+        return invalid(f"The request can never fit on a worker: {exc.message}", code="context_length_exceeded")
+    return errors.upstream_failed(f"Generation failed ({exc.code}): {exc.message}", exc.retryable)
+
+
+class GatewayService:
+    def __init__(self, model: ServedModel, tenants: TenantDirectory, router: Router,
+                 admission: Admission | None = None, config: ServiceConfig | None = None) -> None:
+        self.model = model
+        self.tenants = tenants
+        self.router = router
+        self.admission = admission
+        self.config = config or ServiceConfig()
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.router.membership.live())
+
+    async def close(self) -> None:
+        await self.router.membership.close()
+
+    async def authenticate(self, authorization: str | None) -> Tenant:
+        key = _bearer(authorization)
+        if key is None:
+            raise errors.unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+        try:
+            tenant = await self.tenants.authenticate(key)
+        except QuotaServiceUnavailable:
+            metrics.current().count_shed("quota_service_unavailable")
+            raise errors.quota_unavailable() from None
+        if tenant is None:
+            raise errors.unauthorized("Invalid, revoked or disabled API key.")
+        return tenant
+
+    def check_model(self, tenant: Tenant, model: str) -> None:
+        if model not in self.model.names:
+            raise errors.model_not_found(model)
+        if not (tenant.allows_model(model) or tenant.allows_model(self.model.model_id)):
+            raise errors.model_not_allowed(model)
+
+    def prepare(self, tenant: Tenant, req: GenerationRequest, request_id: str) -> Prepared:
+        self.check_model(tenant, req.model)
+        enc = self.model.encode(req)
+        n_prompt = len(enc.ids)
+        room = self.model.max_context - n_prompt
+        param = "messages" if req.kind == "chat" else "prompt"
+        if room <= 0:
+            raise invalid(f"This model's maximum context length is {self.model.max_context} tokens; "
+                          f"the prompt has {n_prompt} tokens.", param=param, code="context_length_exceeded")
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = min(tenant.default_max_tokens, tenant.max_tokens, room)
+        elif max_tokens > tenant.max_tokens:
+            raise invalid(f"max_tokens {max_tokens} is above your limit of {tenant.max_tokens}.",
+                          param="max_tokens")
+        elif max_tokens > room:
+            raise invalid(f"This model's maximum context length is {self.model.max_context} tokens; you "
+                          f"requested {n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} for "
+                          f"the completion).", param=param, code="context_length_exceeded")
+        ns = namespace_root(self.model.model_id, self.model.version, tenant.salt or tenant.name,
+                            self.router.secret)
+        prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
+        shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), req.model, req.kind == "chat")
+        return Prepared(request_id, req, tenant, enc.ids, enc.stable_len, max_tokens,
+                        tenant.effective_priority(req.priority), ns, shape)
+
+    def _sampling(self, p: Prepared) -> dict[str, Any]:
+        r = p.req
+        return {"max_tokens": p.max_tokens, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                "seed": r.seed, "stop_token_ids": [], "ignore_eos": r.ignore_eos, "logprobs": r.logprobs}
+
+    async def start(self, p: Prepared) -> Generation:
+        """Admit the request and open its worker stream; the caller must `close()` the result."""
+        stack = AsyncExitStack()
+        usage = Usage(prompt_tokens=len(p.prompt_ids))
+        headers: dict[str, str] = {}
+        try:
+            ticket = None
+            if not self.router.membership.live():
+                # before admission: nothing is charged, and capacity would only queue then shed
+                metrics.current().count_shed("no_worker")
+                raise errors.no_live_worker()
+            if self.admission is not None:
+                ticket = await self._admit(stack, p, usage)
+                headers.update(ticket.headers)
+            chunks = self.router.stream(RouteRequest(
+                # the response id is unique; a client-chosen x-request-id need not be
+                rid=p.shape.id, ns=p.ns, tokens=p.prompt_ids, cost=usage.prompt_tokens + p.max_tokens,
+                sampling=self._sampling(p), stable_len=p.stable_len, priority=1 if p.priority == BATCH else 0,
+                deadline=time.time() + self.config.request_timeout_s))
+            stack.push_async_callback(_aclose, chunks)
+        except BaseException:
+            await stack.aclose()
+            raise
+        return Generation(self.model, p, chunks, stack, usage, headers, self.config.first_token_timeout_s, ticket,
+                          tenants=self.tenants)
+
+    async def _admit(self, stack: AsyncExitStack, p: Prepared, usage: Usage) -> AdmissionTicket:
+        assert self.admission is not None
+        try:
+            ticket = await stack.enter_async_context(
+                self.admission.admit(p.tenant, usage.prompt_tokens, p.max_tokens, p.priority))
+        except Exception as exc:
+            spec = error_response(exc)
+            if spec is None:
+                raise
+            metrics.current().admission_refused(exc, p.tenant.name)
+            raise ApiError(spec.status, spec.message, spec.type, code=spec.code, headers=spec.headers) from None
+        # Runs before the admission context exits (LIFO), so settle sees the real usage.
+        stack.callback(lambda: ticket.record_usage(usage.prompt_tokens, usage.completion_tokens,
+                                                   usage.cached_tokens))
+        return ticket
+
+
+async def _aclose(chunks: AsyncIterator[TokenChunk]) -> None:
+    closer: Callable[[], Any] | None = getattr(chunks, "aclose", None)
+    if closer is not None:
+        await closer()
+
+
+@dataclass(slots=True)
+class Generation:
+    """One running request: worker chunks in, text deltas out. Close exactly once."""
+
+    model: ServedModel
+    prepared: Prepared
+    chunks: AsyncIterator[TokenChunk]
+    stack: AsyncExitStack
+    usage: Usage
+    headers: dict[str, str]
+    first_token_timeout_s: float
+    ticket: AdmissionTicket | None = None
+    tenants: TenantDirectory | None = None  # re-checked while running (see the module docstring)
+    finish_reason: str | None = None
+    _recheck_at: float = 0.0
+    _detok: IncrementalDetokenizer = field(init=False)
+    _stops: StopMatcher = field(init=False)
+    _closed: bool = False
+
+    def __post_init__(self) -> None:
+        self._detok = IncrementalDetokenizer(self.model.byte_table)
+        self._stops = StopMatcher(self.prepared.req.stop)
+        self._recheck_at = time.monotonic() + TENANT_RECHECK_S
+
+    async def next(self) -> Delta | None:
+        """The next non-empty delta, the final one carrying finish_reason; None after the end."""
+        while self.finish_reason is None:
+            if self.tenants is not None and time.monotonic() >= self._recheck_at:
+                await self._check_tenant(self.tenants)
+            chunk = await self._next_chunk()
+            delta = self._consume(chunk)
+            if delta is not None:
+                return delta
+        return None
+
+    async def _check_tenant(self, tenants: TenantDirectory) -> None:
+        self._recheck_at = time.monotonic() + TENANT_RECHECK_S
+        try:
+            tenant = await tenants.tenant(self.prepared.tenant.name)
+        except QuotaServiceUnavailable:
+            # A Redis outage does not cut running streams (admission refuses new ones); a hung Redis
+            # costs a stream one read timeout per TENANT_OUTAGE_BACKOFF_S, not per recheck.
+            self._recheck_at = time.monotonic() + TENANT_OUTAGE_BACKOFF_S
+            return
+        if tenant is None or not tenant.active:
+            raise errors.tenant_disabled()
+
+    async def _next_chunk(self) -> TokenChunk:
+        try:
+            if self.usage.completion_tokens == 0:
+                async with asyncio.timeout(self.first_token_timeout_s):
+                    return await anext(self.chunks)
+            return await anext(self.chunks)
+        except WorkerError as exc:
+            self._unserved_if_nothing_sent()
+            raise _worker_error(exc) from None
+        except NoWorkerAvailable:
+            self._unserved_if_nothing_sent()
+            metrics.current().count_shed("no_worker")
+            raise errors.no_live_worker() from None
+        except TimeoutError:
+            raise errors.upstream_failed("Timed out waiting for the first token.", True) from None
+        except StopAsyncIteration:
+            raise errors.upstream_failed("The worker stream ended without a finish reason.", True) from None
+
+    def _unserved_if_nothing_sent(self) -> None:
+        # A request that failed before producing anything costs the tenant nothing.
+        if self.ticket is not None and self.usage.completion_tokens == 0:
+            self.ticket.unserved()
+
+    def _consume(self, chunk: TokenChunk) -> Delta | None:
+        toks = chunk.tokens
+        self.usage.completion_tokens += len(toks)
+        self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.cached_tokens)
+        stops = self._stops
+        text = stops.feed(self._detok.feed(toks))
+        logprobs = None
+        if self.prepared.req.logprobs:
+            logprobs = self.model.token_logprobs(toks, chunk.logprobs or [])
+        finish = chunk.finish_reason
+        if stops.stopped:
+            self.finish_reason = "stop"
+        elif finish is not None:
+            if finish not in ("stop", "length"):
+                raise errors.upstream_failed(f"The worker ended the request ({finish}).", True)
+            text += stops.feed(self._detok.flush())
+            text += stops.flush()
+            self.finish_reason = "stop" if stops.stopped else finish
+        if self.finish_reason is None and not text and not logprobs:
+            return None
+        return Delta(text, logprobs, self.finish_reason)
+
+    async def collect(self) -> tuple[str, list[TokenLogprob] | None]:
+        """Run to the end: the whole text and logprobs (non-streaming responses)."""
+        parts: list[str] = []
+        logprobs: list[TokenLogprob] | None = [] if self.prepared.req.logprobs else None
+        while (delta := await self.next()) is not None:
+            parts.append(delta.text)
+            if logprobs is not None and delta.logprobs:
+                logprobs.extend(delta.logprobs)
+        return "".join(parts), logprobs
+
+    async def close(self) -> None:
+        """Abort the worker request if still running and settle admission; idempotent, cancel-safe."""
+        if self._closed:
+            return
+        self._closed = True
+        task = asyncio.ensure_future(self.stack.aclose())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await task
+            raise
+        except Exception:
+            log.exception("error while closing request", extra={"request_id": self.prepared.request_id})

@@ -1,0 +1,37 @@
+"""Server-sent events framing and a streaming response that always cleans up.
+
+`event(obj)` frames one JSON object as `data: {...}\n\n`; `DONE` ends an
+OpenAI stream. `SSEResponse` is a Starlette `StreamingResponse` whose `on_close`
+callback runs in a `finally` however the response ends (finished, client gone
+before or during the stream, task cancelled), which is where the service
+aborts the worker request and settles the tenant's reservation: a plain
+StreamingResponse never starts its iterator when the client vanished first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()

@@ -1,0 +1,1 @@
+"""Prefix-cache-aware routing of requests to workers, and the ZeroMQ worker client."""

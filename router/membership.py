@@ -1,0 +1,282 @@
+"""The live worker set: registry and static endpoints, one WorkerClient each, liveness from stats.
+
+`Membership` polls the Redis registry (`sy:worker:*`, written by
+`worker.registry`) every `poll_interval` seconds with SCAN + MGET and/or takes a
+static endpoint list, keeps one `router.client.WorkerClient` per worker, and keeps
+the hash ring's member set equal to the known workers. Liveness comes from the
+workers' ~100 ms `stats` frames: a worker with no stats for `dead_after` seconds
+(3 intervals plus slack) is dead, one reporting `draining` takes no new
+requests; both stay on the ring so that their keys come back when stats resume.
+Members are named by registry worker id, static ones by endpoint; two
+registrations of one endpoint (a restarted worker under a new id) collapse to
+the newest. Time comes from an injectable clock so tests need not sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from router import metrics
+from router.client import WorkerClient
+from router.load import LoadTracker
+from router.ring import DEFAULT_EPSILON, DEFAULT_VNODES, FALLBACK_DEAD, FALLBACK_DRAINING, HashRing
+from worker.protocol import PROTOCOL_VERSION, WorkerStats
+from worker.registry import KEY_PREFIX, parse_registration
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL_S = 0.5
+DEFAULT_DEAD_AFTER_S = 0.5  # 3 stats intervals of 100 ms plus slack for a busy host
+REDIS_TIMEOUT_S = 1.0
+
+ClientFactory = Callable[..., WorkerClient]
+
+
+@dataclass(slots=True)
+class Member:
+    member_id: str
+    endpoint: str
+    client: WorkerClient
+    static: bool = False
+    started_at: float = 0.0
+    stats: WorkerStats | None = None
+    stats_at: float | None = None  # membership clock
+
+
+@dataclass(slots=True)
+class _Wanted:
+    endpoint: str
+    static: bool
+    started_at: float
+
+
+class Membership:
+    """Known workers, their clients, liveness and load; owns the HashRing over them."""
+
+    def __init__(
+        self,
+        *,
+        gateway_id: str,
+        redis_url: str | None = None,
+        static_endpoints: Iterable[str] = (),
+        model: str | None = None,
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+        dead_after: float = DEFAULT_DEAD_AFTER_S,
+        vnodes: int = DEFAULT_VNODES,
+        epsilon: float = DEFAULT_EPSILON,
+        clock: Callable[[], float] = time.monotonic,
+        client_factory: ClientFactory = WorkerClient,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.gateway_id = gateway_id
+        self.redis_url = redis_url
+        self.static_endpoints = list(dict.fromkeys(static_endpoints))
+        if redis_url is None and not self.static_endpoints:
+            raise ValueError("membership needs a redis_url, static endpoints, or both")
+        self.model = model
+        self.poll_interval = poll_interval
+        self.dead_after = dead_after
+        self.clock = clock
+        self.ring = HashRing(vnodes=vnodes, epsilon=epsilon, rng=rng)
+        self.loads = LoadTracker()
+        self._client_factory = client_factory
+        self._members: dict[str, Member] = {}
+        self._registry: dict[str, _Wanted] = {}  # last good registry view, kept across Redis errors
+        self._redis = None
+        self._task: asyncio.Task[None] | None = None
+        self._redis_ok = True
+        self._changed = asyncio.Event()
+        self._stop = asyncio.Event()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.redis_url is not None:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.Redis.from_url(
+                self.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+            )
+        await self.refresh()
+        self._task = asyncio.create_task(self._poll_loop(), name="sy-membership")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            # A stop flag, not only cancel(): a cancel landing inside WorkerClient.close() is swallowed there.
+            self._stop.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), self.poll_interval + 2 * REDIS_TIMEOUT_S + 1)
+            except TimeoutError:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+            self._task = None
+        for mid in list(self._members):
+            await self._remove(mid)
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
+    async def _poll_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.poll_interval)
+            if self._stop.is_set():
+                return
+            try:
+                await self.refresh()
+            except Exception:  # never let one bad poll end the watch
+                log.exception("membership refresh failed")
+
+    # ------------------------------------------------------------ registry
+
+    async def refresh(self) -> None:
+        """One poll: read the registry, then add/remove members to match it and the static list."""
+        if self._redis is not None:
+            registry = await self._read_registry()
+            if registry is not None:
+                self._registry = registry
+        await self._reconcile(self._wanted())
+
+    async def _read_registry(self) -> dict[str, _Wanted] | None:
+        try:
+            keys = [k async for k in self._redis.scan_iter(match=KEY_PREFIX + "*", count=1000)]
+            values = await self._redis.mget(keys) if keys else []
+        except Exception as exc:
+            if self._redis_ok:
+                log.warning("worker registry unreadable, keeping the last view: %s", exc)
+            self._redis_ok = False
+            return None
+        self._redis_ok = True
+        found: dict[str, _Wanted] = {}
+        by_endpoint: dict[str, str] = {}
+        for raw in values:
+            if raw is None:  # expired between SCAN and MGET
+                continue
+            try:
+                reg = parse_registration(raw)
+            except ValueError as exc:
+                log.warning("ignoring malformed worker registration: %s", exc)
+                continue
+            if reg.version != PROTOCOL_VERSION or (self.model is not None and reg.model != self.model):
+                continue
+            other = by_endpoint.get(reg.endpoint)
+            if other is not None:
+                if found[other].started_at >= reg.started_at:
+                    continue
+                del found[other]
+            by_endpoint[reg.endpoint] = reg.worker_id
+            found[reg.worker_id] = _Wanted(reg.endpoint, False, float(reg.started_at))
+        return found
+
+    def _wanted(self) -> dict[str, _Wanted]:
+        wanted = dict(self._registry)
+        registered = {w.endpoint for w in wanted.values()}
+        for ep in self.static_endpoints:
+            if ep not in registered:
+                wanted[ep] = _Wanted(ep, True, 0.0)
+        return wanted
+
+    async def _reconcile(self, wanted: dict[str, _Wanted]) -> None:
+        for mid, member in list(self._members.items()):
+            want = wanted.get(mid)
+            if want is None or want.endpoint != member.endpoint:
+                await self._remove(mid)
+        for mid, want in wanted.items():
+            if mid not in self._members:
+                await self._add(mid, want)
+
+    async def _add(self, mid: str, want: _Wanted) -> None:
+        client = self._client_factory(want.endpoint, gateway_id=self.gateway_id,
+                                      worker_timeout=self.dead_after, on_stats=self._stats_callback(mid))
+        try:
+            await client.start()
+        except Exception as exc:  # e.g. a malformed endpoint: skip this worker, keep the others
+            log.warning("cannot connect to worker %s at %r: %s", mid, want.endpoint, exc)
+            await client.close()
+            return
+        self._members[mid] = Member(mid, want.endpoint, client, want.static, want.started_at)
+        self.ring.add(mid)
+        log.info("worker %s joined at %s", mid, want.endpoint)
+        self._changed.set()
+
+    async def _remove(self, mid: str) -> None:
+        member = self._members.pop(mid)
+        self.ring.remove(mid)
+        self.loads.forget(mid)
+        metrics.forget_worker(mid)
+        await member.client.close()
+        log.info("worker %s left (%s)", mid, member.endpoint)
+        self._changed.set()
+
+    # ------------------------------------------------------------ stats and liveness
+
+    def _stats_callback(self, mid: str) -> Callable[[WorkerClient, WorkerStats], None]:
+        def on_stats(client: WorkerClient, stats: WorkerStats) -> None:
+            member = self._members.get(mid)
+            if member is not None and member.client is client:
+                self.observe(mid, stats)
+
+        return on_stats
+
+    def observe(self, mid: str, stats: WorkerStats) -> None:
+        """Record a stats frame from member `mid` (called by its client's receive task)."""
+        member = self._members.get(mid)
+        if member is None:
+            return
+        now = self.clock()
+        was = self.status(mid)
+        member.stats = stats
+        member.stats_at = now
+        self.loads.on_stats(mid, stats, now)
+        metrics.PREFIX_HIT_RATE.labels(mid).set(stats.hit_rate)
+        metrics.OUTSTANDING_TOKENS.labels(mid).set(self.loads.load(mid))
+        if was != self.status(mid):
+            self._changed.set()
+
+    def status(self, mid: str) -> str | None:
+        """None if `mid` may take new requests, else why not (a ring fallback reason)."""
+        member = self._members.get(mid)
+        if member is None or member.stats is None or member.stats_at is None:
+            return FALLBACK_DEAD
+        if self.clock() - member.stats_at > self.dead_after:
+            return FALLBACK_DEAD
+        stats = member.stats
+        if stats.version != PROTOCOL_VERSION or (self.model is not None and stats.model != self.model):
+            return FALLBACK_DEAD
+        if stats.draining:
+            return FALLBACK_DRAINING
+        return None
+
+    # ------------------------------------------------------------ queries
+
+    def client(self, mid: str) -> WorkerClient:
+        return self._members[mid].client
+
+    def member(self, mid: str) -> Member | None:
+        return self._members.get(mid)
+
+    def member_ids(self) -> list[str]:
+        return sorted(self._members)
+
+    def live(self) -> list[str]:
+        """Members that may take new requests now."""
+        return [mid for mid in sorted(self._members) if self.status(mid) is None]
+
+    async def wait_until(self, predicate: Callable[[Membership], bool], timeout: float) -> None:
+        """Wait until `predicate(self)` holds, rechecked on changes and every 50 ms; TimeoutError after `timeout`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not predicate(self):
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"membership condition not met within {timeout}s")
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(0.05, left))

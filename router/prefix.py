@@ -1,0 +1,108 @@
+"""Prefix keys: chained, secret-keyed xxh3-128 block hashes over a prompt's stable prefix.
+
+`namespace_root` digests (model id, tokenizer version, tenant salt) under the
+deployment secret; the 16-byte result is both the cache namespace the gateway
+sends to workers (`ns`) and the root `h_0` of the routing hash chain.
+`prefix_key` cuts the stable prefix into `block_size`-token blocks and chains
+`h_i = H(h_{i-1} || tokens_i)`, with tokens hashed as packed little-endian int32
+bytes (one numpy conversion per request, no per-token Python work). Every gateway
+replica with the same secret computes the same key, so routing needs no shared state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+DIGEST_SIZE = 16  # xxh3-128
+DEFAULT_ROUTE_PREFIX_TOKENS = 256
+
+
+def _seed(secret: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(secret)
+
+
+def _keyed_hash(secret: bytes, *parts: bytes | memoryview) -> bytes:
+    # Seeded with a value derived from the secret and with the secret prepended:
+    # the 64-bit seed alone would be brute-forceable, the prefix alone would not
+    # change the hash's internal constants.
+    h = xxhash.xxh3_128(secret, seed=_seed(secret))
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def _field(value: str | bytes) -> bytes:
+    raw = value.encode() if isinstance(value, str) else bytes(value)
+    return len(raw).to_bytes(4, "little") + raw  # length-prefixed: no ambiguous concatenation
+
+
+def namespace_root(model_id: str, tokenizer_version: str, tenant_salt: str | bytes, secret: bytes) -> bytes:
+    """`h_0`: the cache namespace of (model, tokenizer, tenant) and root of every prefix key."""
+    if not isinstance(secret, bytes | bytearray) or not secret:
+        raise ValueError("secret must be non-empty bytes")
+    if not model_id:
+        raise ValueError("model_id must be non-empty")
+    return _keyed_hash(bytes(secret), _field(model_id), _field(tokenizer_version), _field(tenant_salt))
+
+
+def _as_int32_bytes(tokens: Sequence[int] | np.ndarray | bytes, n: int) -> memoryview:
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        raw = memoryview(tokens)
+        if len(raw) < 4 * n:
+            raise ValueError("token bytes shorter than the requested prefix")
+        return raw[: 4 * n]
+    arr = np.asarray(tokens[:n])
+    if arr.ndim != 1:
+        raise ValueError("tokens must be one-dimensional")
+    return memoryview(np.ascontiguousarray(arr, dtype="<i4")).cast("B")
+
+
+def stable_length(n_tokens: int, stable_len: int | None, *, block_size: int, max_tokens: int) -> int:
+    """Block-aligned number of tokens the key covers (0 means: no key).
+
+    `stable_len` is the chat stable prefix (everything before the last user turn);
+    None means a raw completion, whose stable prefix is the whole prompt. Both are
+    capped at `max_tokens` so that a conversation keeps its key as history grows.
+    """
+    if block_size <= 0 or max_tokens < 0:
+        raise ValueError("block_size must be > 0 and max_tokens >= 0")
+    limit = n_tokens if stable_len is None else stable_len
+    if limit < 0 or limit > n_tokens:
+        raise ValueError(f"stable_len {stable_len} outside 0..{n_tokens}")
+    limit = min(limit, max_tokens)
+    return limit - limit % block_size
+
+
+def prefix_key(
+    tokens: Sequence[int] | np.ndarray | bytes,
+    stable_len: int | None,
+    *,
+    root: bytes,
+    secret: bytes,
+    block_size: int,
+    max_tokens: int = DEFAULT_ROUTE_PREFIX_TOKENS,
+) -> bytes | None:
+    """Chained block hash of the stable prefix, or None when it is shorter than one block.
+
+    `tokens` may be a list/array of ids or packed little-endian int32 bytes.
+    """
+    if len(root) != DIGEST_SIZE:
+        raise ValueError(f"root must be a {DIGEST_SIZE}-byte namespace_root digest")
+    n_tokens = len(tokens) // 4 if isinstance(tokens, bytes | bytearray | memoryview) else len(tokens)
+    n = stable_length(n_tokens, stable_len, block_size=block_size, max_tokens=max_tokens)
+    if n == 0:
+        return None
+    raw = _as_int32_bytes(tokens, n)
+    step = 4 * block_size
+    h = root
+    for off in range(0, 4 * n, step):
+        h = _keyed_hash(secret, h, raw[off : off + step])
+    return h
+
+
+def key_point(key: bytes) -> int:
+    """The key's 64-bit position on the hash ring."""
+    return int.from_bytes(key[:8], "little")

@@ -1,0 +1,164 @@
+"""Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018).
+
+`HashRing` places `vnodes` virtual nodes per worker at xxh3-64 positions of
+"<worker id>#<i>", so every gateway replica with the same membership builds the
+same ring and maps a key to the same worker. `choose` walks clockwise from the
+key's point and takes the first eligible (live, not draining, not excluded) worker
+whose outstanding KV tokens are below (1 + epsilon) x mean load, the mean
+including the new request's cost; skipped workers are reported as the fallback
+reason for metrics. Keyless requests go to the least-loaded eligible worker, ties
+broken at random. The ring holds every known member, eligible or not, so a worker
+that dies and comes back gets exactly its old keys back.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import xxhash
+
+from router.prefix import key_point
+
+DEFAULT_VNODES = 100
+DEFAULT_EPSILON = 0.25
+
+# Fallback reasons, in the order they are attributed (first skip of the home worker wins).
+FALLBACK_DEAD = "dead"
+FALLBACK_DRAINING = "draining"
+FALLBACK_EXCLUDED = "excluded"
+FALLBACK_LOAD = "load"
+
+
+@dataclass(slots=True)
+class Choice:
+    """A routing decision: the worker, and why the key's home worker was not taken (None if it was)."""
+
+    worker_id: str
+    fallback: str | None = None
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No eligible worker exists (all dead, draining or excluded)."""
+
+
+def vnode_position(worker_id: str, i: int) -> int:
+    return xxhash.xxh3_64_intdigest(f"{worker_id}#{i}".encode())
+
+
+class HashRing:
+    """Ring of virtual nodes over the known workers; pure and synchronous."""
+
+    def __init__(
+        self,
+        workers: Iterable[str] = (),
+        *,
+        vnodes: int = DEFAULT_VNODES,
+        epsilon: float = DEFAULT_EPSILON,
+        rng: random.Random | None = None,
+    ) -> None:
+        if vnodes <= 0:
+            raise ValueError("vnodes must be > 0")
+        if epsilon < 0:
+            raise ValueError("epsilon must be >= 0")
+        self.vnodes = vnodes
+        self.epsilon = epsilon
+        self._rng = rng or random.Random()
+        self._members: set[str] = set()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+        for w in workers:
+            self.add(w)
+
+    @property
+    def members(self) -> frozenset[str]:
+        return frozenset(self._members)
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._members
+
+    def add(self, worker_id: str) -> None:
+        if not worker_id:
+            raise ValueError("worker_id must be non-empty")
+        if worker_id in self._members:
+            return
+        self._members.add(worker_id)
+        self._rebuild()
+
+    def remove(self, worker_id: str) -> None:
+        if worker_id in self._members:
+            self._members.discard(worker_id)
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        # Ties on a position (astronomically rare) are broken by worker id, so the order is deterministic.
+        pairs = sorted((vnode_position(w, i), w) for w in self._members for i in range(self.vnodes))
+        self._points = [p for p, _ in pairs]
+        self._owners = [w for _, w in pairs]
+
+    def walk(self, key: bytes) -> list[str]:
+        """Distinct members in clockwise order from the key's point (the key's preference list)."""
+        return list(self._walk(key))
+
+    def _walk(self, key: bytes) -> Iterator[str]:
+        n = len(self._owners)
+        if n == 0:
+            return
+        start = bisect.bisect_right(self._points, key_point(key))
+        seen: set[str] = set()
+        for j in range(n):
+            w = self._owners[(start + j) % n]
+            if w not in seen:
+                seen.add(w)
+                yield w
+                if len(seen) == len(self._members):
+                    return
+
+    def choose(
+        self,
+        key: bytes | None,
+        cost: int,
+        loads: Mapping[str, float],
+        *,
+        eligible: Callable[[str], str | None],
+        exclude: frozenset[str] = frozenset(),
+    ) -> Choice:
+        """Pick a worker for a request of `cost` KV tokens.
+
+        `loads` gives each member's outstanding KV tokens (missing = 0).
+        `eligible(w)` returns None if `w` may take new requests, else a fallback
+        reason (FALLBACK_DEAD, FALLBACK_DRAINING).
+        """
+        if cost < 0:
+            raise ValueError("cost must be >= 0")
+        usable = [w for w in self._members if w not in exclude and eligible(w) is None]
+        if not usable:
+            raise NoWorkerAvailable("no live, non-draining worker")
+        if key is None:
+            return Choice(self._least_loaded(usable, loads))
+        bound = (1.0 + self.epsilon) * (sum(loads.get(w, 0.0) for w in usable) + cost) / len(usable)
+        fallback: str | None = None
+        for w in self._walk(key):
+            if w in exclude:
+                fallback = fallback or FALLBACK_EXCLUDED
+                continue
+            reason = eligible(w)
+            if reason is not None:
+                fallback = fallback or reason
+                continue
+            load = loads.get(w, 0.0)
+            if load < bound or load == 0:
+                return Choice(w, fallback)
+            fallback = fallback or FALLBACK_LOAD
+        # Unreachable in exact arithmetic (the least-loaded worker is below the bound); kept as a guard.
+        return Choice(self._least_loaded(usable, loads), FALLBACK_LOAD)
+
+    def _least_loaded(self, usable: list[str], loads: Mapping[str, float]) -> str:
+        low = min(loads.get(w, 0.0) for w in usable)
+        ties = sorted(w for w in usable if loads.get(w, 0.0) == low)
+        return ties[0] if len(ties) == 1 else self._rng.choice(ties)

@@ -1,0 +1,161 @@
+"""Redis key layout, tenant config field names, defaults and the `Tenant` record.
+
+This module is the single source of truth for how tenants live in Redis. Every
+key of one tenant carries the hash tag `{t:<name>}` so that Lua scripts touching
+several of them stay Redis Cluster-safe. The config hash uses plain documented
+field names so operators can tune it with `redis-cli HSET`; `parse_tenant` turns
+such a (possibly hand-edited) hash into a typed, frozen `Tenant`, falling back to
+the defaults below for missing or malformed fields. For `tpm`, `rpm` and
+`max_concurrent` a value of 0 means "no limit".
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+log = logging.getLogger("switchyard.tenancy")
+
+ACTIVE, DISABLED = "active", "disabled"
+INTERACTIVE, BATCH = "interactive", "batch"
+STATUSES = (ACTIVE, DISABLED)
+PRIORITIES = (INTERACTIVE, BATCH)
+
+# Integer quota fields of the config hash and their defaults (0 = unlimited for tpm/rpm/max_concurrent).
+INT_DEFAULTS: dict[str, int] = {
+    "tpm": 100_000,
+    "rpm": 600,
+    "max_concurrent": 16,
+    "max_tokens": 4096,
+    "default_max_tokens": 256,
+}
+STR_DEFAULTS: dict[str, str] = {"status": ACTIVE, "priority": INTERACTIVE, "allowed_models": "*"}
+
+TENANTS_SET = "sy:tenants"          # set of tenant names (for `tenants list`)
+API_KEY_PREFIX = "sy:key:"          # sy:key:<sha256 hex> -> hash {tenant, prefix, created_at}
+GATEWAYS_KEY = "sy:gateways"        # sorted set of live gateway ids scored by expiry (ms)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def validate_name(name: str) -> str:
+    """Return `name` if it is a valid tenant name, else raise ValueError."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"invalid tenant name {name!r}: use 1-64 letters, digits, '_', '.', '-' (starting alphanumeric)")
+    return name
+
+
+def tag(name: str) -> str:
+    return "{t:" + name + "}"
+
+
+def config_key(name: str) -> str:
+    return tag(name) + ":config"
+
+
+def bucket_key(name: str) -> str:
+    """Hash holding both token buckets: `tok`, `req` levels and their common timestamp `ts` (µs)."""
+    return tag(name) + ":bucket"
+
+
+def leases_key(name: str) -> str:
+    return tag(name) + ":leases"
+
+
+def tenant_keys_key(name: str) -> str:
+    """Set of the SHA-256 digests of this tenant's API keys."""
+    return tag(name) + ":keys"
+
+
+def usage_key(name: str, day: str) -> str:
+    """Per-day metering hash; `day` is `YYYYMMDD` (UTC)."""
+    return tag(name) + ":usage:" + day
+
+
+def api_key_key(digest: str) -> str:
+    return API_KEY_PREFIX + digest
+
+
+@dataclass(slots=True, frozen=True)
+class Tenant:
+    """A tenant's config as the gateway sees it (parsed from `{t:<name>}:config`)."""
+
+    name: str
+    status: str = ACTIVE
+    priority: str = INTERACTIVE
+    tpm: int = INT_DEFAULTS["tpm"]
+    rpm: int = INT_DEFAULTS["rpm"]
+    max_concurrent: int = INT_DEFAULTS["max_concurrent"]
+    max_tokens: int = INT_DEFAULTS["max_tokens"]
+    default_max_tokens: int = INT_DEFAULTS["default_max_tokens"]
+    allowed_models: tuple[str, ...] | None = None  # None: every model
+    salt: str = ""
+    created_at: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.status == ACTIVE
+
+    def allows_model(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
+
+    def effective_priority(self, requested: str | None) -> str:
+        """The request's priority capped by the tenant's class (a batch tenant never gets interactive)."""
+        if self.priority == BATCH or requested == BATCH:
+            return BATCH
+        return INTERACTIVE
+
+
+def parse_int_field(name: str, raw: str | bytes | None) -> int:
+    """Parse a non-negative integer quota field; missing or malformed values give the default.
+
+    Mirrors the Lua scripts' `tonumber` handling so that both sides agree on the limits.
+    """
+    default = INT_DEFAULTS[name]
+    if raw is None or raw == "" or raw == b"":
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        log.warning("tenant config field %s is not a number; using default %d", name, default)
+        return default
+    if value != value or value < 0 or value == float("inf"):
+        return default
+    return int(value)
+
+
+def parse_models(raw: str) -> tuple[str, ...] | None:
+    raw = raw.strip()
+    if raw in ("", "*"):
+        return None
+    return tuple(m.strip() for m in raw.split(",") if m.strip())
+
+
+def _text(value: str | bytes | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def parse_tenant(name: str, fields: dict) -> Tenant:
+    """Build a `Tenant` from a raw config hash (bytes or str keys/values)."""
+    f = {_text(k): _text(v) for k, v in fields.items()}
+    status = f.get("status") or ACTIVE
+    if status not in STATUSES:
+        status = DISABLED  # an unknown status must not grant access
+    priority = f.get("priority") or INTERACTIVE
+    if priority not in PRIORITIES:
+        priority = BATCH  # an unknown class gets the lower one
+    try:
+        created_at = float(f.get("created_at") or 0.0)
+    except ValueError:
+        created_at = 0.0
+    return Tenant(
+        name=name,
+        status=status,
+        priority=priority,
+        allowed_models=parse_models(f.get("allowed_models") or "*"),
+        salt=f.get("salt") or "",
+        created_at=created_at,
+        **{k: parse_int_field(k, f.get(k)) for k in INT_DEFAULTS},
+    )

@@ -1,0 +1,232 @@
+"""Test helper for the HTTP-level admission tests: a restartable private Redis, a tiny-model worker and
+any number of real `switchyard gateway` processes over them.
+
+`AdmissionStack.start(gateways=N, gateway_settings={...}, worker_args=[...])` starts Redis (with a dump
+file in a temp dir, so `restart_redis()` keeps the tenants), one `tiny-random` worker without prefix
+cache and N gateways configured by a TOML `[gateway]` table (lease TTL, admission wait, ...), all at
+once, and waits (with a deadline) until every gateway's `/ready` answers 200. `stop()` ends everything
+it started, SIGKILL after a grace period. Logs go to a temp dir and are shown by `logs()`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.conftest import free_port, wait_for_port
+from tests.worker_procs import REPO, WorkerProc
+
+
+class RedisProc:
+    """A private redis-server that can be stopped and started again on the same port with its data."""
+
+    def __init__(self, data_dir: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not installed: run `make test`, which installs it")
+        self.binary, self.data_dir, self.port = binary, data_dir, free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.data_dir), "--dbfilename", "dump.rdb", "--daemonize", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port)
+
+    def stop(self, save: bool = True) -> None:
+        if self.proc is None:
+            return
+        if save:
+            import redis
+
+            client = redis.Redis.from_url(self.url, socket_timeout=5)
+            client.save()
+            client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        self.proc = None
+
+
+@dataclass(slots=True)
+class GatewayProc:
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/ready", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=5)
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+@dataclass(slots=True)
+class AdmissionStack:
+    log_dir: Path
+    redis: RedisProc
+    worker: WorkerProc | None = None
+    gateways: list[GatewayProc] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, *, gateways: int = 1, gateway_settings: dict[str, object] | None = None,
+              worker_args: list[str] | None = None, ready_timeout: float = 120.0) -> AdmissionStack:
+        log_dir = Path(tempfile.mkdtemp(prefix="sy-adm-test-"))
+        stack = cls(log_dir, RedisProc(log_dir))
+        try:
+            stack.redis.start()
+            stack.worker = WorkerProc(log_dir, extra=["--no-prefix-cache", *(worker_args or [])])
+            config = log_dir / "gateway.toml"
+            config.write_text("[gateway]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in
+                                                      (gateway_settings or {}).items()))
+            for _ in range(gateways):
+                stack.gateways.append(stack._spawn_gateway(config))
+            stack.wait_ready(ready_timeout)
+        except BaseException:
+            print(stack.logs())
+            stack.stop()
+            raise
+        return stack
+
+    def _spawn_gateway(self, config: Path) -> GatewayProc:
+        assert self.worker is not None
+        port = free_port()
+        log_path = self.log_dir / f"gateway-{port}.log"
+        cmd = [sys.executable, "-m", "config.cli", "gateway", "--config", str(config), "--port", str(port),
+               "--redis-url", self.redis.url, "--workers", self.worker.endpoint, "--worker-timeout", "10",
+               "--log-level", "WARNING"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return GatewayProc(port, proc, log_path)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.gateways)
+        while pending:
+            dead = [g for g in self.gateways if g.proc.poll() is not None]
+            if dead or (self.worker is not None and self.worker.proc.poll() is not None):
+                raise RuntimeError("a gateway or the worker exited during start-up")
+            pending = [g for g in pending if not g.ready()]
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"{len(pending)} gateway(s) not ready after {timeout}s")
+            if pending:
+                time.sleep(0.25)
+
+    def warm_up(self, concurrent: int) -> None:
+        """`concurrent` simultaneous 1-token requests to each gateway (outcomes ignored, one 200 needed).
+
+        A cold gateway opens one Redis connection per concurrent request under its first burst; on a
+        loaded 2-core box its event loop then stalls past the 0.5 s Redis timeout and it fails closed
+        (503 quota_service_unavailable). Tests that measure a burst run on warm pools."""
+        import asyncio
+
+        import httpx
+
+        key = self.create_tenant("warmup", tpm=0, rpm=0, max_concurrent=0)
+        body = {"model": "default", "prompt": [100], "max_tokens": 1}
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=None)) as http:
+                async def one(url: str) -> int:
+                    resp = await http.post(url + "/v1/completions", json=body,
+                                           headers={"authorization": f"Bearer {key}"})
+                    return resp.status_code
+                return await asyncio.gather(*(one(g.base_url) for g in self.gateways for _ in range(concurrent)))
+
+        if 200 not in asyncio.run(burst()):
+            raise RuntimeError("no request succeeded during the warm-up")
+
+    def restart_redis(self, down_s: float = 0.0) -> None:
+        self.redis.stop()
+        time.sleep(down_s)
+        self.redis.start()
+
+    def create_tenant(self, name: str, **fields: object) -> str:
+        """Create (or update) tenant `name`; returns a fresh API key."""
+        from tenancy.store import tenant_with_new_key
+        return tenant_with_new_key(self.redis.url, name, **fields)
+
+    def logs(self) -> str:
+        return log_tails(self.log_dir)
+
+    def stop(self) -> None:
+        for gw in self.gateways:
+            gw.stop()
+        if self.worker is not None:
+            self.worker.stop()
+        self.redis.stop(save=False)
+
+
+def log_tails(log_dir: Path) -> str:
+    """The last 4,000 characters of each process log in `log_dir`, for failure reports."""
+    parts = []
+    for path in sorted(log_dir.glob("*.log")):
+        parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}")
+    return "\n".join(parts)
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def redis_now_us(r) -> float:
+    sec, usec = r.time()
+    return sec * 1e6 + usec
+
+
+def bucket_level(r, tenant: str, tpm: int) -> tuple[float, float]:
+    """(token level now, Redis time now in µs), the refill applied exactly as the Lua scripts do."""
+    from tenancy.schema import bucket_key
+
+    tok, ts = r.hmget(bucket_key(tenant), "tok", "ts")
+    now = redis_now_us(r)
+    if tok is None:
+        return float(tpm), now
+    return min(tpm, float(tok) + (now - float(ts)) * tpm / 60e6), now
+
+
+def set_bucket(r, tenant: str, tokens: float, requests: float) -> None:
+    from tenancy.schema import bucket_key
+
+    r.hset(bucket_key(tenant), mapping={"tok": tokens, "req": requests, "ts": int(redis_now_us(r))})

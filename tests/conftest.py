@@ -1,0 +1,79 @@
+"""Shared fixtures: a private redis-server per test session, free ports, model paths."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from config.launcher import free_port, wait_for_port  # noqa: F401 - re-exported to the tests
+from tests.gateway_stack import GatewayStack, shared_stack, stop_shared_stack
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, owned by the tests (restartable)."""
+
+    def __init__(self) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise RuntimeError("redis-server not installed: run `make test`, which installs it")
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """URL of the session's redis-server, flushed before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    yield redis_server.url
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[GatewayStack]:
+    """The shared redis + default-model worker + gateway stack (`tests.gateway_stack`). Modules that
+    need a differently configured stack define their own `stack` fixture, which takes precedence."""
+    yield shared_stack()
+    stop_shared_stack()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_threads() -> None:
+    # Two cores: keep torch from oversubscribing when worker processes run beside the tests.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

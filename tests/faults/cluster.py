@@ -1,0 +1,195 @@
+"""A fault-test cluster: a restartable private Redis, N `tiny-random` workers and M real gateways.
+
+`FaultCluster.start(workers=3, gateways=1, gateway_settings={...})` reuses the admission tests' process
+wrappers (`RedisProc` keeps its data in a dump file across `restart_redis`, `GatewayProc`, `WorkerProc`)
+and configures every gateway with one TOML `[gateway]` table listing all worker endpoints, so each test
+can set the worker-loss timeout, lease TTL, drain grace period and admission wait it needs. Gateways log
+JSON at INFO to their own file; `gateway_log_records` parses it and `unattributed_errors` returns the
+ERROR lines without a request id (and any line that is not JSON, such as a stray traceback).
+`bucket_level`/`set_bucket` (from `tests.admission_stack`) read and write a tenant's token bucket on the Redis clock, so refund
+arithmetic is exact. Everything started is stopped by `stop()`, SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.admission_stack import GatewayProc, RedisProc, _toml, log_tails
+from tests.conftest import free_port
+from tests.worker_procs import REPO, WorkerProc
+
+GATEWAY_SEES_WORKER_S = 2.0  # a gateway's client hears a restarted worker within one hello interval (1 s)
+
+
+@dataclass(slots=True)
+class FaultCluster:
+    log_dir: Path
+    redis: RedisProc
+    config_path: Path
+    worker_args: list[str] = field(default_factory=list)
+    workers: list[WorkerProc] = field(default_factory=list)
+    gateways: list[GatewayProc] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, *, workers: int = 1, gateways: int = 1, gateway_settings: dict[str, object] | None = None,
+              worker_args: Sequence[str] = ("--no-prefix-cache",), ready_timeout: float = 180.0) -> FaultCluster:
+        log_dir = Path(tempfile.mkdtemp(prefix="sy-faults-"))
+        cluster = cls(log_dir, RedisProc(log_dir), log_dir / "gateway.toml", list(worker_args))
+        try:
+            cluster.redis.start()
+            cluster.workers = [WorkerProc(log_dir, extra=cluster.worker_args) for _ in range(workers)]
+            settings = {"worker_timeout": 1.0, **(gateway_settings or {}),
+                        "workers": [w.endpoint for w in cluster.workers]}
+            cluster.config_path.write_text("[gateway]\n" + "".join(
+                f"{k} = {_toml_value(v)}\n" for k, v in settings.items()))
+            cluster.gateways = [cluster.spawn_gateway() for _ in range(gateways)]
+            cluster.wait_ready(ready_timeout)
+        except BaseException:
+            print(cluster.logs())
+            cluster.stop()
+            raise
+        return cluster
+
+    def spawn_gateway(self) -> GatewayProc:
+        port = free_port()
+        log_path = self.log_dir / f"gateway-{port}.log"
+        cmd = [sys.executable, "-m", "config.cli", "gateway", "--config", str(self.config_path), "--port",
+               str(port), "--redis-url", self.redis.url, "--log-level", "INFO", "--log-format", "json"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return GatewayProc(port, proc, log_path)
+
+    def wait_ready(self, timeout: float, gateways: Sequence[GatewayProc] | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.gateways if gateways is None else gateways)
+        while pending:
+            if any(g.proc.poll() is not None for g in pending) or any(w.proc.poll() is not None
+                                                                      for w in self.workers):
+                raise RuntimeError("a gateway or worker exited during start-up")
+            pending = [g for g in pending if not g.ready()]
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"{len(pending)} gateway(s) not ready after {timeout}s")
+            if pending:
+                time.sleep(0.25)
+
+    def create_tenant(self, name: str, **fields: object) -> str:
+        """Create (or update) tenant `name`; returns a fresh API key."""
+        from tenancy.store import tenant_with_new_key
+        return tenant_with_new_key(self.redis.url, name, **fields)
+
+    def heal(self, timeout: float = 120.0) -> None:
+        """Restart every worker that exited (same port, so the gateways' lists still hold) and replace
+        every gateway that exited; returns once all are serving again."""
+        restarted = []
+        for i, w in enumerate(self.workers):
+            if w.proc.poll() is not None:
+                w.stop()
+                w.log_path.rename(w.log_path.with_suffix(f".{time.monotonic_ns()}.log"))
+                self.workers[i] = WorkerProc(self.log_dir, extra=list(self.worker_args), port=w.port)
+                restarted.append(self.workers[i])
+        for i, g in enumerate(self.gateways):
+            if g.proc.poll() is not None:
+                self.gateways[i] = self.spawn_gateway()
+        self.wait_ready(timeout)
+        if restarted:
+            asyncio.run(_wait_stats([w.endpoint for w in restarted], timeout))
+            time.sleep(GATEWAY_SEES_WORKER_S)
+
+    def logs(self) -> str:
+        return log_tails(self.log_dir)
+
+    def stop(self) -> None:
+        for gw in self.gateways:
+            gw.stop()
+        for w in self.workers:
+            w.stop()
+        self.redis.stop(save=False)
+
+
+async def _wait_stats(endpoints: list[str], timeout: float) -> None:
+    """Wait until each worker sends stats to an observer client (it is up and serving)."""
+    from router.client import WorkerClient
+
+    for endpoint in endpoints:
+        client = WorkerClient(endpoint, gateway_id=f"faults-observer-{time.monotonic_ns()}", worker_timeout=5.0)
+        await client.start()
+        try:
+            await client.wait_ready(timeout)
+        finally:
+            await client.close()
+
+
+_SHARED: FaultCluster | None = None
+_START_FAILED: str | None = None
+SHARED_READY_TIMEOUT_S = 240.0  # three workers and a gateway loading at once on a busy 2-core box
+# One cluster for the default-suite fault modules: 3 workers of 8,192 KV tokens each (4 MB of tiny-random
+# fp32 KV at 512 bytes a token), one gateway. Tests that break something call `heal()` first.
+SHARED_KV_BYTES = 4 << 20
+SHARED_GATEWAY_SETTINGS: dict[str, object] = {
+    "worker_timeout": 1.0, "lease_ttl": 3.0, "admission_wait_ms": 500, "interactive_reserve": 0.25,
+    "drain_timeout": 30.0}
+
+
+def shared_cluster() -> FaultCluster:
+    """The session's shared fault cluster (started on first use), healed of earlier tests' faults."""
+    global _SHARED, _START_FAILED
+    if _START_FAILED is not None:
+        raise RuntimeError(f"the shared fault cluster did not start earlier in this session: {_START_FAILED}")
+    if _SHARED is None:
+        try:
+            _SHARED = FaultCluster.start(
+                workers=3, gateway_settings=SHARED_GATEWAY_SETTINGS, ready_timeout=SHARED_READY_TIMEOUT_S,
+                worker_args=["--no-prefix-cache", "--kv-cache-bytes", str(SHARED_KV_BYTES), "--drain-timeout", "30"])
+        except Exception as exc:
+            _START_FAILED = repr(exc)  # fail the other modules at once instead of retrying for minutes each
+            raise
+    else:
+        _SHARED.heal()
+    return _SHARED
+
+
+def stop_shared_cluster() -> None:
+    global _SHARED
+    if _SHARED is not None:
+        _SHARED.stop()
+        _SHARED = None
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return _toml(value)
+
+
+def gateway_log_records(gw: GatewayProc) -> tuple[list[dict], list[str]]:
+    """(parsed JSON log records, lines that are not JSON objects) of one gateway's log file."""
+    records, other = [], []
+    for line in gw.log_path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict):
+            records.append(rec)
+        else:
+            other.append(line)
+    return records, other
+
+
+def unattributed_errors(gw: GatewayProc) -> list[str]:
+    """ERROR/CRITICAL log lines without a request id, plus any non-JSON line (a stray traceback)."""
+    records, other = gateway_log_records(gw)
+    bad = [json.dumps(r) for r in records if r.get("level") in ("ERROR", "CRITICAL") and not r.get("request_id")]
+    return bad + other

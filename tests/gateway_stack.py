@@ -1,0 +1,72 @@
+"""One real Switchyard stack (private redis-server, a worker with the default model, a gateway)
+shared by the end-to-end gateway and SDK test modules of a pytest session.
+
+`shared_stack()` starts it on first use and `stop_shared_stack()` ends it; each
+module's session-scoped fixture calls both, so the model loads once per session.
+`start_gateway_stack(...)` starts a private one with another worker model or the
+prefix cache on (the fault suite's).
+The worker runs without the prefix cache so that its `kv_free` returns exactly
+to the idle value when a request ends (the abort test reads it), and in fp32,
+the reference dtype, so greedy answers match Hugging Face's.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from config.launcher import Stack, StackConfig, free_port
+
+_STACK: GatewayStack | None = None
+
+
+@dataclass(slots=True)
+class GatewayStack:
+    stack: Stack
+    key: str  # tenant "acme": default quotas
+    limited_key: str  # tenant "small": max_tokens 64, allowed only "other-model"
+    batch_key: str  # tenant "bulk": batch priority
+
+    @property
+    def base_url(self) -> str:
+        return self.stack.base_url
+
+
+def start_gateway_stack(*, worker_model: str = "default", prefix_cache: bool = False,
+                        worker_args: Sequence[str] = (),
+                        gateway_args: Sequence[str] = ("--max-body-bytes", "1000000", "--worker-timeout", "20"),
+                        ) -> GatewayStack:
+    """A new stack with the three tenants; the caller stops it (`stack.stack.stop()`).
+
+    `worker_model` picks the worker's model ("tiny-random" for tests that need no real
+    answers); the gateway always tokenizes with the default model's tokenizer.
+    """
+    logs = Path(tempfile.mkdtemp(prefix="sy-gw-test-"))
+    wargs = ["--model", worker_model, "--dtype", "float32", *([] if prefix_cache else ["--no-prefix-cache"]),
+             *worker_args]
+    stack = Stack(StackConfig(port=free_port(), log_dir=logs, ready_timeout=240.0, worker_args=wargs,
+                              gateway_args=list(gateway_args)))
+    stack.start()
+    try:
+        return GatewayStack(stack, stack.create_tenant("acme"),
+                            stack.create_tenant("small", max_tokens=64, allowed_models="other-model"),
+                            stack.create_tenant("bulk", priority="batch"))
+    except BaseException:
+        stack.stop()
+        raise
+
+
+def shared_stack() -> GatewayStack:
+    global _STACK
+    if _STACK is None:
+        _STACK = start_gateway_stack()
+    return _STACK
+
+
+def stop_shared_stack() -> None:
+    global _STACK
+    if _STACK is not None:
+        _STACK.stack.stop()
+        _STACK = None

@@ -1,0 +1,100 @@
+"""Strict request parsing: each bad field gives a 400 naming it; extras are ignored."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import ApiError
+from gateway.schemas import parse_chat, parse_completion
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMP = {"model": "m", "prompt": "hi"}
+
+
+def _error(parse, body) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    assert info.value.status == 400
+    assert info.value.type == "invalid_request_error"
+    return info.value
+
+
+def test_minimal_chat_and_defaults():
+    req = parse_chat({**CHAT, "unknown_field": {"x": 1}, "frequency_penalty": 0.5})
+    assert req.kind == "chat" and req.messages == [{"role": "user", "content": "hi"}]
+    assert req.max_tokens is None and req.temperature == 1.0 and req.stop == () and not req.stream
+
+
+def test_chat_fields_parsed():
+    req = parse_chat({**CHAT, "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5,
+                      "seed": 3, "stop": "END", "stream": True, "stream_options": {"include_usage": True},
+                      "logprobs": True, "top_logprobs": 1, "top_k": 5, "ignore_eos": True, "priority": "batch",
+                      "n": 1, "user": "u1"})
+    assert req.max_tokens == 7 and req.temperature == 0.0 and req.top_p == 0.5 and req.seed == 3
+    assert req.stop == ("END",) and req.stream and req.include_usage and req.logprobs
+    assert req.top_k == 5 and req.ignore_eos and req.priority == "batch" and req.user == "u1"
+
+
+def test_text_parts_and_developer_role():
+    req = parse_chat({"model": "m", "messages": [
+        {"role": "developer", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}]})
+    assert req.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "ab"},
+                            {"role": "assistant", "content": ""}]
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"model": 5}, "model"),
+    ({"model": ""}, "model"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "10"}, "max_tokens"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.1}, "top_p"),
+    ({"seed": "1"}, "seed"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": 3}, "stop"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream_options": {"include_usage": 1}}, "include_usage"),
+    ({"n": 2}, "n"),
+    ({"top_logprobs": 5}, "top_logprobs"),
+    ({"priority": "urgent"}, "priority"),
+    ({"top_k": 1.5}, "top_k"),
+])
+def test_chat_bad_fields(patch, param):
+    err = _error(parse_chat, {**CHAT, **patch})
+    assert err.param == param
+
+
+def test_n_error_says_only_one():
+    assert "n=1" in _error(parse_chat, {**CHAT, "n": 3}).message
+
+
+def test_body_must_be_object():
+    _error(parse_chat, ["not", "an", "object"])
+
+
+def test_completion_prompt_forms():
+    assert parse_completion(COMP).prompt == "hi"
+    assert parse_completion({**COMP, "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    assert parse_completion({**COMP, "prompt": ["one"]}).prompt == "one"
+    assert parse_completion({**COMP, "logprobs": 1}).logprobs
+
+
+@pytest.mark.parametrize("prompt", ["", [], [1, "x"], [1, True], ["a", "b"], None, 7])
+def test_completion_bad_prompt(prompt):
+    assert _error(parse_completion, {**COMP, "prompt": prompt}).param == "prompt"
+
+
+def test_completion_logprobs_over_one_rejected():
+    assert _error(parse_completion, {**COMP, "logprobs": 3}).param == "logprobs"

@@ -1,0 +1,122 @@
+"""Wire protocol codec: round trips, validation of hostile frames, no torch at import time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker import protocol as p
+
+
+def test_gen_round_trip_packs_tokens_as_int32_le() -> None:
+    frame = p.encode_gen("r1", b"ns", [1, 2, 70000], {"max_tokens": 4}, priority=1, deadline=12.5)
+    raw = msgpack.unpackb(frame, raw=False)
+    assert raw["tokens"] == b"\x01\x00\x00\x00\x02\x00\x00\x00\x70\x11\x01\x00"
+    req = p.decode_gateway_frame(frame, max_tokens=10)
+    assert isinstance(req, p.GenRequest)
+    assert (req.rid, req.ns, req.priority, req.deadline) == ("r1", b"ns", 1, 12.5)
+    assert req.tokens.tolist() == [1, 2, 70000]
+    assert req.sampling == {"max_tokens": 4}
+
+
+def test_hello_and_abort_round_trip() -> None:
+    assert p.decode_gateway_frame(p.encode_hello("gw-a"), 8) == p.Hello("gw-a")
+    assert p.decode_gateway_frame(p.encode_abort("x"), 8) == p.Abort("x")
+
+
+def test_out_err_stats_round_trip() -> None:
+    items = [["a", p.pack_tokens([5, 6]), None, 3, p.pack_logprobs([-0.5, -1.25])],
+             ["b", p.pack_tokens([]), "abort", 0, None]]
+    out = p.decode_worker_frame(p.encode_out(items, sent_at=123.5))
+    assert out == p.OutFrame([p.OutItem("a", [5, 6], None, 3, [-0.5, -1.25]), p.OutItem("b", [], "abort", 0, None)],
+                             123.5)
+    err = p.decode_worker_frame(p.encode_err("a", "capacity", "draining", True))
+    assert err == p.ErrFrame("a", "capacity", "draining", True)
+    stats = p.WorkerStats("w1", 2, 3, 100, 200, 0.5, False, "m", p.PROTOCOL_VERSION)
+    assert p.decode_worker_frame(p.encode_stats(stats)) == stats
+    with pytest.raises(ValueError):
+        p.encode_err("a", "nope", "x", False)
+
+
+def _gen_map(**over: object) -> dict:
+    base = {"t": "gen", "rid": "r", "ns": b"", "tokens": p.pack_tokens([1, 2]),
+            "sampling": {}, "priority": 0, "deadline": 0.0}
+    base.update(over)
+    return {k: v for k, v in base.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("over, param", [
+    ({"ns": _DROP}, "ns"),
+    ({"tokens": _DROP}, "tokens"),
+    ({"tokens": [1, 2]}, "tokens"),                      # list instead of packed bytes
+    ({"tokens": b"\x01\x00\x00"}, "tokens"),             # not a multiple of 4
+    ({"tokens": b""}, "tokens"),
+    ({"tokens": p.pack_tokens(range(100))}, "tokens"),   # over the context limit
+    ({"sampling": "greedy"}, "sampling"),
+    ({"priority": 7}, "priority"),
+    ({"priority": True}, "priority"),
+    ({"deadline": "soon"}, "deadline"),
+    ({"deadline": float("nan")}, "deadline"),
+    ({"t": "explode"}, "t"),
+])
+def test_bad_gen_frames_name_rid_and_param(over: dict, param: str) -> None:
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode_gateway_frame(msgpack.packb(_gen_map(**over), use_bin_type=True), max_tokens=64)
+    assert info.value.rid == "r"
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("data", [
+    b"\xc1garbage", b"", msgpack.packb([1, 2, 3]), msgpack.packb({"t": "gen"}),
+    msgpack.packb({"t": "gen", "rid": 5}), msgpack.packb({"t": "gen", "rid": "x" * 1000}),
+    msgpack.packb({"t": "abort"}), msgpack.packb({1: 2}),
+])
+def test_frames_without_usable_rid_have_no_rid(data: bytes) -> None:
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode_gateway_frame(data, max_tokens=64)
+    assert info.value.rid is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_only_ever_raise_protocol_error(data: bytes) -> None:
+    try:
+        p.decode_gateway_frame(data, max_tokens=64)
+    except p.ProtocolError:
+        pass
+    try:
+        p.decode_worker_frame(data)
+    except p.ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["t", "rid", "ns", "tokens", "sampling", "priority", "deadline", "gw"]),
+                       st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=5),
+                                 st.binary(max_size=12), st.lists(st.integers(-9, 9), max_size=3),
+                                 st.sampled_from(["gen", "abort", "hello"]))))
+def test_arbitrary_maps_only_ever_raise_protocol_error(obj: dict) -> None:
+    try:
+        p.decode_gateway_frame(msgpack.packb(obj, use_bin_type=True), max_tokens=64)
+    except p.ProtocolError:
+        pass
+
+
+def test_protocol_module_does_not_import_torch() -> None:
+    code = "import sys, worker.protocol, worker.registry; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_tokens_view_is_int32() -> None:
+    req = p.decode_gateway_frame(p.encode_gen("r", b"", np.arange(5), {}), max_tokens=8)
+    assert req.tokens.dtype == np.dtype("<i4")

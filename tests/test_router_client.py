@@ -1,0 +1,234 @@
+"""WorkerClient against a real ZeroMQ ROUTER peer driven by the test (the worker process tests cover the rest).
+
+The peer is a real socket speaking the real codec, so these tests pin the client's
+own behaviour: demultiplexing, errors, deadlines, abort on early exit, version refusal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from router.client import TokenChunk, WorkerClient, WorkerError
+from tests.conftest import free_port
+from worker import protocol as p
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Peer:
+    """The worker's side of the link: a ROUTER socket the test scripts by hand."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.sock.bind(self.endpoint)
+
+    async def recv(self, kind: str, timeout: float = 5.0) -> tuple[bytes, object]:
+        """Next frame of type `kind` (others skipped): (gateway identity, decoded frame)."""
+        async with asyncio.timeout(timeout):
+            while True:
+                ident, data = await self.sock.recv_multipart()
+                frame = p.decode_gateway_frame(data, max_tokens=1 << 16)
+                if {p.Hello: "hello", p.GenRequest: "gen", p.Abort: "abort"}[type(frame)] == kind:
+                    return ident, frame
+
+    async def send(self, ident: bytes, payload: bytes) -> None:
+        await self.sock.send_multipart([ident, payload])
+
+    async def stats(self, ident: bytes, version: int = p.PROTOCOL_VERSION, draining: bool = False) -> None:
+        await self.send(ident, p.encode_stats(p.WorkerStats("w", 0, 0, 10, 20, 0.0, draining, "m", version)))
+
+
+@pytest.fixture()
+async def link() -> AsyncIterator[tuple[Peer, WorkerClient]]:
+    ctx = zmq.asyncio.Context()
+    peer = Peer(ctx)
+    seen: list[p.WorkerStats] = []
+    client = WorkerClient(peer.endpoint, gateway_id="gw-test", context=ctx, inter_token_timeout=1.0,
+                          worker_timeout=0.5, heartbeat_interval=0.2, on_stats=lambda c, s: seen.append(s))
+    client.seen = seen  # type: ignore[attr-defined]
+    await client.start()
+    try:
+        ident, hello = await peer.recv("hello")
+        assert ident == b"gw-test" and hello == p.Hello("gw-test")
+        await peer.stats(ident)
+        stats = await client.wait_ready(5.0)
+        assert stats.kv_total == 20 and client.alive and client.usable
+        yield peer, client
+    finally:
+        await client.close()
+        peer.sock.close()
+        ctx.term()
+
+
+async def test_streams_tokens_and_callback(link: tuple[Peer, WorkerClient]) -> None:
+    peer, client = link
+    assert client.seen  # type: ignore[attr-defined]
+    stream = client.generate("r1", b"ns", [1, 2, 3], {"max_tokens": 3}, priority=1, deadline=99.0)
+    got: list[TokenChunk] = []
+
+    async def consume() -> None:
+        async for chunk in stream:
+            got.append(chunk)
+
+    task = asyncio.create_task(consume())
+    ident, gen = await peer.recv("gen")
+    assert gen.rid == "r1" and gen.tokens.tolist() == [1, 2, 3] and gen.priority == 1 and gen.deadline == 99.0
+    other = ["zz", p.pack_tokens([9]), None, 0, None]  # an unknown rid is ignored
+    await peer.send(ident, p.encode_out([["r1", p.pack_tokens([7]), None, 2, p.pack_logprobs([-0.5])], other]))
+    await peer.send(ident, p.encode_out([["r1", p.pack_tokens([8, 9]), "length", 2, None]]))
+    await asyncio.wait_for(task, 5)
+    assert got == [TokenChunk([7], None, 2, [-0.5]), TokenChunk([8, 9], "length", 2, None)]
+    assert client.open_streams == 0
+
+
+async def test_err_frame_raises_worker_error(link: tuple[Peer, WorkerClient]) -> None:
+    peer, client = link
+
+    async def consume() -> None:
+        async for _ in client.generate("r2", b"", [1], {}):
+            pass
+
+    task = asyncio.create_task(consume())
+    ident, _ = await peer.recv("gen")
+    await peer.send(ident, p.encode_err("r2", "capacity", "worker is draining", True))
+    with pytest.raises(WorkerError) as info:
+        await asyncio.wait_for(task, 5)
+    assert (info.value.code, info.value.retryable) == ("capacity", True)
+    assert "draining" in info.value.message
+
+
+async def test_leaving_early_sends_abort(link: tuple[Peer, WorkerClient]) -> None:
+    peer, client = link
+
+    async def consume_one() -> list[int]:
+        async for chunk in client.generate("r3", b"", [1], {}):
+            return chunk.tokens
+        return []
+
+    task = asyncio.create_task(consume_one())
+    ident, _ = await peer.recv("gen")
+    await peer.send(ident, p.encode_out([["r3", p.pack_tokens([4]), None, 0, None]]))
+    assert await asyncio.wait_for(task, 5) == [4]
+    _, abort = await peer.recv("abort")
+    assert abort == p.Abort("r3")
+
+
+async def test_cancellation_sends_abort(link: tuple[Peer, WorkerClient]) -> None:
+    peer, client = link
+
+    async def consume() -> None:
+        async for _ in client.generate("r4", b"", [1], {}):
+            pass
+
+    task = asyncio.create_task(consume())
+    await peer.recv("gen")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    _, abort = await peer.recv("abort")
+    assert abort == p.Abort("r4")
+
+
+async def test_inter_token_timeout(link: tuple[Peer, WorkerClient]) -> None:
+    peer, client = link
+    loop = asyncio.get_running_loop()
+
+    async def keep_alive(ident: bytes) -> None:
+        while True:  # stats keep flowing, tokens do not
+            await peer.stats(ident)
+            await asyncio.sleep(0.1)
+
+    start = loop.time()
+    stream = client.generate("r5", b"", [1], {})
+    consumer = asyncio.create_task(stream.__anext__())
+    ident, _ = await peer.recv("gen")
+    beat = asyncio.create_task(keep_alive(ident))
+    try:
+        with pytest.raises(WorkerError) as info:
+            await asyncio.wait_for(consumer, 5)
+    finally:
+        beat.cancel()
+    assert info.value.code == "timeout" and info.value.retryable
+    assert 0.9 <= loop.time() - start < 3.0
+    _, abort = await peer.recv("abort")
+    assert abort.rid == "r5"
+
+
+async def test_worker_loss_ends_streams(link: tuple[Peer, WorkerClient]) -> None:
+    peer, client = link
+    client.inter_token_timeout = 10.0
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def consume() -> None:
+        async for _ in client.generate("r6", b"", [1], {}):
+            pass
+
+    with pytest.raises(WorkerError) as info:
+        await asyncio.wait_for(consume(), 5)
+    assert info.value.code == "worker_lost" and info.value.retryable
+    assert loop.time() - start < 3.0
+    assert not client.alive
+
+
+async def test_incompatible_version_is_refused(link: tuple[Peer, WorkerClient]) -> None:
+    peer, client = link
+    ident, _ = await peer.recv("hello")
+    await peer.stats(ident, version=p.PROTOCOL_VERSION + 1)
+    async with asyncio.timeout(5):
+        while client.incompatible is None:
+            await asyncio.sleep(0.01)
+    assert not client.usable
+    with pytest.raises(WorkerError) as info:
+        async for _ in client.generate("r7", b"", [1], {}):
+            pass
+    assert info.value.code == "incompatible" and not info.value.retryable
+
+
+async def test_close_ends_open_streams(link: tuple[Peer, WorkerClient]) -> None:
+    peer, client = link
+    client.inter_token_timeout = 10.0
+
+    async def consume() -> None:
+        async for _ in client.generate("r8", b"", [1], {}):
+            pass
+
+    task = asyncio.create_task(consume())
+    await peer.recv("gen")
+    await client.close()
+    with pytest.raises(WorkerError) as info:
+        await asyncio.wait_for(task, 5)
+    assert info.value.code == "closed"
+
+
+async def test_duplicate_rid_rejected(link: tuple[Peer, WorkerClient]) -> None:
+    peer, client = link
+    first = client.generate("dup", b"", [1], {})
+    task = asyncio.create_task(first.__anext__())
+    await peer.recv("gen")
+    with pytest.raises(ValueError):
+        async for _ in client.generate("dup", b"", [1], {}):
+            pass
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await first.aclose()
+
+
+async def test_wait_ready_times_out_without_worker() -> None:
+    ctx = zmq.asyncio.Context()
+    client = WorkerClient(f"tcp://127.0.0.1:{free_port()}", gateway_id="gw-x", context=ctx)
+    await client.start()
+    try:
+        with pytest.raises(WorkerError) as info:
+            await client.wait_ready(0.3)
+        assert info.value.code == "timeout"
+    finally:
+        await client.close()
+        ctx.term()

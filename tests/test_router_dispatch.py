@@ -1,0 +1,224 @@
+"""Router.stream failover rules against scripted peers on real ZeroMQ sockets speaking the wire protocol.
+
+Each peer is a ROUTER socket that sends `stats` every 50 ms and answers `gen` per
+its script: stream tokens, fail (retryable or not), or die (stop all frames)
+before or after the first token. The router must re-send once before the first
+token, end with a retryable error after it, and never hang or leak accounting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import REGISTRY
+
+from router.client import WorkerError
+from router.dispatch import Router, RouteRequest
+from router.membership import Membership
+from router.prefix import namespace_root
+from router.ring import NoWorkerAvailable
+from tests.conftest import free_port
+from worker import protocol as proto
+
+SECRET = b"dispatch-secret"
+NS = namespace_root("m", "v", "tenant", SECRET)
+
+
+class ScriptedWorker:
+    def __init__(self, name: str, script: str) -> None:
+        self.name = name
+        self.script = script
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.gens: list[str] = []
+        self.aborts: list[str] = []
+        self.dead = False
+        self.draining = False
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        self._peers: set[bytes] = set()
+        self._tasks = [asyncio.create_task(self._recv()), asyncio.create_task(self._stats())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._sock.close()
+        self._ctx.term()
+
+    def _stats_frame(self) -> bytes:
+        return proto.encode_stats(proto.WorkerStats(
+            worker_id=self.name, queue=0, running=len(self.gens), kv_free=1000, kv_total=1000, hit_rate=0.0,
+            draining=self.draining, model="m", version=proto.PROTOCOL_VERSION))
+
+    async def _stats(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            if not self.dead:
+                for peer in self._peers:
+                    await self._sock.send_multipart([peer, self._stats_frame()])
+
+    async def _recv(self) -> None:
+        while True:
+            ident, data = await self._sock.recv_multipart()
+            self._peers.add(ident)
+            if self.dead:
+                continue
+            msg = proto.decode_gateway_frame(data, 100_000)
+            if isinstance(msg, proto.Abort):
+                self.aborts.append(msg.rid)
+            elif isinstance(msg, proto.GenRequest):
+                self.gens.append(msg.rid)
+                await self._answer(ident, msg.rid)
+
+    async def _answer(self, ident: bytes, rid: str) -> None:
+        def out(tokens: list[int], finish: str | None) -> bytes:
+            return proto.encode_out([[rid, proto.pack_tokens(tokens), finish, 16, None]])
+
+        if self.script == "ok":
+            await self._sock.send_multipart([ident, out([1, 2], None)])
+            await self._sock.send_multipart([ident, out([3], "length")])
+        elif self.script == "retryable":
+            await self._sock.send_multipart([ident, proto.encode_err(rid, "capacity", "full", True)])
+        elif self.script == "fatal":
+            await self._sock.send_multipart([ident, proto.encode_err(rid, "bad_request", "nope", False)])
+        elif self.script == "die_before_first":
+            self.dead = True
+        elif self.script == "stall_after_first":
+            await self._sock.send_multipart([ident, out([1], None)])
+        elif self.script == "die_after_first":
+            await self._sock.send_multipart([ident, out([1], None)])
+            self.dead = True
+
+
+@contextlib.asynccontextmanager
+async def setup(first: str, second: str):
+    """Two scripted workers; yields (router, request whose home is the `first` one, workers)."""
+    a, b = ScriptedWorker("a", first), ScriptedWorker("b", second)
+    membership = Membership(gateway_id="gw-dispatch", static_endpoints=[a.endpoint, b.endpoint],
+                            poll_interval=60, dead_after=0.3)
+    try:
+        await membership.start()
+        await membership.wait_until(lambda m: len(m.live()) == 2, timeout=10)
+        router = Router(membership, secret=SECRET)
+        for p in range(500):
+            req = RouteRequest(rid=f"r{p}", ns=NS, tokens=[p] * 32, cost=40, sampling={"max_tokens": 3},
+                               deadline=time.time() + 30)
+            if membership.ring.walk(router.key_for(req))[0] == a.endpoint:
+                break
+        yield router, req, a, b
+    finally:
+        await membership.close()
+        await a.close()
+        await b.close()
+
+
+async def collect(router: Router, req: RouteRequest) -> list[int]:
+    tokens: list[int] = []
+    async with contextlib.aclosing(router.stream(req)) as chunks:
+        async for chunk in chunks:
+            tokens += chunk.tokens
+    return tokens
+
+
+def no_inflight(router: Router) -> bool:
+    return all(router.membership.loads.inflight_count(w) == 0 for w in router.membership.member_ids())
+
+
+async def test_home_worker_serves() -> None:
+    async with setup("ok", "ok") as (router, req, a, b):
+        assert await asyncio.wait_for(collect(router, req), 10) == [1, 2, 3]
+        assert a.gens == [req.rid] and b.gens == []
+        assert no_inflight(router)
+
+
+@pytest.mark.parametrize("script", ["retryable", "die_before_first"])
+async def test_failure_before_first_token_fails_over_once(script: str) -> None:
+    async with setup(script, "ok") as (router, req, a, b):
+        assert await asyncio.wait_for(collect(router, req), 10) == [1, 2, 3]
+        assert a.gens == [req.rid] and b.gens == [req.rid]
+        assert no_inflight(router)
+
+
+async def test_second_failure_is_returned_not_retried_again() -> None:
+    async with setup("retryable", "retryable") as (router, req, a, b):
+        with pytest.raises(WorkerError) as err:
+            await asyncio.wait_for(collect(router, req), 10)
+        assert err.value.retryable and err.value.code == "capacity"
+        assert len(a.gens) + len(b.gens) == 2
+        assert no_inflight(router)
+
+
+async def test_non_retryable_error_is_not_retried() -> None:
+    async with setup("fatal", "ok") as (router, req, a, b):
+        with pytest.raises(WorkerError) as err:
+            await asyncio.wait_for(collect(router, req), 10)
+        assert not err.value.retryable
+        assert b.gens == []
+
+
+async def test_death_after_first_token_ends_with_retryable_error() -> None:
+    async with setup("die_after_first", "ok") as (router, req, a, b):
+        got: list[int] = []
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError) as err:
+            async with contextlib.aclosing(router.stream(req)) as chunks:
+                async for chunk in chunks:
+                    got += chunk.tokens
+        assert got == [1]
+        assert err.value.retryable
+        assert time.monotonic() - t0 < 5  # detected by missing stats, not a long timeout
+        assert b.gens == []  # never re-sent after output
+        assert no_inflight(router)
+
+
+async def test_draining_and_dead_workers_take_nothing() -> None:
+    async with setup("ok", "ok") as (router, req, a, b):
+        a.draining = True
+        await router.membership.wait_until(lambda m: m.status(a.endpoint) == "draining", timeout=5)
+        assert await asyncio.wait_for(collect(router, req), 10) == [1, 2, 3]
+        assert a.gens == [] and b.gens == [req.rid]
+        b.dead = True
+        await router.membership.wait_until(lambda m: m.live() == [], timeout=5)
+        req.rid = "another"
+        with pytest.raises(NoWorkerAvailable):
+            await collect(router, req)
+
+
+async def test_consumer_leaving_early_aborts_and_releases() -> None:
+    async with setup("stall_after_first", "ok") as (router, req, a, b):
+        async with contextlib.aclosing(router.stream(req)) as chunks:
+            async for _ in chunks:
+                break
+        assert no_inflight(router)  # released synchronously on close
+        deadline = time.monotonic() + 5
+        while a.aborts != [req.rid] and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert a.aborts == [req.rid]
+
+
+async def test_metrics_count_per_worker_and_drop_departed_workers() -> None:
+    def sample(name: str, labels: dict[str, str]) -> float | None:
+        return REGISTRY.get_sample_value(name, labels)
+
+    async with setup("retryable", "ok") as (router, req, a, b):
+        failovers = sample("switchyard_router_fallbacks_total", {"reason": "failover"}) or 0.0
+        assert await asyncio.wait_for(collect(router, req), 10) == [1, 2, 3]
+        assert sample("switchyard_router_requests_total", {"worker": a.endpoint}) == 1.0
+        assert sample("switchyard_router_requests_total", {"worker": b.endpoint}) == 1.0
+        assert sample("switchyard_router_fallbacks_total", {"reason": "failover"}) == failovers + 1
+        assert sample("switchyard_router_cached_tokens_total", {"worker": b.endpoint}) == 16.0
+        assert sample("switchyard_router_outstanding_tokens", {"worker": b.endpoint}) == 0.0
+        assert sample("switchyard_router_prefix_hit_rate", {"worker": a.endpoint}) == 0.0
+    # membership closed: every per-worker series is gone (bounded label sets)
+    for name in ("switchyard_router_requests_total", "switchyard_router_outstanding_tokens",
+                 "switchyard_router_prefix_hit_rate"):
+        assert sample(name, {"worker": a.endpoint}) is None

@@ -1,0 +1,157 @@
+"""Tenants and API keys in a real Redis: digests at rest, revoke, disable and live edits seen within 1 s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tenancy import store
+from tenancy.directory import TenantDirectory
+from tenancy.errors import AmbiguousKeyPrefix, KeyNotFound, TenancyError, TenantExists, TenantNotFound
+from tenancy.redis_client import async_client, sync_client
+from tenancy.schema import BATCH, INTERACTIVE, config_key
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture()
+def r(redis_url):
+    client = sync_client(redis_url)
+    yield client
+    client.close()
+
+
+def test_create_get_update_list(r):
+    t = store.create_tenant(r, "acme", tpm=5000, rpm=60, priority=BATCH, allowed_models="m1, m2")
+    assert (t.tpm, t.rpm, t.priority, t.allowed_models) == (5000, 60, BATCH, ("m1", "m2"))
+    assert t.max_concurrent == 16 and t.active and len(t.salt) == 32
+    assert t.allows_model("m1") and not t.allows_model("m3")
+    assert t.effective_priority(INTERACTIVE) == BATCH
+    with pytest.raises(TenantExists):
+        store.create_tenant(r, "acme")
+    t2 = store.update_tenant(r, "acme", tpm=7000, allowed_models="*")
+    assert t2.tpm == 7000 and t2.allowed_models is None and t2.salt == t.salt
+    store.create_tenant(r, "beta")
+    store.issue_key(r, "beta")
+    listed = store.list_tenants(r)
+    assert [(tn.name, n) for tn, n in listed] == [("acme", 0), ("beta", 1)]
+    with pytest.raises(TenantNotFound):
+        store.update_tenant(r, "nope", tpm=1)
+
+
+def test_bad_input_is_refused(r):
+    for bad in ("", "a b", "{x}", "-lead", "x" * 65):
+        with pytest.raises(ValueError):
+            store.create_tenant(r, bad)
+    with pytest.raises(TenancyError, match="non-negative"):
+        store.create_tenant(r, "acme", tpm=-1)
+    with pytest.raises(TenancyError, match="priority"):
+        store.create_tenant(r, "acme", priority="urgent")
+    assert not r.exists(config_key("acme"))
+
+
+def test_only_digests_at_rest(r):
+    store.create_tenant(r, "acme")
+    keys = [store.issue_key(r, "acme") for _ in range(3)]
+    assert all(k.startswith("sy-") and len(k) == 43 for k in keys)
+    dump = []
+    for name in r.scan_iter(count=1000):
+        dump.append(name)
+        kind = r.type(name)
+        if kind == b"hash":
+            dump += [x for kv in r.hgetall(name).items() for x in kv]
+        elif kind == b"set":
+            dump += list(r.smembers(name))
+    blob = b"\n".join(dump)
+    for k in keys:
+        assert k.encode() not in blob
+        assert k[3:].encode() not in blob  # not even the random part
+        assert k[:10].encode() in blob     # the display prefix is stored in clear
+
+
+def test_revoke_by_prefix_and_ambiguity(r):
+    store.create_tenant(r, "acme")
+    k1, k2 = store.issue_key(r, "acme"), store.issue_key(r, "acme")
+    with pytest.raises(AmbiguousKeyPrefix):
+        store.revoke_key(r, "sy-")
+    info = store.revoke_key(r, k1[:10])
+    assert info.tenant == "acme" and info.prefix == k1[:10]
+    assert [k.prefix for k in store.list_keys(r, "acme")] == [k2[:10]]
+    with pytest.raises(KeyNotFound):
+        store.revoke_key(r, k1[:10])
+    store.revoke_key(r, k2)  # the whole key works too
+    assert store.list_keys(r) == []
+
+
+async def _until(predicate, timeout: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if await predicate():
+            return time.monotonic() - start
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+async def test_directory_sees_disable_revoke_and_edits_within_1s(r, redis_url):
+    store.create_tenant(r, "acme", tpm=1000)
+    key = store.issue_key(r, "acme")
+    other = store.issue_key(r, "acme")
+    client = async_client(redis_url)
+    directory = TenantDirectory(client)
+    try:
+        t = await directory.authenticate(key)
+        assert t is not None and t.name == "acme" and t.tpm == 1000
+        assert await directory.authenticate("sy-" + "x" * 40) is None
+        assert await directory.authenticate(None) is None and await directory.authenticate("Bearer") is None
+
+        r.hset(config_key("acme"), "tpm", "2500")  # an operator's redis-cli HSET
+        assert await _until(lambda: _tpm_is(directory, key, 2500), 1.0) < 1.0
+
+        r.hset(config_key("acme"), "status", "disabled")
+        assert await _until(lambda: _is_none(directory, key), 1.0) < 1.0
+        r.hset(config_key("acme"), "status", "active")
+        assert await _until(lambda: _is_some(directory, key), 1.0) < 1.0
+
+        store.revoke_key(r, key[:10])
+        assert await _until(lambda: _is_none(directory, key), 1.0) < 1.0
+        assert await directory.authenticate(other) is not None
+    finally:
+        await client.aclose()
+
+
+async def _tpm_is(d: TenantDirectory, key: str, tpm: int) -> bool:
+    t = await d.authenticate(key)
+    return t is not None and t.tpm == tpm
+
+
+async def _is_none(d: TenantDirectory, key: str) -> bool:
+    return await d.authenticate(key) is None
+
+
+async def _is_some(d: TenantDirectory, key: str) -> bool:
+    return await d.authenticate(key) is not None
+
+
+async def test_directory_caches_and_shares_lookups(r, redis_url):
+    store.create_tenant(r, "acme")
+    key = store.issue_key(r, "acme")
+    client = async_client(redis_url)
+    directory = TenantDirectory(client)
+    before = r.info("commandstats")
+    try:
+        results = await asyncio.gather(*(directory.authenticate(key) for _ in range(50)))
+        assert all(t is not None and t.name == "acme" for t in results)
+    finally:
+        await client.aclose()
+    after = r.info("commandstats")
+    calls = sum(after[c]["calls"] - before.get(c, {"calls": 0})["calls"] for c in ("cmdstat_hget", "cmdstat_hgetall"))
+    assert calls == 2  # one key lookup + one config read for 50 concurrent authentications
+
+
+def test_malformed_hand_edits_fall_back_safely(r):
+    store.create_tenant(r, "acme")
+    r.hset(config_key("acme"), mapping={"tpm": "lots", "status": "paused", "priority": "vip"})
+    t = store.get_tenant(r, "acme")
+    assert t.tpm == 100_000 and not t.active and t.priority == BATCH

@@ -1,0 +1,70 @@
+"""Configuration records of the worker: the engine's tuning knobs and the model's shape.
+
+`EngineConfig` is what an operator sets (KV budget, batch limits, dtype,
+device); `ModelConfig` is what the loader reads out of a GGUF file or an HF
+`config.json` and what the model code is built from. Both are plain dataclasses
+so the `config` package can fill them from settings without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    # Tokens per step: decodes first, the rest to prefill chunks. Larger steps make
+    # bigger matmuls (better CPU efficiency) at the cost of inter-token latency.
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 64
+    kv_cache_bytes: int | None = None  # CPU budget; None => default_cpu_kv_bytes
+    gpu_memory_fraction: float = 0.85
+    dtype: str = "auto"  # "auto" | "bfloat16" | "float32" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    enable_prefix_cache: bool = True
+    cache_aware_order: bool = False
+    # "auto" | "torch" (CPU: with the C++ decode kernel when it builds) | "torch_reference" | "flash_attn"
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True  # decode batches on GPU only
+    num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
+    default_cpu_kv_bytes: int = 1 << 30
+
+    def validate(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "torch_reference", "flash_attn"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF form, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    max_position: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def num_params(self) -> int:
+        """Weight count of the decoder (embedding and LM head counted once if tied)."""
+        h, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h

@@ -1,0 +1,255 @@
+"""The engine API: add requests, step, abort; everything above the worker uses this.
+
+`Engine.step()` runs one iteration: the scheduler picks decodes and prefill
+chunks, the runner executes them in one forward and samples, and the engine
+appends tokens, applies stop rules (stop ids, EOS unless `ignore_eos`,
+`max_tokens`) and releases finished sequences' pages. Input is validated in
+`add_request` before any state changes; requests that can never fit the KV
+cache or the model context are refused at once with a `capacity` error. With
+`enable_prefix_cache` a `RadixCache` over the page pool lets requests of one
+cache namespace reuse each other's prompt KV (an empty namespace means
+`DEFAULT_NAMESPACE`); `kv_free_tokens` then counts evictable cached pages as
+free, since admission evicts them on demand.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from worker.config import EngineConfig
+from worker.errors import RequestError, bad_request
+from worker.kv_cache import num_pages_for
+from worker.loader import LoadedModel
+from worker.page_pool import PagePool
+from worker.radix_cache import RadixCache
+from worker.runner import ModelRunner
+from worker.sampling import SamplingParams
+from worker.scheduler import Scheduler, pages_for
+from worker.sequence import Priority, SeqStatus, Sequence
+
+__all__ = ["DEFAULT_NAMESPACE", "Engine", "EngineStats", "Priority", "StepOutput"]
+
+DEFAULT_NAMESPACE = b"default"  # cache namespace of requests that name none (in-process callers)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    rid: str
+    new_tokens: list[int]  # a stop token that ends the request is not included
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    cached_tokens: int
+    logprobs: list[float] | None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_free_tokens: int  # free + evictable cached pages, in tokens: what a new request can get
+    kv_total_tokens: int
+    prefix_hit_rate: float  # prompt tokens served by the cache / prompt tokens of admitted requests
+    preemptions: int
+    prompt_tokens: int
+    prefill_tokens_computed: int  # tokens run through the model in prefill chunks (cache hits excluded)
+    generated_tokens: int = 0
+    steps: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admissions)
+    free_pages: int = 0
+    cached_pages: int = 0
+    evictable_pages: int = 0
+    locked_pages: int = 0
+    evicted_pages: int = 0
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        config.validate()
+        if config.num_threads is not None and model.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.loaded = model
+        self.model_id = model.model_id
+        self.tokenizer = model.tokenizer
+        self.tokenizer_version = model.tokenizer_version
+        self.vocab_size = model.config.vocab_size
+        self.max_context = model.max_context
+        num_pages = num_pages_for(model.config, config, model.dtype, model.device)
+        self.pool = PagePool(num_pages)
+        self.cache = RadixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
+        self.scheduler = Scheduler(config, self.pool, self.cache)
+        self.runner = ModelRunner(model, config, num_pages)
+        self._seqs: dict[str, Sequence] = {}
+        self._aborted: list[str] = []
+        self._arrivals = 0
+        self._rng = random.Random()
+        self._prompt_tokens = 0
+        self._prefill_computed = 0
+        self._generated = 0
+        self._steps = 0
+
+    # ---- requests ----
+
+    def add_request(self, rid: str, token_ids: list[int], sampling: SamplingParams,
+                    priority: Priority = Priority.INTERACTIVE, namespace: bytes = b"") -> None:
+        self._validate(rid, token_ids, sampling, priority)
+        if not isinstance(namespace, bytes):
+            raise bad_request("cache namespace must be bytes", "ns")
+        total = len(token_ids) + sampling.max_tokens
+        if total > self.max_context:
+            raise RequestError("capacity", f"prompt ({len(token_ids)}) + max_tokens ({sampling.max_tokens}) "
+                               f"exceeds the model context of {self.max_context} tokens", param="max_tokens")
+        if pages_for(total, self.config.block_size) > self.pool.num_pages:
+            raise RequestError("capacity", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
+                               f"({self.pool.num_pages * self.config.block_size} tokens)", param="max_tokens")
+        stops = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stops.add(self.tokenizer.eos_token_id)
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
+        seq = Sequence(rid, list(token_ids), len(token_ids), sampling, Priority(priority), self._arrivals,
+                       namespace or DEFAULT_NAMESPACE, seed & 0xFFFFFFFF, frozenset(stops))
+        self._arrivals += 1
+        self._prompt_tokens += len(token_ids)
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+
+    def _validate(self, rid: str, token_ids: list[int], sampling: SamplingParams, priority: int) -> None:
+        if not isinstance(rid, str) or not rid:
+            raise bad_request("rid must be a non-empty string", "rid")
+        if rid in self._seqs:
+            raise bad_request(f"duplicate request id {rid!r}", "rid")
+        if not isinstance(sampling, SamplingParams):
+            raise bad_request("sampling must be SamplingParams", "sampling")
+        sampling.validate(self.vocab_size)
+        if not token_ids:
+            raise bad_request("prompt is empty", "prompt")
+        try:
+            ok = all(0 <= t < self.vocab_size for t in token_ids) and not any(
+                isinstance(t, bool) or not isinstance(t, int) for t in token_ids)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+        if priority not in (Priority.INTERACTIVE, Priority.BATCH):
+            raise bad_request("priority must be 0 (interactive) or 1 (batch)", "priority")
+
+    def abort(self, rid: str) -> bool:
+        seq = self._seqs.pop(rid, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        self._aborted.append(rid)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._aborted) or self.scheduler.has_work()
+
+    # ---- stepping ----
+
+    def step(self, capture: list | None = None) -> list[StepOutput]:
+        """One iteration. `capture` (tests): receives (rid, first position, logits) for every row computed."""
+        outputs = [StepOutput(rid, [], "abort", 0, None) for rid in self._aborted]
+        self._aborted.clear()
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return outputs
+        self._steps += 1
+        result = self.runner.run(batch, all_logits=capture is not None)
+        if capture is not None:
+            capture.extend((seq.rid, pos, lg) for seq, pos, lg in result.segments)
+        for seq in batch.decodes:
+            seq.num_computed += 1
+        for seq, n in batch.prefills:
+            seq.num_computed += n
+            self._prefill_computed += n
+            if seq.num_computed == len(seq.tokens):
+                self.scheduler.publish(seq)
+        lps = result.logprobs
+        for i, (seq, tok) in enumerate(zip(result.sampled, result.tokens, strict=True)):
+            outputs.append(self._append(seq, tok, None if lps is None else lps[i]))
+        return outputs
+
+    def _append(self, seq: Sequence, tok: int, logprob: float | None) -> StepOutput:
+        params = seq.sampling
+        self._generated += 1
+        reason = None
+        emitted = [tok]
+        if tok in seq.stop_ids:
+            reason, emitted = "stop", []
+        else:
+            seq.tokens.append(tok)
+            if seq.num_output >= params.max_tokens:
+                reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            del self._seqs[seq.rid]
+        lp = [logprob] if params.logprobs and emitted and logprob is not None else None
+        if params.logprobs and lp is None:
+            lp = []
+        return StepOutput(seq.rid, emitted, reason, seq.cached_tokens, lp)
+
+    def stats(self) -> EngineStats:
+        bs = self.config.block_size
+        sched, cache, free = self.scheduler, self.cache, self.pool.num_free
+        evictable = cache.evictable_pages if cache is not None else 0
+        looked_up, hit = sched.admitted_prompt_tokens, sched.cached_prompt_tokens
+        return EngineStats(
+            num_waiting=len(sched.waiting), num_running=len(sched.running),
+            kv_free_tokens=(free + evictable) * bs, kv_total_tokens=self.pool.num_pages * bs,
+            prefix_hit_rate=hit / looked_up if looked_up else 0.0,
+            preemptions=sched.preemptions, prompt_tokens=self._prompt_tokens,
+            prefill_tokens_computed=self._prefill_computed, generated_tokens=self._generated, steps=self._steps,
+            cached_tokens=hit, free_pages=free, evictable_pages=evictable,
+            cached_pages=cache.cached_pages if cache is not None else 0,
+            locked_pages=cache.locked_pages if cache is not None else 0,
+            evicted_pages=cache.evicted_pages if cache is not None else 0,
+        )
+
+    def pages_idle(self) -> bool:
+        """Leak check (tests): no request holds a page; each page is free or held once, unlocked, by the cache."""
+        pool = self.pool
+        cached = {p for pages in self.cache.snapshot().values() for p in pages.values()} if self.cache else set()
+        if self.cache is not None and self.cache.locked_pages:
+            return False
+        if pool.num_free + len(cached) != pool.num_pages:
+            return False
+        return all(pool.refcount(p) == (1 if p in cached else 0) for p in range(pool.num_pages))
+
+    # ---- convenience ----
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion (blocking); returns generated ids per prompt (stop token excluded).
+
+        Drives step() itself: outputs of other requests in the engine are dropped, so do not mix
+        it with a caller that streams from step()."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise bad_request("one SamplingParams per prompt", "sampling")
+        rids = [f"gen-{self._arrivals}-{i}" for i in range(len(prompts))]
+        added: list[str] = []
+        try:
+            for rid, p, sp in zip(rids, prompts, params, strict=True):
+                self.add_request(rid, p, sp)
+                added.append(rid)
+            results: dict[str, list[int]] = {rid: [] for rid in rids}
+            pending = set(rids)
+            while pending:
+                for out in self.step():
+                    if out.rid in results:
+                        results[out.rid].extend(out.new_tokens)
+                        if out.finish_reason is not None:
+                            pending.discard(out.rid)
+            return [results[r] for r in rids]
+        finally:
+            for rid in added:
+                if rid in self._seqs:
+                    self.abort(rid)
+
+    def is_running(self, rid: str) -> bool:
+        seq = self._seqs.get(rid)
+        return seq is not None and seq.status != SeqStatus.FINISHED

@@ -1,0 +1,221 @@
+"""Load model weights into `model.LlamaModel`: from a GGUF file or a local HF folder.
+
+GGUF tensors are dequantized with the `gguf` package; llama.cpp stores Q and K
+projections permuted for its interleaved RoPE, which is undone here so the
+model uses the HF (rotate-half) layout. HF folders load safetensors shards. The
+dtype defaults to bf16 on CUDA and on CPUs with native bf16 matmul (AMX /
+AVX512-BF16), fp32 otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from worker.config import ModelConfig
+from worker.model import LlamaModel
+from worker.model_source import ModelSource, default_model_path, gguf_metadata, hf_config, resolve
+from worker.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["LoadedModel", "default_model_path", "load_model", "pick_device", "pick_dtype"]
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    model_id: str
+    tokenizer_version: str
+    max_context: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type == "cuda" or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(spec: str | Path = "default", *, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None) -> LoadedModel:
+    t0 = time.monotonic()
+    src = resolve(spec)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    if src.kind == "gguf":
+        cfg, tensors = _read_gguf(src)
+    else:
+        cfg, tensors = _read_hf(src)
+    tok = load_tokenizer(src)
+    model = _build(cfg, tensors, dt, dev)
+    log.info("loaded %s (%s, %s) in %.1fs", src.model_id, dt, dev, time.monotonic() - t0)
+    return LoadedModel(cfg, model, tok, src.model_id, tok.version, min(cfg.max_position, tok.max_context), dt, dev)
+
+
+def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+           device: torch.device) -> LlamaModel:
+    """tensors use HF names (model.layers.N.self_attn.q_proj.weight, ...)."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+
+    def put(param: torch.Tensor, *names: str) -> None:
+        src = torch.cat([tensors.pop(n) for n in names], dim=0) if len(names) > 1 else tensors.pop(names[0])
+        if tuple(src.shape) != tuple(param.shape):
+            raise ValueError(f"{names}: shape {tuple(src.shape)} != expected {tuple(param.shape)}")
+        param.copy_(src)
+
+    put(model.embed.weight, "model.embed_tokens.weight")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        put(layer.input_norm.weight, p + "input_layernorm.weight")
+        put(layer.post_attn_norm.weight, p + "post_attention_layernorm.weight")
+        put(layer.qkv.weight, *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
+        put(layer.o.weight, p + "self_attn.o_proj.weight")
+        put(layer.gate_up.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        put(layer.down.weight, p + "mlp.down_proj.weight")
+    put(model.norm.weight, "model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        put(model.lm_head.weight, "lm_head.weight")
+    model.eval()
+    model.build_rope()
+    return model
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_config(md: dict) -> ModelConfig:
+    arch = md.get("general.architecture")
+    if arch not in ("llama", "mistral"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (Llama family only)")
+
+    def g(key: str, default=None):
+        return md.get(f"{arch}.{key}", default)
+
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    head_dim = int(g("attention.key_length", g("rope.dimension_count", hidden // heads)))
+    scaling = None
+    if g("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    return ModelConfig(
+        vocab_size=int(g("vocab_size") or 0), hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
+        num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)), head_dim=head_dim,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position=int(g("context_length", 2048)),
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> rotate-half halves)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _read_gguf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+    from gguf.quants import dequantize
+
+    md = gguf_metadata(src.path)
+    cfg = _gguf_config(md)
+    reader = gguf.GGUFReader(str(src.path))
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type)
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, idx, kind, _ = name.split(".", 3)
+            if kind not in _GGUF_NAMES:
+                continue
+            if kind == "attn_q":
+                w = _unpermute(w, cfg.num_heads)
+            elif kind == "attn_k":
+                w = _unpermute(w, cfg.num_kv_heads)
+            hf = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.weight"
+        else:
+            continue
+        tensors[hf] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+    cfg.tie_word_embeddings = "lm_head.weight" not in tensors
+    if not cfg.vocab_size:
+        cfg.vocab_size = tensors["model.embed_tokens.weight"].shape[0]
+    return cfg, tensors
+
+
+def _read_hf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    c = hf_config(src.path)
+    if c.get("model_type") not in ("llama", "mistral"):
+        raise ValueError(f"unsupported model_type {c.get('model_type')!r} (Llama family only)")
+    heads = int(c["num_attention_heads"])
+    eos = c.get("eos_token_id")
+    # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`
+    rope = dict(c.get("rope_parameters") or {})
+    theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
+    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    cfg = ModelConfig(
+        vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
+        intermediate_size=int(c["intermediate_size"]), num_layers=int(c["num_hidden_layers"]),
+        num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, max_position=int(c.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+    files = sorted(src.path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {src.path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return cfg, tensors

@@ -1,0 +1,123 @@
+"""Prometheus metrics of a worker process, served on its own HTTP port (`--metrics-port`).
+
+Names are a contract with `docker/grafana-dashboard.json`. `WorkerMetrics` is
+fed by three hooks of the server loop, none per token: `admitted(rid)` when a
+request enters the engine, `stepped(outputs, started)` after each engine step
+(step time, batch size, and for requests still waiting for their first token:
+queue time = admission to the first step that scheduled it, prefill time = that
+step's start to the first token), and `refresh()` on each stats tick, which
+copies `Engine.stats()` into the gauges and advances the counters by the growth
+of the engine's cumulative totals. Labels carry no tenant, key or prompt data
+(the worker knows tenants only as opaque cache namespaces).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from worker.engine import Engine, StepOutput
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+PREFILL = Histogram("switchyard_worker_prefill_seconds", "First scheduled step to first token, per request",
+                    buckets=LATENCY_BUCKETS)
+QUEUE = Histogram("switchyard_worker_queue_seconds", "Admission to first scheduled step, per request",
+                  buckets=LATENCY_BUCKETS)
+STEP = Histogram("switchyard_worker_step_seconds", "Duration of one engine step", buckets=STEP_BUCKETS)
+RUNNING = Gauge("switchyard_worker_running_requests", "Requests being decoded or prefilled")
+WAITING = Gauge("switchyard_worker_waiting_requests", "Requests waiting to be scheduled")
+KV_USED = Gauge("switchyard_worker_kv_pages_used", "KV cache pages in use")
+KV_TOTAL = Gauge("switchyard_worker_kv_pages_total", "KV cache pages in the pool")
+HIT_RATE = Gauge("switchyard_worker_prefix_hit_rate", "Share of prompt tokens served by the prefix cache")
+BATCH = Gauge("switchyard_worker_batch_size", "Sequences sampled in the last engine step")
+PREEMPTIONS = Counter("switchyard_worker_preemptions", "Sequences preempted for lack of KV pages")
+PROMPT_TOKENS = Counter("switchyard_worker_prompt_tokens", "Prompt tokens admitted")
+CACHED_TOKENS = Counter("switchyard_worker_cached_tokens", "Prompt tokens served by the prefix cache")
+GENERATED_TOKENS = Counter("switchyard_worker_generated_tokens", "Tokens sampled")
+
+
+class WorkerMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.block_size = engine.config.block_size
+        # requests without a first token yet: rid -> [admitted at, prefill started at or 0.0]
+        self._pending: dict[str, list[float]] = {}
+        self._unscheduled = 0  # entries of _pending whose prefill has not started
+        self._prompt = self._cached = self._generated = self._preempted = 0
+
+    def admitted(self, rid: str) -> None:
+        self._pending[rid] = [time.monotonic(), 0.0]
+        self._unscheduled += 1
+
+    def stepped(self, outputs: Sequence[StepOutput], started: float) -> None:
+        """After an engine step that began at `started` (time.monotonic())."""
+        ended = time.monotonic()
+        STEP.observe(ended - started)
+        sampled = 0
+        pending = self._pending
+        for out in outputs:
+            if out.finish_reason != "abort":
+                sampled += 1
+            if pending and out.rid in pending and (out.new_tokens or out.finish_reason is not None):
+                self._first_token(out, started, ended)
+        BATCH.set(sampled)
+        if self._unscheduled:
+            self._mark_scheduled(started)
+
+    def _first_token(self, out: StepOutput, started: float, ended: float) -> None:
+        admitted_at, prefill_at = self._pending.pop(out.rid)
+        if prefill_at == 0.0:
+            self._unscheduled -= 1
+            prefill_at = started
+        if out.finish_reason == "abort":
+            return
+        QUEUE.observe(max(0.0, prefill_at - admitted_at))
+        PREFILL.observe(ended - prefill_at)
+
+    def _mark_scheduled(self, started: float) -> None:
+        # Only while some request has not been scheduled yet: O(waiting), not per token.
+        waiting = {seq.rid for seq in self.engine.scheduler.waiting}
+        for rid, times in self._pending.items():
+            if times[1] == 0.0 and rid not in waiting:
+                times[1] = started
+                self._unscheduled -= 1
+
+    def _forget_gone(self) -> None:
+        """Drop requests that left the engine without an output we saw (rare: never per step)."""
+        for rid in [r for r in self._pending if not self.engine.is_running(r)]:
+            if self._pending.pop(rid)[1] == 0.0:
+                self._unscheduled -= 1
+
+    def refresh(self) -> None:
+        """Copy engine stats into gauges; counters advance by the growth of the engine's totals."""
+        s = self.engine.stats()
+        bs = self.block_size
+        if len(self._pending) > s.num_waiting + s.num_running:
+            self._forget_gone()
+        RUNNING.set(s.num_running)
+        if s.num_running == 0:
+            BATCH.set(0)  # idle: no batch (the last step's size would linger otherwise)
+        WAITING.set(s.num_waiting)
+        KV_TOTAL.set(s.kv_total_tokens // bs)
+        KV_USED.set((s.kv_total_tokens - s.kv_free_tokens) // bs)
+        HIT_RATE.set(s.prefix_hit_rate)
+        self._prompt = _advance(PROMPT_TOKENS, self._prompt, s.prompt_tokens)
+        self._cached = _advance(CACHED_TOKENS, self._cached, s.cached_tokens)
+        self._generated = _advance(GENERATED_TOKENS, self._generated, s.generated_tokens)
+        self._preempted = _advance(PREEMPTIONS, self._preempted, s.preemptions)
+
+
+def _advance(counter: Counter, seen: int, total: int) -> int:
+    if total > seen:
+        counter.inc(total - seen)
+    return max(seen, total)
+
+
+def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:
+    """Serve /metrics of this process on `host:port` from a daemon thread (port 0: disabled)."""
+    if port:
+        start_http_server(port, addr=host)

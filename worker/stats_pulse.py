@@ -1,0 +1,69 @@
+"""Keeps `stats` flowing while the engine is inside one long step.
+
+Gateways count a worker as dead after a few stats intervals of silence. A CPU
+prefill chunk can take longer than that, and the server loop, which owns the
+socket, sends nothing during `engine.step()`. Around each step the loop *arms*
+this pulse with the last stats frame; a background thread re-sends that frame
+every interval until the loop *disarms* it. The socket is only ever used by one
+thread at a time: the loop does not touch it while armed, and `disarm` waits
+for a send in progress (ZeroMQ sockets may change threads with a lock between).
+The frame is the state before the step, which is what a gateway needs: a sign of
+life and a load figure at most one step old.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+
+class StatsPulse:
+    def __init__(self, sock: zmq.Socket, interval_s: float) -> None:
+        self._sock = sock
+        self._interval = interval_s
+        self._lock = threading.Lock()  # held by the thread while it sends, and by disarm
+        self._wake = threading.Condition(threading.Lock())
+        self._frame: bytes | None = None
+        self._idents: list[bytes] = []
+        self._armed_at = 0.0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="stats-pulse", daemon=True)
+        self._thread.start()
+
+    def arm(self, frame: bytes, idents: list[bytes]) -> None:
+        with self._wake:
+            self._frame, self._idents, self._armed_at = frame, idents, time.monotonic()
+            self._wake.notify()
+
+    def disarm(self) -> None:
+        with self._lock, self._wake:
+            self._frame = None
+
+    def close(self) -> None:
+        with self._wake:
+            self._stop, self._frame = True, None
+            self._wake.notify()
+        self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        last_sent = 0.0
+        while True:
+            with self._wake:
+                if self._stop:
+                    return
+                self._wake.wait(self._interval)
+                due = self._frame is not None and time.monotonic() - max(last_sent, self._armed_at) >= self._interval
+            if due:
+                with self._lock:
+                    if self._frame is not None:
+                        self._send(self._frame, self._idents)
+                        last_sent = time.monotonic()
+
+    def _send(self, frame: bytes, idents: list[bytes]) -> None:
+        for ident in idents:
+            try:
+                self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # queue full or peer gone: the server loop deals with it after the step

@@ -1,0 +1,67 @@
+"""The `tiny-random` model spec: a 2-layer Llama with seeded random weights and the default model's tokenizer.
+
+For fast tests and development of everything around the engine (worker processes,
+routing, the gateway): it loads in about a second, runs a step in milliseconds on
+a CPU, and produces the same tokens for the same seed on every run and in every
+process. Its tokenizer (and so `tokenizer_version`) is the default model's, so
+prompts tokenize exactly as they would for the real model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.config import ModelConfig
+from worker.loader import LoadedModel, _build, pick_device, pick_dtype
+from worker.tokenizer import load_tokenizer
+
+TINY_SPEC = "tiny-random"
+TINY_SEED = 1234
+
+
+def tiny_config(vocab_size: int, eos_token_id: int | None, bos_token_id: int | None) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, max_position=2048, tie_word_embeddings=True,
+                       eos_token_id=eos_token_id, bos_token_id=bos_token_id)
+
+
+def _random_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(cfg.vocab_size, h),
+                                  "model.norm.weight": torch.ones(h)}
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        t[p + "input_layernorm.weight"] = torch.ones(h)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        t[p + "self_attn.q_proj.weight"] = rnd(cfg.num_heads * hd, h)
+        t[p + "self_attn.k_proj.weight"] = rnd(cfg.num_kv_heads * hd, h)
+        t[p + "self_attn.v_proj.weight"] = rnd(cfg.num_kv_heads * hd, h)
+        t[p + "self_attn.o_proj.weight"] = rnd(h, cfg.num_heads * hd)
+        t[p + "mlp.gate_proj.weight"] = rnd(i, h)
+        t[p + "mlp.up_proj.weight"] = rnd(i, h)
+        t[p + "mlp.down_proj.weight"] = rnd(h, i)
+    return t
+
+
+def load_tiny_model(*, dtype: str | torch.dtype | None = "float32", device: str | torch.device | None = None,
+                    seed: int = TINY_SEED) -> LoadedModel:
+    tok = load_tokenizer("default")
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    cfg = tiny_config(tok.vocab_size, tok.eos_token_id, tok.bos_token_id)
+    model = _build(cfg, _random_tensors(cfg, seed), dt, dev)
+    return LoadedModel(cfg, model, tok, TINY_SPEC, tok.version, min(cfg.max_position, tok.max_context), dt, dev)
+
+
+def load_any(spec: str, *, dtype: str | None = None, device: str | None = None) -> LoadedModel:
+    """`tiny-random` or anything `worker.loader.load_model` understands."""
+    if spec == TINY_SPEC:
+        return load_tiny_model(dtype=dtype or "float32", device=device)
+    from worker.loader import load_model
+
+    return load_model(spec, dtype=dtype, device=device)
