@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -139,12 +138,6 @@ def test_dead_server_counts_every_request_as_an_error(tmp_path: Path, capsys: py
     assert _bench(*again, "--out", str(tmp_path / "third"), "--compare", str(out)) == 1
     assert "report failed" in capsys.readouterr().err
     assert (tmp_path / "third" / "result.json").is_file()  # the run's own numbers are kept
-
-
-@pytest.fixture(scope="session")
-def stack() -> Iterator[gateway_stack.GatewayStack]:
-    yield gateway_stack.shared_stack()
-    gateway_stack.stop_shared_stack()
 
 
 def test_bench_against_the_gateway_and_compare(stack: gateway_stack.GatewayStack, tmp_path: Path,

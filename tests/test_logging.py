@@ -14,14 +14,13 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from config.logs import JsonFormatter
 from gateway.logs import RequestIdFilter, bind_request_id
-from tests.gateway_stack import GatewayStack, shared_stack, stop_shared_stack
+from tests.gateway_stack import GatewayStack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,12 +64,6 @@ def test_request_id_filter_uses_the_context_unless_given() -> None:
     outside = _record("c")
     flt.filter(outside)
     assert getattr(outside, "request_id", None) is None  # the context above did not leak out
-
-
-@pytest.fixture(scope="module")
-def stack() -> Iterator[GatewayStack]:
-    yield shared_stack()
-    stop_shared_stack()
 
 
 def _json_lines(path) -> list[dict]:

@@ -86,6 +86,10 @@ async def test_redis_restart_during_load(cluster: FaultCluster) -> None:
             assert time.monotonic() < deadline, f"not served again after Redis came back: {after}"
             await asyncio.sleep(0.2)
         recovered_s = time.monotonic() - up_at
+        # The gateway settles after the last byte has gone out, so the settle script may load a moment later.
+        settle_deadline = time.monotonic() + 5
+        while scripts_loaded(cluster.redis.url) != [True, True] and time.monotonic() < settle_deadline:
+            await asyncio.sleep(0.05)
     assert scripts_loaded(cluster.redis.url) == [True, True], "NOSCRIPT was not answered by loading the script"
 
     # Before the outage: every request that had ended, or was already streaming, when Redis began to stop
