@@ -27,7 +27,7 @@ import numpy as np
 from router import metrics
 from router.client import TokenChunk, WorkerError
 from router.membership import Membership
-from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, prefix_key
+from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, prefix_key, stable_length
 from router.ring import Choice, NoWorkerAvailable
 
 FALLBACK_FAILOVER = "failover"
@@ -97,7 +97,7 @@ class Router:
                     raise failed from None
                 raise
             started = False
-            attempt = self._attempt(choice.worker_id, req)
+            attempt = self._attempt(choice.worker_id, req, key)
             try:
                 # aclosing: a consumer that stops early closes us, and we close the attempt at once
                 async with contextlib.aclosing(attempt) as chunks:
@@ -113,13 +113,18 @@ class Router:
                 exclude = exclude | {choice.worker_id}
                 metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
 
-    async def _attempt(self, wid: str, req: RouteRequest) -> AsyncIterator[TokenChunk]:
+    def key_span(self, req: RouteRequest) -> int:
+        """Prompt tokens the request's prefix key covers (what its worker will hold once it has prefilled)."""
+        n = len(req.tokens) // 4 if isinstance(req.tokens, bytes | bytearray | memoryview) else len(req.tokens)
+        return stable_length(n, req.stable_len, block_size=self.block_size, max_tokens=self.route_prefix_tokens)
+
+    async def _attempt(self, wid: str, req: RouteRequest, key: bytes | None) -> AsyncIterator[TokenChunk]:
         m = self.membership
         client = m.client(wid)
         loads = m.loads
         loop = asyncio.get_running_loop()
         hard_deadline = loop.time() + self._time_left(req)
-        loads.add(wid, req.rid, req.cost, m.clock())
+        loads.add(wid, req.rid, req.cost, m.clock(), loads.expected_cached(wid, key))
         metrics.REQUESTS.labels(wid).inc()
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         stream = client.generate(req.rid, req.ns, req.tokens, req.sampling, req.priority, req.deadline)
@@ -133,6 +138,7 @@ class Router:
                 if first:
                     first = False
                     loads.first_output(wid, req.rid, m.clock(), chunk.cached_tokens)
+                    loads.remember(wid, key, max(chunk.cached_tokens, self.key_span(req)))
                 cached = max(cached, chunk.cached_tokens)
                 if loop.time() > hard_deadline:
                     raise WorkerError("timeout", "request deadline passed", True)

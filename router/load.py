@@ -9,22 +9,26 @@ including ones the worker has not counted yet, so a worker's load is estimated a
 
 where a request counts as seen by the worker once a stats frame arrives after its
 first output, or `settle` seconds after it was sent. A request's cost is the KV
-tokens it newly occupies: prompt + max_tokens until its first output, then net of
-the `cached_tokens` the worker reports there (shared prefix pages are not new
-load). Counting the full cost until the worker confirms a hit keeps the bound
-honest when a cache is cold or evicted. With one gateway the estimate is
+tokens it newly occupies: shared prefix pages are not new load. From its first
+output on, that is prompt + max_tokens net of the `cached_tokens` the worker
+reports; before, net of the prefix this gateway expects the worker to hold
+(`expected_cached`: the key's span, or more, once a request with that prefix key
+got its first output there; remembered for the last `HIT_MEMORY` keys). The
+worker's report corrects a wrong guess (an evicted prefix) one prefill later. With one gateway the estimate is
 instantaneous; with several, other gateways' work lags by one stats interval.
 State is one entry per in-flight request, removed when it ends.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from worker.protocol import WorkerStats
 
 DEFAULT_SETTLE_S = 0.2
 _COST_EWMA_ALPHA = 0.05
+HIT_MEMORY = 16384  # prefix keys whose holders are remembered
 
 
 @dataclass(slots=True)
@@ -50,14 +54,32 @@ class LoadTracker:
         self.settle = settle
         self.mean_cost = initial_mean_cost
         self._workers: dict[str, _WorkerLoad] = {}
+        self._holders: OrderedDict[bytes, dict[str, int]] = OrderedDict()  # prefix key -> worker -> tokens
 
-    def add(self, worker_id: str, rid: str, cost: int, now: float) -> None:
-        """Count request `rid` of `cost` KV tokens (prompt + max_tokens) against `worker_id`."""
+    def add(self, worker_id: str, rid: str, cost: int, now: float, expected_cached: int = 0) -> None:
+        """Count request `rid` of `cost` KV tokens (prompt + max_tokens) against `worker_id`,
+        net of the `expected_cached` prompt tokens until the worker reports the real figure."""
         w = self._workers.setdefault(worker_id, _WorkerLoad())
         if rid in w.inflight:
             raise ValueError(f"request {rid!r} is already in flight on {worker_id}")
-        w.inflight[rid] = _Inflight(cost, cost, now)
-        w.mine_tokens += cost
+        counted = max(0, cost - expected_cached)
+        w.inflight[rid] = _Inflight(counted, cost, now)
+        w.mine_tokens += counted
+
+    def expected_cached(self, worker_id: str, key: bytes | None) -> int:
+        """Prompt tokens of prefix `key` that `worker_id` is expected to hold (0 if unknown)."""
+        held = self._holders.get(key) if key is not None else None
+        return held.get(worker_id, 0) if held else 0
+
+    def remember(self, worker_id: str, key: bytes | None, tokens: int) -> None:
+        """`worker_id` now holds `tokens` prompt tokens under prefix `key` (it prefilled or hit them)."""
+        if key is None or tokens <= 0:
+            return
+        held = self._holders.pop(key, None) or {}
+        held[worker_id] = tokens
+        self._holders[key] = held  # most recently used last
+        if len(self._holders) > HIT_MEMORY:
+            self._holders.popitem(last=False)
 
     def first_output(self, worker_id: str, rid: str, now: float, cached_tokens: int) -> None:
         """The worker answered: it has counted the request, and says how much of the prompt was cached."""
@@ -89,6 +111,8 @@ class LoadTracker:
 
     def forget(self, worker_id: str) -> None:
         """Drop a departed worker's state (its in-flight entries are released by their streams)."""
+        for held in self._holders.values():
+            held.pop(worker_id, None)
         w = self._workers.get(worker_id)
         if w is None:
             return

@@ -175,6 +175,31 @@ def test_reported_cache_hit_lowers_the_counted_cost() -> None:
     assert t.load("w") == 0
 
 
+def test_expected_hit_counts_only_new_tokens_until_the_worker_reports() -> None:
+    t = LoadTracker(initial_mean_cost=50)
+    key, other = b"k" * 16, b"o" * 16
+    assert t.expected_cached("w", key) == 0 and t.expected_cached("w", None) == 0
+    t.remember("w", key, 592)  # a request with this prefix got its first output on w
+    t.add("w", "hit", 700, now=0.0, expected_cached=t.expected_cached("w", key))
+    t.add("v", "cold", 700, now=0.0, expected_cached=t.expected_cached("v", key))
+    t.add("w", "new", 700, now=0.0, expected_cached=t.expected_cached("w", other))
+    assert (t.load("w"), t.load("v")) == (108 + 700, 700)
+    t.first_output("w", "hit", now=0.1, cached_tokens=0)  # the guess was wrong (evicted): full cost
+    assert t.load("w") == 1400
+    t.forget("w")  # a departed worker holds nothing
+    assert t.expected_cached("w", key) == 0
+
+
+def test_prefix_holders_memory_is_bounded(monkeypatch) -> None:
+    import router.load
+
+    monkeypatch.setattr(router.load, "HIT_MEMORY", 3)
+    t = LoadTracker()
+    for i in range(5):
+        t.remember("w", bytes([i]) * 16, 100)
+    assert [t.expected_cached("w", bytes([i]) * 16) for i in range(5)] == [0, 0, 100, 100, 100]
+
+
 async def test_malformed_endpoint_is_skipped_not_fatal(redis_url: str, r: redis.Redis) -> None:
     register(r, "good", "tcp://127.0.0.1:5")
     register(r, "bad", "not-an-endpoint")
