@@ -1,6 +1,8 @@
 """Engine throughput benchmark: our continuous-batching engine vs HF `generate` with static batches.
 
-One process, one run, the same workload on both sides (bf16 unless --dtype):
+One process, one run, the same workload on both sides, in the dtype the worker
+serves in (`--dtype auto`: bf16 on CUDA and on CPUs with native bf16 matmul,
+AVX512-BF16/AMX; fp32 elsewhere, where bf16 matmuls run several times slower):
 64 requests (seed 1), prompt lengths uniform in [32, 512], output lengths
 uniform in [16, 192], all submitted at once; greedy, EOS ignored. HF runs
 static batches of 16 in submission order (left padding, min_new_tokens =
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--hf-batch", type=int, default=16)
