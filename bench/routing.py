@@ -45,8 +45,23 @@ from router.prefix import namespace_root  # noqa: E402
 from tests.worker_procs import WorkerProc  # noqa: E402
 
 SECRET = b"bench-routing"
-# SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V) x 2 bytes (bf16)
-DEFAULT_MODEL_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
+
+
+def kv_bytes_per_token(model: str, dtype: str | None) -> int:
+    """KV bytes per token of the workers' model in the dtype they will pick (so caches hold `--kv-tokens`)."""
+    import torch
+
+    from worker.kv_cache import bytes_per_token
+    from worker.loader import gguf_config, pick_dtype
+    from worker.model_source import gguf_metadata, resolve
+    from worker.tiny_model import TINY_SPEC, tiny_config
+
+    if model == TINY_SPEC:
+        return bytes_per_token(tiny_config(1, None, None), pick_dtype(dtype or "float32", torch.device("cpu")))
+    src = resolve(model)
+    if src.kind != "gguf":
+        raise SystemExit("pass --kv-bytes-per-token for a Hugging Face folder model")
+    return bytes_per_token(gguf_config(gguf_metadata(src.path)), pick_dtype(dtype, torch.device("cpu")))
 
 
 @dataclass(slots=True)
@@ -138,7 +153,7 @@ def load_ratio(samples: list[dict[str, float]], cluster: list[str]) -> float:
 
 
 async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
-    bytes_per_token = args.kv_bytes_per_token
+    bytes_per_token = args.kv_bytes_per_token or kv_bytes_per_token(args.model, args.dtype)
     common = ["--stats-interval", "0.1", "--max-num-batched-tokens", str(args.max_batched_tokens)]
     common += ["--dtype", args.dtype] if args.dtype else []
     procs = [WorkerProc(log_dir, model=args.model, threads=args.threads,
@@ -190,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
     ap.add_argument("--kv-tokens", type=int, default=5000, help="KV cache tokens per cluster worker")
-    ap.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_MODEL_KV_BYTES_PER_TOKEN)
+    ap.add_argument("--kv-bytes-per-token", type=int, default=None,
+                    help="default: computed from the model's shape and the dtype the workers pick")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=600)
     ap.add_argument("--per-prompt", type=int, default=6)

@@ -125,6 +125,9 @@ class Router:
         loop = asyncio.get_running_loop()
         hard_deadline = loop.time() + self._time_left(req)
         loads.add(wid, req.rid, req.cost, m.clock(), loads.expected_cached(wid, key))
+        # Once this request is prefilled the worker holds its prefix: a request with the same key sent
+        # there meanwhile waits for those pages instead of recomputing them (DESIGN.md, worker engine).
+        loads.remember(wid, key, self.key_span(req))
         metrics.REQUESTS.labels(wid).inc()
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         stream = client.generate(req.rid, req.ns, req.tokens, req.sampling, req.priority, req.deadline)
@@ -138,7 +141,8 @@ class Router:
                 if first:
                     first = False
                     loads.first_output(wid, req.rid, m.clock(), chunk.cached_tokens)
-                    loads.remember(wid, key, max(chunk.cached_tokens, self.key_span(req)))
+                    if chunk.cached_tokens > self.key_span(req):
+                        loads.remember(wid, key, chunk.cached_tokens)
                 cached = max(cached, chunk.cached_tokens)
                 if loop.time() > hard_deadline:
                     raise WorkerError("timeout", "request deadline passed", True)

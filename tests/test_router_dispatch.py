@@ -133,6 +133,27 @@ def no_inflight(router: Router) -> bool:
     return all(router.membership.loads.inflight_count(w) == 0 for w in router.membership.member_ids())
 
 
+async def test_a_sent_prefix_counts_as_held_by_its_worker() -> None:
+    async with setup("stall_after_first", "ok") as (router, req, a, b):
+        loads = router.membership.loads
+        key = router.key_for(req)
+        assert loads.expected_cached(a.endpoint, key) == 0
+        first = router.stream(req)
+        chunk = await asyncio.wait_for(anext(first), 10)  # a answered with cached_tokens 16
+        assert chunk.tokens == [1]
+        assert loads.expected_cached(a.endpoint, key) == 32  # the key's span: the whole 32-token prompt
+        assert loads.expected_cached(b.endpoint, key) == 0
+        assert loads.load(a.endpoint) == 40 - 16
+        await first.aclose()
+        again = RouteRequest(rid="again", ns=NS, tokens=req.tokens, cost=40, sampling={"max_tokens": 3},
+                             deadline=time.time() + 30)
+        second = router.stream(again)
+        await asyncio.wait_for(anext(second), 10)
+        assert a.gens == [req.rid, "again"]
+        await second.aclose()
+        assert no_inflight(router)
+
+
 async def test_home_worker_serves() -> None:
     async with setup("ok", "ok") as (router, req, a, b):
         assert await asyncio.wait_for(collect(router, req), 10) == [1, 2, 3]

@@ -122,7 +122,7 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_config(md: dict) -> ModelConfig:
+def gguf_config(md: dict) -> ModelConfig:
     arch = md.get("general.architecture")
     if arch not in ("llama", "mistral"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} (Llama family only)")
@@ -158,7 +158,7 @@ def _read_gguf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     md = gguf_metadata(src.path)
-    cfg = _gguf_config(md)
+    cfg = gguf_config(md)
     reader = gguf.GGUFReader(str(src.path))
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
