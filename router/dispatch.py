@@ -77,7 +77,9 @@ class Router:
     def pick(self, key: bytes | None, cost: int, exclude: frozenset[str] = frozenset()) -> Choice:
         """Choose a worker (raises NoWorkerAvailable) and count the fallback, if any."""
         m = self.membership
-        choice = m.ring.choose(key, cost, m.loads.loads(), eligible=m.status, exclude=exclude)
+        loads = m.loads
+        choice = m.ring.choose(key, cost, loads.loads(), eligible=m.status, exclude=exclude,
+                               held=lambda w: loads.expected_cached(w, key))
         if choice.fallback is not None:
             metrics.FALLBACKS.labels(choice.fallback).inc()
         return choice

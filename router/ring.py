@@ -6,7 +6,14 @@ same ring and maps a key to the same worker. `choose` walks clockwise from the
 key's point and takes the first eligible (live, not draining, not excluded) worker
 whose outstanding KV tokens are below (1 + epsilon) x mean load, the mean
 including the new request's cost; skipped workers are reported as the fallback
-reason for metrics. Keyless requests go to the least-loaded eligible worker, ties
+reason for metrics. Cache-aware refinement, when the caller says which workers
+are expected to hold the request's prefix (`held`, learned from its own traffic):
+the first holder on the walk within the bound is taken before any non-holder (a
+prefix that spilled under load stays where it went), and a holder may exceed the
+bound by the prefix tokens it will not compute again: the request adds only its
+new tokens there, while moving it would add them all elsewhere and lose the hit.
+No worker ends above the bound plus one request's cost either way, and with no
+holders known every replica maps a key to the same worker. Keyless requests go to the least-loaded eligible worker, ties
 broken at random. The ring holds every known member, eligible or not, so a worker
 that dies and comes back gets exactly its old keys back.
 """
@@ -30,6 +37,7 @@ FALLBACK_DEAD = "dead"
 FALLBACK_DRAINING = "draining"
 FALLBACK_EXCLUDED = "excluded"
 FALLBACK_LOAD = "load"
+FALLBACK_HOLDER = "holder"  # the home did not hold the prefix; a later worker on the walk did
 
 
 @dataclass(slots=True)
@@ -127,12 +135,14 @@ class HashRing:
         *,
         eligible: Callable[[str], str | None],
         exclude: frozenset[str] = frozenset(),
+        held: Callable[[str], int] | None = None,
     ) -> Choice:
         """Pick a worker for a request of `cost` KV tokens.
 
         `loads` gives each member's outstanding KV tokens (missing = 0).
         `eligible(w)` returns None if `w` may take new requests, else a fallback
-        reason (FALLBACK_DEAD, FALLBACK_DRAINING).
+        reason (FALLBACK_DEAD, FALLBACK_DRAINING). `held(w)` is how many of the
+        request's tokens `w` is expected to have cached (default 0).
         """
         if cost < 0:
             raise ValueError("cost must be >= 0")
@@ -142,8 +152,19 @@ class HashRing:
         if key is None:
             return Choice(self._least_loaded(usable, loads))
         bound = (1.0 + self.epsilon) * (sum(loads.get(w, 0.0) for w in usable) + cost) / len(usable)
+        walk = self.walk(key)
+
+        def fits(w: str) -> bool:
+            load = loads.get(w, 0.0) - (min(held(w), cost) if held else 0)
+            return load < bound or load <= 0
+
+        if held is not None:
+            home = next(w for w in walk if w in usable)
+            for w in walk:
+                if w in usable and held(w) > 0 and fits(w):
+                    return Choice(w, None if w == home else FALLBACK_HOLDER)
         fallback: str | None = None
-        for w in self._walk(key):
+        for w in walk:
             if w in exclude:
                 fallback = fallback or FALLBACK_EXCLUDED
                 continue
@@ -151,8 +172,7 @@ class HashRing:
             if reason is not None:
                 fallback = fallback or reason
                 continue
-            load = loads.get(w, 0.0)
-            if load < bound or load == 0:
+            if fits(w):
                 return Choice(w, fallback)
             fallback = fallback or FALLBACK_LOAD
         # Unreachable in exact arithmetic (the least-loaded worker is below the bound); kept as a guard.

@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from router.prefix import namespace_root, prefix_key
-from router.ring import FALLBACK_DEAD, FALLBACK_LOAD, HashRing, NoWorkerAvailable
+from router.ring import FALLBACK_DEAD, FALLBACK_HOLDER, FALLBACK_LOAD, Choice, HashRing, NoWorkerAvailable
 
 SECRET = b"s3cret"
 ROOT = namespace_root("m", "t", "tenant", SECRET)
@@ -109,6 +109,60 @@ def test_hot_prefix_with_completions_places_within_bound() -> None:
         loads[w] += cost
         active.append((w, cost))
         assert loads[w] <= (1 + eps) * mean_after + cost
+
+
+def test_a_prefix_holder_may_exceed_the_bound_by_what_it_holds() -> None:
+    ring = HashRing(WORKERS, epsilon=0.25)
+    k = make_keys(1)[0]
+    home = ring.walk(k)[0]
+    loads = dict.fromkeys(WORKERS, 0.0)
+    loads[home] = 700.0  # the cold prefill of this prefix is running there
+    assert ring.choose(k, 700, loads, eligible=live).fallback == FALLBACK_LOAD
+    holds = {home: 600}
+    assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0)).worker_id == home
+    loads[home] = 1500.0  # far above the bound: even a holder spills
+    assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0)).fallback == FALLBACK_LOAD
+
+
+def test_a_holder_later_on_the_walk_comes_before_the_home() -> None:
+    ring = HashRing(WORKERS, epsilon=0.25)
+    k = make_keys(1)[0]
+    home, second, *_ = ring.walk(k)
+    loads = dict.fromkeys(WORKERS, 100.0)
+    assert ring.choose(k, 700, loads, eligible=live, held=lambda w: 0) == Choice(home)
+    holds = {second: 600}
+    assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0)) == Choice(second, FALLBACK_HOLDER)
+    loads[second] = 5000.0  # a holder beyond the bound is passed over: back to the walk's rule
+    assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0)) == Choice(home)
+
+
+def test_hot_cached_prefix_stays_within_bound_plus_one_request() -> None:
+    """Requests add only what their worker does not hold; no worker exceeds the bound plus one request."""
+    eps = 0.25
+    ring = HashRing(WORKERS, epsilon=eps)
+    hot, *cold = make_keys(60)
+    rng = random.Random(5)
+    loads = dict.fromkeys(WORKERS, 0.0)
+    holders: dict[bytes, set[str]] = {}
+    active: list[tuple[str, float]] = []
+    stayed = 0
+    for _ in range(5000):
+        if len(active) >= 12:
+            w, c = active.pop(rng.randrange(len(active)))
+            loads[w] -= c
+        k = hot if rng.random() < 0.5 else rng.choice(cold)
+        cost = rng.randint(600, 700)
+        held = {w: 560 for w in holders.get(k, ())}
+        bound = (1 + eps) * (sum(loads.values()) + cost) / len(loads)
+        choice = ring.choose(k, cost, loads, eligible=live, held=lambda w, held=held: held.get(w, 0))
+        added = cost - held.get(choice.worker_id, 0)
+        loads[choice.worker_id] += added
+        active.append((choice.worker_id, added))
+        holders.setdefault(k, set()).add(choice.worker_id)
+        stayed += choice.worker_id in held
+        assert loads[choice.worker_id] < bound + cost
+    assert stayed > 4000  # nearly every request found its prefix where it went
+    assert len(holders[hot]) < len(WORKERS)  # the hot prefix did not spread to every worker
 
 
 def test_adding_a_fifth_worker_moves_few_keys() -> None:
