@@ -34,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(late headers: connection closed; late body: 408; default 10)")
     parser.add_argument("--worker-timeout", dest="worker_timeout", type=float,
                         help="seconds without worker stats before it counts as lost (default 1)")
+    parser.add_argument("--route-epsilon", dest="route_epsilon", type=float,
+                        help="bounded-load slack: a worker takes new requests below (1 + eps) x mean load "
+                             "(default 0.25)")
+    parser.add_argument("--route-prefix-tokens", dest="route_prefix_tokens", type=int,
+                        help="prompt-prefix tokens a routing key covers at most (default 256)")
     parser.add_argument("--log-level", dest="log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--log-format", dest="log_format", choices=["json", "text"],
                         help="log lines as JSON objects (default) or text")
@@ -46,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated tenants that get their own metric label (others: 'other')")
 
 
-def _overrides(args: argparse.Namespace) -> dict:
+def overrides_from_args(args: argparse.Namespace) -> dict:
     names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "worker_timeout", "log_level",
-             "log_format", "drain_timeout", "fail_open")
+             "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_prefix_tokens")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:
         values["metrics_tenant_labels"] = [t.strip() for t in args.metrics_tenant_labels.split(",") if t.strip()]
@@ -92,10 +97,10 @@ def build_app(settings: Settings):
             clients = with_gate_notify(clients, gate)
         membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers,
                                 redis_url=None if gw.workers else settings.redis_url,
-                                dead_after=gw.worker_timeout, client_factory=clients)
+                                dead_after=gw.worker_timeout, client_factory=clients, epsilon=gw.route_epsilon)
         views.membership = membership
         await membership.start()
-        router = Router(membership, secret=gw.hash_secret.encode())
+        router = Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens)
         local = None
         if gw.fail_open:
             # Gateways count each other while Redis is up; the last count splits the limits during an outage.
@@ -133,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.logs import RequestIdFilter
 
     try:
-        settings = load_settings(args.config, _overrides(args))
+        settings = load_settings(args.config, overrides_from_args(args))
         app = build_app(settings)
     except (ValueError, FileNotFoundError) as exc:
         print(f"switchyard gateway: {exc}", file=sys.stderr)

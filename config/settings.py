@@ -61,6 +61,8 @@ class GatewaySettings(BaseModel):
     body_timeout: float = Field(10.0, gt=0)  # seconds for a request's headers, then its body, to arrive
     request_timeout: float = Field(600.0, gt=0)  # whole-request deadline sent to the worker
     hash_secret: str = "switchyard-dev-secret"  # per-deployment key of prefix hashes; set it in production
+    route_epsilon: float = Field(0.25, ge=0.0)  # bounded loads: a worker takes new keys below (1 + eps) x mean
+    route_prefix_tokens: int = Field(256, ge=0)  # stable-prefix tokens a routing key covers at most
     # capacity admission (admission.capacity.CapacityGate over the workers' KV stats)
     capacity_admission: bool = True
     admission_wait_ms: int = Field(2000, ge=0)  # queue this long for KV capacity, then 503 server_overloaded

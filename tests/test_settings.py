@@ -50,3 +50,16 @@ def test_engine_config_from_settings() -> None:
     bad = cmd_worker.settings_from_args(_parse(["--block-size", "24"]))
     with pytest.raises(ValueError):
         cmd_worker.engine_config(bad.worker)
+
+
+def test_gateway_routing_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from config import cmd_gateway
+
+    parser = argparse.ArgumentParser()
+    cmd_gateway.add_arguments(parser)
+    monkeypatch.setenv("SWITCHYARD_GATEWAY__ROUTE_PREFIX_TOKENS", "512")
+    s = load_settings(None, cmd_gateway.overrides_from_args(parser.parse_args(["--route-epsilon", "0.5"])))
+    assert (s.gateway.route_epsilon, s.gateway.route_prefix_tokens) == (0.5, 512)
+    assert load_settings().gateway.route_epsilon == 0.25
+    with pytest.raises(ValidationError):
+        load_settings(overrides={"gateway": {"route_epsilon": -0.1}})
