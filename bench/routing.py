@@ -2,8 +2,8 @@
 
 Starts worker processes (`switchyard worker`, default model SmolLM2-135M unless
 `--model`): three form the cluster, each with a KV cache of `--kv-tokens` tokens,
-and a fourth, with three times that cache (the cluster's total), serves the oracle
-run. The workload is 16 distinct "system prompts" of ~600 random token ids, each
+and a fourth, with three times that cache (the cluster's total) or enough for the
+whole workload if that is more, serves the oracle run. The workload is 16 distinct "system prompts" of ~600 random token ids, each
 followed by a short unique user turn, 6 requests per prompt (96) in random order,
 6 in flight at a time, `--max-tokens` output tokens each. It runs (a) through
 `router.Router` (stable prefix = the system prompt), (b) round-robin over the same
@@ -152,6 +152,12 @@ def load_ratio(samples: list[dict[str, float]], cluster: list[str]) -> float:
     return round(max(means) / statistics.fmean(means), 3)
 
 
+def oracle_kv_tokens(args: argparse.Namespace) -> int:
+    """The cluster's total cache, or more if that cannot hold the whole workload: the oracle must not thrash."""
+    working_set = int(1.1 * args.prompts * (args.prompt_len + 32)) + args.concurrency * (32 + args.max_tokens)
+    return max(3 * args.kv_tokens, working_set)
+
+
 async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
     bytes_per_token = args.kv_bytes_per_token or kv_bytes_per_token(args.model, args.dtype)
     common = ["--stats-interval", "0.1", "--max-num-batched-tokens", str(args.max_batched_tokens)]
@@ -160,7 +166,7 @@ async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
                         extra=common + ["--kv-cache-bytes", str(args.kv_tokens * bytes_per_token)])
              for _ in range(3)]
     procs.append(WorkerProc(log_dir, model=args.model, threads=args.threads,
-                            extra=common + ["--kv-cache-bytes", str(3 * args.kv_tokens * bytes_per_token)]))
+                            extra=common + ["--kv-cache-bytes", str(oracle_kv_tokens(args) * bytes_per_token)]))
     # WorkerProc passes its own --kv-cache-bytes first; ours, later on the command line, wins.
     cluster, oracle = [p.endpoint for p in procs[:3]], procs[3].endpoint
     membership = Membership(gateway_id="bench-routing", static_endpoints=cluster + [oracle],

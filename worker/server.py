@@ -170,7 +170,7 @@ class WorkerServer:
             if exc.rid is None:
                 log.warning("dropping bad frame from gateway %r: %s", ident[:64], exc.message)
             else:
-                log.info("rejecting request %s: %s", exc.rid, exc.message)
+                log.info("rejecting request %s: %s", exc.rid, exc.message, extra={"request_id": exc.rid})
                 self._send(ident, proto.encode_err(exc.rid, "bad_request", exc.message, False))
             return
         if isinstance(frame, proto.GenRequest):
@@ -207,7 +207,7 @@ class WorkerServer:
             self.table.remove(entry.engine_rid)
             self._send(ident, proto.encode_err(req.rid, exc.code, exc.message, exc.retryable))
         except Exception:
-            log.exception("internal error admitting request %s", req.rid)
+            log.exception("internal error admitting request %s", req.rid, extra={"request_id": req.rid})
             self.table.remove(entry.engine_rid)
             self._send(ident, proto.encode_err(req.rid, "internal", "internal error admitting the request", True))
 
@@ -254,7 +254,7 @@ class WorkerServer:
             for engine_rid in list(gw.engine_rids):
                 self._abort_quietly(engine_rid)
         for entry in self.table.past_deadline(time.time()):
-            log.info("request %s passed its deadline", entry.rid)
+            log.info("request %s passed its deadline", entry.rid, extra={"request_id": entry.rid})
             self._end(entry, "capacity", "deadline exceeded", retryable=True)
 
     def _abort_quietly(self, engine_rid: str) -> None:
