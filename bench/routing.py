@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default", help="worker model spec ('default', 'tiny-random', path)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
-    ap.add_argument("--kv-tokens", type=int, default=5000, help="KV cache tokens per cluster worker")
+    ap.add_argument("--kv-tokens", type=int, default=3800,
+                    help="KV cache tokens per cluster worker (about 6 of the 16 system prompts)")
     ap.add_argument("--kv-bytes-per-token", type=int, default=None,
                     help="default: computed from the model's shape and the dtype the workers pick")
     ap.add_argument("--prompts", type=int, default=16)
