@@ -112,6 +112,7 @@ async def _sse_body(gen: Generation, first: Delta | None, trace: metrics.Request
             trace.next_chunk(gen.usage.completion_tokens)
     except ApiError as exc:
         # Headers are gone: the SDKs raise on an `error` event.
+        metrics.current().stream_errors.labels(str(exc.status)).inc()
         yield event(exc.body())
         return
     if usage_field:

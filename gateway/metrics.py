@@ -3,7 +3,8 @@
 `GatewayMetrics` owns the collectors: latency histograms by `priority`
 (`switchyard_ttft_seconds`, `_inter_token_seconds`, `_e2e_seconds`,
 `_queue_seconds` = admission wait), token counters, `switchyard_requests_total`
-by HTTP status, and refusals by reason (`switchyard_rate_limited_total`,
+by HTTP status, `switchyard_stream_errors_total` (streams that failed after their
+200 headers, by error status), and refusals by reason (`switchyard_rate_limited_total`,
 `switchyard_shed_total`). A `tenant` label is added only when the settings name
 tenants to label; every other tenant is reported as "other", so the label set
 stays bounded and no key or prompt ever becomes a label. `configure()` makes the
@@ -79,8 +80,12 @@ class GatewayMetrics:
         self.cached_tokens = counter("switchyard_cached_tokens", "Prompt tokens served from a prefix cache", tok)
         self.rate_limited = counter("switchyard_rate_limited", "429s by the tenant limit hit", ["reason", *tok])
         self.shed = counter("switchyard_shed", "503s by reason (our capacity, not the tenant's quota)", ["reason"])
+        # A stream that fails after its 200 headers ends with an SSE error event; `requests` still says 200.
+        self.stream_errors = counter("switchyard_stream_errors",
+                                     "Streams ended by an SSE error event after a 200, by error status", ["status"])
         self._collectors = (self.ttft, self.inter_token, self.e2e, self.queue, self.requests, self.prompt_tokens,
-                            self.completion_tokens, self.cached_tokens, self.rate_limited, self.shed)
+                            self.completion_tokens, self.cached_tokens, self.rate_limited, self.shed,
+                            self.stream_errors)
         for reason in SHED_REASONS:  # every reason is exported from the start, at 0
             self.shed.labels(reason)
         for reason in RATE_LIMIT_REASONS:

@@ -30,6 +30,7 @@ from tenancy.apikeys import digest
 from tenancy.redis_client import sync_client
 from tenancy.schema import api_key_key, config_key
 from tenancy.store import get_tenant, set_status
+from tests.faults.client import metric
 from tests.faults.conftest import expect_error, gateway_log, post
 from tests.gateway_stack import GatewayStack
 from tests.worker_procs import REPO
@@ -180,12 +181,16 @@ def test_disabled_tenant_streams_end_and_new_requests_401(fault_stack, rds, disa
         assert proc.returncode == 0, out
         return time.monotonic()
 
+    cut_before = metric(fault_stack.base_url, "switchyard_stream_errors_total", 'status="401"')
     for disable in (hset, cli):
         set_status(rds, "iso-d", active=True)
         time.sleep(0.6)  # the directory cache forgets the disabled state
         t0, results, refused = asyncio.run(_disable_during_streams(fault_stack, key, disable))
         _check_cut_off(t0, results, refused)
     assert fault_stack.stack.procs["gateway"].poll() is None
+    # each cut stream is counted once as a stream error (its HTTP status was already 200)
+    cut = metric(fault_stack.base_url, "switchyard_stream_errors_total", 'status="401"') - cut_before
+    assert cut == 2 * len(results)
 
 
 # After the disable test (file order), so its error events and 401s are in the logs scanned here.
