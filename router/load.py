@@ -13,7 +13,8 @@ tokens it newly occupies: shared prefix pages are not new load. From its first
 output on, that is prompt + max_tokens net of the `cached_tokens` the worker
 reports; before, net of the prefix this gateway expects the worker to hold
 (`expected_cached`: the key's span once a request with that prefix key was sent
-there, or the larger hit a worker reported; remembered for the last `HIT_MEMORY` keys). The
+there, or the larger hit a worker reported; remembered for the last `HIT_MEMORY` keys
+and forgotten when a worker joins or comes back). The
 worker's report corrects a wrong guess (an evicted prefix) one prefill later. With one gateway the estimate is
 instantaneous; with several, other gateways' work lags by one stats interval.
 State is one entry per in-flight request, removed when it ends.
@@ -108,6 +109,10 @@ class LoadTracker:
             if (entry.seen_at is not None and entry.seen_at < now) or now - entry.sent_at >= self.settle:
                 counted += 1
         w.others_requests = max(0, stats.running + stats.queue - counted)
+
+    def forget_holders(self) -> None:
+        """Drop what is known of which worker holds which prefix (the membership changed)."""
+        self._holders.clear()
 
     def forget(self, worker_id: str) -> None:
         """Drop a departed worker's state (its in-flight entries are released by their streams)."""

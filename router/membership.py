@@ -237,7 +237,12 @@ class Membership:
         self.loads.on_stats(mid, stats, now)
         metrics.PREFIX_HIT_RATE.labels(mid).set(stats.hit_rate)
         metrics.OUTSTANDING_TOKENS.labels(mid).set(self.loads.load(mid))
-        if was != self.status(mid):
+        now_status = self.status(mid)
+        if was != now_status:
+            if was == FALLBACK_DEAD and now_status is None:
+                # A worker joined or came back: every key returns to its ring position (the keys that
+                # must move, move), rather than staying with whichever worker took it meanwhile.
+                self.loads.forget_holders()
             self._changed.set()
 
     def status(self, mid: str) -> str | None:

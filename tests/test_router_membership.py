@@ -63,8 +63,17 @@ async def test_registry_members_liveness_and_draining(redis_url: str, r: redis.R
         assert m.live() == ["w1"]
         assert m.status("w2") == FALLBACK_DEAD
         assert "w2" in m.ring  # stays on the ring so its keys come back
+        m.loads.remember("w1", b"k" * 16, 64)  # w1 took w2's key meanwhile
         m.observe("w2", stats("w2", draining=True))
         assert m.status("w2") == FALLBACK_DRAINING
+        assert m.loads.expected_cached("w1", b"k" * 16) == 64  # draining is not back
+        m.observe("w2", stats("w2", draining=False))
+        assert m.loads.expected_cached("w1", b"k" * 16) == 64  # draining -> live: nothing came back
+        clock.now += 0.6
+        m.observe("w1", stats("w1"))
+        m.observe("w2", stats("w2"))  # dead -> live: keys go back to their ring positions
+        assert m.loads.expected_cached("w1", b"k" * 16) == 0
+        m.observe("w2", stats("w2", draining=True))
         m.observe("w2", stats("w2"))
         assert m.live() == ["w1", "w2"]
         m.observe("w2", stats("w2", version=PROTOCOL_VERSION + 1))
