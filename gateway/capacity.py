@@ -7,13 +7,14 @@ and grows it page by page while decoding, so its own `kv_free` (free plus
 evictable prefix-cache pages, in tokens) overstates the room: the requests it
 runs will still take up to `max_tokens` each. The view therefore counts a
 worker's used capacity as the larger of what it reports in use
-(`kv_total - kv_free`) and the router's outstanding-KV-token load for it
-(this gateway's in-flight requests at their full cost, net of reported cache
-hits, plus other gateways' requests at the mean cost). `with_gate_notify` wraps
+(`kv_total - kv_free`) and the router's committed KV tokens for it
+(`LoadTracker.committed`: this gateway's in-flight requests at their full cost,
+net of reported cache hits, plus other gateways' requests at the mean cost; the
+routing load also subtracts hits the gateway only expects). `with_gate_notify` wraps
 the router's worker-client factory so that every stats frame, after the
 membership has recorded it, wakes the gate's waiters (`CapacityGate.notify`).
 A request's cost is `prompt + max_tokens` with an expected cache hit of 0: the
-router counts a hit only once the worker reports it, so admission does the same
+committed figure counts a hit only once the worker reports it, so admission does the same
 (conservative for shared prefixes; `Admission.admit(expected_cached_tokens=)` is
 where a prediction would go).
 """
@@ -49,7 +50,7 @@ class MembershipCapacity:
             if member is None or member.stats is None:
                 continue
             stats = member.stats
-            used = max(stats.kv_total - stats.kv_free, int(m.loads.load(mid)))
+            used = max(stats.kv_total - stats.kv_free, int(m.loads.committed(mid)))
             views.append(WorkerCapacity(mid, max(0, stats.kv_total - used), stats.kv_total,
                                         draining=stats.draining, updated_at=member.stats_at or 0.0))
         return views

@@ -42,7 +42,8 @@ class _Inflight:
 
 @dataclass(slots=True)
 class _WorkerLoad:
-    mine_tokens: int = 0
+    mine_tokens: int = 0  # routing view: net of expected prefix hits
+    mine_committed: int = 0  # admission view: net of reported hits only (full cost until the first output)
     others_requests: int = 0
     gone: bool = False  # left the membership; dropped once its last request is released
     inflight: dict[str, _Inflight] = field(default_factory=dict)
@@ -66,6 +67,7 @@ class LoadTracker:
         counted = max(0, cost - expected_cached)
         w.inflight[rid] = _Inflight(counted, cost, now)
         w.mine_tokens += counted
+        w.mine_committed += cost
 
     def expected_cached(self, worker_id: str, key: bytes | None) -> int:
         """Prompt tokens of prefix `key` that `worker_id` is expected to hold (0 if unknown)."""
@@ -90,6 +92,7 @@ class LoadTracker:
             entry.seen_at = now
             exact = max(0, entry.full - cached_tokens)
             w.mine_tokens += exact - entry.cost
+            w.mine_committed += exact - entry.full
             entry.cost = exact
             self.mean_cost += _COST_EWMA_ALPHA * (exact - self.mean_cost)
 
@@ -98,6 +101,7 @@ class LoadTracker:
         entry = w.inflight.pop(rid, None) if w else None
         if entry is not None:
             w.mine_tokens -= entry.cost
+            w.mine_committed -= entry.cost if entry.seen_at is not None else entry.full
             if w.gone and not w.inflight:
                 del self._workers[worker_id]
 
@@ -131,6 +135,14 @@ class LoadTracker:
         if w is None:
             return 0.0
         return w.mine_tokens + w.others_requests * self.mean_cost
+
+    def committed(self, worker_id: str) -> float:
+        """Like `load`, but a request counts its full cost until the worker reports its cache hit:
+        the conservative figure for capacity admission, which must not promise KV on a guess."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0.0
+        return w.mine_committed + w.others_requests * self.mean_cost
 
     def loads(self) -> dict[str, float]:
         return {wid: self.load(wid) for wid in self._workers}

@@ -193,8 +193,17 @@ def test_expected_hit_counts_only_new_tokens_until_the_worker_reports() -> None:
     t.add("v", "cold", 700, now=0.0, expected_cached=t.expected_cached("v", key))
     t.add("w", "new", 700, now=0.0, expected_cached=t.expected_cached("w", other))
     assert (t.load("w"), t.load("v")) == (108 + 700, 700)
+    assert t.committed("w") == 1400  # admission does not count a guessed hit
     t.first_output("w", "hit", now=0.1, cached_tokens=0)  # the guess was wrong (evicted): full cost
-    assert t.load("w") == 1400
+    assert t.load("w") == 1400 == t.committed("w")
+    t.first_output("w", "new", now=0.1, cached_tokens=600)  # a reported hit counts for both
+    assert t.load("w") == 800 == t.committed("w")
+    t.release("w", "hit")
+    t.release("w", "new")
+    assert t.load("w") == 0 == t.committed("w")
+    t.add("w", "x", 700, now=0.2, expected_cached=592)
+    t.release("w", "x")  # released before any output
+    assert t.load("w") == 0 == t.committed("w")
     t.forget("w")  # a departed worker holds nothing
     assert t.expected_cached("w", key) == 0
 
