@@ -4,7 +4,7 @@ Workload: a system prompt of about 1,000 tokens (chat template) followed by 32
 short distinct user questions, 24 greedy output tokens each (EOS ignored), 4
 requests in flight at a time (a new one is added as soon as one finishes). The
 same workload runs on a fresh engine with the prefix cache off, then on one
-with it on, over the same loaded model (bf16 unless --dtype). TTFT is taken
+with it on, over the same loaded model (the worker's auto dtype unless --dtype). TTFT is taken
 in-process, from `add_request` to the first `StepOutput` carrying a token.
 `prefill_tokens_saved_frac` compares the prefill tokens each engine actually ran
 through the model; `hit_rate` is the cache-on engine's `prefix_hit_rate`.
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--questions", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=24)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto (the worker's choice) | bfloat16 | float32")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens)

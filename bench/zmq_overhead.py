@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON line only")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                    help="engine dtype on both sides (the engine benchmark runs bf16)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                    help="engine dtype on both sides (auto: the worker's choice, as in the engine benchmark)")
     ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30, help="as the engine benchmark")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
