@@ -3,7 +3,8 @@
 A private cluster (2 `tiny-random` workers, 1 gateway) is first driven closed-loop by 8 clients for
 CALIBRATE_S to measure what it can serve (requests/s); then requests arrive open-loop at 70% of that
 for SWITCHYARD_SOAK_S seconds (default 600): streaming and non-streaming completions and chat, of
-varied lengths. Every request must succeed (zero errors, none outstanding beyond MAX_OUTSTANDING) and
+varied lengths. Every request must succeed (zero errors; MAX_OUTSTANDING in flight at most, and for
+under SATURATED_SHARE of the run: a VM stall may back requests up briefly, a slow cluster stays there) and
 the resident memory of the gateway and of each worker, sampled every SAMPLE_S, must stay flat: the
 least-squares slope over the samples after a warm-up, projected over the run, below
 max(GROWTH_FLOOR_MB, GROWTH_FRACTION of the mean). Run it with `pytest -m slow tests/faults/test_soak.py`.
@@ -26,7 +27,7 @@ from tests.faults.cluster import SHARED_GATEWAY_SETTINGS, FaultCluster, unattrib
 
 SOAK_S = float(os.environ.get("SWITCHYARD_SOAK_S", "600"))
 CALIBRATE_S, CALIBRATE_CLIENTS, LOAD_SHARE = 15.0, 8, 0.7
-SAMPLE_S, WARMUP_SHARE, MAX_OUTSTANDING = 2.0, 0.2, 64
+SAMPLE_S, WARMUP_SHARE, MAX_OUTSTANDING, SATURATED_SHARE = 2.0, 0.2, 64, 0.05
 GROWTH_FLOOR_MB, GROWTH_FRACTION = 16.0, 0.05
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(SOAK_S) + 300)]
@@ -112,13 +113,21 @@ async def test_soak_mixed_load_memory_flat(cluster: FaultCluster) -> None:
         start = time.monotonic()
         next_sample = start
         tasks: set[asyncio.Task[str]] = set()
+        saturated_s = 0.0
         i = 0
         while (now := time.monotonic()) - start < SOAK_S:
             if now >= next_sample:
                 for name, pid in pids.items():
                     samples[name].append((now - start, rss_mb(pid)))
                 next_sample += SAMPLE_S
-            assert len(tasks) < MAX_OUTSTANDING, "the cluster does not keep up with 70% of its capacity"
+            if len(tasks) >= MAX_OUTSTANDING:
+                # A stall of the shared 2-core VM can back requests up for a moment: wait (bounded), but count
+                # it; a cluster that cannot keep up stays saturated and fails the check below.
+                saturated_from = time.monotonic()
+                async with asyncio.timeout(60):
+                    while len(tasks) >= MAX_OUTSTANDING:
+                        await asyncio.sleep(0.01)
+                saturated_s += time.monotonic() - saturated_from
             task = asyncio.create_task(one_request(http, gw.base_url, key, i))
             task.add_done_callback(lambda t: outcomes.update([t.result() if not t.exception() else repr(t.exception())]))
             tasks.add(task)
@@ -129,8 +138,9 @@ async def test_soak_mixed_load_memory_flat(cluster: FaultCluster) -> None:
             await asyncio.gather(*tasks, return_exceptions=True)
     errors = {k: v for k, v in outcomes.items() if k != "ok"}
     print(f"soak {SOAK_S:.0f}s: calibrated capacity {capacity:.1f} req/s, offered {rate:.1f} req/s, "
-          f"{outcomes['ok']} ok, errors {errors}")
+          f"{outcomes['ok']} ok, errors {errors}, {saturated_s:.1f}s with {MAX_OUTSTANDING} outstanding")
     assert not errors
+    assert saturated_s < SATURATED_SHARE * SOAK_S, "the cluster does not keep up with 70% of its capacity"
     assert outcomes["ok"] >= 0.9 * rate * SOAK_S
     for name, series in samples.items():
         steady = series[int(len(series) * WARMUP_SHARE):]
