@@ -27,7 +27,7 @@ import numpy as np
 from router import metrics
 from router.client import TokenChunk, WorkerError
 from router.membership import Membership
-from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, prefix_key, stable_length
+from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, key_span, prefix_key
 from router.ring import Choice, NoWorkerAvailable
 
 FALLBACK_FAILOVER = "failover"
@@ -43,7 +43,7 @@ class RouteRequest:
     rid: str
     ns: bytes
     tokens: Sequence[int] | np.ndarray | bytes
-    cost: int  # KV tokens the request may occupy (prompt + max_tokens, minus expected cache hit)
+    cost: int  # KV tokens the request may occupy (prompt + max_tokens); the router nets out expected hits
     sampling: dict[str, Any] = field(default_factory=dict)
     stable_len: int | None = None  # chat: tokens before the last user turn; None: raw completion
     priority: int = 0
@@ -89,6 +89,8 @@ class Router:
         if req.cost < 0:
             raise ValueError("cost must be >= 0")
         key = self.key_for(req)
+        # what a worker holds under `key` once it has prefilled this request
+        span = key_span(req.tokens, req.stable_len, block_size=self.block_size, max_tokens=self.route_prefix_tokens)
         exclude: frozenset[str] = frozenset()
         failed: WorkerError | None = None
         for _ in range(2):
@@ -99,7 +101,7 @@ class Router:
                     raise failed from None
                 raise
             started = False
-            attempt = self._attempt(choice.worker_id, req, key)
+            attempt = self._attempt(choice.worker_id, req, key, span)
             try:
                 # aclosing: a consumer that stops early closes us, and we close the attempt at once
                 async with contextlib.aclosing(attempt) as chunks:
@@ -115,12 +117,8 @@ class Router:
                 exclude = exclude | {choice.worker_id}
                 metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
 
-    def key_span(self, req: RouteRequest) -> int:
-        """Prompt tokens the request's prefix key covers (what its worker will hold once it has prefilled)."""
-        n = len(req.tokens) // 4 if isinstance(req.tokens, bytes | bytearray | memoryview) else len(req.tokens)
-        return stable_length(n, req.stable_len, block_size=self.block_size, max_tokens=self.route_prefix_tokens)
-
-    async def _attempt(self, wid: str, req: RouteRequest, key: bytes | None) -> AsyncIterator[TokenChunk]:
+    async def _attempt(self, wid: str, req: RouteRequest, key: bytes | None,
+                       span: int) -> AsyncIterator[TokenChunk]:
         m = self.membership
         client = m.client(wid)
         loads = m.loads
@@ -129,7 +127,7 @@ class Router:
         loads.add(wid, req.rid, req.cost, m.clock(), loads.expected_cached(wid, key))
         # Once this request is prefilled the worker holds its prefix: a request with the same key sent
         # there meanwhile waits for those pages instead of recomputing them (DESIGN.md, worker engine).
-        loads.remember(wid, key, self.key_span(req))
+        loads.remember(wid, key, span)
         metrics.REQUESTS.labels(wid).inc()
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         stream = client.generate(req.rid, req.ns, req.tokens, req.sampling, req.priority, req.deadline)
@@ -143,7 +141,7 @@ class Router:
                 if first:
                     first = False
                     loads.first_output(wid, req.rid, m.clock(), chunk.cached_tokens)
-                    if chunk.cached_tokens > self.key_span(req):
+                    if chunk.cached_tokens > span:
                         loads.remember(wid, key, chunk.cached_tokens)
                 cached = max(cached, chunk.cached_tokens)
                 if loop.time() > hard_deadline:

@@ -13,10 +13,12 @@ tokens it newly occupies: shared prefix pages are not new load. From its first
 output on, that is prompt + max_tokens net of the `cached_tokens` the worker
 reports; before, net of the prefix this gateway expects the worker to hold
 (`expected_cached`: the key's span once a request with that prefix key was sent
-there, or the larger hit a worker reported; remembered for the last `HIT_MEMORY` keys
-and forgotten when a worker joins or comes back). The
-worker's report corrects a wrong guess (an evicted prefix) one prefill later. With one gateway the estimate is
-instantaneous; with several, other gateways' work lags by one stats interval.
+there, or the larger hit a worker reported; remembered for the last `HIT_MEMORY`
+keys and forgotten when a worker joins or comes back). The worker's report
+corrects a wrong guess (an evicted prefix) one prefill later. `committed` is the
+conservative figure for capacity admission: full cost until the worker reports
+a hit. With one gateway the estimate is instantaneous; with several, other
+gateways' work lags by one stats interval.
 State is one entry per in-flight request, removed when it ends.
 """
 

@@ -76,6 +76,13 @@ def stable_length(n_tokens: int, stable_len: int | None, *, block_size: int, max
     return limit - limit % block_size
 
 
+def key_span(tokens: Sequence[int] | np.ndarray | bytes, stable_len: int | None, *, block_size: int,
+             max_tokens: int = DEFAULT_ROUTE_PREFIX_TOKENS) -> int:
+    """`stable_length` of a prompt given as ids or packed int32 bytes: the tokens its key covers."""
+    n_tokens = len(tokens) // 4 if isinstance(tokens, bytes | bytearray | memoryview) else len(tokens)
+    return stable_length(n_tokens, stable_len, block_size=block_size, max_tokens=max_tokens)
+
+
 def prefix_key(
     tokens: Sequence[int] | np.ndarray | bytes,
     stable_len: int | None,
@@ -91,8 +98,7 @@ def prefix_key(
     """
     if len(root) != DIGEST_SIZE:
         raise ValueError(f"root must be a {DIGEST_SIZE}-byte namespace_root digest")
-    n_tokens = len(tokens) // 4 if isinstance(tokens, bytes | bytearray | memoryview) else len(tokens)
-    n = stable_length(n_tokens, stable_len, block_size=block_size, max_tokens=max_tokens)
+    n = key_span(tokens, stable_len, block_size=block_size, max_tokens=max_tokens)
     if n == 0:
         return None
     raw = _as_int32_bytes(tokens, n)

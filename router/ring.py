@@ -13,8 +13,8 @@ prefix that spilled under load stays where it went), and a holder may exceed the
 bound by the prefix tokens it will not compute again: the request adds only its
 new tokens there, while moving it would add them all elsewhere and lose the hit.
 No worker ends above the bound plus one request's cost either way, and with no
-holders known every replica maps a key to the same worker. Keyless requests go to the least-loaded eligible worker, ties
-broken at random. The ring holds every known member, eligible or not, so a worker
+holders known every replica maps a key to the same worker. Keyless requests go
+to the least-loaded eligible worker, ties broken at random. The ring holds every known member, eligible or not, so a worker
 that dies and comes back gets exactly its old keys back.
 """
 
@@ -159,9 +159,9 @@ class HashRing:
             return load < bound or load <= 0
 
         if held is not None:
-            home = next(w for w in walk if w in usable)
             for w in walk:
                 if w in usable and held(w) > 0 and fits(w):
+                    home = next(u for u in walk if u in usable)
                     return Choice(w, None if w == home else FALLBACK_HOLDER)
         fallback: str | None = None
         for w in walk:
