@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--route-epsilon", dest="route_epsilon", type=float,
                         help="bounded-load slack: a worker takes new requests below (1 + eps) x mean load "
                              "(default 0.25)")
+    parser.add_argument("--route-footprint-epsilon", dest="route_footprint_epsilon", type=float,
+                        help="a new prefix goes to a worker holding below (1 + eps) x the mean of placed prefix "
+                             "tokens (default 0.1; 0 balances best with one gateway, replicas agree less)")
     parser.add_argument("--route-prefix-tokens", dest="route_prefix_tokens", type=int,
                         help="prompt-prefix tokens a routing key covers at most (default 256)")
     parser.add_argument("--log-level", dest="log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -53,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
     names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "worker_timeout", "log_level",
-             "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_prefix_tokens")
+             "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
+             "route_prefix_tokens")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:
         values["metrics_tenant_labels"] = [t.strip() for t in args.metrics_tenant_labels.split(",") if t.strip()]
@@ -97,7 +101,8 @@ def build_app(settings: Settings):
             clients = with_gate_notify(clients, gate)
         membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers,
                                 redis_url=None if gw.workers else settings.redis_url,
-                                dead_after=gw.worker_timeout, client_factory=clients, epsilon=gw.route_epsilon)
+                                dead_after=gw.worker_timeout, client_factory=clients, epsilon=gw.route_epsilon,
+                                footprint_epsilon=gw.route_footprint_epsilon)
         views.membership = membership
         await membership.start()
         router = Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens)

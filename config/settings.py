@@ -62,6 +62,8 @@ class GatewaySettings(BaseModel):
     request_timeout: float = Field(600.0, gt=0)  # whole-request deadline sent to the worker
     hash_secret: str = "switchyard-dev-secret"  # per-deployment key of prefix hashes; set it in production
     route_epsilon: float = Field(0.25, ge=0.0)  # bounded loads: a worker takes new keys below (1 + eps) x mean
+    # a prefix no worker holds goes to a worker whose placed prefix tokens are below (1 + eps) x mean
+    route_footprint_epsilon: float = Field(0.1, ge=0.0)
     route_prefix_tokens: int = Field(256, ge=0)  # stable-prefix tokens a routing key covers at most
     # capacity admission (admission.capacity.CapacityGate over the workers' KV stats)
     capacity_admission: bool = True

@@ -74,12 +74,13 @@ class Router:
         return prefix_key(req.tokens, req.stable_len, root=req.ns, secret=self.secret,
                           block_size=self.block_size, max_tokens=self.route_prefix_tokens)
 
-    def pick(self, key: bytes | None, cost: int, exclude: frozenset[str] = frozenset()) -> Choice:
+    def pick(self, key: bytes | None, cost: int, exclude: frozenset[str] = frozenset(), span: int = 0) -> Choice:
         """Choose a worker (raises NoWorkerAvailable) and count the fallback, if any."""
         m = self.membership
         loads = m.loads
         choice = m.ring.choose(key, cost, loads.loads(), eligible=m.status, exclude=exclude,
-                               held=lambda w: loads.expected_cached(w, key))
+                               held=lambda w: loads.expected_cached(w, key),
+                               footprints=loads.footprints(), span=span)
         if choice.fallback is not None:
             metrics.FALLBACKS.labels(choice.fallback).inc()
         return choice
@@ -95,7 +96,7 @@ class Router:
         failed: WorkerError | None = None
         for _ in range(2):
             try:
-                choice = self.pick(key, req.cost, exclude)
+                choice = self.pick(key, req.cost, exclude, span)
             except NoWorkerAvailable:
                 if failed is not None:
                     raise failed from None

@@ -59,6 +59,7 @@ class LoadTracker:
         self.mean_cost = initial_mean_cost
         self._workers: dict[str, _WorkerLoad] = {}
         self._holders: OrderedDict[bytes, dict[str, int]] = OrderedDict()  # prefix key -> worker -> tokens
+        self._footprint: dict[str, int] = {}  # worker -> prefix tokens remembered in _holders
 
     def add(self, worker_id: str, rid: str, cost: int, now: float, expected_cached: int = 0) -> None:
         """Count request `rid` of `cost` KV tokens (prompt + max_tokens) against `worker_id`,
@@ -81,10 +82,18 @@ class LoadTracker:
         if key is None or tokens <= 0:
             return
         held = self._holders.pop(key, None) or {}
+        self._footprint[worker_id] = self._footprint.get(worker_id, 0) + tokens - held.get(worker_id, 0)
         held[worker_id] = tokens
         self._holders[key] = held  # most recently used last
         if len(self._holders) > HIT_MEMORY:
-            self._holders.popitem(last=False)
+            _, dropped = self._holders.popitem(last=False)
+            for wid, n in dropped.items():
+                self._footprint[wid] -= n
+
+    def footprints(self) -> dict[str, int]:
+        """Prefix tokens each worker is remembered to hold, summed over the remembered keys: how much
+        of the prefix working set this gateway has placed on it."""
+        return dict(self._footprint)
 
     def first_output(self, worker_id: str, rid: str, now: float, cached_tokens: int) -> None:
         """The worker answered: it has counted the request, and says how much of the prompt was cached."""
@@ -119,11 +128,13 @@ class LoadTracker:
     def forget_holders(self) -> None:
         """Drop what is known of which worker holds which prefix (the membership changed)."""
         self._holders.clear()
+        self._footprint.clear()
 
     def forget(self, worker_id: str) -> None:
         """Drop a departed worker's state (its in-flight entries are released by their streams)."""
         for held in self._holders.values():
             held.pop(worker_id, None)
+        self._footprint.pop(worker_id, None)
         w = self._workers.get(worker_id)
         if w is None:
             return

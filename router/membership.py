@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from router import metrics
 from router.client import WorkerClient
 from router.load import LoadTracker
-from router.ring import DEFAULT_EPSILON, DEFAULT_VNODES, FALLBACK_DEAD, FALLBACK_DRAINING, HashRing
+from router.ring import (
+    DEFAULT_EPSILON,
+    DEFAULT_FOOTPRINT_EPSILON,
+    DEFAULT_VNODES,
+    FALLBACK_DEAD,
+    FALLBACK_DRAINING,
+    HashRing,
+)
 from worker.protocol import PROTOCOL_VERSION, WorkerStats
 from worker.registry import KEY_PREFIX, parse_registration
 
@@ -70,6 +77,7 @@ class Membership:
         dead_after: float = DEFAULT_DEAD_AFTER_S,
         vnodes: int = DEFAULT_VNODES,
         epsilon: float = DEFAULT_EPSILON,
+        footprint_epsilon: float = DEFAULT_FOOTPRINT_EPSILON,
         clock: Callable[[], float] = time.monotonic,
         client_factory: ClientFactory = WorkerClient,
         rng: random.Random | None = None,
@@ -83,7 +91,7 @@ class Membership:
         self.poll_interval = poll_interval
         self.dead_after = dead_after
         self.clock = clock
-        self.ring = HashRing(vnodes=vnodes, epsilon=epsilon, rng=rng)
+        self.ring = HashRing(vnodes=vnodes, epsilon=epsilon, footprint_epsilon=footprint_epsilon, rng=rng)
         self.loads = LoadTracker()
         self._client_factory = client_factory
         self._members: dict[str, Member] = {}

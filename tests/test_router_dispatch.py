@@ -143,6 +143,7 @@ async def test_a_sent_prefix_counts_as_held_by_its_worker() -> None:
         assert chunk.tokens == [1]
         assert loads.expected_cached(a.endpoint, key) == 32  # the key's span: the whole 32-token prompt
         assert loads.expected_cached(b.endpoint, key) == 0
+        assert loads.footprints() == {a.endpoint: 32}  # what the footprint rule balances for new prefixes
         assert loads.load(a.endpoint) == 40 - 16
         await first.aclose()
         again = RouteRequest(rid="again", ns=NS, tokens=req.tokens, cost=40, sampling={"max_tokens": 3},

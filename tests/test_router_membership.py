@@ -216,6 +216,21 @@ def test_prefix_holders_memory_is_bounded(monkeypatch) -> None:
     for i in range(5):
         t.remember("w", bytes([i]) * 16, 100)
     assert [t.expected_cached("w", bytes([i]) * 16) for i in range(5)] == [0, 0, 100, 100, 100]
+    assert t.footprints() == {"w": 300}  # the forgotten keys no longer count
+
+
+def test_footprints_follow_the_holder_memory() -> None:
+    t = LoadTracker()
+    a, b = b"a" * 16, b"b" * 16
+    t.remember("w", a, 64)
+    t.remember("w", a, 96)  # a larger reported hit replaces the span, it does not add to it
+    t.remember("w", b, 32)
+    t.remember("v", a, 64)
+    assert t.footprints() == {"w": 128, "v": 64}
+    t.forget("v")
+    assert t.footprints() == {"w": 128}
+    t.forget_holders()
+    assert t.footprints() == {}
 
 
 async def test_malformed_endpoint_is_skipped_not_fatal(redis_url: str, r: redis.Redis) -> None:

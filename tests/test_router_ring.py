@@ -8,7 +8,15 @@ from collections import Counter, defaultdict
 import pytest
 
 from router.prefix import namespace_root, prefix_key
-from router.ring import FALLBACK_DEAD, FALLBACK_HOLDER, FALLBACK_LOAD, Choice, HashRing, NoWorkerAvailable
+from router.ring import (
+    FALLBACK_DEAD,
+    FALLBACK_FOOTPRINT,
+    FALLBACK_HOLDER,
+    FALLBACK_LOAD,
+    Choice,
+    HashRing,
+    NoWorkerAvailable,
+)
 
 SECRET = b"s3cret"
 ROOT = namespace_root("m", "t", "tenant", SECRET)
@@ -134,6 +142,46 @@ def test_a_holder_later_on_the_walk_comes_before_the_home() -> None:
     assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0)) == Choice(second, FALLBACK_HOLDER)
     loads[second] = 5000.0  # a holder beyond the bound is passed over: back to the walk's rule
     assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0)) == Choice(home)
+
+
+def place_new_prefixes(ring: HashRing, keys: list[bytes], span: int) -> dict[str, int]:
+    """Place each key once (no worker holds it yet, loads equal); returns the prefix tokens per worker."""
+    footprints = dict.fromkeys(ring.members, 0)
+    loads = dict.fromkeys(ring.members, 0.0)
+    for k in keys:
+        choice = ring.choose(k, span + 32, loads, eligible=live, held=lambda w: 0, footprints=footprints, span=span)
+        footprints[choice.worker_id] += span
+    return footprints
+
+
+def test_new_prefixes_spread_within_the_footprint_bound() -> None:
+    """16 prefixes over 3 workers: the ring alone often gives one worker 8 or more (its cache then
+    thrashes); bounding each worker's share of placed prefixes keeps every one within its share."""
+    span, workers = 600, WORKERS[:3]
+    plain_worst = 0
+    for seed in range(40):
+        ring = HashRing(workers, epsilon=0.25, footprint_epsilon=0.1)
+        keys = [bytes(random.Random(seed * 100 + i).randbytes(16)) for i in range(16)]
+        footprints = place_new_prefixes(ring, keys, span)
+        assert max(footprints.values()) <= 1.1 * sum(footprints.values()) / len(workers) + span
+        assert max(footprints.values()) // span <= 6  # 6/5/5: as even as 16 prefixes can be
+        plain = Counter(ring.walk(k)[0] for k in keys)
+        plain_worst = max(plain_worst, max(plain.values()))
+    assert plain_worst >= 8  # the spread above is the footprint rule's doing, not the ring's luck
+
+
+def test_footprint_rule_keeps_replicas_agreeing_and_names_its_fallback() -> None:
+    ring = HashRing(WORKERS, epsilon=0.25)
+    k = make_keys(1)[0]
+    home, second, *_ = ring.walk(k)
+    loads = dict.fromkeys(WORKERS, 0.0)
+    empty = dict.fromkeys(WORKERS, 0)
+    assert ring.choose(k, 700, loads, eligible=live, footprints=empty, span=600) == Choice(home)
+    crowded = dict.fromkeys(WORKERS, 0) | {home: 6000}
+    assert ring.choose(k, 700, loads, eligible=live, footprints=crowded, span=600) == Choice(second, FALLBACK_FOOTPRINT)
+    holds = {home: 600}  # a known holder wins over the footprint rule
+    assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0), footprints=crowded,
+                       span=600) == Choice(home)
 
 
 def test_hot_cached_prefix_stays_within_bound_plus_one_request() -> None:
