@@ -34,6 +34,9 @@ FALLBACK_FAILOVER = "failover"
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_STREAM_S = 600.0
 DEADLINE_GRACE_S = 1.0  # the worker ends overdue requests itself; this only catches a silent one
+# Share of a worker's KV cache that new prefixes fill freely: while caches have room, spreading
+# prefixes buys nothing and costs ring affinity (and agreement between gateway replicas).
+FREE_FOOTPRINT_SHARE = 0.25
 
 
 @dataclass(slots=True)
@@ -80,10 +83,20 @@ class Router:
         loads = m.loads
         choice = m.ring.choose(key, cost, loads.loads(), eligible=m.status, exclude=exclude,
                                held=lambda w: loads.expected_cached(w, key),
-                               footprints=loads.footprints(), span=span)
+                               footprints=self._footprints_over_allowance(), span=span)
         if choice.fallback is not None:
             metrics.FALLBACKS.labels(choice.fallback).inc()
         return choice
+
+    def _footprints_over_allowance(self) -> dict[str, float]:
+        """Prefix tokens this gateway has placed on each worker beyond FREE_FOOTPRINT_SHARE of its KV cache."""
+        m = self.membership
+        out: dict[str, float] = {}
+        for wid, tokens in m.loads.footprints().items():
+            member = m.member(wid)
+            kv_total = member.stats.kv_total if member is not None and member.stats is not None else 0
+            out[wid] = max(0.0, tokens - FREE_FOOTPRINT_SHARE * kv_total)
+        return out
 
     async def stream(self, req: RouteRequest) -> AsyncIterator[TokenChunk]:
         """Yield the request's chunks; raises WorkerError or NoWorkerAvailable (before any output)."""

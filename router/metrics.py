@@ -27,7 +27,8 @@ CACHED_TOKENS = Counter(
 )
 FALLBACKS = Counter(
     "switchyard_router_fallbacks",
-    "Requests not sent to their key's home worker, by reason (load, dead, draining, excluded, failover)",
+    "Requests not sent to their key's home worker, by reason "
+    "(load, dead, draining, excluded, failover, holder, footprint)",
     ["reason"],
 )
 

@@ -13,9 +13,9 @@ spilled under load stays where it went), and a holder may exceed the bound by th
 prefix tokens it will not compute again: the request adds only its new tokens
 there, while moving it would add them all elsewhere and lose the hit. No worker
 ends above the bound plus one request's cost either way. A prefix no worker holds
-yet (`footprints`: prefix tokens already placed per worker): the first worker on
-the walk within the load bound whose footprint is below (1 + footprint_epsilon) x
-mean footprint. This is the same bounded-loads rule applied to cache space: a
+yet (`footprints`: prefix tokens already placed per worker, beyond whatever the
+caller lets fill freely): the first worker on the walk within the load bound whose
+footprint is below (1 + footprint_epsilon) x mean footprint. This is the same bounded-loads rule applied to cache space: a
 ring alone gives one of 3 workers 8 or more of 16 prefixes about 40% of the time, more
 than its cache holds, and its misses then pile up there. With nothing learned,
 every replica maps a key to the same worker. Keyless requests go to the
@@ -156,8 +156,9 @@ class HashRing:
         `eligible(w)` returns None if `w` may take new requests, else a fallback
         reason (FALLBACK_DEAD, FALLBACK_DRAINING). `held(w)` is how many of the
         request's tokens `w` is expected to have cached (default 0).
-        `footprints` (prefix tokens already placed on each worker) and `span` (the
-        request's prefix tokens) place a prefix no worker is known to hold.
+        `footprints` (prefix tokens already placed on each worker, all 0 = no
+        preference) and `span` (the request's prefix tokens) place a prefix no
+        worker is known to hold.
         """
         if cost < 0:
             raise ValueError("cost must be >= 0")

@@ -11,7 +11,6 @@ it started, SIGKILL after a grace period. Logs go to a temp dir and are shown by
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,47 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import free_port, wait_for_port
+from tests.conftest import RedisServer, free_port
 from tests.worker_procs import REPO, WorkerProc
-
-
-class RedisProc:
-    """A private redis-server that can be stopped and started again on the same port with its data."""
-
-    def __init__(self, data_dir: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server not installed: run `make test`, which installs it")
-        self.binary, self.data_dir, self.port = binary, data_dir, free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.data_dir), "--dbfilename", "dump.rdb", "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port)
-
-    def stop(self, save: bool = True) -> None:
-        if self.proc is None:
-            return
-        if save:
-            import redis
-
-            client = redis.Redis.from_url(self.url, socket_timeout=5)
-            client.save()
-            client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        self.proc = None
 
 
 @dataclass(slots=True)
@@ -100,7 +60,7 @@ class GatewayProc:
 @dataclass(slots=True)
 class AdmissionStack:
     log_dir: Path
-    redis: RedisProc
+    redis: RedisServer
     worker: WorkerProc | None = None
     gateways: list[GatewayProc] = field(default_factory=list)
 
@@ -108,7 +68,7 @@ class AdmissionStack:
     def start(cls, *, gateways: int = 1, gateway_settings: dict[str, object] | None = None,
               worker_args: list[str] | None = None, ready_timeout: float = 120.0) -> AdmissionStack:
         log_dir = Path(tempfile.mkdtemp(prefix="sy-adm-test-"))
-        stack = cls(log_dir, RedisProc(log_dir))
+        stack = cls(log_dir, RedisServer(log_dir))
         try:
             stack.redis.start()
             stack.worker = WorkerProc(log_dir, extra=["--no-prefix-cache", *(worker_args or [])])

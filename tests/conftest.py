@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,12 +15,14 @@ from tests.gateway_stack import GatewayStack, shared_stack, stop_shared_stack
 
 
 class RedisServer:
-    """A real redis-server on a free loopback port, owned by the tests (restartable)."""
+    """A real redis-server on a free loopback port, owned by the tests (restartable). With `data_dir`
+    it keeps a dump file there, so `stop()` (which saves first) then `start()` brings its data back."""
 
-    def __init__(self) -> None:
+    def __init__(self, data_dir: Path | None = None) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RuntimeError("redis-server not installed: run `make test`, which installs it")
+        self.data_dir = data_dir
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -28,22 +31,30 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        dump = ["--dir", str(self.data_dir), "--dbfilename", "dump.rdb"] if self.data_dir else []
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
+             "--appendonly", "no", *dump, "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_for_port(self.port)
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-            self.proc = None
+    def stop(self, save: bool = True) -> None:
+        if self.proc is None:
+            return
+        if save and self.data_dir is not None:
+            import redis
+
+            client = redis.Redis.from_url(self.url, socket_timeout=5)
+            client.save()
+            client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        self.proc = None
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from router.client import WorkerError
 from router.dispatch import Router, RouteRequest
 from router.membership import Membership
 from router.prefix import namespace_root
-from router.ring import NoWorkerAvailable
+from router.ring import FALLBACK_FOOTPRINT, Choice, NoWorkerAvailable
 from tests.conftest import free_port
 from worker import protocol as proto
 
@@ -153,6 +153,15 @@ async def test_a_sent_prefix_counts_as_held_by_its_worker() -> None:
         assert a.gens == [req.rid, "again"]
         await second.aclose()
         assert no_inflight(router)
+
+
+async def test_a_new_prefix_passes_a_home_filled_beyond_its_allowance() -> None:
+    async with setup("ok", "ok") as (router, req, a, b):
+        loads, key = router.membership.loads, router.key_for(req)
+        loads.remember(a.endpoint, b"x" * 16, 200)  # within a quarter of a's 1000-token cache: no preference
+        assert router.pick(key, 40, span=32) == Choice(a.endpoint)
+        loads.remember(a.endpoint, b"y" * 16, 200)  # 150 tokens beyond it, b has none
+        assert router.pick(key, 40, span=32) == Choice(b.endpoint, FALLBACK_FOOTPRINT)
 
 
 async def test_home_worker_serves() -> None:

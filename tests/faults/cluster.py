@@ -1,7 +1,7 @@
 """A fault-test cluster: a restartable private Redis, N `tiny-random` workers and M real gateways.
 
 `FaultCluster.start(workers=3, gateways=1, gateway_settings={...})` reuses the admission tests' process
-wrappers (`RedisProc` keeps its data in a dump file across `restart_redis`, `GatewayProc`, `WorkerProc`)
+wrappers (`RedisServer` keeps its data in a dump file across `restart_redis`, `GatewayProc`, `WorkerProc`)
 and configures every gateway with one TOML `[gateway]` table listing all worker endpoints, so each test
 can set the worker-loss timeout, lease TTL, drain grace period and admission wait it needs. Gateways log
 JSON at INFO to their own file; `gateway_log_records` parses it and `unattributed_errors` returns the
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.admission_stack import GatewayProc, RedisProc, _toml, log_tails
-from tests.conftest import free_port
+from tests.admission_stack import GatewayProc, _toml, log_tails
+from tests.conftest import RedisServer, free_port
 from tests.worker_procs import REPO, WorkerProc
 
 GATEWAY_SEES_WORKER_S = 2.0  # a gateway's client hears a restarted worker within one hello interval (1 s)
@@ -33,7 +33,7 @@ GATEWAY_SEES_WORKER_S = 2.0  # a gateway's client hears a restarted worker withi
 @dataclass(slots=True)
 class FaultCluster:
     log_dir: Path
-    redis: RedisProc
+    redis: RedisServer
     config_path: Path
     worker_args: list[str] = field(default_factory=list)
     workers: list[WorkerProc] = field(default_factory=list)
@@ -43,7 +43,7 @@ class FaultCluster:
     def start(cls, *, workers: int = 1, gateways: int = 1, gateway_settings: dict[str, object] | None = None,
               worker_args: Sequence[str] = ("--no-prefix-cache",), ready_timeout: float = 180.0) -> FaultCluster:
         log_dir = Path(tempfile.mkdtemp(prefix="sy-faults-"))
-        cluster = cls(log_dir, RedisProc(log_dir), log_dir / "gateway.toml", list(worker_args))
+        cluster = cls(log_dir, RedisServer(log_dir), log_dir / "gateway.toml", list(worker_args))
         try:
             cluster.redis.start()
             cluster.workers = [WorkerProc(log_dir, extra=cluster.worker_args) for _ in range(workers)]
