@@ -80,9 +80,9 @@ class Router:
     def pick(self, key: bytes | None, cost: int, exclude: frozenset[str] = frozenset(), span: int = 0) -> Choice:
         """Choose a worker (raises NoWorkerAvailable) and count the fallback, if any."""
         m = self.membership
-        loads = m.loads
-        choice = m.ring.choose(key, cost, loads.loads(), eligible=m.status, exclude=exclude,
-                               held=lambda w: loads.expected_cached(w, key),
+        holders = m.loads.holders
+        choice = m.ring.choose(key, cost, m.loads.loads(), eligible=m.status, exclude=exclude,
+                               held=lambda w: holders.expected_cached(w, key),
                                footprints=self._footprints_over_allowance(), span=span)
         if choice.fallback is not None:
             metrics.FALLBACKS.labels(choice.fallback).inc()
@@ -90,13 +90,9 @@ class Router:
 
     def _footprints_over_allowance(self) -> dict[str, float]:
         """Prefix tokens this gateway has placed on each worker beyond FREE_FOOTPRINT_SHARE of its KV cache."""
-        m = self.membership
-        out: dict[str, float] = {}
-        for wid, tokens in m.loads.footprints().items():
-            member = m.member(wid)
-            kv_total = member.stats.kv_total if member is not None and member.stats is not None else 0
-            out[wid] = max(0.0, tokens - FREE_FOOTPRINT_SHARE * kv_total)
-        return out
+        holders = self.membership.loads.holders
+        return {wid: max(0.0, tokens - FREE_FOOTPRINT_SHARE * holders.capacity(wid))
+                for wid, tokens in holders.footprints().items()}
 
     async def stream(self, req: RouteRequest) -> AsyncIterator[TokenChunk]:
         """Yield the request's chunks; raises WorkerError or NoWorkerAvailable (before any output)."""
@@ -138,10 +134,10 @@ class Router:
         loads = m.loads
         loop = asyncio.get_running_loop()
         hard_deadline = loop.time() + self._time_left(req)
-        loads.add(wid, req.rid, req.cost, m.clock(), loads.expected_cached(wid, key))
+        loads.add(wid, req.rid, req.cost, m.clock(), loads.holders.expected_cached(wid, key))
         # Once this request is prefilled the worker holds its prefix: a request with the same key sent
         # there meanwhile waits for those pages instead of recomputing them (DESIGN.md, worker engine).
-        loads.remember(wid, key, span)
+        loads.holders.remember(wid, key, span)
         metrics.REQUESTS.labels(wid).inc()
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         stream = client.generate(req.rid, req.ns, req.tokens, req.sampling, req.priority, req.deadline)
@@ -156,7 +152,7 @@ class Router:
                     first = False
                     loads.first_output(wid, req.rid, m.clock(), chunk.cached_tokens)
                     if chunk.cached_tokens > span:
-                        loads.remember(wid, key, chunk.cached_tokens)
+                        loads.holders.remember(wid, key, chunk.cached_tokens)
                 cached = max(cached, chunk.cached_tokens)
                 if loop.time() > hard_deadline:
                     raise WorkerError("timeout", "request deadline passed", True)

@@ -12,10 +12,9 @@ first output, or `settle` seconds after it was sent. A request's cost is the KV
 tokens it newly occupies: shared prefix pages are not new load. From its first
 output on, that is prompt + max_tokens net of the `cached_tokens` the worker
 reports; before, net of the prefix this gateway expects the worker to hold
-(`expected_cached`: the key's span once a request with that prefix key was sent
-there, or the larger hit a worker reported; remembered for the last `HIT_MEMORY`
-keys and forgotten when a worker joins or comes back). The worker's report
-corrects a wrong guess (an evicted prefix) one prefill later. `committed` is the
+(`holders`, a `router.holders.PrefixHolders`; the caller passes its figure to
+`add`). The worker's report corrects a wrong guess (an evicted prefix) one
+prefill later. `committed` is the
 conservative figure for capacity admission: full cost until the worker reports
 a hit. With one gateway the estimate is instantaneous; with several, other
 gateways' work lags by one stats interval.
@@ -24,14 +23,13 @@ State is one entry per in-flight request, removed when it ends.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from router.holders import PrefixHolders
 from worker.protocol import WorkerStats
 
 DEFAULT_SETTLE_S = 0.2
 _COST_EWMA_ALPHA = 0.05
-HIT_MEMORY = 16384  # prefix keys whose holders are remembered
 
 
 @dataclass(slots=True)
@@ -58,8 +56,7 @@ class LoadTracker:
         self.settle = settle
         self.mean_cost = initial_mean_cost
         self._workers: dict[str, _WorkerLoad] = {}
-        self._holders: OrderedDict[bytes, dict[str, int]] = OrderedDict()  # prefix key -> worker -> tokens
-        self._footprint: dict[str, int] = {}  # worker -> prefix tokens remembered in _holders
+        self.holders = PrefixHolders()
 
     def add(self, worker_id: str, rid: str, cost: int, now: float, expected_cached: int = 0) -> None:
         """Count request `rid` of `cost` KV tokens (prompt + max_tokens) against `worker_id`,
@@ -71,29 +68,6 @@ class LoadTracker:
         w.inflight[rid] = _Inflight(counted, cost, now)
         w.mine_tokens += counted
         w.mine_committed += cost
-
-    def expected_cached(self, worker_id: str, key: bytes | None) -> int:
-        """Prompt tokens of prefix `key` that `worker_id` is expected to hold (0 if unknown)."""
-        held = self._holders.get(key) if key is not None else None
-        return held.get(worker_id, 0) if held else 0
-
-    def remember(self, worker_id: str, key: bytes | None, tokens: int) -> None:
-        """`worker_id` now holds `tokens` prompt tokens under prefix `key` (it prefilled or hit them)."""
-        if key is None or tokens <= 0:
-            return
-        held = self._holders.pop(key, None) or {}
-        self._footprint[worker_id] = self._footprint.get(worker_id, 0) + tokens - held.get(worker_id, 0)
-        held[worker_id] = tokens
-        self._holders[key] = held  # most recently used last
-        if len(self._holders) > HIT_MEMORY:
-            _, dropped = self._holders.popitem(last=False)
-            for wid, n in dropped.items():
-                self._footprint[wid] -= n
-
-    def footprints(self) -> dict[str, int]:
-        """Prefix tokens each worker is remembered to hold, summed over the remembered keys: how much
-        of the prefix working set this gateway has placed on it."""
-        return dict(self._footprint)
 
     def first_output(self, worker_id: str, rid: str, now: float, cached_tokens: int) -> None:
         """The worker answered: it has counted the request, and says how much of the prompt was cached."""
@@ -117,6 +91,7 @@ class LoadTracker:
                 del self._workers[worker_id]
 
     def on_stats(self, worker_id: str, stats: WorkerStats, now: float) -> None:
+        self.holders.set_capacity(worker_id, stats.kv_total)
         w = self._workers.setdefault(worker_id, _WorkerLoad())
         w.gone = False
         counted = 0
@@ -125,16 +100,9 @@ class LoadTracker:
                 counted += 1
         w.others_requests = max(0, stats.running + stats.queue - counted)
 
-    def forget_holders(self) -> None:
-        """Drop what is known of which worker holds which prefix (the membership changed)."""
-        self._holders.clear()
-        self._footprint.clear()
-
     def forget(self, worker_id: str) -> None:
-        """Drop a departed worker's state (its in-flight entries are released by their streams)."""
-        for held in self._holders.values():
-            held.pop(worker_id, None)
-        self._footprint.pop(worker_id, None)
+        """Drop a departed worker's state, and what it held (its in-flight entries are released by their streams)."""
+        self.holders.forget(worker_id)
         w = self._workers.get(worker_id)
         if w is None:
             return

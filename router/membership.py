@@ -250,7 +250,7 @@ class Membership:
             if was == FALLBACK_DEAD and now_status is None:
                 # A worker joined or came back: every key returns to its ring position (the keys that
                 # must move, move), rather than staying with whichever worker took it meanwhile.
-                self.loads.forget_holders()
+                self.loads.holders.clear()
             self._changed.set()
 
     def status(self, mid: str) -> str | None:

@@ -137,13 +137,13 @@ async def test_a_sent_prefix_counts_as_held_by_its_worker() -> None:
     async with setup("stall_after_first", "ok") as (router, req, a, b):
         loads = router.membership.loads
         key = router.key_for(req)
-        assert loads.expected_cached(a.endpoint, key) == 0
+        assert loads.holders.expected_cached(a.endpoint, key) == 0
         first = router.stream(req)
         chunk = await asyncio.wait_for(anext(first), 10)  # a answered with cached_tokens 16
         assert chunk.tokens == [1]
-        assert loads.expected_cached(a.endpoint, key) == 32  # the key's span: the whole 32-token prompt
-        assert loads.expected_cached(b.endpoint, key) == 0
-        assert loads.footprints() == {a.endpoint: 32}  # what the footprint rule balances for new prefixes
+        assert loads.holders.expected_cached(a.endpoint, key) == 32  # the key's span: the whole 32-token prompt
+        assert loads.holders.expected_cached(b.endpoint, key) == 0
+        assert loads.holders.footprints() == {a.endpoint: 32}  # what the footprint rule balances for new prefixes
         assert loads.load(a.endpoint) == 40 - 16
         await first.aclose()
         again = RouteRequest(rid="again", ns=NS, tokens=req.tokens, cost=40, sampling={"max_tokens": 3},
@@ -158,9 +158,9 @@ async def test_a_sent_prefix_counts_as_held_by_its_worker() -> None:
 async def test_a_new_prefix_passes_a_home_filled_beyond_its_allowance() -> None:
     async with setup("ok", "ok") as (router, req, a, b):
         loads, key = router.membership.loads, router.key_for(req)
-        loads.remember(a.endpoint, b"x" * 16, 200)  # within a quarter of a's 1000-token cache: no preference
+        loads.holders.remember(a.endpoint, b"x" * 16, 200)  # within a quarter of a's 1000-token cache: no preference
         assert router.pick(key, 40, span=32) == Choice(a.endpoint)
-        loads.remember(a.endpoint, b"y" * 16, 200)  # 150 tokens beyond it, b has none
+        loads.holders.remember(a.endpoint, b"y" * 16, 200)  # 150 tokens beyond it, b has none
         assert router.pick(key, 40, span=32) == Choice(b.endpoint, FALLBACK_FOOTPRINT)
 
 

@@ -63,16 +63,16 @@ async def test_registry_members_liveness_and_draining(redis_url: str, r: redis.R
         assert m.live() == ["w1"]
         assert m.status("w2") == FALLBACK_DEAD
         assert "w2" in m.ring  # stays on the ring so its keys come back
-        m.loads.remember("w1", b"k" * 16, 64)  # w1 took w2's key meanwhile
+        m.loads.holders.remember("w1", b"k" * 16, 64)  # w1 took w2's key meanwhile
         m.observe("w2", stats("w2", draining=True))
         assert m.status("w2") == FALLBACK_DRAINING
-        assert m.loads.expected_cached("w1", b"k" * 16) == 64  # draining is not back
+        assert m.loads.holders.expected_cached("w1", b"k" * 16) == 64  # draining is not back
         m.observe("w2", stats("w2", draining=False))
-        assert m.loads.expected_cached("w1", b"k" * 16) == 64  # draining -> live: nothing came back
+        assert m.loads.holders.expected_cached("w1", b"k" * 16) == 64  # draining -> live: nothing came back
         clock.now += 0.6
         m.observe("w1", stats("w1"))
         m.observe("w2", stats("w2"))  # dead -> live: keys go back to their ring positions
-        assert m.loads.expected_cached("w1", b"k" * 16) == 0
+        assert m.loads.holders.expected_cached("w1", b"k" * 16) == 0
         m.observe("w2", stats("w2", draining=True))
         m.observe("w2", stats("w2"))
         assert m.live() == ["w1", "w2"]
@@ -186,12 +186,12 @@ def test_reported_cache_hit_lowers_the_counted_cost() -> None:
 
 def test_expected_hit_counts_only_new_tokens_until_the_worker_reports() -> None:
     t = LoadTracker(initial_mean_cost=50)
+    h = t.holders
     key, other = b"k" * 16, b"o" * 16
-    assert t.expected_cached("w", key) == 0 and t.expected_cached("w", None) == 0
-    t.remember("w", key, 592)  # a request with this prefix got its first output on w
-    t.add("w", "hit", 700, now=0.0, expected_cached=t.expected_cached("w", key))
-    t.add("v", "cold", 700, now=0.0, expected_cached=t.expected_cached("v", key))
-    t.add("w", "new", 700, now=0.0, expected_cached=t.expected_cached("w", other))
+    h.remember("w", key, 592)  # a request with this prefix got its first output on w
+    t.add("w", "hit", 700, now=0.0, expected_cached=h.expected_cached("w", key))
+    t.add("v", "cold", 700, now=0.0, expected_cached=h.expected_cached("v", key))
+    t.add("w", "new", 700, now=0.0, expected_cached=h.expected_cached("w", other))
     assert (t.load("w"), t.load("v")) == (108 + 700, 700)
     assert t.committed("w") == 1400  # admission does not count a guessed hit
     t.first_output("w", "hit", now=0.1, cached_tokens=0)  # the guess was wrong (evicted): full cost
@@ -205,32 +205,7 @@ def test_expected_hit_counts_only_new_tokens_until_the_worker_reports() -> None:
     t.release("w", "x")  # released before any output
     assert t.load("w") == 0 == t.committed("w")
     t.forget("w")  # a departed worker holds nothing
-    assert t.expected_cached("w", key) == 0
-
-
-def test_prefix_holders_memory_is_bounded(monkeypatch) -> None:
-    import router.load
-
-    monkeypatch.setattr(router.load, "HIT_MEMORY", 3)
-    t = LoadTracker()
-    for i in range(5):
-        t.remember("w", bytes([i]) * 16, 100)
-    assert [t.expected_cached("w", bytes([i]) * 16) for i in range(5)] == [0, 0, 100, 100, 100]
-    assert t.footprints() == {"w": 300}  # the forgotten keys no longer count
-
-
-def test_footprints_follow_the_holder_memory() -> None:
-    t = LoadTracker()
-    a, b = b"a" * 16, b"b" * 16
-    t.remember("w", a, 64)
-    t.remember("w", a, 96)  # a larger reported hit replaces the span, it does not add to it
-    t.remember("w", b, 32)
-    t.remember("v", a, 64)
-    assert t.footprints() == {"w": 128, "v": 64}
-    t.forget("v")
-    assert t.footprints() == {"w": 128}
-    t.forget_holders()
-    assert t.footprints() == {}
+    assert h.expected_cached("w", key) == 0
 
 
 async def test_malformed_endpoint_is_skipped_not_fatal(redis_url: str, r: redis.Redis) -> None:
