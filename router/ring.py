@@ -1,27 +1,27 @@
 """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018).
 
-`HashRing` places `vnodes` virtual nodes per worker at xxh3-64 positions of
-"<worker id>#<i>", so every gateway replica with the same membership builds the
-same ring and maps a key to the same worker. `choose` walks clockwise from the
-key's point and takes the first eligible (live, not draining, not excluded) worker
-whose outstanding KV tokens are below (1 + epsilon) x mean load, the mean
-including the new request's cost; skipped workers are reported as the fallback
-reason for metrics. Two cache-aware refinements use what the caller learned from
-its own traffic. A prefix some workers are expected to hold (`held`): the first
-holder on the walk within the bound is taken before any non-holder (a prefix that
-spilled under load stays where it went), and a holder may exceed the bound by the
-prefix tokens it will not compute again: the request adds only its new tokens
-there, while moving it would add them all elsewhere and lose the hit. No worker
-ends above the bound plus one request's cost either way. A prefix no worker holds
-yet (`footprints`: prefix tokens already placed per worker, beyond whatever the
-caller lets fill freely): the first worker on the walk within the load bound whose
-footprint is below (1 + footprint_epsilon) x mean footprint. This is the same bounded-loads rule applied to cache space: a
-ring alone gives one of 3 workers 8 or more of 16 prefixes about 40% of the time, more
-than its cache holds, and its misses then pile up there. With nothing learned,
-every replica maps a key to the same worker. Keyless requests go to the
-least-loaded eligible worker, ties broken at random. The ring holds every known
-member, eligible or not, so a worker that dies and comes back gets exactly its
-old keys back.
+`HashRing` places `vnodes` virtual nodes per worker at xxh3-64 positions of "<worker
+id>#<i>", so every gateway replica with the same membership builds the same ring and
+maps a key to the same worker. `choose` walks clockwise from the key's point and
+takes the first eligible (live, not draining, not excluded) worker whose outstanding
+KV tokens are below (1 + epsilon) x mean load, the mean including the new request's
+cost; skipped workers are reported as the fallback reason for metrics. Two
+cache-aware refinements use what the caller learned from its own traffic. A prefix
+some workers are expected to hold (`held`): the first holder on the walk within the
+bound is taken before any non-holder (a prefix that spilled under load stays where
+it went), and a holder may exceed the bound by the prefix tokens it will not compute
+again: the request adds only its new tokens there, while moving it would add them
+all elsewhere and lose the hit. No worker ends above the bound plus one request's
+cost either way. A prefix no worker holds yet (`footprints`: the prefix tokens the
+caller has placed on each worker and still counts, see `router.holders`): the first
+worker on the walk within the load bound whose footprint is below (1 +
+footprint_epsilon) x mean footprint. This is the same bounded-loads rule applied to
+cache space: a ring alone gives one of 3 workers 8 or more of 16 prefixes about 40%
+of the time, more than its cache holds, and its misses then pile up there. With
+nothing learned, every replica maps a key to the same worker. Keyless requests go to
+the least-loaded eligible worker, ties broken at random. The ring holds every known
+member, eligible or not, so a worker that dies and comes back gets exactly its old
+keys back.
 """
 
 from __future__ import annotations
