@@ -25,6 +25,7 @@ from worker.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, Drain
 from worker.engine import Engine, Priority
 from worker.errors import RequestError
 from worker.inflight import InFlight, InFlightTable
+from worker.memory import TrimSchedule
 from worker.metrics import WorkerMetrics
 from worker.registry import Registrar, Registration
 from worker.sampling import SamplingParams
@@ -70,6 +71,7 @@ class WorkerServer:
         self._registrar: Registrar | None = None
         self._next_stats = 0.0
         self._next_housekeeping = 0.0
+        self._trim = TrimSchedule()
         self._pulse: StatsPulse | None = None
         self._last_stats = b""
         self.metrics = WorkerMetrics(engine)  # METRICS HOOK (worker.metrics)
@@ -256,6 +258,7 @@ class WorkerServer:
         for entry in self.table.past_deadline(time.time()):
             log.info("request %s passed its deadline", entry.rid, extra={"request_id": entry.rid})
             self._end(entry, "capacity", "deadline exceeded", retryable=True)
+        self._trim.maybe_trim(now)
 
     def _abort_quietly(self, engine_rid: str) -> None:
         """Stop a request whose owner will hear nothing more about it (its final output is ignored)."""
