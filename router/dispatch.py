@@ -81,9 +81,10 @@ class Router:
         """Choose a worker (raises NoWorkerAvailable) and count the fallback, if any."""
         m = self.membership
         holders = m.loads.holders
+        # the ring reads footprints only for a keyed request: a keyless one need not compute them
+        footprints = self._footprints_over_allowance() if key is not None else None
         choice = m.ring.choose(key, cost, m.loads.loads(), eligible=m.status, exclude=exclude,
-                               held=lambda w: holders.expected_cached(w, key),
-                               footprints=self._footprints_over_allowance(), span=span)
+                               held=lambda w: holders.expected_cached(w, key), footprints=footprints, span=span)
         if choice.fallback is not None:
             metrics.FALLBACKS.labels(choice.fallback).inc()
         return choice

@@ -3,7 +3,7 @@
 A worker allocates and frees many short-lived buffers of varied sizes (prompt tensors,
 token lists, protocol frames). glibc's allocator keeps freed chunks in its arenas and
 returns them to the OS only from the top of each heap, so a long-running worker's RSS
-creeps upward through fragmentation although nothing is leaked. `malloc_trim(0)`
+can creep upward through fragmentation even when nothing is leaked. `malloc_trim(0)`
 releases the free pages inside every arena. `TrimSchedule` calls it at most once per
 interval from the server loop's housekeeping; on a C library without `malloc_trim`
 (musl, macOS) it does nothing.
