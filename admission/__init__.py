@@ -1,1 +1,55 @@
-"""Per-tenant token budgets in Redis, capacity admission and load shedding."""
+"""Admission: per-tenant token budgets in Redis, then KV capacity, with load shedding.
+
+The package face: callers import from `admission`, not from its modules.
+"""
+
+from admission.budget import Budget, Reservation
+from admission.capacity import CapacityGate, CapacityNeverFits, CapacityTicket, Overloaded, WorkerCapacity
+from admission.gate import Admission, AdmissionTicket, ErrorSpec, error_response
+from admission.gateways import GatewayRegistry
+from admission.headers import format_duration, rate_limit_headers, retry_headers
+from admission.hold import BudgetGuard
+from admission.local_limits import LocalLimiter
+from admission.metering import DayUsage, read_usage
+from admission.results import (
+    ADMITTED,
+    DENIED,
+    NEVER_FITS,
+    BudgetError,
+    QuotaExceeded,
+    RequestTooLarge,
+    ReserveResult,
+    TenantRejected,
+    error_for,
+)
+
+__all__ = [
+    "ADMITTED",
+    "DENIED",
+    "NEVER_FITS",
+    "Admission",
+    "AdmissionTicket",
+    "Budget",
+    "BudgetError",
+    "BudgetGuard",
+    "CapacityGate",
+    "CapacityNeverFits",
+    "CapacityTicket",
+    "DayUsage",
+    "ErrorSpec",
+    "GatewayRegistry",
+    "LocalLimiter",
+    "Overloaded",
+    "QuotaExceeded",
+    "RequestTooLarge",
+    "ReserveResult",
+    "Reservation",
+    "TenantRejected",
+    "WorkerCapacity",
+    "error_for",
+    "error_response",
+    "format_duration",
+    "rate_limit_headers",
+    "read_usage",
+    "retry_headers",
+]

@@ -1,13 +1,7 @@
-"""Per-tenant token budgets: reserve before a request, settle after it.
+"""Per-tenant token budgets in Redis: reserve before a request, settle after it.
 
-`Budget.reserve` runs the reserve script (one EVALSHA round trip) that checks and
-charges requests/min, tokens/min (`prompt + max_tokens`) and a concurrency
-lease atomically, reading the limits from the tenant's config hash. `settle`
-(one round trip) releases the lease, refunds `reserved - used` tokens and adds
-the usage to the day's metering counters. With `fail_open=True` an unreachable
-Redis falls back to the per-gateway `LocalLimiter`; otherwise
-`QuotaServiceUnavailable` propagates (503). The gateway normally uses
-`Budget.hold` (in `admission.hold`) rather than calling these directly.
+Each step is one atomic script call, so every gateway replica enforces the same limits; without
+Redis the budget fails closed (503) or, with `fail_open`, falls back to `LocalLimiter`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
-"""Capacity admission: does any worker have room for this request's KV tokens?
+"""Capacity admission: admit a request when some live worker has room for its KV tokens, else queue or shed it.
 
-`CapacityGate` is pure asyncio logic over a callable that returns the current
-per-worker capacity views (the gateway adapts the router's worker stats into
-`WorkerCapacity`). A request's cost is the KV tokens it may occupy (prompt +
-max_tokens - expected cached prefix). A request is admitted when some live,
-non-draining worker has `kv_free - queued_tokens - pending >= cost`, where
-`pending` is the cost of tickets this gate admitted after that worker's stats
-sample was taken (so a burst cannot over-admit between two stats updates).
-Batch requests must additionally leave `interactive_reserve` of the worker's
-KV capacity free, so they are shed first. Otherwise the request waits in a
-FIFO queue per priority (interactive served first) for up to
-`admission_wait_ms`, woken by `notify()` (new stats) and `release()`, then
-fails with `Overloaded(retry_after_s)`: the time the observed drain rate needs
-to free the deficit, bounded to [min_retry_s, max_retry_s]. The drain rate is
-measured over the current busy period only (at most `DRAIN_WINDOW_S`; a busy
-period ends when nothing was admitted for `IDLE_RESET_S`): idle time before a
-burst would otherwise dilute it into a far too long retry-after.
+Pure asyncio over a callable of per-worker views (`WorkerCapacity`); `notify()` on new stats, `release()` on ends.
 """
 
 from __future__ import annotations
@@ -28,7 +13,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
-INTERACTIVE, BATCH = "interactive", "batch"
+from worker.protocol import Priority
+
+INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
 DRAIN_WINDOW_S = 30.0
 IDLE_RESET_S = 1.0
 
@@ -62,7 +49,7 @@ class CapacityTicket:
     """An admitted request's claim on capacity; give it back with `CapacityGate.release`."""
 
     cost: int
-    priority: str
+    priority: Priority
     worker_id: str       # the worker whose headroom admitted it (a routing hint, not a binding)
     admitted_at: float
     released: bool = False
@@ -89,18 +76,18 @@ class CapacityGate:
         self.min_retry_s, self.max_retry_s, self.fallback_retry_s = min_retry_s, max_retry_s, fallback_retry_s
         self.max_queue = max_queue
         self._clock = clock
-        self._queues: dict[str, deque[_Waiter]] = {INTERACTIVE: deque(), BATCH: deque()}
+        self._queues: dict[Priority, deque[_Waiter]] = {INTERACTIVE: deque(), BATCH: deque()}
         self._pending: dict[str, list[CapacityTicket]] = {}
         self._drained: deque[tuple[float, int]] = deque()
         self._outstanding = 0  # tickets admitted and not yet released
         self._idle_since: float | None = None  # when _outstanding last dropped to 0
-        self.shed: dict[str, int] = {INTERACTIVE: 0, BATCH: 0}
+        self.shed: dict[Priority, int] = {INTERACTIVE: 0, BATCH: 0}
 
     # ---- public API -------------------------------------------------------------------------------
-    async def acquire(self, cost: int, priority: str) -> CapacityTicket:
+    async def acquire(self, cost: int, priority: Priority) -> CapacityTicket:
         """Admit now, or wait up to `admission_wait_ms`; raises Overloaded or CapacityNeverFits."""
         if priority not in self._queues:
-            raise ValueError(f"priority must be {INTERACTIVE!r} or {BATCH!r}")
+            raise ValueError(f"priority must be a Priority, got {priority!r}")
         if cost < 0:
             raise ValueError("cost must be >= 0")
         views = self._live_views()
@@ -161,7 +148,7 @@ class CapacityGate:
                 waiter.future.set_result(ticket)
 
     @contextlib.asynccontextmanager
-    async def admit(self, cost: int, priority: str) -> AsyncIterator[CapacityTicket]:
+    async def admit(self, cost: int, priority: Priority) -> AsyncIterator[CapacityTicket]:
         ticket = await self.acquire(cost, priority)
         try:
             yield ticket
@@ -169,10 +156,10 @@ class CapacityGate:
             self.release(ticket)
 
     @property
-    def waiting(self) -> dict[str, int]:
+    def waiting(self) -> dict[Priority, int]:
         return {p: len(q) for p, q in self._queues.items()}
 
-    def retry_after_s(self, cost: int, priority: str) -> float:
+    def retry_after_s(self, cost: int, priority: Priority) -> float:
         """Seconds until the deficit for this request (and those queued ahead) should have drained."""
         views = self._live_views()
         best = max((self._headroom(v, priority) for v in views), default=0)
@@ -198,20 +185,20 @@ class CapacityGate:
     def _live_views(self) -> list[WorkerCapacity]:
         return [v for v in self._views() if not v.draining and v.kv_total > 0]
 
-    def _blocked(self, priority: str) -> bool:
+    def _blocked(self, priority: Priority) -> bool:
         """FIFO fairness: a newcomer may not pass waiters of its own or a higher priority."""
         if self._queues[INTERACTIVE]:
             return True
         return priority == BATCH and bool(self._queues[BATCH])
 
-    def _headroom(self, view: WorkerCapacity, priority: str) -> int:
+    def _headroom(self, view: WorkerCapacity, priority: Priority) -> int:
         pending = sum(t.cost for t in self._pending.get(view.worker_id, ()) if t.admitted_at >= view.updated_at)
         room = view.kv_free - view.queued_tokens - pending
         if priority == BATCH:
             room -= int(self.interactive_reserve * view.kv_total)
         return room
 
-    def _try_admit(self, cost: int, priority: str, views: list[WorkerCapacity]) -> CapacityTicket | None:
+    def _try_admit(self, cost: int, priority: Priority, views: list[WorkerCapacity]) -> CapacityTicket | None:
         best, best_room = None, -1
         for view in views:
             room = self._headroom(view, priority)
@@ -236,7 +223,7 @@ class CapacityGate:
             waiter.future.cancel()
         self.notify()  # a blocked head may have left: let the next ones try
 
-    def _overloaded(self, cost: int, priority: str, why: str) -> Overloaded:
+    def _overloaded(self, cost: int, priority: Priority, why: str) -> Overloaded:
         self.shed[priority] += 1
         retry = self.retry_after_s(cost, priority)
         return Overloaded(retry, f"Server overloaded ({why}); retry after {retry:g}s.")

@@ -1,15 +1,6 @@
-"""The gateway's single entry point to admission: budget, then capacity.
+"""The gateway's single entry point to admission: the tenant's budget first, then KV capacity.
 
-`Admission.admit(tenant, prompt_tokens, max_tokens, priority)` is an async
-context manager: it reserves the tenant's budget (429/400/503 errors from
-`admission.results` / `tenancy.errors`), then waits for KV capacity when a
-`CapacityGate` is configured (`Overloaded` -> 503; the budget reservation is
-then settled as unserved, so a shed request costs the tenant nothing). The
-yielded `AdmissionTicket` carries the `x-ratelimit-*` headers for the response
-and takes the actual usage; on exit, however the request ended, capacity is
-released and the budget settled (refund + metering). `error_response` maps
-every admission exception to the HTTP status, OpenAI error fields and headers
-without this package knowing about HTTP frameworks.
+Free of any HTTP framework: `error_response` describes each refusal as status, OpenAI error fields and headers.
 """
 
 from __future__ import annotations
@@ -25,6 +16,7 @@ from admission.hold import BudgetGuard
 from admission.results import QuotaExceeded, RequestTooLarge, TenantRejected
 from tenancy.errors import QuotaServiceUnavailable
 from tenancy.schema import Tenant
+from worker.protocol import Priority
 
 QUOTA_UNAVAILABLE_RETRY_MS = 1000
 
@@ -54,7 +46,7 @@ class Admission:
         self.capacity = capacity
 
     @contextlib.asynccontextmanager
-    async def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, priority: str,
+    async def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, priority: Priority,
                     expected_cached_tokens: int = 0) -> AsyncIterator[AdmissionTicket]:
         res = await self.guard.acquire(tenant, prompt_tokens, max_tokens)
         cap: CapacityTicket | None = None

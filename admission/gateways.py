@@ -1,11 +1,6 @@
-"""Live gateway registry, used to split tenant limits in fail-open mode.
+"""Registry of live gateways in Redis, so fail-open mode can split each tenant's limits between them.
 
-Each gateway heartbeats into the sorted set `sy:gateways` (member: gateway id,
-score: expiry in ms by Redis `TIME`) through one small Lua script that also
-sweeps expired members and returns the live count. A single cluster-safe key
-replaces a keyspace SCAN over per-gateway keys. The last count seen is kept,
-so while Redis is down the local limiter still knows how many gateways share
-each tenant's limits.
+The last live count is kept, so the split still holds while Redis is down.
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""OpenAI-style rate-limit response headers from a `ReserveResult`.
-
-`rate_limit_headers` gives `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`
-for every response (admitted or not; a limit of 0, meaning unlimited, is left
-out) and, for a denial, `retry-after` (whole seconds, rounded up) and
-`retry-after-ms`. Reset times use OpenAI's duration format ("20ms", "1.5s",
-"6m0s").
-"""
+"""OpenAI-style `x-ratelimit-*` and `retry-after` response headers from a `ReserveResult`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Holding a budget reservation for the life of a request, with settle guaranteed.
+"""Holds a budget reservation for the life of a request, with its settle guaranteed.
 
-`BudgetGuard.acquire` reserves and registers the lease with one per-gateway
-renewal task (leases of long streams are extended every TTL/3, batched per
-tenant); `release` settles it. `hold` wraps both in an async context manager,
-so the settle runs in a `finally` however the request ends: normal finish,
-error, client disconnect or task cancellation. The settle is shielded from the
-caller's cancellation and bounded by `settle_timeout_s`; if it cannot reach
-Redis the lease simply expires by its TTL.
+Long streams have their leases renewed; the settle runs however the request ends (finish, error,
+disconnect, cancellation).
 """
 
 from __future__ import annotations

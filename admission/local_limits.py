@@ -1,12 +1,7 @@
 """Fail-open fallback: per-gateway token buckets used while Redis is unreachable.
 
-With `fail_open=True` a gateway that cannot reach Redis still admits traffic,
-but only up to its share of each tenant's limits: the limit divided by the
-number of live gateways (learned from Redis by `GatewayRegistry` while it was
-up; the last count is kept). The buckets are in-process, refill continuously
-like the Redis ones, and start full. A request costing more than one gateway's
-share is admitted only into a full bucket (the bucket then goes negative), so
-large requests are slowed rather than refused forever.
+Each gateway admits only its share of a tenant's limits (limit / live gateways), so together the
+replicas stay near the limit.
 """
 
 from __future__ import annotations

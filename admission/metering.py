@@ -1,10 +1,4 @@
-"""Reading the per-tenant, per-day usage counters written by the settle script.
-
-Counters live in `{t:<tenant>}:usage:<YYYYMMDD>` (UTC days) as hash fields
-`requests`, `prompt_tokens`, `cached_tokens`, `completion_tokens`, and expire
-after 400 days. `read_usage` returns the last N days, oldest first, with zeros
-for days without traffic; used by `switchyard usage`.
-"""
+"""Reads the per-tenant, per-day usage counters the settle script writes (for `switchyard usage`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""What a budget reservation returns, and the errors a denied one raises.
-
-`ReserveResult` is decoded from the reserve script's reply (or produced by the
-fail-open local limiter) and carries everything the gateway needs for the
-`x-ratelimit-*` and `retry-after` headers. A denial raises `QuotaExceeded`
-(HTTP 429), a request larger than the whole bucket raises `RequestTooLarge`
-(HTTP 400: it can never fit), and a tenant that vanished or was disabled
-between authentication and reservation raises `TenantRejected` (HTTP 401).
-"""
+"""What a budget reservation returns, and the errors a refused one raises (429, 400, 401)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Lua scripts shipped as package data, run with EVALSHA and reloaded on NOSCRIPT.
+"""Lua scripts shipped as package data, called with EVALSHA (one round trip) and reloaded on NOSCRIPT.
 
-Each `LuaScript` reads its source once from `admission/lua/`, computes the SHA1
-locally and calls EVALSHA: one round trip in the steady state. When Redis
-answers NOSCRIPT (first use, or after a restart or SCRIPT FLUSH) the script is
-loaded with SCRIPT LOAD and the call repeated once, so a Redis restart is
-transparent. Connection errors and timeouts become `QuotaServiceUnavailable`.
+Reloading makes a Redis restart transparent; connection failures become `QuotaServiceUnavailable`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Benchmark of the admission path alone: authenticate + budget reserve + settle.
 
-Starts a private redis-server (unless `--redis-url` is given), creates one
-tenant whose token budget is smaller than the offered load, then runs N OS
-processes (like N gateway replicas) that each push their share of the requests
-through `TenantDirectory.authenticate` -> `Budget.reserve` -> `Budget.settle`
-with a few in flight each. Prints the latency of that path (p50/p99, in µs),
-Redis round trips per request (from `INFO commandstats` deltas over the
-measured phase), and `over_admit_frac`: tokens admitted beyond the budget plus
-its refill during the run, as a fraction of the budget (must be 0.0).
-
-    .venv/bin/python bench/admission.py --json
+N processes (like N gateways) share one tenant; prints latency, Redis round trips per request and
+`over_admit_frac` (must be 0.0). Run: `.venv/bin/python bench/admission.py --json`
 """
 
 from __future__ import annotations
@@ -29,8 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from admission.scripts import RESERVE, SETTLE  # noqa: E402
-from tenancy import store  # noqa: E402
-from tenancy.redis_client import sync_client  # noqa: E402
+from tenancy import create_tenant, issue_key, revoke_key, sync_client  # noqa: E402
 
 TENANT = "bench"
 COST = 100  # prompt 40 + max_tokens 60; every request uses all of it (no refund), so the budget is exact
@@ -65,10 +56,8 @@ def _worker(url: str, key: str, n: int, inflight: int, barrier, queue) -> None:
 
 
 async def _worker_async(url: str, key: str, n: int, inflight: int, barrier, queue) -> None:
-    from admission.budget import Budget
-    from admission.results import QuotaExceeded
-    from tenancy.directory import TenantDirectory
-    from tenancy.redis_client import async_client
+    from admission import Budget, QuotaExceeded
+    from tenancy import TenantDirectory, async_client
 
     client = async_client(url)
     directory = TenantDirectory(client)
@@ -126,8 +115,8 @@ def run(url: str, procs: int, requests: int, inflight: int, budget_tokens: int) 
     stale = list(r.scan_iter(match="{t:" + TENANT + "}*"))  # a previous run's tenant, if any
     if stale:
         r.delete(*stale)
-    store.create_tenant(r, TENANT, tpm=budget_tokens, rpm=0, max_concurrent=0)
-    key = store.issue_key(r, TENANT)
+    create_tenant(r, TENANT, tpm=budget_tokens, rpm=0, max_concurrent=0)
+    key = issue_key(r, TENANT)
     for script in (RESERVE, SETTLE):  # as a gateway would at start-up: no NOSCRIPT in the measured phase
         r.script_load(script.source)
     internal = _script_commands()
@@ -150,7 +139,7 @@ def run(url: str, procs: int, requests: int, inflight: int, budget_tokens: int) 
     admitted = sum(res[1] for res in results)
     allowed = budget_tokens + budget_tokens * elapsed / 60  # the bucket plus its continuous refill
     over = max(0.0, admitted * COST - allowed) / budget_tokens
-    store.revoke_key(r, key)
+    revoke_key(r, key)
     r.close()
     return {
         "processes": procs, "requests": len(latencies), "admitted": admitted,

@@ -1,16 +1,6 @@
 """Engine throughput benchmark: our continuous-batching engine vs HF `generate` with static batches.
 
-One process, one run, the same workload on both sides, in the dtype the worker
-serves in (`--dtype auto`: bf16 on CUDA and on CPUs with native bf16 matmul,
-AVX512-BF16/AMX; fp32 elsewhere, where bf16 matmuls run several times slower):
-64 requests (seed 1), prompt lengths uniform in [32, 512], output lengths
-uniform in [16, 192], all submitted at once; greedy, EOS ignored. HF runs
-static batches of 16 in submission order (left padding, min_new_tokens =
-max_new_tokens = the batch's longest output); only each request's own output
-length counts as useful. `roofline_frac` compares the engine's useful model
-FLOP rate (2 x params x (prompt + output tokens)) with the rate torch reaches
-on plain matmuls of the model's weight shapes at the step sizes the engine ran.
-Prints one JSON line with --json.
+Same greedy workload on both, one process; `roofline_frac` compares with plain matmuls of the model's shapes.
 """
 
 from __future__ import annotations
@@ -26,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from worker.config import EngineConfig
-from worker.engine import Engine
+from worker.debug import DebugEngine
 from worker.loader import load_model
 from worker.model_source import default_model_path
-from worker.sampling import SamplingParams
+from worker.protocol import SamplingParams
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -41,7 +31,7 @@ def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def run_engine(engine: Engine, reqs: list[tuple[list[int], int]]) -> tuple[float, list[tuple[int, int]]]:
+def run_engine(engine: DebugEngine, reqs: list[tuple[list[int], int]]) -> tuple[float, list[tuple[int, int]]]:
     """Returns wall seconds and the (tokens, logit rows) of every step."""
     for i, (prompt, olen) in enumerate(reqs):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=olen, ignore_eos=True))
@@ -76,7 +66,7 @@ def run_hf(reqs: list[tuple[list[int], int]], dtype: torch.dtype, batch: int) ->
     return time.perf_counter() - t0
 
 
-def matmul_shapes(engine: Engine) -> list[tuple[int, int]]:
+def matmul_shapes(engine: DebugEngine) -> list[tuple[int, int]]:
     """(out, in) of every weight matmul of one token through the model, LM head excluded."""
     m = engine.loaded.model
     layer = m.layers[0]
@@ -84,7 +74,7 @@ def matmul_shapes(engine: Engine) -> list[tuple[int, int]]:
     return shapes * len(m.layers)
 
 
-def matmul_rate(engine: Engine, steps: list[tuple[int, int]], dtype: torch.dtype) -> float:
+def matmul_rate(engine: DebugEngine, steps: list[tuple[int, int]], dtype: torch.dtype) -> float:
     """FLOP/s of plain matmuls of the model's weight shapes at the step sizes the engine used."""
     cfg = engine.loaded.config
     shapes = matmul_shapes(engine)
@@ -145,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_model("default", dtype=args.dtype, device=args.device)
     dtype = loaded.dtype
-    engine = Engine(loaded, EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+    engine = DebugEngine(loaded, EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                          max_num_seqs=args.max_num_seqs, kv_cache_bytes=2 << 30))
     reqs = workload(args.requests, args.seed, loaded.config.vocab_size)
     engine.generate([reqs[0][0][:32]], SamplingParams(max_tokens=4))  # warm-up

@@ -1,14 +1,7 @@
 """Async streaming load generator for any OpenAI-compatible chat server.
 
-`build_workload` turns a workload name (`single`, `prefix`, `mixed`) and a seed
-into a list of `RequestSpec`s whose prompts come from a fixed in-module word
-list (nothing is downloaded). `run_load` replays them against
-`/v1/chat/completions` with `stream: true` and `stream_options.include_usage`,
-at most `concurrency` in flight, each under a wall-clock deadline, parsing the
-SSE stream itself and recording one `RequestRecord` per request: start time,
-HTTP status or error kind, time to first token, content-chunk arrival times and
-the token counts reported in the server's `usage` chunk (chunk count when the
-server sends no usage). Summaries and plots are `bench.report`'s job.
+Workloads come from a seed and an in-module word list (nothing is downloaded); each request yields one
+`RequestRecord`.
 """
 
 from __future__ import annotations

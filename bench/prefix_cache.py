@@ -1,18 +1,6 @@
 """Prefix-cache benchmark: time to first token with a shared system prompt, cache off vs on, one run.
 
-Workload: a system prompt of about 1,000 tokens (chat template) followed by 32
-short distinct user questions, 24 greedy output tokens each (EOS ignored), 4
-requests in flight at a time (a new one is added as soon as one finishes). The
-same workload runs on a fresh engine with the prefix cache off, then on one
-with it on, over the same loaded model (the worker's auto dtype unless --dtype). TTFT is taken
-in-process, from `add_request` to the first `StepOutput` carrying a token.
-`prefill_tokens_saved_frac` compares the prefill tokens each engine actually ran
-through the model; `hit_rate` is the cache-on engine's `prefix_hit_rate`.
-`greedy_outputs_equal_frac` is informational: in bf16 the rounding of a
-token's K/V depends on the shape of the step that computed it, so some greedy
-continuations drift apart (tests/test_prefix_cache_engine.py asserts equality
-in fp32). Prints one JSON line with --json (targets on CPU:
-`ttft_warm_over_cold` <= 0.25, `prefill_tokens_saved_frac` >= 0.9).
+Targets on CPU: `ttft_warm_over_cold` <= 0.25, `prefill_tokens_saved_frac` >= 0.9 (--json for one line).
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ if str(REPO) not in sys.path:  # run as a script
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import Engine, EngineStats  # noqa: E402
 from worker.loader import LoadedModel, load_model  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from worker.protocol import SamplingParams  # noqa: E402
 
 TOPICS = ("refunds", "shipping", "warranty", "privacy", "accounts", "payments", "returns", "discounts",
           "invoices", "deliveries", "repairs", "subscriptions", "gift cards", "loyalty points", "complaints",

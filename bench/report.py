@@ -1,12 +1,6 @@
-"""Turn a load run's per-request records into result.json, report.md and PNG plots.
+"""Turn a load run's per-request records into result.json, report.md and PNG plots, optionally against an earlier run.
 
-`summarize` computes the numbers (completed, errors by status, request/s,
-output tokens/s, TTFT / inter-token / end-to-end latency percentiles in ms);
-`save_run` writes them to `DIR/result.json` and the raw per-request samples to
-`DIR/samples.json`, so that `load_run` can read any earlier run back and
-`write_report` can overlay it (`--compare`) on this run's TTFT and ITL CDFs and
-tokens/s timeline. Plots use matplotlib's Agg canvas through `Figure` objects,
-never pyplot's global state, so nothing needs a display.
+Plots use matplotlib `Figure` objects, never pyplot's global state, so no display is needed.
 """
 
 from __future__ import annotations

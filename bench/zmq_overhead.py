@@ -1,16 +1,6 @@
 """Benchmark: what the ZeroMQ hop (worker process + router client) costs against the bare engine.
 
-Runs the engine benchmark's workload (`bench.engine_throughput`, 64 requests,
-seed 1, all submitted at once) twice in one run: (a) on an in-process `Engine`,
-(b) through a `switchyard worker` process and `router.client.WorkerClient`.
-Prints one JSON line with `engine_tok_s`, `zmq_tok_s`, `ratio_vs_engine` (target
->= 0.95) and `extra_latency_ms_p50` / `extra_latency_ms_p99`: for every output
-token, the time from the worker sending its `out` frame (the frame's `ts`) to the
-client's stream yielding it (encode, socket, decode, demultiplex, wake-up), in
-the same run; worker and client share this machine's clock. The worker loop's own
-cost (frame draining, packing) shows in the throughput ratio instead.
-
-    .venv/bin/python bench/zmq_overhead.py --json
+Same workload as `bench.engine_throughput`, in-process and through a worker (`--json` for one line).
 """
 
 from __future__ import annotations
@@ -52,8 +42,8 @@ def run_in_process(args: argparse.Namespace) -> tuple[list[tuple[list[int], int]
     from bench.engine_throughput import workload as make_workload  # the engine benchmark owns the workload
     from worker.config import EngineConfig
     from worker.engine import Engine
-    from worker.sampling import SamplingParams
-    from worker.tiny_model import load_any
+    from worker.loader import load_any
+    from worker.protocol import SamplingParams
 
     torch.set_num_threads(args.threads)
     loaded = load_any(args.model, dtype=args.dtype)
@@ -77,13 +67,14 @@ async def _through_worker(endpoint: str, workload: list[tuple[list[int], int]],
                           ready_timeout: float) -> tuple[float, list[float]]:
     """(wall seconds, per-token hop latencies in seconds)."""
     from router.client import WorkerClient
+    from worker.protocol import SamplingParams
 
     client = WorkerClient(endpoint, gateway_id=f"bench-{os.getpid()}", inter_token_timeout=120.0,
                           worker_timeout=10.0)
     await client.start()
     try:
         await client.wait_ready(ready_timeout)
-        async for _ in client.generate("warm-up", b"bench", workload[0][0][:32], {"max_tokens": 4}):
+        async for _ in client.generate("warm-up", b"bench", workload[0][0][:32], SamplingParams(max_tokens=4)):
             pass
         hops: list[float] = []
         start = time.perf_counter()
@@ -91,7 +82,7 @@ async def _through_worker(endpoint: str, workload: list[tuple[list[int], int]],
         async def one(i: int, prompt: list[int], out_len: int) -> int:
             n = 0
             async for chunk in client.generate(f"r{i}", b"bench", prompt,
-                                               {"max_tokens": out_len, "ignore_eos": True}):
+                                               SamplingParams(max_tokens=out_len, ignore_eos=True)):
                 hops.extend([time.time() - chunk.sent_at] * len(chunk.tokens))
                 n += len(chunk.tokens)
             return n

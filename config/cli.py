@@ -1,8 +1,6 @@
-"""The `switchyard` command: a thin dispatcher over subcommand modules.
+"""The `switchyard` command: a thin dispatcher over one module per subcommand.
 
-Each subcommand lives in its own module under `config/` exposing
-`add_arguments(parser)` and `run(args) -> int`; modules are imported lazily so
-that `switchyard tenants list` does not pay for importing torch.
+Subcommand modules load lazily, so `switchyard tenants list` does not pay for importing torch.
 """
 
 from __future__ import annotations

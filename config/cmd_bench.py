@@ -1,12 +1,4 @@
-"""`switchyard bench`: load-test any OpenAI-compatible server and write a report.
-
-Builds the chosen workload (`bench.loadgen.build_workload`), replays it with
-bounded concurrency and a progress bar on stderr (`bench.loadgen.run_load`),
-then writes `OUT/result.json`, `OUT/samples.json`, `OUT/report.md` and the PNG
-plots (`bench.report`), optionally overlaying an earlier run (`--compare`).
-Prints the result.json path and a one-line summary on stdout; exits 0 when at
-least one request completed, 1 when none did, 2 on bad arguments.
-"""
+"""`switchyard bench`: load-test any OpenAI-compatible server and write a report (`bench.loadgen`, `bench.report`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """`switchyard gateway`: build the gateway app from settings and serve it with uvicorn (uvloop).
 
-`build_app(settings)` is the composition root of a gateway process: the served
-model's tokenizer, the Redis-backed tenant directory, worker membership (the
-static `--workers` list, else the Redis registry) with the prefix-aware router,
-and admission (the per-tenant Redis budget, then KV capacity over the workers'
-stats: `gateway.capacity`), all handed to `gateway.app.create_app`.
+`build_app` is a gateway process's composition root: tokenizer, tenants, membership and router, admission.
 """
 
 from __future__ import annotations
@@ -68,20 +64,13 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 def build_app(settings: Settings):
     """The Starlette app of one gateway process (services start in its lifespan)."""
-    from admission.budget import Budget
-    from admission.capacity import CapacityGate
-    from admission.gate import Admission
-    from admission.gateways import GatewayRegistry
-    from admission.hold import BudgetGuard
-    from admission.local_limits import LocalLimiter
+    from admission import Admission, Budget, BudgetGuard, CapacityGate, GatewayRegistry, LocalLimiter
     from gateway.app import AppConfig, create_app
-    from gateway.capacity import MembershipCapacity, with_gate_notify
+    from gateway.capacity import RouterCapacity
     from gateway.metrics import configure as configure_metrics
     from gateway.model import ServedModel
     from gateway.service import GatewayService, ServiceConfig
-    from router.client import WorkerClient
-    from router.dispatch import Router
-    from router.membership import Membership
+    from router import Membership, Router, WorkerClient
     from tenancy.directory import TenantDirectory
     from tenancy.redis_client import async_client
 
@@ -94,18 +83,17 @@ def build_app(settings: Settings):
     async def make_service() -> GatewayService:
         model = ServedModel.load(gw.model)
         clients = functools.partial(WorkerClient, inter_token_timeout=gw.inter_token_timeout)
-        views, gate = MembershipCapacity(), None
-        if gw.capacity_admission:
-            gate = CapacityGate(views, admission_wait_ms=gw.admission_wait_ms,
-                                interactive_reserve=gw.interactive_reserve)
-            clients = with_gate_notify(clients, gate)
         membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers,
                                 redis_url=None if gw.workers else settings.redis_url,
-                                dead_after=gw.worker_timeout, client_factory=clients, epsilon=gw.route_epsilon,
-                                footprint_epsilon=gw.route_footprint_epsilon)
-        views.membership = membership
-        await membership.start()
-        router = Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens)
+                                dead_after=gw.worker_timeout, client_factory=clients)
+        router = Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens,
+                        epsilon=gw.route_epsilon, footprint_epsilon=gw.route_footprint_epsilon)
+        gate = None
+        if gw.capacity_admission:
+            gate = CapacityGate(RouterCapacity(router), admission_wait_ms=gw.admission_wait_ms,
+                                interactive_reserve=gw.interactive_reserve)
+            router.on_stats(lambda _event: gate.notify())  # new stats may make room for waiters
+        await router.start()
         local = None
         if gw.fail_open:
             # Gateways count each other while Redis is up; the last count splits the limits during an outage.

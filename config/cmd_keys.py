@@ -1,10 +1,6 @@
 """`switchyard keys issue|revoke|list`: tenant API keys.
 
-`keys issue NAME` prints the new key alone on stdout (shown once: only its
-SHA-256 digest is stored), so scripts can capture it. `keys revoke KEY_PREFIX`
-revokes the one key whose stored display prefix starts with KEY_PREFIX (or the
-key given in full) and refuses ambiguous prefixes. `keys list [NAME]` shows
-display prefixes only.
+A new key is printed once and alone on stdout (only its digest is stored), so scripts can capture it.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import time
 import redis
 
 from config.cmd_tenants import add_redis_argument, run_operator_command
-from tenancy import store
+from tenancy import issue_key, list_keys, revoke_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,12 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     def action(r: redis.Redis) -> int:
         if args.action == "issue":
-            print(store.issue_key(r, args.name))
+            print(issue_key(r, args.name))
         elif args.action == "revoke":
-            info = store.revoke_key(r, args.key_prefix)
+            info = revoke_key(r, args.key_prefix)
             print(f"revoked {info.prefix}… of tenant {info.tenant}")
         else:
-            for k in store.list_keys(r, args.name):
+            for k in list_keys(r, args.name):
                 created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(k.created_at))
                 print(f"{k.prefix}…  {k.tenant}  {created}")
         return 0

@@ -1,8 +1,6 @@
 """`switchyard tenants create|set|list|disable|enable`: manage tenants in Redis.
 
-Also home of the `--redis-url` option shared by the `tenants`, `keys` and
-`usage` commands (falls back to `SWITCHYARD_REDIS_URL`). Operator errors
-(unknown tenant, bad value, Redis down) print one line on stderr and exit 1.
+Also home of the `--redis-url` option and operator error handling shared with `keys` and `usage`.
 """
 
 from __future__ import annotations
@@ -14,9 +12,15 @@ from collections.abc import Callable
 
 import redis
 
-from tenancy import store
-from tenancy.errors import TenancyError
-from tenancy.schema import PRIORITIES, Tenant
+from tenancy import (
+    PRIORITIES,
+    TenancyError,
+    Tenant,
+    create_tenant,
+    list_tenants,
+    set_status,
+    update_tenant,
+)
 
 QUOTA_OPTIONS = ("tpm", "rpm", "max_concurrent", "max_tokens", "default_max_tokens")
 
@@ -26,7 +30,7 @@ def add_redis_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def redis_from_args(args: argparse.Namespace) -> redis.Redis:
-    from tenancy.redis_client import sync_client
+    from tenancy import sync_client
 
     url = args.redis_url or os.environ.get("SWITCHYARD_REDIS_URL")
     if not url:
@@ -87,7 +91,7 @@ def _fields(args: argparse.Namespace) -> dict[str, object]:
 
 def describe(t: Tenant) -> str:
     models = ",".join(t.allowed_models) if t.allowed_models is not None else "*"
-    return (f"{t.name} status={t.status} priority={t.priority} tpm={t.tpm} rpm={t.rpm} "
+    return (f"{t.name} status={t.status} priority={t.priority.label} tpm={t.tpm} rpm={t.rpm} "
             f"max_concurrent={t.max_concurrent} max_tokens={t.max_tokens} "
             f"default_max_tokens={t.default_max_tokens} models={models}")
 
@@ -95,9 +99,9 @@ def describe(t: Tenant) -> str:
 def _list(r: redis.Redis) -> int:
     header = ("NAME", "STATUS", "PRIORITY", "TPM", "RPM", "MAX_CONC", "MAX_TOKENS", "DEF_MAX", "KEYS", "MODELS")
     rows = [header]
-    for t, nkeys in store.list_tenants(r):
+    for t, nkeys in list_tenants(r):
         models = ",".join(t.allowed_models) if t.allowed_models is not None else "*"
-        rows.append((t.name, t.status, t.priority, str(t.tpm), str(t.rpm), str(t.max_concurrent),
+        rows.append((t.name, t.status, t.priority.label, str(t.tpm), str(t.rpm), str(t.max_concurrent),
                      str(t.max_tokens), str(t.default_max_tokens), str(nkeys), models))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
@@ -108,13 +112,13 @@ def _list(r: redis.Redis) -> int:
 def run(args: argparse.Namespace) -> int:
     def action(r: redis.Redis) -> int:
         if args.action == "create":
-            print(f"created {describe(store.create_tenant(r, args.name, **_fields(args)))}")
+            print(f"created {describe(create_tenant(r, args.name, **_fields(args)))}")
         elif args.action == "set":
-            print(f"updated {describe(store.update_tenant(r, args.name, **_fields(args)))}")
+            print(f"updated {describe(update_tenant(r, args.name, **_fields(args)))}")
         elif args.action == "list":
             return _list(r)
         else:
-            t = store.set_status(r, args.name, active=args.action == "enable")
+            t = set_status(r, args.name, active=args.action == "enable")
             print(f"{args.action}d {t.name}")
         return 0
 

@@ -1,8 +1,4 @@
-"""`switchyard usage NAME [--days N] [--json]`: a tenant's metered usage per UTC day.
-
-Reads the per-day counters that admission's settle step increments (requests,
-prompt, cached and completion tokens) and prints one row per day plus a total.
-"""
+"""`switchyard usage NAME [--days N] [--json]`: a tenant's metered usage per UTC day."""
 
 from __future__ import annotations
 
@@ -11,9 +7,9 @@ import json
 
 import redis
 
-from admission.metering import read_usage
+from admission import read_usage
 from config.cmd_tenants import add_redis_argument, run_operator_command
-from tenancy import store
+from tenancy import get_tenant
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def action(r: redis.Redis) -> int:
-        store.get_tenant(r, args.name)  # unknown tenant -> clear error
+        get_tenant(r, args.name)  # unknown tenant -> clear error
         days = read_usage(r, args.name, args.days)
         if args.json:
             print(json.dumps([{"day": d.day, "requests": d.requests, "prompt_tokens": d.prompt_tokens,

@@ -1,8 +1,6 @@
 """`switchyard worker`: load a model, build the engine, and serve it over ZeroMQ until drained.
 
-Flags override `SWITCHYARD_WORKER__*` / `SWITCHYARD_REDIS_URL` environment variables,
-which override the `[worker]` table of the `--config` TOML file (see
-`config.settings`). Torch and the model load only when the command runs.
+Torch and the model load only when the command runs.
 """
 
 from __future__ import annotations
@@ -66,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(ws.num_threads)
     from worker.engine import Engine
+    from worker.loader import load_any
     from worker.server import ServerConfig, WorkerServer
-    from worker.tiny_model import load_any
 
     server_cfg = ServerConfig(bind=ws.bind, advertise=ws.advertise, worker_id=ws.worker_id,
                               redis_url=settings.redis_url, drain_timeout=ws.drain_timeout,

@@ -1,11 +1,7 @@
 """`make run`: a private Switchyard stack on this machine, stopped with Ctrl-C.
 
-Starts a private `redis-server` unless `SWITCHYARD_REDIS_URL` is set, one
-worker with the default model and one gateway (port `PORT`, default 8000),
-waits for the gateway's `/ready` with a deadline, creates (or reuses) a demo
-tenant, issues it a key and prints a ready-to-paste curl line. Ctrl-C or
-SIGTERM stops every process it started; so does any of them dying. `Stack` is
-also what the end-to-end tests use to run the same processes.
+Redis (unless given), one worker and one gateway, plus a demo tenant's key; `Stack` runs the same
+processes for the end-to-end tests.
 """
 
 from __future__ import annotations
@@ -122,7 +118,7 @@ class Stack:
 
     def create_tenant(self, name: str = DEMO_TENANT, **fields: object) -> str:
         """Create (or update) tenant `name` and return a fresh API key for it."""
-        from tenancy.store import tenant_with_new_key
+        from tenancy import tenant_with_new_key
 
         assert self.redis_url is not None
         return tenant_with_new_key(self.redis_url, name, **fields)

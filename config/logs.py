@@ -1,14 +1,6 @@
-"""Process-wide logging set-up for `switchyard gateway` and `switchyard worker`: JSON lines or text.
+"""Process-wide logging for `switchyard gateway` and `switchyard worker`: one JSON object (or text) per line.
 
-`configure_logging(level, fmt)` installs one stderr handler on the root logger.
-With `fmt="json"` (the default of both commands) every record becomes one JSON
-object per line: `ts` (UTC, ISO 8601, milliseconds), `level`, `logger`, `msg`,
-then `request_id` when the line is about a request, any other structured
-fields passed with `extra={...}`, and `exc` with the traceback. `filters` are
-attached to the handler; the gateway passes its request-id filter so lines
-logged while a request is being served carry that request's id without every
-call site naming it. Only message and fields are written: callers never log
-API keys or prompt text.
+Lines about a request carry its id; only messages and fields are written, never API keys or prompts.
 """
 
 from __future__ import annotations

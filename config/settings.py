@@ -1,13 +1,6 @@
-"""One typed settings model for every Switchyard process, with sections per component.
+"""One typed settings model for every Switchyard process, with a section per component.
 
-Values come from, highest precedence first: CLI flags (passed to `load_settings` as
-`overrides`, a nested dict holding only the flags the user actually gave), the
-environment (`SWITCHYARD_<FIELD>` for top-level fields such as
-`SWITCHYARD_REDIS_URL`, `SWITCHYARD_<SECTION>__<FIELD>` inside a section such as
-`SWITCHYARD_WORKER__BIND`), then a TOML file (`--config`; top-level keys plus
-`[worker]`, `[gateway]` tables), then the defaults below. Components add their own
-section models here; the `config` package is the composition root and may import
-every other package, but nothing imports it except the CLI modules.
+Precedence: CLI flags, then `SWITCHYARD_*` environment variables, then the `--config` TOML file, then defaults.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""The Starlette application: routes, lifecycle and response framing.
+"""The Starlette application: routes, lifecycle and response framing (HTTP only; the request flow is `service`).
 
-`create_app(service_factory, ...)` builds the app; the service (model,
-tenant directory, backend, admission) is made and started in the lifespan and
-closed on shutdown. Chat and completion routes share `_generate`: authenticate,
-read and parse the body, prepare, start the generation, then either collect it
-(non-streaming, cancelled if the client leaves) or stream it as SSE after the
-first delta arrived (so errors before the first token still get a proper HTTP
-status). Whatever happens, the generation is closed exactly once, which aborts
-the worker request and settles the tenant's reservation.
+A generation is closed exactly once whatever happens, which aborts the worker request and settles the reservation.
 """
 
 from __future__ import annotations
@@ -65,7 +58,7 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
         prepared = svc.prepare(tenant, req, rid)
     else:  # long prompts tokenize off the event loop (the tokenizer releases the GIL)
         prepared = await run_in_threadpool(svc.prepare, tenant, req, rid)
-    trace = metrics.current().trace(prepared.priority, tenant.name, arrived)
+    trace = metrics.current().trace(prepared.priority.label, tenant.name, arrived)
     gen = await svc.start(prepared)
     trace.admitted()
     try:

@@ -1,15 +1,7 @@
 """Incremental, UTF-8-safe detokenization and stop-string matching for streams.
 
-`token_byte_table` turns a `tokenizers.Tokenizer` into a list mapping every
-token id to the exact bytes it stands for (byte-level BPE, SentencePiece byte
-fallback and plain added tokens; special tokens map to b""), built once per
-process. `IncrementalDetokenizer` concatenates those bytes and decodes them with
-Python's incremental UTF-8 decoder, which keeps an incomplete multi-byte
-character back until its last byte arrives, so a character split across tokens
-never shows up as U+FFFD. `StopMatcher` cuts the text where a stop string first
-completes (the earliest-ending occurrence, as if checked after every character),
-holding back `len(longest stop) - 1` characters while streaming so that a stop
-string split across chunks is never emitted.
+Works on token bytes, so a character split across tokens never shows as U+FFFD and a stop string
+split across chunks is never emitted.
 """
 
 from __future__ import annotations

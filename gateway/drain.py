@@ -1,16 +1,6 @@
 """Lame-duck shutdown of a gateway process: SIGTERM stops new work, in-flight streams finish, exit 0.
 
-`DrainState` counts in-flight API requests and holds the draining flag.
-`DrainMiddleware` (pure ASGI, so streams are not buffered) counts every `/v1/`
-request until its response has been sent in full, and while draining answers
-new ones with 503 `server_shutting_down` (OpenAI error body, `retry-after`,
-`connection: close`) and `/ready` with 503, so load balancers move traffic away
-while the listener stays open. `LameDuckServer` is a `uvicorn.Server` whose
-first SIGTERM/SIGINT starts the drain instead of closing the listener; its
-100 ms tick ends the server once nothing is in flight or the grace period has
-passed (a second signal ends it at once). Stragglers past the grace period get
-uvicorn's short graceful-shutdown window, then are cancelled, which aborts
-their worker requests and settles their reservations.
+New API requests get 503 `server_shutting_down` while draining, so load balancers move traffic and the listener stays open.
 """
 
 from __future__ import annotations

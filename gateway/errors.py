@@ -1,11 +1,6 @@
-"""OpenAI-shaped errors for the gateway.
+"""OpenAI-shaped errors: every failure a client sees is an `ApiError` rendered as `{"error": {...}}`.
 
-Every failure a client can see is an `ApiError` carrying the HTTP status and the
-four fields of OpenAI's error body (`message`, `type`, `param`, `code`) plus any
-response headers (`retry-after`, rate-limit headers). The Starlette exception
-handlers registered by `install_handlers` turn these, routing errors and
-unexpected exceptions into `{"error": {...}}` JSON responses, so the SDKs map
-them to their typed exceptions (400 BadRequestError, 401 AuthenticationError, ...).
+OpenAI's statuses and body fields let the SDKs raise their typed exceptions.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""A deadline for request headers: uvicorn's httptools protocol, closing connections whose headers dawdle.
+"""uvicorn's httptools protocol with a deadline for request headers.
 
-uvicorn bounds the idle time between keep-alive requests (`timeout_keep_alive`)
-but not the time a client takes to send a request's headers, so a slowloris
-client trickling header bytes holds a connection forever. `header_deadline_protocol(s)`
-returns the httptools protocol class with one timer per connection: armed when
-the connection opens and when a request's first byte arrives, cancelled once its
-headers are complete; if it fires, the connection is closed. The body has its own
-deadline in `gateway.http.read_json` (408), so a whole request is bounded.
+uvicorn bounds keep-alive idle time but not header arrival, so a slowloris client could otherwise hold a
+connection forever.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """HTTP plumbing shared by the routes: request ids, bounded body reading, disconnect watching.
 
-`RequestIdMiddleware` (pure ASGI, so it does not buffer streams) gives every
-request an id, taken from a well-formed client `x-request-id` or generated, and
-echoes it on the response. `read_json` enforces the body limit while reading
-(the Content-Length header first, then the running total), so an oversized body
-is refused with 413 without being buffered; the whole body must arrive within
-`timeout_s` (408 otherwise, so a slowloris client cannot hold a request open),
-be declared as JSON when a content type is given (415), and be UTF-8 JSON that
-the parser and the tokenizer can take: invalid UTF-8, nesting too deep for the
-parser and unpaired UTF-16 surrogate escapes are 400s, not crashes.
-`until_disconnect` runs an awaitable while watching the connection, cancelling
-the work when the client goes away.
+Bodies are checked while read (413, 408, 415, 400), so oversized, slow or malformed ones are refused,
+never buffered whole or crashed on.
 """
 
 from __future__ import annotations

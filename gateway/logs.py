@@ -1,12 +1,4 @@
-"""The request id of the request being served, for log lines (a contextvar).
-
-`RequestIdMiddleware` binds the id with `bind_request_id` at the start of each
-HTTP request; asyncio copies the context into every task the request spawns,
-so anything logged while serving it (routing, admission, errors) can carry the
-id. `RequestIdFilter` stamps `record.request_id` from the contextvar unless the
-call site already passed one with `extra={"request_id": ...}`; the process's
-log handler (see `config.logs`) installs it.
-"""
+"""The id of the request being served, in a contextvar, so every log line written while serving it carries it."""
 
 from __future__ import annotations
 

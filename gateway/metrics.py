@@ -1,20 +1,6 @@
-"""Prometheus metrics of the gateway (names are a contract with `docker/grafana-dashboard.json`).
+"""Prometheus metrics of the gateway and its access log (names: a contract with `docker/grafana-dashboard.json`).
 
-`GatewayMetrics` owns the collectors: latency histograms by `priority`
-(`switchyard_ttft_seconds`, `_inter_token_seconds`, `_e2e_seconds`,
-`_queue_seconds` = admission wait), token counters, `switchyard_requests_total`
-by HTTP status, `switchyard_stream_errors_total` (streams that failed after their
-200 headers, by error status), and refusals by reason (`switchyard_rate_limited_total`,
-`switchyard_shed_total`). A `tenant` label is added only when the settings name
-tenants to label; every other tenant is reported as "other", so the label set
-stays bounded and no key or prompt ever becomes a label. `configure()` makes the
-process-wide instance and `current()` returns it. One `RequestTrace` per
-generation records its latencies; it pre-resolves the labelled children, so a
-streamed token costs one histogram observation, nothing more.
-`ObserveMiddleware` counts `/v1/` responses by status and writes one access log
-line per request (the request id comes from the log filter). `metrics_endpoint`
-serves `/metrics`; with `PROMETHEUS_MULTIPROC_DIR` set (uvicorn with several
-worker processes) it aggregates every process through `MultiProcessCollector`.
+Tenant labels are limited to the configured tenants (the rest are "other"), so label sets stay bounded.
 """
 
 from __future__ import annotations
@@ -39,9 +25,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from admission.capacity import Overloaded
-from admission.results import QuotaExceeded
-from tenancy.errors import QuotaServiceUnavailable
+from admission import Overloaded, QuotaExceeded
+from tenancy import QuotaServiceUnavailable
 
 log = logging.getLogger("switchyard.gateway.access")
 

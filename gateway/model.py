@@ -1,11 +1,4 @@
-"""The model this gateway serves: its names, tokenizer, context size and token bytes.
-
-`ServedModel` turns a validated `GenerationRequest` into prompt token ids (the
-model's own chat template for chat, plain encoding or checked ids for
-completions) and reports the length of the chat's stable prefix (everything
-before the last user turn) for the router's prefix key. It also owns the
-token -> bytes table the detokenizer and logprob output use, built once.
-"""
+"""The model this gateway serves: names, tokenizer, context size and token bytes; requests -> prompt ids."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """The OpenAPI 3.1 description of the gateway's HTTP API, served at `GET /openapi.json`.
 
-Hand-written rather than generated, because the request parser (`gateway.schemas`)
-is hand-written too: the bounds below are the ones that parser enforces (a value
-outside them is a 400 with `param` naming the field), and `tests/faults`
-checks both against each other and fuzzes a live gateway from this document with
-schemathesis. Responses list every status a client can see, each error as
-OpenAI's `{"error": {message, type, param, code}}` body; 503 (no worker, quota
-store down, overloaded, shutting down) always comes with `retry-after`. The
-document is built once at import and served as pre-encoded bytes.
+Hand-written like the request parser (`gateway.schemas`), whose bounds it states; `tests/faults`
+checks the two against each other.
 """
 
 from __future__ import annotations

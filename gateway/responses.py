@@ -1,9 +1,4 @@
-"""OpenAI response bodies: `chat.completion`, `chat.completion.chunk` and `text_completion`.
-
-Pure functions from the service's records to the JSON-ready dicts OpenAI's SDKs
-parse. `ResponseShape` fixes the per-request constants (id, created, model,
-kind) once, so each streamed chunk costs one small dict.
-"""
+"""OpenAI response bodies (`chat.completion`, `chat.completion.chunk`, `text_completion`) as plain dicts."""
 
 from __future__ import annotations
 

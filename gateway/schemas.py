@@ -1,10 +1,6 @@
-"""Strict parsing of OpenAI request bodies into typed records.
+"""Strict parsing of OpenAI request bodies into typed records; a bad known field is a 400 naming it.
 
-`parse_chat` and `parse_completion` take the decoded JSON body and return a
-`GenerationRequest`; a known field of the wrong type or out of range raises a
-400 `ApiError` with `param` naming the field. Unknown fields are ignored, since
-OpenAI clients send extras. Nothing here knows about tenants or tokenizers:
-tenant defaults and context limits are applied later by the service.
+Knows nothing about tenants or tokenizers: their limits are applied later by the service.
 """
 
 from __future__ import annotations
@@ -14,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import invalid
+from worker.protocol import PRIORITY_NAMES, Priority
 
 MAX_STOP = 4
-PRIORITIES = ("interactive", "batch")
+PRIORITIES = PRIORITY_NAMES
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 _MISSING = object()
 
@@ -40,7 +37,7 @@ class GenerationRequest:
     user: str | None = None
     logprobs: bool = False
     ignore_eos: bool = False
-    priority: str | None = None
+    priority: Priority | None = None
 
 
 def _get(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -120,7 +117,7 @@ def _common(body: Any, kind: str) -> GenerationRequest:
         include_usage=include_usage and stream,
         user=_get(body, "user", (str,), "a string"),
         ignore_eos=_bool(body, "ignore_eos"),
-        priority=priority,
+        priority=None if priority is None else Priority.parse(priority),
     )
 
 

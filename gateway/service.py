@@ -1,18 +1,5 @@
-"""The per-request flow of the gateway, independent of HTTP framing.
-
-`GatewayService.authenticate` maps the bearer key to a tenant (401 otherwise);
-`prepare` checks the model (404/403), tokenizes, resolves `max_tokens` against
-the tenant's default and cap and the model context (400), and fixes priority,
-cache namespace and sampling; `start` enters admission (budget reserve: 429,
-400 never-fits, 503 quota store down; then KV capacity: 503 server_overloaded,
-or 503 no_live_worker before anything is charged), opens the routed worker stream and
-returns a `Generation`. A `Generation` turns worker token
-chunks into text deltas (UTF-8-safe detokenization, stop strings, logprobs,
-usage) and is closed exactly once by its owner, which aborts the worker request
-if it is still running and settles admission with the tokens actually used.
-While it runs it re-reads its tenant (through the directory's short cache) every
-`TENANT_RECHECK_S` between chunks, so disabling a tenant ends its in-flight
-requests (401 `tenant_disabled`, an SSE error event once streaming) within 1 s.
+"""The per-request flow of the gateway apart from HTTP framing: authenticate, prepare, admit, route,
+then turn the worker's token stream into text deltas (`Generation`) and settle admission when it ends.
 """
 
 from __future__ import annotations
@@ -27,20 +14,16 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from admission.gate import Admission, AdmissionTicket, error_response
+from admission import Admission, AdmissionTicket, error_response
 from gateway import errors, metrics
 from gateway.detokenize import IncrementalDetokenizer, StopMatcher
 from gateway.errors import ApiError, invalid
 from gateway.model import ServedModel
 from gateway.responses import ResponseShape, TokenLogprob, Usage
 from gateway.schemas import GenerationRequest
-from router.client import TokenChunk, WorkerError
-from router.dispatch import Router, RouteRequest
-from router.prefix import namespace_root
-from router.ring import NoWorkerAvailable
-from tenancy.directory import TenantDirectory
-from tenancy.errors import QuotaServiceUnavailable
-from tenancy.schema import BATCH, Tenant
+from router import NoWorkerAvailable, Router, RouteRequest, WorkerError, namespace_root
+from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory
+from worker.protocol import ErrorCode, OutItem, Priority, SamplingParams
 
 log = logging.getLogger("switchyard.gateway")
 TENANT_RECHECK_S = 0.25  # plus the directory's 0.5 s cache: a disabled tenant's streams end within 1 s
@@ -61,7 +44,7 @@ class Prepared:
     prompt_ids: list[int]
     stable_len: int | None
     max_tokens: int
-    priority: str
+    priority: Priority
     ns: bytes
     shape: ResponseShape
 
@@ -81,9 +64,9 @@ def _bearer(header: str | None) -> str | None:
 
 
 def _worker_error(exc: WorkerError) -> ApiError:
-    if exc.code == "bad_request":
+    if exc.code == ErrorCode.BAD_REQUEST:
         return invalid(f"The worker rejected the request: {exc.message}")
-    if exc.code == "capacity" and not exc.retryable:
+    if exc.code == ErrorCode.CAPACITY and not exc.retryable:
         return invalid(f"The request can never fit on a worker: {exc.message}", code="context_length_exceeded")
     return errors.upstream_failed(f"Generation failed ({exc.code}): {exc.message}", exc.retryable)
 
@@ -99,10 +82,10 @@ class GatewayService:
 
     @property
     def ready(self) -> bool:
-        return bool(self.router.membership.live())
+        return bool(self.router.live())
 
     async def close(self) -> None:
-        await self.router.membership.close()
+        await self.router.close()
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         key = _bearer(authorization)
@@ -149,10 +132,10 @@ class GatewayService:
         return Prepared(request_id, req, tenant, enc.ids, enc.stable_len, max_tokens,
                         tenant.effective_priority(req.priority), ns, shape)
 
-    def _sampling(self, p: Prepared) -> dict[str, Any]:
+    def _sampling(self, p: Prepared) -> SamplingParams:
         r = p.req
-        return {"max_tokens": p.max_tokens, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                "seed": r.seed, "stop_token_ids": [], "ignore_eos": r.ignore_eos, "logprobs": r.logprobs}
+        return SamplingParams(max_tokens=p.max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              seed=r.seed, ignore_eos=r.ignore_eos, logprobs=r.logprobs)
 
     async def start(self, p: Prepared) -> Generation:
         """Admit the request and open its worker stream; the caller must `close()` the result."""
@@ -161,7 +144,7 @@ class GatewayService:
         headers: dict[str, str] = {}
         try:
             ticket = None
-            if not self.router.membership.live():
+            if not self.router.live():
                 # before admission: nothing is charged, and capacity would only queue then shed
                 metrics.current().count_shed("no_worker")
                 raise errors.no_live_worker()
@@ -171,7 +154,7 @@ class GatewayService:
             chunks = self.router.stream(RouteRequest(
                 # the response id is unique; a client-chosen x-request-id need not be
                 rid=p.shape.id, ns=p.ns, tokens=p.prompt_ids, cost=usage.prompt_tokens + p.max_tokens,
-                sampling=self._sampling(p), stable_len=p.stable_len, priority=1 if p.priority == BATCH else 0,
+                sampling=self._sampling(p), stable_len=p.stable_len, priority=p.priority,
                 deadline=time.time() + self.config.request_timeout_s))
             stack.push_async_callback(_aclose, chunks)
         except BaseException:
@@ -197,7 +180,7 @@ class GatewayService:
         return ticket
 
 
-async def _aclose(chunks: AsyncIterator[TokenChunk]) -> None:
+async def _aclose(chunks: AsyncIterator[OutItem]) -> None:
     closer: Callable[[], Any] | None = getattr(chunks, "aclose", None)
     if closer is not None:
         await closer()
@@ -209,7 +192,7 @@ class Generation:
 
     model: ServedModel
     prepared: Prepared
-    chunks: AsyncIterator[TokenChunk]
+    chunks: AsyncIterator[OutItem]
     stack: AsyncExitStack
     usage: Usage
     headers: dict[str, str]
@@ -250,7 +233,7 @@ class Generation:
         if tenant is None or not tenant.active:
             raise errors.tenant_disabled()
 
-    async def _next_chunk(self) -> TokenChunk:
+    async def _next_chunk(self) -> OutItem:
         try:
             if self.usage.completion_tokens == 0:
                 async with asyncio.timeout(self.first_token_timeout_s):
@@ -273,7 +256,7 @@ class Generation:
         if self.ticket is not None and self.usage.completion_tokens == 0:
             self.ticket.unserved()
 
-    def _consume(self, chunk: TokenChunk) -> Delta | None:
+    def _consume(self, chunk: OutItem) -> Delta | None:
         toks = chunk.tokens
         self.usage.completion_tokens += len(toks)
         self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.cached_tokens)

@@ -1,11 +1,7 @@
-"""Server-sent events framing and a streaming response that always cleans up.
+"""Server-sent events framing, and a streaming response whose clean-up runs however the response ends.
 
-`event(obj)` frames one JSON object as `data: {...}\n\n`; `DONE` ends an
-OpenAI stream. `SSEResponse` is a Starlette `StreamingResponse` whose `on_close`
-callback runs in a `finally` however the response ends (finished, client gone
-before or during the stream, task cancelled), which is where the service
-aborts the worker request and settles the tenant's reservation: a plain
-StreamingResponse never starts its iterator when the client vanished first.
+A plain `StreamingResponse` never starts its iterator when the client left first, so its clean-up
+would never run.
 """
 
 from __future__ import annotations

@@ -1,17 +1,5 @@
-"""Asyncio client for one worker: a DEALER socket, a receive task, and per-request token streams.
-
-The gateway makes one `WorkerClient` per worker. `generate()` sends a `gen` frame
-and yields `TokenChunk`s as `out` frames arrive; one receive task demultiplexes
-`out`/`err`/`stats` frames into per-request queues, and a heartbeat task sends
-`hello` every `heartbeat_interval`. Every wait has a deadline: a stream that gets
-nothing for `inter_token_timeout` ends with WorkerError("timeout"), and when no
-`stats` frame arrives for `worker_timeout` after the first one the worker counts
-as lost and every open stream ends with WorkerError("worker_lost"). Leaving a
-stream early (break, cancellation, exception) sends `abort` to the worker.
-
-Error codes raised by streams: the worker's own `capacity`, `bad_request`,
-`internal`, plus the client-side `timeout`, `worker_lost`, `incompatible`
-(worker speaks another protocol version) and `closed` (client closed).
+"""Asyncio client for one worker: a DEALER socket whose receive task demultiplexes `out`/`err`/`stats`
+frames into per-request streams of `OutItem`s, with a deadline on every wait.
 """
 
 from __future__ import annotations
@@ -21,7 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import zmq
@@ -30,8 +18,12 @@ import zmq.asyncio
 from worker.protocol import (
     PROTOCOL_VERSION,
     ErrFrame,
+    ErrorCode,
     OutFrame,
+    OutItem,
+    Priority,
     ProtocolError,
+    SamplingParams,
     WorkerStats,
     decode_worker_frame,
     encode_abort,
@@ -41,22 +33,19 @@ from worker.protocol import (
 
 log = logging.getLogger(__name__)
 
-WORKER_ERROR_CODES = frozenset({"capacity", "bad_request", "internal"})
+class LinkError(StrEnum):
+    """Codes of errors raised by this client rather than sent by the worker."""
 
-
-@dataclass(slots=True)
-class TokenChunk:
-    tokens: list[int]
-    finish_reason: str | None
-    cached_tokens: int
-    logprobs: list[float] | None
-    sent_at: float = 0.0  # worker's time.time() when it sent the frame (hop-latency metrics)
+    TIMEOUT = "timeout"  # no tokens (or no first stats) within the deadline
+    WORKER_LOST = "worker_lost"  # no stats for worker_timeout
+    INCOMPATIBLE = "incompatible"  # the worker speaks another protocol version
+    CLOSED = "closed"  # this client was closed
 
 
 class WorkerError(Exception):
-    """A request ended with an error from the worker or from the link to it."""
+    """A request ended with an error from the worker (`ErrorCode`) or from the link to it (`LinkError`)."""
 
-    def __init__(self, code: str, message: str, retryable: bool) -> None:
+    def __init__(self, code: ErrorCode | LinkError, message: str, retryable: bool) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
@@ -78,7 +67,7 @@ class WorkerClient:
         self.incompatible: str | None = None  # reason, once a stats frame showed another protocol version
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
-        self._streams: dict[str, asyncio.Queue[TokenChunk | WorkerError]] = {}
+        self._streams: dict[str, asyncio.Queue[OutItem | WorkerError]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
         self._closed = False
@@ -104,9 +93,9 @@ class WorkerClient:
             async with asyncio.timeout(timeout):
                 await self._ready.wait()
         except TimeoutError:
-            raise WorkerError("timeout", f"no stats from {self.endpoint} within {timeout}s", True) from None
+            raise WorkerError(LinkError.TIMEOUT, f"no stats from {self.endpoint} within {timeout}s", True) from None
         if self.incompatible:
-            raise WorkerError("incompatible", self.incompatible, False)
+            raise WorkerError(LinkError.INCOMPATIBLE, self.incompatible, False)
         assert self.stats is not None
         return self.stats
 
@@ -114,7 +103,7 @@ class WorkerClient:
         if self._closed:
             return
         self._closed = True
-        self._fail_all(WorkerError("closed", "worker client closed", True))
+        self._fail_all(WorkerError(LinkError.CLOSED, "worker client closed", True))
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -139,19 +128,19 @@ class WorkerClient:
 
     # ------------------------------------------------------------ requests
 
-    async def generate(self, rid: str, ns: bytes, tokens: Any, sampling: dict[str, Any], priority: int = 0,
-                       deadline: float = 0.0) -> AsyncIterator[TokenChunk]:
+    async def generate(self, rid: str, ns: bytes, tokens: Any, sampling: SamplingParams,
+                       priority: Priority = Priority.INTERACTIVE, deadline: float = 0.0) -> AsyncIterator[OutItem]:
         """Stream a request's tokens (the `gen` goes out on the first iteration).
 
         Raises WorkerError; leaving the iterator early sends `abort` to the worker.
         """
         if self._closed or self._sock is None:
-            raise WorkerError("closed", "worker client is not running", True)
+            raise WorkerError(LinkError.CLOSED, "worker client is not running", True)
         if self.incompatible:
-            raise WorkerError("incompatible", self.incompatible, False)
+            raise WorkerError(LinkError.INCOMPATIBLE, self.incompatible, False)
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} already has an open stream")
-        queue: asyncio.Queue[TokenChunk | WorkerError] = asyncio.Queue()
+        queue: asyncio.Queue[OutItem | WorkerError] = asyncio.Queue()
         self._streams[rid] = queue
         ended = False
         try:
@@ -162,12 +151,12 @@ class WorkerClient:
                         async with asyncio.timeout(self.inter_token_timeout):
                             item = await queue.get()
                     except TimeoutError:
-                        raise WorkerError("timeout", f"no tokens for {self.inter_token_timeout}s", True) from None
+                        raise WorkerError(LinkError.TIMEOUT, f"no tokens for {self.inter_token_timeout}s", True) from None
                 else:
                     item = queue.get_nowait()
                 if isinstance(item, WorkerError):
                     # worker-side errors end the request there; link errors may not have
-                    ended = item.code in WORKER_ERROR_CODES
+                    ended = isinstance(item.code, ErrorCode)
                     raise item
                 ended = item.finish_reason is not None
                 yield item
@@ -204,7 +193,7 @@ class WorkerClient:
                 self._dispatch(await self._sock.recv())
             elif self._streams and self.stats is not None and not self.alive and not self._lost_reported:
                 self._lost_reported = True  # once per outage; the next stats frame re-arms it
-                self._fail_all(WorkerError("worker_lost", f"no stats from {self.endpoint} "
+                self._fail_all(WorkerError(LinkError.WORKER_LOST, f"no stats from {self.endpoint} "
                                            f"for {self.worker_timeout}s", True))
 
     def _dispatch(self, data: bytes) -> None:
@@ -215,12 +204,10 @@ class WorkerClient:
             return
         if isinstance(frame, OutFrame):
             streams = self._streams
-            sent_at = frame.sent_at
             for item in frame.items:
                 queue = streams.get(item.rid)
                 if queue is not None:
-                    queue.put_nowait(TokenChunk(item.tokens, item.finish_reason, item.cached_tokens, item.logprobs,
-                                                sent_at))
+                    queue.put_nowait(item)
         elif isinstance(frame, ErrFrame):
             queue = self._streams.get(frame.rid)
             if queue is not None:
@@ -235,7 +222,7 @@ class WorkerClient:
                 self.incompatible = (f"worker {stats.worker_id} speaks protocol version {stats.version}, "
                                      f"this gateway speaks {PROTOCOL_VERSION}")
                 log.error("%s; refusing it", self.incompatible)
-                self._fail_all(WorkerError("incompatible", self.incompatible, False))
+                self._fail_all(WorkerError(LinkError.INCOMPATIBLE, self.incompatible, False))
         self.stats = stats
         self._lost_reported = False
         self._ready.set()

@@ -1,34 +1,34 @@
-"""Dispatch: route a request to a worker, stream its tokens, fail over once before the first token.
+"""The Router: route a request to a worker, stream its tokens, fail over once before the first token.
 
-`Router.stream(request)` computes the prefix key (`router.prefix`), picks a worker
-on the membership's ring with bounded loads, sends the request through that
-worker's `WorkerClient` and yields its `TokenChunk`s. The request's cost is
-counted against the worker in the membership's `LoadTracker` from the moment it
-is sent until it ends (released in `finally`); from the first output on, net of
-the prompt tokens the worker reports as served from its prefix cache. If the worker dies or answers
-with a retryable error before any output, the request is re-sent once to the
-next choice, excluding the failed worker; after the first chunk, a failure ends
-the stream with a retryable `WorkerError`. Every wait has a deadline: the
-client's inter-token timeout and worker-loss detection, plus the request's own
-deadline (or `max_stream_seconds` when it has none) enforced here.
+It owns what routing learns (loads, prefix holders, the policy's ring) and keeps them in step with the Membership.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from router import metrics
-from router.client import TokenChunk, WorkerError
-from router.membership import Membership
+from router.client import WorkerError
+from router.holders import PrefixHolders
+from router.load import LoadTracker
+from router.membership import Member, Membership, StatsEvent, StatsListener
+from router.policy import (
+    DEFAULT_EPSILON,
+    DEFAULT_FOOTPRINT_EPSILON,
+    Candidates,
+    Choice,
+    NoWorkerAvailable,
+    RoutingPolicy,
+)
 from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, key_span, prefix_key
-from router.ring import Choice, NoWorkerAvailable
+from worker.protocol import OutItem, Priority, SamplingParams
 
 FALLBACK_FAILOVER = "failover"
 DEFAULT_BLOCK_SIZE = 16
@@ -47,9 +47,9 @@ class RouteRequest:
     ns: bytes
     tokens: Sequence[int] | np.ndarray | bytes
     cost: int  # KV tokens the request may occupy (prompt + max_tokens); the router nets out expected hits
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stable_len: int | None = None  # chat: tokens before the last user turn; None: raw completion
-    priority: int = 0
+    priority: Priority = Priority.INTERACTIVE
     deadline: float = 0.0  # unix seconds; 0 = none
 
 
@@ -64,6 +64,9 @@ class Router:
         block_size: int = DEFAULT_BLOCK_SIZE,
         route_prefix_tokens: int = DEFAULT_ROUTE_PREFIX_TOKENS,
         max_stream_seconds: float = DEFAULT_MAX_STREAM_S,
+        epsilon: float = DEFAULT_EPSILON,
+        footprint_epsilon: float = DEFAULT_FOOTPRINT_EPSILON,
+        rng: random.Random | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must be non-empty bytes")
@@ -72,6 +75,69 @@ class Router:
         self.block_size = block_size
         self.route_prefix_tokens = route_prefix_tokens
         self.max_stream_seconds = max_stream_seconds
+        self.policy = RoutingPolicy(epsilon=epsilon, footprint_epsilon=footprint_epsilon, rng=rng)
+        self.loads = LoadTracker()
+        self.holders = PrefixHolders()
+        membership.on_join(self._joined)
+        membership.on_leave(self._left)
+        membership.on_stats(self._observed)
+        self._catch_up()
+
+    # ------------------------------------------------------------ the gateway's view
+
+    async def start(self) -> None:
+        await self.membership.start()
+
+    async def close(self) -> None:
+        await self.membership.close()
+
+    def live(self) -> list[str]:
+        """Workers that may take new requests now."""
+        return self.membership.live()
+
+    def reporting(self) -> list[Member]:
+        """Workers with current stats, live or draining (what capacity admission counts)."""
+        return self.membership.reporting()
+
+    def committed(self, worker_id: str) -> float:
+        """KV tokens committed on `worker_id`, counting a request's hit only once the worker reports it."""
+        return self.loads.committed(worker_id)
+
+    def on_stats(self, listener: StatsListener) -> None:
+        """Call `listener(event)` after every worker stats frame, once the router has taken it in."""
+        self.membership.on_stats(listener)
+
+    # ------------------------------------------------------------ membership events
+
+    def _catch_up(self) -> None:
+        """Take in the members (and their latest stats) known before this router subscribed."""
+        for mid in self.membership.member_ids():
+            self._joined(mid)
+            member = self.membership.member(mid)
+            if member is not None and member.stats is not None and member.stats_at is not None:
+                self._observed(StatsEvent(mid, member.stats, member.stats_at))
+
+    def _joined(self, mid: str) -> None:
+        self.policy.add(mid)
+
+    def _left(self, mid: str) -> None:
+        self.policy.remove(mid)
+        self.loads.forget(mid)
+        self.holders.forget(mid)
+        metrics.forget_worker(mid)
+
+    def _observed(self, event: StatsEvent) -> None:
+        mid, stats = event.member_id, event.stats
+        self.holders.set_capacity(mid, stats.kv_total)
+        self.loads.on_stats(mid, stats, event.at)
+        metrics.PREFIX_HIT_RATE.labels(mid).set(stats.hit_rate)
+        metrics.OUTSTANDING_TOKENS.labels(mid).set(self.loads.load(mid))
+        if event.came_back:
+            # A worker joined or came back: every key returns to its ring position (the keys that
+            # must move, move), rather than staying with whichever worker took it meanwhile.
+            self.holders.clear()
+
+    # ------------------------------------------------------------ routing
 
     def key_for(self, req: RouteRequest) -> bytes | None:
         return prefix_key(req.tokens, req.stable_len, root=req.ns, secret=self.secret,
@@ -79,23 +145,26 @@ class Router:
 
     def pick(self, key: bytes | None, cost: int, exclude: frozenset[str] = frozenset(), span: int = 0) -> Choice:
         """Choose a worker (raises NoWorkerAvailable) and count the fallback, if any."""
-        m = self.membership
-        holders = m.loads.holders
-        # the ring reads footprints only for a keyed request: a keyless one need not compute them
-        footprints = self._footprints_over_allowance() if key is not None else None
-        choice = m.ring.choose(key, cost, m.loads.loads(), eligible=m.status, exclude=exclude,
-                               held=lambda w: holders.expected_cached(w, key), footprints=footprints, span=span)
+        choice = self.policy.choose(self._candidates(key, exclude), cost, span)
         if choice.fallback is not None:
             metrics.FALLBACKS.labels(choice.fallback).inc()
         return choice
 
+    def _candidates(self, key: bytes | None, exclude: frozenset[str]) -> Candidates:
+        order = self.policy.order(key)
+        status = {w: self.membership.status(w) for w in order}
+        if key is None:  # keyless: least loaded, no holders or footprints to compute
+            return Candidates(order, status, self.loads.loads(), keyed=False, excluded=exclude)
+        return Candidates(order, status, self.loads.loads(), excluded=exclude, held=self.holders.held(key),
+                          footprints=self._footprints_over_allowance())
+
     def _footprints_over_allowance(self) -> dict[str, float]:
         """Prefix tokens this gateway has placed on each worker beyond FREE_FOOTPRINT_SHARE of its KV cache."""
-        holders = self.membership.loads.holders
+        holders = self.holders
         return {wid: max(0.0, tokens - FREE_FOOTPRINT_SHARE * holders.capacity(wid))
                 for wid, tokens in holders.footprints().items()}
 
-    async def stream(self, req: RouteRequest) -> AsyncIterator[TokenChunk]:
+    async def stream(self, req: RouteRequest) -> AsyncIterator[OutItem]:
         """Yield the request's chunks; raises WorkerError or NoWorkerAvailable (before any output)."""
         if req.cost < 0:
             raise ValueError("cost must be >= 0")
@@ -129,16 +198,16 @@ class Router:
                 metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
 
     async def _attempt(self, wid: str, req: RouteRequest, key: bytes | None,
-                       span: int) -> AsyncIterator[TokenChunk]:
+                       span: int) -> AsyncIterator[OutItem]:
         m = self.membership
         client = m.client(wid)
-        loads = m.loads
+        loads, holders = self.loads, self.holders
         loop = asyncio.get_running_loop()
         hard_deadline = loop.time() + self._time_left(req)
-        loads.add(wid, req.rid, req.cost, m.clock(), loads.holders.expected_cached(wid, key))
+        loads.add(wid, req.rid, req.cost, m.clock(), holders.expected_cached(wid, key))
         # Once this request is prefilled the worker holds its prefix: a request with the same key sent
         # there meanwhile waits for those pages instead of recomputing them (DESIGN.md, worker engine).
-        loads.holders.remember(wid, key, span)
+        holders.remember(wid, key, span)
         metrics.REQUESTS.labels(wid).inc()
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         stream = client.generate(req.rid, req.ns, req.tokens, req.sampling, req.priority, req.deadline)
@@ -153,7 +222,7 @@ class Router:
                     first = False
                     loads.first_output(wid, req.rid, m.clock(), chunk.cached_tokens)
                     if chunk.cached_tokens > span:
-                        loads.holders.remember(wid, key, chunk.cached_tokens)
+                        holders.remember(wid, key, chunk.cached_tokens)
                 cached = max(cached, chunk.cached_tokens)
                 if loop.time() > hard_deadline:
                     raise WorkerError("timeout", "request deadline passed", True)
@@ -168,9 +237,9 @@ class Router:
 
     def _settle(self, wid: str, rid: str, cached: int) -> None:
         """End the request's load accounting (idempotent)."""
-        loads = self.membership.loads
+        loads = self.loads
         loads.release(wid, rid)
-        if wid in self.membership.ring:
+        if wid in self.policy:
             metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
             if cached:
                 metrics.CACHED_TOKENS.labels(wid).inc(cached)

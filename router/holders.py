@@ -1,19 +1,6 @@
-"""Which worker holds which prompt prefix, as one gateway learned it from its own traffic.
+"""Which worker holds which prompt prefix, as this gateway learned from its own traffic, and each worker's footprint.
 
-A gateway that sends a request with prefix key K to worker W expects W to hold K's
-span once the request is prefilled (the worker's `cached_tokens` later confirms or
-corrects the figure). `PrefixHolders` remembers that for the last `HIT_MEMORY` keys
-(least recently used dropped first) so the router can send K back to W and count
-the request net of what W holds.
-
-It also keeps each worker's footprint: the prefix tokens placed on it, each key
-weighted by how likely it still is in the worker's cache. A prefix's weight decays
-as exp(-placed / scale), where `placed` counts the prefix tokens placed on any
-worker since the key was last used and `scale` is the cluster's KV capacity in
-tokens (the workers' `kv_total`): once about a cluster's worth of new prefixes has
-come in, an unused one is likely evicted. So the footprint follows the working set
-rather than the whole history, and balancing it balances what the caches must hold.
-Updates are O(1): each worker's sum is decayed lazily to the current clock.
+Footprints decay as new prefixes come in (scale: the cluster's KV tokens), so they follow the working set, not history.
 """
 
 from __future__ import annotations
@@ -52,6 +39,11 @@ class PrefixHolders:
         held = self._keys.get(key) if key is not None else None
         entry = held.get(worker_id) if held else None
         return entry.tokens if entry is not None else 0
+
+    def held(self, key: bytes | None) -> dict[str, int]:
+        """Every worker expected to hold prefix `key`, with the prompt tokens it holds."""
+        held = self._keys.get(key) if key is not None else None
+        return {wid: entry.tokens for wid, entry in held.items()} if held else {}
 
     def remember(self, worker_id: str, key: bytes | None, tokens: int) -> None:
         """`worker_id` now holds `tokens` prompt tokens under prefix `key` (it prefilled or hit them)."""

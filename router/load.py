@@ -1,31 +1,12 @@
-"""Per-worker outstanding-KV-token estimates: this gateway's own requests exactly, others' from stats.
+"""Outstanding KV tokens per worker: this gateway's own requests exactly, other gateways' from worker stats.
 
-Workers report request counts (`running`, `queue`) every ~100 ms. A gateway knows
-the exact cost (KV tokens) of every request it has in flight on each worker,
-including ones the worker has not counted yet, so a worker's load is estimated as
-
-    load = (tokens of this gateway's in-flight requests on it)
-         + max(0, reported running + queued - this gateway's requests it had counted) x mean cost
-
-where a request counts as seen by the worker once a stats frame arrives after its
-first output, or `settle` seconds after it was sent. A request's cost is the KV
-tokens it newly occupies: shared prefix pages are not new load. From its first
-output on, that is prompt + max_tokens net of the `cached_tokens` the worker
-reports; before, net of the prefix this gateway expects the worker to hold
-(`holders`, a `router.holders.PrefixHolders`; the caller passes its figure to
-`add`). The worker's report corrects a wrong guess (an evicted prefix) one
-prefill later. `committed` is the
-conservative figure for capacity admission: full cost until the worker reports
-a hit. With one gateway the estimate is instantaneous; with several, other
-gateways' work lags by one stats interval.
-State is one entry per in-flight request, removed when it ends.
+Routing counts a request net of the prefix hit it expects; `committed` (for admission) only net of reported hits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.holders import PrefixHolders
 from worker.protocol import WorkerStats
 
 DEFAULT_SETTLE_S = 0.2
@@ -56,7 +37,6 @@ class LoadTracker:
         self.settle = settle
         self.mean_cost = initial_mean_cost
         self._workers: dict[str, _WorkerLoad] = {}
-        self.holders = PrefixHolders()
 
     def add(self, worker_id: str, rid: str, cost: int, now: float, expected_cached: int = 0) -> None:
         """Count request `rid` of `cost` KV tokens (prompt + max_tokens) against `worker_id`,
@@ -91,7 +71,6 @@ class LoadTracker:
                 del self._workers[worker_id]
 
     def on_stats(self, worker_id: str, stats: WorkerStats, now: float) -> None:
-        self.holders.set_capacity(worker_id, stats.kv_total)
         w = self._workers.setdefault(worker_id, _WorkerLoad())
         w.gone = False
         counted = 0
@@ -101,8 +80,7 @@ class LoadTracker:
         w.others_requests = max(0, stats.running + stats.queue - counted)
 
     def forget(self, worker_id: str) -> None:
-        """Drop a departed worker's state, and what it held (its in-flight entries are released by their streams)."""
-        self.holders.forget(worker_id)
+        """Drop a departed worker's state (its in-flight entries are released by their streams)."""
         w = self._workers.get(worker_id)
         if w is None:
             return

@@ -1,15 +1,6 @@
-"""The live worker set: registry and static endpoints, one WorkerClient each, liveness from stats.
+"""The known workers (Redis registry and/or static endpoints), one WorkerClient each, and their liveness.
 
-`Membership` polls the Redis registry (`sy:worker:*`, written by
-`worker.registry`) every `poll_interval` seconds with SCAN + MGET and/or takes a
-static endpoint list, keeps one `router.client.WorkerClient` per worker, and keeps
-the hash ring's member set equal to the known workers. Liveness comes from the
-workers' ~100 ms `stats` frames: a worker with no stats for `dead_after` seconds
-(3 intervals plus slack) is dead, one reporting `draining` takes no new
-requests; both stay on the ring so that their keys come back when stats resume.
-Members are named by registry worker id, static ones by endpoint; two
-registrations of one endpoint (a restarted worker under a new id) collapse to
-the newest. Time comes from an injectable clock so tests need not sleep.
+Liveness is decided in `status` alone, from the workers' ~100 ms stats; listeners hear joins, leaves and stats.
 """
 
 from __future__ import annotations
@@ -17,24 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from router import metrics
 from router.client import WorkerClient
-from router.load import LoadTracker
-from router.ring import (
-    DEFAULT_EPSILON,
-    DEFAULT_FOOTPRINT_EPSILON,
-    DEFAULT_VNODES,
-    FALLBACK_DEAD,
-    FALLBACK_DRAINING,
-    HashRing,
-)
-from worker.protocol import PROTOCOL_VERSION, WorkerStats
-from worker.registry import KEY_PREFIX, parse_registration
+from router.policy import FALLBACK_DEAD, FALLBACK_DRAINING
+from worker.protocol import PROTOCOL_VERSION, REGISTRY_KEY_PREFIX, WorkerStats, parse_registration
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +23,20 @@ DEFAULT_DEAD_AFTER_S = 0.5  # 3 stats intervals of 100 ms plus slack for a busy 
 REDIS_TIMEOUT_S = 1.0
 
 ClientFactory = Callable[..., WorkerClient]
+
+
+@dataclass(slots=True, frozen=True)
+class StatsEvent:
+    """A stats frame, as recorded: `at` on the membership clock; `came_back`: dead (or new) and now live."""
+
+    member_id: str
+    stats: WorkerStats
+    at: float
+    came_back: bool = False
+
+
+StatsListener = Callable[[StatsEvent], None]
+MemberListener = Callable[[str], None]
 
 
 @dataclass(slots=True)
@@ -64,7 +58,7 @@ class _Wanted:
 
 
 class Membership:
-    """Known workers, their clients, liveness and load; owns the HashRing over them."""
+    """Known workers, their clients and liveness; listeners hear every join, leave and recorded stats frame."""
 
     def __init__(
         self,
@@ -75,12 +69,8 @@ class Membership:
         model: str | None = None,
         poll_interval: float = DEFAULT_POLL_INTERVAL_S,
         dead_after: float = DEFAULT_DEAD_AFTER_S,
-        vnodes: int = DEFAULT_VNODES,
-        epsilon: float = DEFAULT_EPSILON,
-        footprint_epsilon: float = DEFAULT_FOOTPRINT_EPSILON,
         clock: Callable[[], float] = time.monotonic,
         client_factory: ClientFactory = WorkerClient,
-        rng: random.Random | None = None,
     ) -> None:
         self.gateway_id = gateway_id
         self.redis_url = redis_url
@@ -91,8 +81,6 @@ class Membership:
         self.poll_interval = poll_interval
         self.dead_after = dead_after
         self.clock = clock
-        self.ring = HashRing(vnodes=vnodes, epsilon=epsilon, footprint_epsilon=footprint_epsilon, rng=rng)
-        self.loads = LoadTracker()
         self._client_factory = client_factory
         self._members: dict[str, Member] = {}
         self._registry: dict[str, _Wanted] = {}  # last good registry view, kept across Redis errors
@@ -101,6 +89,21 @@ class Membership:
         self._redis_ok = True
         self._changed = asyncio.Event()
         self._stop = asyncio.Event()
+        self._on_join: list[MemberListener] = []
+        self._on_leave: list[MemberListener] = []
+        self._on_stats: list[StatsListener] = []
+
+    def on_join(self, listener: MemberListener) -> None:
+        """Call `listener(member_id)` after each member joins."""
+        self._on_join.append(listener)
+
+    def on_leave(self, listener: MemberListener) -> None:
+        """Call `listener(member_id)` after each member leaves."""
+        self._on_leave.append(listener)
+
+    def on_stats(self, listener: StatsListener) -> None:
+        """Call `listener(event)` after each stats frame is recorded, in subscription order."""
+        self._on_stats.append(listener)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -154,7 +157,7 @@ class Membership:
 
     async def _read_registry(self) -> dict[str, _Wanted] | None:
         try:
-            keys = [k async for k in self._redis.scan_iter(match=KEY_PREFIX + "*", count=1000)]
+            keys = [k async for k in self._redis.scan_iter(match=REGISTRY_KEY_PREFIX + "*", count=1000)]
             values = await self._redis.mget(keys) if keys else []
         except Exception as exc:
             if self._redis_ok:
@@ -210,15 +213,15 @@ class Membership:
             await client.close()
             return
         self._members[mid] = Member(mid, want.endpoint, client, want.static, want.started_at)
-        self.ring.add(mid)
+        for listener in self._on_join:
+            listener(mid)
         log.info("worker %s joined at %s", mid, want.endpoint)
         self._changed.set()
 
     async def _remove(self, mid: str) -> None:
         member = self._members.pop(mid)
-        self.ring.remove(mid)
-        self.loads.forget(mid)
-        metrics.forget_worker(mid)
+        for listener in self._on_leave:
+            listener(mid)
         await member.client.close()
         log.info("worker %s left (%s)", mid, member.endpoint)
         self._changed.set()
@@ -242,19 +245,15 @@ class Membership:
         was = self.status(mid)
         member.stats = stats
         member.stats_at = now
-        self.loads.on_stats(mid, stats, now)
-        metrics.PREFIX_HIT_RATE.labels(mid).set(stats.hit_rate)
-        metrics.OUTSTANDING_TOKENS.labels(mid).set(self.loads.load(mid))
         now_status = self.status(mid)
         if was != now_status:
-            if was == FALLBACK_DEAD and now_status is None:
-                # A worker joined or came back: every key returns to its ring position (the keys that
-                # must move, move), rather than staying with whichever worker took it meanwhile.
-                self.loads.holders.clear()
             self._changed.set()
+        event = StatsEvent(mid, stats, now, came_back=was == FALLBACK_DEAD and now_status is None)
+        for listener in self._on_stats:
+            listener(event)
 
     def status(self, mid: str) -> str | None:
-        """None if `mid` may take new requests, else why not (a ring fallback reason)."""
+        """None if `mid` may take new requests, else why not (a routing fallback reason): the one liveness rule."""
         member = self._members.get(mid)
         if member is None or member.stats is None or member.stats_at is None:
             return FALLBACK_DEAD
@@ -281,6 +280,10 @@ class Membership:
     def live(self) -> list[str]:
         """Members that may take new requests now."""
         return [mid for mid in sorted(self._members) if self.status(mid) is None]
+
+    def reporting(self) -> list[Member]:
+        """Members with current, compatible stats: the live ones and the draining ones."""
+        return [m for mid, m in sorted(self._members.items()) if self.status(mid) != FALLBACK_DEAD]
 
     async def wait_until(self, predicate: Callable[[Membership], bool], timeout: float) -> None:
         """Wait until `predicate(self)` holds, rechecked on changes and every 50 ms; TimeoutError after `timeout`."""

@@ -1,8 +1,6 @@
-"""Prometheus collectors for routing decisions, labelled by worker id or fallback reason only.
+"""Prometheus collectors for routing decisions (`switchyard_router_*`), labelled by worker id or fallback reason.
 
-Names follow the shared metrics contract (`switchyard_router_*`). Label values are
-bounded: worker ids come from the live membership (series are removed when a worker
-leaves) and reasons from a fixed set; no tenant, key or prompt data ever appears.
+Label sets stay bounded: a departed worker's series are removed, reasons are a fixed set, no tenant data appears.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Prefix keys: chained, secret-keyed xxh3-128 block hashes over a prompt's stable prefix.
 
-`namespace_root` digests (model id, tokenizer version, tenant salt) under the
-deployment secret; the 16-byte result is both the cache namespace the gateway
-sends to workers (`ns`) and the root `h_0` of the routing hash chain.
-`prefix_key` cuts the stable prefix into `block_size`-token blocks and chains
-`h_i = H(h_{i-1} || tokens_i)`, with tokens hashed as packed little-endian int32
-bytes (one numpy conversion per request, no per-token Python work). Every gateway
-replica with the same secret computes the same key, so routing needs no shared state.
+Every gateway replica with the same secret computes the same key, so routing needs no shared state.
 """
 
 from __future__ import annotations

@@ -1,1 +1,75 @@
-"""Tenants, API keys (stored as SHA-256 digests) and quotas in Redis."""
+"""Tenants, API keys and quotas as they live in Redis.
+
+The package face: callers import from `tenancy`, not from its modules.
+"""
+
+from tenancy.directory import TenantDirectory
+from tenancy.errors import (
+    AmbiguousKeyPrefix,
+    KeyNotFound,
+    QuotaServiceUnavailable,
+    TenancyError,
+    TenantExists,
+    TenantNotFound,
+)
+from tenancy.redis_client import async_client, sync_client
+from tenancy.schema import (
+    ACTIVE,
+    BATCH,
+    DISABLED,
+    INTERACTIVE,
+    PRIORITIES,
+    STATUSES,
+    Tenant,
+    api_key_key,
+    bucket_key,
+    config_key,
+    leases_key,
+    usage_key,
+)
+from tenancy.store import (
+    KeyInfo,
+    create_tenant,
+    get_tenant,
+    issue_key,
+    list_keys,
+    list_tenants,
+    revoke_key,
+    set_status,
+    tenant_with_new_key,
+    update_tenant,
+)
+
+__all__ = [
+    "ACTIVE",
+    "BATCH",
+    "DISABLED",
+    "INTERACTIVE",
+    "PRIORITIES",
+    "STATUSES",
+    "AmbiguousKeyPrefix",
+    "KeyInfo",
+    "KeyNotFound",
+    "QuotaServiceUnavailable",
+    "TenancyError",
+    "Tenant",
+    "TenantDirectory",
+    "TenantExists",
+    "TenantNotFound",
+    "api_key_key",
+    "async_client",
+    "bucket_key",
+    "config_key",
+    "create_tenant",
+    "get_tenant",
+    "issue_key",
+    "leases_key",
+    "list_keys",
+    "list_tenants",
+    "revoke_key",
+    "set_status",
+    "sync_client",
+    "tenant_with_new_key",
+    "update_tenant",
+    "usage_key",
+]

@@ -1,10 +1,4 @@
-"""API key format, generation and digests.
-
-A key is `sy-` followed by 40 URL-safe random characters. It is shown once at
-creation; Redis stores only its SHA-256 hex digest (lookup is by digest, so no
-plaintext comparison ever happens) plus a short display prefix, which is not a
-secret and lets operators revoke a key by prefix.
-"""
+"""API key format, generation and digests: Redis stores only a key's SHA-256 digest and a display prefix."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The gateway's view of tenants: API key -> `Tenant`, with a short in-process cache.
+"""The gateway's view of tenants: API key -> `Tenant`, cached in-process for a short TTL.
 
-`TenantDirectory.authenticate` hashes the presented key, looks the digest up in
-Redis (`sy:key:<digest>` -> tenant name) and reads the tenant's config hash.
-Both lookups are cached for `ttl_s` (0.5 s by default), so every gateway sees a
-revoked key, a disabled tenant or a quota edited with `redis-cli HSET` within
-1 s while a busy gateway does at most a few Redis reads per key per second.
-Concurrent misses for the same entry share one Redis read. When Redis is
-unreachable `QuotaServiceUnavailable` is raised, unless `serve_stale_on_error`
-is set (fail-open deployments), in which case a recently known entry is used.
+The TTL bounds both the Redis reads per key and how long a revoked key or an edited quota takes to apply.
 """
 
 from __future__ import annotations

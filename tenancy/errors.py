@@ -1,10 +1,4 @@
-"""Exceptions shared by tenancy and admission.
-
-`QuotaServiceUnavailable` is raised whenever Redis (the quota and tenant store)
-cannot be reached within its timeout; the gateway maps it to 503
-`quota_service_unavailable`. The others are operator/CLI-facing errors with
-messages fit to print.
-"""
+"""Exceptions shared by tenancy and admission: operator-facing errors and `QuotaServiceUnavailable` (503)."""
 
 from __future__ import annotations
 

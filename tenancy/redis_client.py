@@ -1,10 +1,6 @@
-"""Redis client factories with the timeouts Switchyard relies on.
+"""Redis client factories with short timeouts that are never retried.
 
-Every Redis call on the request path must end quickly when Redis is down, so
-clients get short socket and connect timeouts and at most one immediate retry on
-a broken connection (which transparently replaces a pooled connection that died
-with a Redis restart). Timeouts are never retried: a slow Redis must surface as
-`QuotaServiceUnavailable` within the deadline, not after several attempts.
+A slow or dead Redis must surface as `QuotaServiceUnavailable` within the request's deadline.
 """
 
 from __future__ import annotations
@@ -25,10 +21,8 @@ CLI_TIMEOUT_S = 5.0
 def async_client(url: str, timeout_s: float = REQUEST_TIMEOUT_S) -> aredis.Redis:
     """asyncio client for the gateway's per-request calls.
 
-    The pool is bounded: a burst of hundreds of requests waits (up to POOL_WAIT_S) for one of
-    MAX_CONNECTIONS connections instead of opening one connection each, whose set-up round trips on a
-    saturated event loop outran the socket timeout and turned a capacity burst into spurious
-    `quota_service_unavailable` answers (found by tests/faults/test_overload.py).
+    The pool is bounded: a burst waits (up to POOL_WAIT_S) for one of MAX_CONNECTIONS connections, since
+    opening one each on a saturated event loop outruns the socket timeout (spurious 503s).
     """
     pool = aredis.BlockingConnectionPool.from_url(
         url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S,

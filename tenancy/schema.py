@@ -1,12 +1,7 @@
-"""Redis key layout, tenant config field names, defaults and the `Tenant` record.
+"""How tenants live in Redis: key layout, config fields with their defaults, and the `Tenant` record.
 
-This module is the single source of truth for how tenants live in Redis. Every
-key of one tenant carries the hash tag `{t:<name>}` so that Lua scripts touching
-several of them stay Redis Cluster-safe. The config hash uses plain documented
-field names so operators can tune it with `redis-cli HSET`; `parse_tenant` turns
-such a (possibly hand-edited) hash into a typed, frozen `Tenant`, falling back to
-the defaults below for missing or malformed fields. For `tpm`, `rpm` and
-`max_concurrent` a value of 0 means "no limit".
+One tenant's keys share the hash tag `{t:<name>}` (Cluster-safe scripts); plain field names let
+operators edit quotas with `redis-cli HSET`.
 """
 
 from __future__ import annotations
@@ -15,12 +10,14 @@ import logging
 import re
 from dataclasses import dataclass
 
+from worker.protocol import PRIORITY_NAMES, Priority
+
 log = logging.getLogger("switchyard.tenancy")
 
 ACTIVE, DISABLED = "active", "disabled"
-INTERACTIVE, BATCH = "interactive", "batch"
+INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH  # stored in a config hash by `.label`
 STATUSES = (ACTIVE, DISABLED)
-PRIORITIES = (INTERACTIVE, BATCH)
+PRIORITIES = PRIORITY_NAMES
 
 # Integer quota fields of the config hash and their defaults (0 = unlimited for tpm/rpm/max_concurrent).
 INT_DEFAULTS: dict[str, int] = {
@@ -30,7 +27,7 @@ INT_DEFAULTS: dict[str, int] = {
     "max_tokens": 4096,
     "default_max_tokens": 256,
 }
-STR_DEFAULTS: dict[str, str] = {"status": ACTIVE, "priority": INTERACTIVE, "allowed_models": "*"}
+STR_DEFAULTS: dict[str, str] = {"status": ACTIVE, "priority": INTERACTIVE.label, "allowed_models": "*"}
 
 TENANTS_SET = "sy:tenants"          # set of tenant names (for `tenants list`)
 API_KEY_PREFIX = "sy:key:"          # sy:key:<sha256 hex> -> hash {tenant, prefix, created_at}
@@ -84,7 +81,7 @@ class Tenant:
 
     name: str
     status: str = ACTIVE
-    priority: str = INTERACTIVE
+    priority: Priority = INTERACTIVE
     tpm: int = INT_DEFAULTS["tpm"]
     rpm: int = INT_DEFAULTS["rpm"]
     max_concurrent: int = INT_DEFAULTS["max_concurrent"]
@@ -101,7 +98,7 @@ class Tenant:
     def allows_model(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
 
-    def effective_priority(self, requested: str | None) -> str:
+    def effective_priority(self, requested: Priority | None) -> Priority:
         """The request's priority capped by the tenant's class (a batch tenant never gets interactive)."""
         if self.priority == BATCH or requested == BATCH:
             return BATCH
@@ -143,8 +140,9 @@ def parse_tenant(name: str, fields: dict) -> Tenant:
     status = f.get("status") or ACTIVE
     if status not in STATUSES:
         status = DISABLED  # an unknown status must not grant access
-    priority = f.get("priority") or INTERACTIVE
-    if priority not in PRIORITIES:
+    try:
+        priority = Priority.parse(f.get("priority") or INTERACTIVE.label)
+    except ValueError:
         priority = BATCH  # an unknown class gets the lower one
     try:
         created_at = float(f.get("created_at") or 0.0)

@@ -1,11 +1,6 @@
-"""Operator-side tenant and API key management (blocking Redis client).
+"""Operator-side tenant and API key management over a blocking Redis client (CLI, tests, `make run`).
 
-Used by the `switchyard tenants|keys` commands and by tests and `make run`:
-create, update, list, disable/enable tenants; issue and revoke keys. Writes go
-to the documented config hash (`tenancy.schema`), so the result is the same as
-an operator's `redis-cli HSET`; gateways pick changes up through their short
-TTL cache (`tenancy.directory`). Plaintext keys are returned once by
-`issue_key` and never stored.
+Writes the same config hash an operator's `redis-cli HSET` would; plaintext keys are returned once, never stored.
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ from tenancy.schema import (
     tenant_keys_key,
     validate_name,
 )
+from worker.protocol import Priority
 
 SETTABLE_FIELDS = (*INT_DEFAULTS, "priority", "allowed_models", "status")
 
@@ -59,9 +55,10 @@ def validate_fields(fields: dict[str, object]) -> dict[str, str]:
                 raise TenancyError(f"{name} must be a non-negative integer, got {value!r}")
             out[name] = str(value)
         elif name == "priority":
-            if value not in PRIORITIES:
+            label = value.label if isinstance(value, Priority) else value
+            if label not in PRIORITIES:
                 raise TenancyError(f"priority must be one of {', '.join(PRIORITIES)}, got {value!r}")
-            out[name] = str(value)
+            out[name] = str(label)
         elif name == "status":
             if value not in STATUSES:
                 raise TenancyError(f"status must be one of {', '.join(STATUSES)}, got {value!r}")

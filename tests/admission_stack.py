@@ -1,11 +1,6 @@
-"""Test helper for the HTTP-level admission tests: a restartable private Redis, a tiny-model worker and
-any number of real `switchyard gateway` processes over them.
+"""Test helper: a restartable private Redis, a tiny-model worker and N real `switchyard gateway` processes.
 
-`AdmissionStack.start(gateways=N, gateway_settings={...}, worker_args=[...])` starts Redis (with a dump
-file in a temp dir, so `restart_redis()` keeps the tenants), one `tiny-random` worker without prefix
-cache and N gateways configured by a TOML `[gateway]` table (lease TTL, admission wait, ...), all at
-once, and waits (with a deadline) until every gateway's `/ready` answers 200. `stop()` ends everything
-it started, SIGKILL after a grace period. Logs go to a temp dir and are shown by `logs()`.
+Used by the HTTP-level admission tests; Redis keeps a dump file, so tenants survive `restart_redis()`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""One real Switchyard stack (private redis-server, a worker with the default model, a gateway)
-shared by the end-to-end gateway and SDK test modules of a pytest session.
+"""One real Switchyard stack (Redis, a worker with the default model, a gateway) shared by a pytest session.
 
-`shared_stack()` starts it on first use and `stop_shared_stack()` ends it; each
-module's session-scoped fixture calls both, so the model loads once per session.
-`start_gateway_stack(...)` starts a private one with another worker model or the
-prefix cache on (the fault suite's).
-The worker runs without the prefix cache so that its `kv_free` returns exactly
-to the idle value when a request ends (the abort test reads it), and in fp32,
-the reference dtype, so greedy answers match Hugging Face's.
+The worker runs without prefix cache (so `kv_free` returns exactly to idle) and in fp32 (so greedy
+answers match Hugging Face's).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from admission.results import QuotaExceeded, RequestTooLarge, TenantRejected
 from tenancy import store
 from tenancy.redis_client import async_client, sync_client
 from tenancy.schema import bucket_key, config_key, leases_key, usage_key
+from worker.protocol import Priority
 
 pytestmark = pytest.mark.timeout(60)
 WINDOW_US = 60_000_000
@@ -204,12 +205,12 @@ async def test_admission_facade_sheds_without_charging(r, redis_url):
     gate = CapacityGate(lambda: [WorkerCapacity("w0", 1000, 1000)], admission_wait_ms=50, interactive_reserve=0.2)
     admission = Admission(BudgetGuard(Budget(client)), gate)
     try:
-        async with admission.admit(t, 100, 300, "interactive") as ticket:
+        async with admission.admit(t, 100, 300, Priority.INTERACTIVE) as ticket:
             assert ticket.headers["x-ratelimit-remaining-tokens"] == str(10_000 - 400)
             ticket.record_usage(100, 20, 50)
         tok0, req0, _ = bucket(r, "acme")
         with pytest.raises(Overloaded) as exc:
-            async with admission.admit(t, 100, 800, "batch"):
+            async with admission.admit(t, 100, 800, Priority.BATCH):
                 pass  # 900 > 1000 - 20 % reserve: shed
         spec = error_response(exc.value)
         assert spec.status == 503 and spec.code == "server_overloaded" and int(spec.headers["retry-after"]) >= 1
@@ -218,7 +219,7 @@ async def test_admission_facade_sheds_without_charging(r, redis_url):
         day = time.strftime("%Y%m%d", time.gmtime())
         assert r.hgetall(usage_key("acme", day))[b"requests"] == b"1"
         with pytest.raises(QuotaExceeded) as exc2:
-            async with admission.admit(t, 100, 9800, "interactive"):
+            async with admission.admit(t, 100, 9800, Priority.INTERACTIVE):
                 pass
         spec = error_response(exc2.value)
         assert spec.status == 429 and spec.code == "rate_limit_exceeded" and "retry-after-ms" in spec.headers

@@ -17,7 +17,7 @@ from worker.config import EngineConfig
 from worker.engine import Engine, Priority
 from worker.errors import RequestError
 from worker.kv_cache import bytes_per_token
-from worker.sampling import SamplingParams
+from worker.protocol import SamplingParams
 from worker.tiny_model import load_tiny_model
 
 

@@ -16,8 +16,8 @@ from gateway.model import ServedModel
 from gateway.responses import ResponseShape, Usage
 from gateway.schemas import parse_completion
 from gateway.service import Generation, Prepared
-from router.client import TokenChunk
 from tenancy.schema import Tenant
+from worker.protocol import OutItem, Priority
 
 TEXT = "日本語のテスト 🎉👩‍👩‍👧 — done"
 
@@ -31,18 +31,18 @@ class Script:
     def __init__(self, tokens: list[int], finish: str = "length") -> None:
         self.tokens, self.finish, self.closed = tokens, finish, False
 
-    async def stream(self) -> AsyncIterator[TokenChunk]:
+    async def stream(self) -> AsyncIterator[OutItem]:
         try:
             for i, t in enumerate(self.tokens):
                 last = i == len(self.tokens) - 1
-                yield TokenChunk([t], self.finish if last else None, 3, [-0.5])
+                yield OutItem("r", [t], self.finish if last else None, 3, [-0.5])
         finally:
             self.closed = True
 
 
 def make(model: ServedModel, script: Script, **body) -> Generation:
     req = parse_completion({"model": "default", "prompt": "x", **body})
-    prepared = Prepared("req-1", req, Tenant(name="t"), [1, 2], None, 100, "interactive", b"ns",
+    prepared = Prepared("req-1", req, Tenant(name="t"), [1, 2], None, 100, Priority.INTERACTIVE, b"ns",
                         ResponseShape("cmpl-1", 0, "default", False))
     stack = AsyncExitStack()
     chunks = script.stream()

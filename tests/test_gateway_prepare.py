@@ -17,6 +17,7 @@ from router.membership import Membership
 from tenancy.directory import TenantDirectory
 from tenancy.redis_client import async_client
 from tenancy.schema import Tenant
+from worker.protocol import Priority
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +99,9 @@ def test_unknown_and_forbidden_models(service):
 
 
 def test_priority_capped_by_tenant_class(service):
-    assert service.prepare(tenant(priority="batch"), chat(priority="interactive"), "r").priority == "batch"
-    assert service.prepare(tenant(), chat(priority="batch"), "r").priority == "batch"
-    assert service.prepare(tenant(), chat(), "r").priority == "interactive"
+    assert service.prepare(tenant(priority=Priority.BATCH), chat(priority="interactive"), "r").priority == Priority.BATCH
+    assert service.prepare(tenant(), chat(priority="batch"), "r").priority == Priority.BATCH
+    assert service.prepare(tenant(), chat(), "r").priority == Priority.INTERACTIVE
 
 
 def test_namespace_differs_per_tenant_salt(service):

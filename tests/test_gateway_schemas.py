@@ -6,6 +6,7 @@ import pytest
 
 from gateway.errors import ApiError
 from gateway.schemas import parse_chat, parse_completion
+from worker.protocol import Priority
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMP = {"model": "m", "prompt": "hi"}
@@ -32,7 +33,7 @@ def test_chat_fields_parsed():
                       "n": 1, "user": "u1"})
     assert req.max_tokens == 7 and req.temperature == 0.0 and req.top_p == 0.5 and req.seed == 3
     assert req.stop == ("END",) and req.stream and req.include_usage and req.logprobs
-    assert req.top_k == 5 and req.ignore_eos and req.priority == "batch" and req.user == "u1"
+    assert req.top_k == 5 and req.ignore_eos and req.priority == Priority.BATCH and req.user == "u1"
 
 
 def test_text_parts_and_developer_role():

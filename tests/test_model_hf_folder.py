@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from worker.config import EngineConfig
-from worker.engine import Engine
+from worker.debug import DebugEngine
 from worker.loader import load_model
-from worker.sampling import SamplingParams
+from worker.protocol import SamplingParams
 from worker.tokenizer import load_tokenizer
 
 
@@ -46,7 +46,7 @@ def test_hf_folder_logits_match_transformers(hf_folder):
     loaded = load_model(str(path), dtype="float32", device="cpu")
     assert loaded.config.rope_scaling and loaded.model_id == path.name
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-    engine = Engine(loaded, EngineConfig(kv_cache_bytes=16 << 20, max_num_batched_tokens=64))
+    engine = DebugEngine(loaded, EngineConfig(kv_cache_bytes=16 << 20, max_num_batched_tokens=64))
     prompt = [(i * 7919) % 40000 + 3 for i in range(150)]
     capture: list = []
     engine.add_request("a", prompt, SamplingParams(max_tokens=8, ignore_eos=True))

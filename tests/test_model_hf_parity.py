@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from worker.config import EngineConfig
-from worker.engine import Engine
+from worker.debug import DebugEngine
 from worker.loader import load_model
 from worker.model_source import default_model_path
-from worker.sampling import SamplingParams
+from worker.protocol import SamplingParams
 
 NEW_TOKENS = 32
 LENGTHS = [3, 17, 33, 48, 70, 95, 130, 161]
@@ -56,7 +56,7 @@ def prompts(ours):
 @pytest.fixture(scope="module")
 def engine_run(ours, prompts):
     """Run all prompts through one engine with staggered arrivals; capture every logit row."""
-    engine = Engine(ours, EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=48, max_num_seqs=16))
+    engine = DebugEngine(ours, EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=48, max_num_seqs=16))
     params = SamplingParams(max_tokens=NEW_TOKENS)
     capture: list = []
     outputs: dict[str, list[int]] = {}

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from worker.config import EngineConfig
+from worker.debug import DebugEngine
 from worker.engine import DEFAULT_NAMESPACE, Engine
 from worker.kv_cache import bytes_per_token
 from worker.loader import load_model
-from worker.sampling import SamplingParams
+from worker.protocol import SamplingParams
 from worker.scheduler import CACHE_AWARE_MAX_SKIPS
 from worker.tiny_model import load_tiny_model
 
@@ -31,7 +32,7 @@ def tiny():
 
 def make_engine(model, pages: int = 512, **kw) -> Engine:
     per_page = bytes_per_token(model.config, model.dtype) * 16
-    return Engine(model, EngineConfig(kv_cache_bytes=pages * per_page, **kw))
+    return DebugEngine(model, EngineConfig(kv_cache_bytes=pages * per_page, **kw))
 
 
 def greedy(n: int) -> SamplingParams:
@@ -81,7 +82,7 @@ def test_greedy_outputs_equal_cache_on_and_off_with_far_less_prefill():
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     runs = {}
     for on in (False, True):
-        eng = Engine(model, EngineConfig(kv_cache_bytes=64 << 20, enable_prefix_cache=on))
+        eng = DebugEngine(model, EngineConfig(kv_cache_bytes=64 << 20, enable_prefix_cache=on))
         for i, p in enumerate(prompts):
             eng.add_request(f"q{i}", p, params)
         runs[on] = (drain(eng), eng.stats())

@@ -15,14 +15,18 @@ from worker import protocol as p
 
 
 def test_gen_round_trip_packs_tokens_as_int32_le() -> None:
-    frame = p.encode_gen("r1", b"ns", [1, 2, 70000], {"max_tokens": 4}, priority=1, deadline=12.5)
+    sampling = p.SamplingParams(max_tokens=4, temperature=1, seed=7)
+    frame = p.encode_gen("r1", b"ns", [1, 2, 70000], sampling, priority=p.Priority.BATCH, deadline=12.5)
     raw = msgpack.unpackb(frame, raw=False)
     assert raw["tokens"] == b"\x01\x00\x00\x00\x02\x00\x00\x00\x70\x11\x01\x00"
     req = p.decode_gateway_frame(frame, max_tokens=10)
     assert isinstance(req, p.GenRequest)
-    assert (req.rid, req.ns, req.priority, req.deadline) == ("r1", b"ns", 1, 12.5)
+    assert (req.rid, req.ns, req.priority, req.deadline) == ("r1", b"ns", p.Priority.BATCH, 12.5)
+    assert raw["priority"] == 1 and type(raw["priority"]) is int
     assert req.tokens.tolist() == [1, 2, 70000]
-    assert req.sampling == {"max_tokens": 4}
+    assert req.sampling == {"max_tokens": 4, "temperature": 1, "top_p": 1.0, "top_k": 0, "seed": 7,
+                            "stop_token_ids": [], "ignore_eos": False, "logprobs": False}
+    assert p.SamplingParams.from_dict(req.sampling) == p.SamplingParams(max_tokens=4, temperature=1.0, seed=7)
 
 
 def test_hello_and_abort_round_trip() -> None:
@@ -31,17 +35,40 @@ def test_hello_and_abort_round_trip() -> None:
 
 
 def test_out_err_stats_round_trip() -> None:
-    items = [["a", p.pack_tokens([5, 6]), None, 3, p.pack_logprobs([-0.5, -1.25])],
-             ["b", p.pack_tokens([]), "abort", 0, None]]
-    out = p.decode_worker_frame(p.encode_out(items, sent_at=123.5))
-    assert out == p.OutFrame([p.OutItem("a", [5, 6], None, 3, [-0.5, -1.25]), p.OutItem("b", [], "abort", 0, None)],
-                             123.5)
-    err = p.decode_worker_frame(p.encode_err("a", "capacity", "draining", True))
-    assert err == p.ErrFrame("a", "capacity", "draining", True)
+    items = [p.OutItem("a", [5, 6], None, 3, [-0.5, -1.25]), p.OutItem("b", [], "abort", 0, None)]
+    frame = p.encode_out(items, sent_at=123.5)
+    rows = [["a", b"\x05\x00\x00\x00\x06\x00\x00\x00", None, 3, np.array([-0.5, -1.25], "<f4").tobytes()],
+            ["b", b"", "abort", 0, None]]
+    assert msgpack.unpackb(frame, raw=False) == {"t": "out", "items": rows, "ts": 123.5}
+    out = p.decode_worker_frame(frame)
+    assert out == p.OutFrame([p.OutItem("a", [5, 6], None, 3, [-0.5, -1.25], sent_at=123.5),
+                              p.OutItem("b", [], "abort", 0, None, sent_at=123.5)], 123.5)
+    err = p.decode_worker_frame(p.encode_err("a", p.ErrorCode.CAPACITY, "draining", True))
+    assert err == p.ErrFrame("a", p.ErrorCode.CAPACITY, "draining", True)
+    assert msgpack.unpackb(p.encode_err("a", "capacity", "x", True), raw=False)["code"] == "capacity"
     stats = p.WorkerStats("w1", 2, 3, 100, 200, 0.5, False, "m", p.PROTOCOL_VERSION)
     assert p.decode_worker_frame(p.encode_stats(stats)) == stats
     with pytest.raises(ValueError):
         p.encode_err("a", "nope", "x", False)
+    with pytest.raises(p.ProtocolError):  # an err frame with an unknown code is malformed
+        p.decode_worker_frame(msgpack.packb({"t": "err", "rid": "a", "code": "nope", "message": "", "retryable": 0}))
+
+
+def test_priority_names_parse_exactly() -> None:
+    assert [p.Priority.parse(n) for n in p.PRIORITY_NAMES] == [p.Priority.INTERACTIVE, p.Priority.BATCH]
+    assert p.Priority.BATCH.label == "batch"
+    for bad in ("Batch", "urgent", ""):
+        with pytest.raises(ValueError):
+            p.Priority.parse(bad)
+
+
+def test_registration_round_trip_and_rejects_bad_records() -> None:
+    reg = p.Registration("w1", "tcp://h:1", "m", p.PROTOCOL_VERSION, 12.5)
+    assert p.parse_registration(p.encode_registration(reg)) == reg
+    assert p.registration_key("w1") == p.REGISTRY_KEY_PREFIX + "w1" == "sy:worker:w1"
+    for bad in ("{", "[]", '{"worker_id": "w"}', p.encode_registration(reg).replace('"m"', "3")):
+        with pytest.raises(ValueError):
+            p.parse_registration(bad)
 
 
 def _gen_map(**over: object) -> dict:
@@ -118,5 +145,5 @@ def test_protocol_module_does_not_import_torch() -> None:
 
 
 def test_tokens_view_is_int32() -> None:
-    req = p.decode_gateway_frame(p.encode_gen("r", b"", np.arange(5), {}), max_tokens=8)
+    req = p.decode_gateway_frame(p.encode_gen("r", b"", np.arange(5), p.SamplingParams()), max_tokens=8)
     assert req.tokens.dtype == np.dtype("<i4")

@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.client import TokenChunk, WorkerClient, WorkerError
+from router.client import WorkerClient, WorkerError
 from tests.conftest import free_port
 from worker import protocol as p
 
@@ -70,8 +70,9 @@ async def link() -> AsyncIterator[tuple[Peer, WorkerClient]]:
 async def test_streams_tokens_and_callback(link: tuple[Peer, WorkerClient]) -> None:
     peer, client = link
     assert client.seen  # type: ignore[attr-defined]
-    stream = client.generate("r1", b"ns", [1, 2, 3], {"max_tokens": 3}, priority=1, deadline=99.0)
-    got: list[TokenChunk] = []
+    stream = client.generate("r1", b"ns", [1, 2, 3], p.SamplingParams(max_tokens=3), priority=p.Priority.BATCH,
+                             deadline=99.0)
+    got: list[p.OutItem] = []
 
     async def consume() -> None:
         async for chunk in stream:
@@ -79,12 +80,12 @@ async def test_streams_tokens_and_callback(link: tuple[Peer, WorkerClient]) -> N
 
     task = asyncio.create_task(consume())
     ident, gen = await peer.recv("gen")
-    assert gen.rid == "r1" and gen.tokens.tolist() == [1, 2, 3] and gen.priority == 1 and gen.deadline == 99.0
-    other = ["zz", p.pack_tokens([9]), None, 0, None]  # an unknown rid is ignored
-    await peer.send(ident, p.encode_out([["r1", p.pack_tokens([7]), None, 2, p.pack_logprobs([-0.5])], other]))
-    await peer.send(ident, p.encode_out([["r1", p.pack_tokens([8, 9]), "length", 2, None]]))
+    assert gen.rid == "r1" and gen.tokens.tolist() == [1, 2, 3] and gen.priority == p.Priority.BATCH and gen.deadline == 99.0
+    other = p.OutItem("zz", [9], None, 0, None)  # an unknown rid is ignored
+    await peer.send(ident, p.encode_out([p.OutItem("r1", [7], None, 2, [-0.5]), other], sent_at=5.0))
+    await peer.send(ident, p.encode_out([p.OutItem("r1", [8, 9], "length", 2, None)]))
     await asyncio.wait_for(task, 5)
-    assert got == [TokenChunk([7], None, 2, [-0.5]), TokenChunk([8, 9], "length", 2, None)]
+    assert got == [p.OutItem("r1", [7], None, 2, [-0.5], sent_at=5.0), p.OutItem("r1", [8, 9], "length", 2, None)]
     assert client.open_streams == 0
 
 
@@ -92,7 +93,7 @@ async def test_err_frame_raises_worker_error(link: tuple[Peer, WorkerClient]) ->
     peer, client = link
 
     async def consume() -> None:
-        async for _ in client.generate("r2", b"", [1], {}):
+        async for _ in client.generate("r2", b"", [1], p.SamplingParams()):
             pass
 
     task = asyncio.create_task(consume())
@@ -100,7 +101,7 @@ async def test_err_frame_raises_worker_error(link: tuple[Peer, WorkerClient]) ->
     await peer.send(ident, p.encode_err("r2", "capacity", "worker is draining", True))
     with pytest.raises(WorkerError) as info:
         await asyncio.wait_for(task, 5)
-    assert (info.value.code, info.value.retryable) == ("capacity", True)
+    assert info.value.code is p.ErrorCode.CAPACITY and info.value.retryable
     assert "draining" in info.value.message
 
 
@@ -108,13 +109,13 @@ async def test_leaving_early_sends_abort(link: tuple[Peer, WorkerClient]) -> Non
     peer, client = link
 
     async def consume_one() -> list[int]:
-        async for chunk in client.generate("r3", b"", [1], {}):
+        async for chunk in client.generate("r3", b"", [1], p.SamplingParams()):
             return chunk.tokens
         return []
 
     task = asyncio.create_task(consume_one())
     ident, _ = await peer.recv("gen")
-    await peer.send(ident, p.encode_out([["r3", p.pack_tokens([4]), None, 0, None]]))
+    await peer.send(ident, p.encode_out([p.OutItem("r3", [4], None, 0, None)]))
     assert await asyncio.wait_for(task, 5) == [4]
     _, abort = await peer.recv("abort")
     assert abort == p.Abort("r3")
@@ -124,7 +125,7 @@ async def test_cancellation_sends_abort(link: tuple[Peer, WorkerClient]) -> None
     peer, client = link
 
     async def consume() -> None:
-        async for _ in client.generate("r4", b"", [1], {}):
+        async for _ in client.generate("r4", b"", [1], p.SamplingParams()):
             pass
 
     task = asyncio.create_task(consume())
@@ -146,7 +147,7 @@ async def test_inter_token_timeout(link: tuple[Peer, WorkerClient]) -> None:
             await asyncio.sleep(0.1)
 
     start = loop.time()
-    stream = client.generate("r5", b"", [1], {})
+    stream = client.generate("r5", b"", [1], p.SamplingParams())
     consumer = asyncio.create_task(stream.__anext__())
     ident, _ = await peer.recv("gen")
     beat = asyncio.create_task(keep_alive(ident))
@@ -168,7 +169,7 @@ async def test_worker_loss_ends_streams(link: tuple[Peer, WorkerClient]) -> None
     start = loop.time()
 
     async def consume() -> None:
-        async for _ in client.generate("r6", b"", [1], {}):
+        async for _ in client.generate("r6", b"", [1], p.SamplingParams()):
             pass
 
     with pytest.raises(WorkerError) as info:
@@ -187,7 +188,7 @@ async def test_incompatible_version_is_refused(link: tuple[Peer, WorkerClient]) 
             await asyncio.sleep(0.01)
     assert not client.usable
     with pytest.raises(WorkerError) as info:
-        async for _ in client.generate("r7", b"", [1], {}):
+        async for _ in client.generate("r7", b"", [1], p.SamplingParams()):
             pass
     assert info.value.code == "incompatible" and not info.value.retryable
 
@@ -197,7 +198,7 @@ async def test_close_ends_open_streams(link: tuple[Peer, WorkerClient]) -> None:
     client.inter_token_timeout = 10.0
 
     async def consume() -> None:
-        async for _ in client.generate("r8", b"", [1], {}):
+        async for _ in client.generate("r8", b"", [1], p.SamplingParams()):
             pass
 
     task = asyncio.create_task(consume())
@@ -210,11 +211,11 @@ async def test_close_ends_open_streams(link: tuple[Peer, WorkerClient]) -> None:
 
 async def test_duplicate_rid_rejected(link: tuple[Peer, WorkerClient]) -> None:
     peer, client = link
-    first = client.generate("dup", b"", [1], {})
+    first = client.generate("dup", b"", [1], p.SamplingParams())
     task = asyncio.create_task(first.__anext__())
     await peer.recv("gen")
     with pytest.raises(ValueError):
-        async for _ in client.generate("dup", b"", [1], {}):
+        async for _ in client.generate("dup", b"", [1], p.SamplingParams()):
             pass
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

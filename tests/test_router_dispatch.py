@@ -17,13 +17,19 @@ import zmq
 import zmq.asyncio
 from prometheus_client import REGISTRY
 
-from router.client import WorkerError
-from router.dispatch import Router, RouteRequest
-from router.membership import Membership
-from router.prefix import namespace_root
-from router.ring import FALLBACK_FOOTPRINT, Choice, NoWorkerAvailable
+from router import (
+    FALLBACK_FOOTPRINT,
+    Choice,
+    Membership,
+    NoWorkerAvailable,
+    Router,
+    RouteRequest,
+    WorkerError,
+    namespace_root,
+)
 from tests.conftest import free_port
 from worker import protocol as proto
+from worker.protocol import SamplingParams
 
 SECRET = b"dispatch-secret"
 NS = namespace_root("m", "v", "tenant", SECRET)
@@ -81,7 +87,7 @@ class ScriptedWorker:
 
     async def _answer(self, ident: bytes, rid: str) -> None:
         def out(tokens: list[int], finish: str | None) -> bytes:
-            return proto.encode_out([[rid, proto.pack_tokens(tokens), finish, 16, None]])
+            return proto.encode_out([proto.OutItem(rid, tokens, finish, 16, None)])
 
         if self.script == "ok":
             await self._sock.send_multipart([ident, out([1, 2], None)])
@@ -110,9 +116,9 @@ async def setup(first: str, second: str):
         await membership.wait_until(lambda m: len(m.live()) == 2, timeout=10)
         router = Router(membership, secret=SECRET)
         for p in range(500):
-            req = RouteRequest(rid=f"r{p}", ns=NS, tokens=[p] * 32, cost=40, sampling={"max_tokens": 3},
+            req = RouteRequest(rid=f"r{p}", ns=NS, tokens=[p] * 32, cost=40, sampling=SamplingParams(max_tokens=3),
                                deadline=time.time() + 30)
-            if membership.ring.walk(router.key_for(req))[0] == a.endpoint:
+            if router.policy.order(router.key_for(req))[0] == a.endpoint:
                 break
         yield router, req, a, b
     finally:
@@ -130,23 +136,23 @@ async def collect(router: Router, req: RouteRequest) -> list[int]:
 
 
 def no_inflight(router: Router) -> bool:
-    return all(router.membership.loads.inflight_count(w) == 0 for w in router.membership.member_ids())
+    return all(router.loads.inflight_count(w) == 0 for w in router.membership.member_ids())
 
 
 async def test_a_sent_prefix_counts_as_held_by_its_worker() -> None:
     async with setup("stall_after_first", "ok") as (router, req, a, b):
-        loads = router.membership.loads
+        loads = router.loads
         key = router.key_for(req)
-        assert loads.holders.expected_cached(a.endpoint, key) == 0
+        assert router.holders.expected_cached(a.endpoint, key) == 0
         first = router.stream(req)
         chunk = await asyncio.wait_for(anext(first), 10)  # a answered with cached_tokens 16
         assert chunk.tokens == [1]
-        assert loads.holders.expected_cached(a.endpoint, key) == 32  # the key's span: the whole 32-token prompt
-        assert loads.holders.expected_cached(b.endpoint, key) == 0
-        assert loads.holders.footprints() == {a.endpoint: 32}  # what the footprint rule balances for new prefixes
+        assert router.holders.expected_cached(a.endpoint, key) == 32  # the key's span: the whole 32-token prompt
+        assert router.holders.expected_cached(b.endpoint, key) == 0
+        assert router.holders.footprints() == {a.endpoint: 32}  # what the footprint rule balances for new prefixes
         assert loads.load(a.endpoint) == 40 - 16
         await first.aclose()
-        again = RouteRequest(rid="again", ns=NS, tokens=req.tokens, cost=40, sampling={"max_tokens": 3},
+        again = RouteRequest(rid="again", ns=NS, tokens=req.tokens, cost=40, sampling=SamplingParams(max_tokens=3),
                              deadline=time.time() + 30)
         second = router.stream(again)
         await asyncio.wait_for(anext(second), 10)
@@ -157,10 +163,10 @@ async def test_a_sent_prefix_counts_as_held_by_its_worker() -> None:
 
 async def test_a_new_prefix_passes_a_home_filled_beyond_its_allowance() -> None:
     async with setup("ok", "ok") as (router, req, a, b):
-        loads, key = router.membership.loads, router.key_for(req)
-        loads.holders.remember(a.endpoint, b"x" * 16, 200)  # within a quarter of a's 1000-token cache: no preference
+        key = router.key_for(req)
+        router.holders.remember(a.endpoint, b"x" * 16, 200)  # within a quarter of a's 1000-token cache: no preference
         assert router.pick(key, 40, span=32) == Choice(a.endpoint)
-        loads.holders.remember(a.endpoint, b"y" * 16, 200)  # 150 tokens beyond it, b has none
+        router.holders.remember(a.endpoint, b"y" * 16, 200)  # 150 tokens beyond it, b has none
         assert router.pick(key, 40, span=32) == Choice(b.endpoint, FALLBACK_FOOTPRINT)
 
 

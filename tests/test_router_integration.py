@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from router.client import WorkerError
-from router.dispatch import Router, RouteRequest
-from router.membership import Membership
-from router.prefix import namespace_root
+from router import Membership, Router, RouteRequest, WorkerError, namespace_root
 from tests.worker_procs import WorkerProc
+from worker.protocol import SamplingParams
 
 SECRET = b"integration-secret"
 NS = namespace_root("tiny-random", "v", "tenant-a", SECRET)
@@ -37,7 +35,7 @@ def requests_to(worker_id: str) -> float:
 def make_request(rid: str, prefix: int, max_tokens: int = 24) -> RouteRequest:
     tokens = [1000 + 37 * prefix + i for i in range(64)] + [20000 + hash(rid) % 5000, 7, 8]
     return RouteRequest(rid=rid, ns=NS, tokens=tokens, cost=len(tokens) + max_tokens,
-                        sampling={"max_tokens": max_tokens, "ignore_eos": True},
+                        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                         deadline=time.time() + 60)
 
 
@@ -48,7 +46,7 @@ async def run_one(router: Router, req: RouteRequest) -> str:
         async for chunk in router.stream(req):
             n += len(chunk.tokens)
             if chunk.finish_reason is not None:
-                assert chunk.finish_reason == "length" and n == req.sampling["max_tokens"]
+                assert chunk.finish_reason == "length" and n == req.sampling.max_tokens
                 return "completed"
     except WorkerError as err:
         assert err.retryable, f"non-retryable error {err}"
@@ -80,7 +78,7 @@ def home_prefixes(router: Router, worker_id: str, n: int) -> list[int]:
     found = []
     for p in range(1000):
         key = router.key_for(make_request("probe", p))
-        if router.membership.ring.walk(key)[0] == worker_id:
+        if router.policy.order(key)[0] == worker_id:
             found.append(p)
             if len(found) == n:
                 return found
@@ -99,8 +97,8 @@ async def test_sigkill_during_60_streams_then_rejoin(tmp_path: Path, redis_url: 
 
         tasks = [asyncio.create_task(limited(i)) for i in range(60)]
         # kill the busiest worker once requests are streaming on every worker
-        await membership.wait_until(lambda m: all(m.loads.inflight_count(w) for w in ids), timeout=60)
-        victim = max(ids, key=membership.loads.inflight_count)
+        await membership.wait_until(lambda m: all(router.loads.inflight_count(w) for w in ids), timeout=60)
+        victim = max(ids, key=router.loads.inflight_count)
         # its keys, found while it is still on the ring (its registration expires 5 s after the kill)
         victim_prefixes = home_prefixes(router, victim, 3)
         failovers_before = REGISTRY.get_sample_value("switchyard_router_fallbacks_total",
@@ -120,7 +118,7 @@ async def test_sigkill_during_60_streams_then_rejoin(tmp_path: Path, redis_url: 
                      or 0.0) - failovers_before
         print(f"outcomes {dict(outcomes)}, failovers {failovers}, left the ring after {left_after:.2f}s")
         # no in-flight accounting leaks
-        assert all(membership.loads.inflight_count(w) == 0 for w in ids)
+        assert all(router.loads.inflight_count(w) == 0 for w in ids)
 
         # the survivors serve the dead worker's keys meanwhile
         survivors_before = {w: requests_to(w) for w in ids if w != victim}
@@ -146,7 +144,7 @@ async def test_draining_worker_gets_no_new_requests(tmp_path: Path, redis_url: s
         mine = home_prefixes(router, drainer, 4)
         # keep the drainer busy so that it stays up (draining) for a while
         busy = [asyncio.create_task(run_one(router, make_request(f"busy-{p}", p, max_tokens=160))) for p in mine]
-        await membership.wait_until(lambda m: m.loads.inflight_count(drainer) >= 1, timeout=30)
+        await membership.wait_until(lambda m: router.loads.inflight_count(drainer) >= 1, timeout=30)
         procs[drainer].signal(signal.SIGTERM)
         await membership.wait_until(lambda m: m.status(drainer) == "draining", timeout=10)
         before = requests_to(drainer)

@@ -8,11 +8,10 @@ import time
 import pytest
 import redis
 
+from router import FALLBACK_DEAD, FALLBACK_DRAINING, Membership, Router
+from router.holders import PrefixHolders
 from router.load import LoadTracker
-from router.membership import Membership
-from router.ring import FALLBACK_DEAD, FALLBACK_DRAINING
-from worker.protocol import PROTOCOL_VERSION, WorkerStats
-from worker.registry import registration_key
+from worker.protocol import PROTOCOL_VERSION, WorkerStats, registration_key
 
 
 class Clock:
@@ -48,10 +47,11 @@ async def test_registry_members_liveness_and_draining(redis_url: str, r: redis.R
     r.set("sy:worker:broken", b"not json")
     clock = Clock()
     m = Membership(gateway_id="gw-test", redis_url=redis_url, poll_interval=60, clock=clock, dead_after=0.5)
+    router = Router(m, secret=b"s")
     await m.start()
     try:
         assert m.member_ids() == ["w1", "w2"]
-        assert set(m.ring.members) == {"w1", "w2"}
+        assert set(router.policy.members) == {"w1", "w2"}
         assert m.live() == []  # no stats yet: not routable
         assert m.status("w1") == FALLBACK_DEAD
         m.observe("w1", stats("w1"))
@@ -62,17 +62,17 @@ async def test_registry_members_liveness_and_draining(redis_url: str, r: redis.R
         clock.now += 0.2  # w2 silent for 0.6 s > dead_after
         assert m.live() == ["w1"]
         assert m.status("w2") == FALLBACK_DEAD
-        assert "w2" in m.ring  # stays on the ring so its keys come back
-        m.loads.holders.remember("w1", b"k" * 16, 64)  # w1 took w2's key meanwhile
+        assert "w2" in router.policy  # stays on the ring so its keys come back
+        router.holders.remember("w1", b"k" * 16, 64)  # w1 took w2's key meanwhile
         m.observe("w2", stats("w2", draining=True))
         assert m.status("w2") == FALLBACK_DRAINING
-        assert m.loads.holders.expected_cached("w1", b"k" * 16) == 64  # draining is not back
+        assert router.holders.expected_cached("w1", b"k" * 16) == 64  # draining is not back
         m.observe("w2", stats("w2", draining=False))
-        assert m.loads.holders.expected_cached("w1", b"k" * 16) == 64  # draining -> live: nothing came back
+        assert router.holders.expected_cached("w1", b"k" * 16) == 64  # draining -> live: nothing came back
         clock.now += 0.6
         m.observe("w1", stats("w1"))
         m.observe("w2", stats("w2"))  # dead -> live: keys go back to their ring positions
-        assert m.loads.holders.expected_cached("w1", b"k" * 16) == 0
+        assert router.holders.expected_cached("w1", b"k" * 16) == 0
         m.observe("w2", stats("w2", draining=True))
         m.observe("w2", stats("w2"))
         assert m.live() == ["w1", "w2"]
@@ -83,7 +83,7 @@ async def test_registry_members_liveness_and_draining(redis_url: str, r: redis.R
         register(r, "w3", "tcp://127.0.0.1:3")
         await m.refresh()
         assert m.member_ids() == ["w1", "w3"]
-        assert set(m.ring.members) == {"w1", "w3"}
+        assert set(router.policy.members) == {"w1", "w3"}
     finally:
         await m.close()
     assert m.member_ids() == []
@@ -186,7 +186,7 @@ def test_reported_cache_hit_lowers_the_counted_cost() -> None:
 
 def test_expected_hit_counts_only_new_tokens_until_the_worker_reports() -> None:
     t = LoadTracker(initial_mean_cost=50)
-    h = t.holders
+    h = PrefixHolders()
     key, other = b"k" * 16, b"o" * 16
     h.remember("w", key, 592)  # a request with this prefix got its first output on w
     t.add("w", "hit", 700, now=0.0, expected_cached=h.expected_cached("w", key))
@@ -204,7 +204,8 @@ def test_expected_hit_counts_only_new_tokens_until_the_worker_reports() -> None:
     t.add("w", "x", 700, now=0.2, expected_cached=592)
     t.release("w", "x")  # released before any output
     assert t.load("w") == 0 == t.committed("w")
-    t.forget("w")  # a departed worker holds nothing
+    t.forget("w")  # a departed worker holds nothing (the Router forgets its load and its prefixes)
+    h.forget("w")
     assert h.expected_cached("w", key) == 0
 
 
@@ -212,9 +213,10 @@ async def test_malformed_endpoint_is_skipped_not_fatal(redis_url: str, r: redis.
     register(r, "good", "tcp://127.0.0.1:5")
     register(r, "bad", "not-an-endpoint")
     m = Membership(gateway_id="gw", redis_url=redis_url, poll_interval=60)
+    router = Router(m, secret=b"s")
     await m.start()
     try:
         assert m.member_ids() == ["good"]
-        assert set(m.ring.members) == {"good"}
+        assert set(router.policy.members) == {"good"}
     finally:
         await m.close()

@@ -1,22 +1,24 @@
-"""HashRing: replica agreement, prefix affinity, bounded loads, minimal movement, random ties."""
+"""Ring and routing policy: replica agreement, prefix affinity, bounded loads, minimal movement, random ties."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Mapping
 
 import pytest
 
-from router.prefix import namespace_root, prefix_key
-from router.ring import (
+from router.policy import (
     FALLBACK_DEAD,
     FALLBACK_FOOTPRINT,
     FALLBACK_HOLDER,
     FALLBACK_LOAD,
+    Candidates,
     Choice,
-    HashRing,
     NoWorkerAvailable,
+    RoutingPolicy,
 )
+from router.prefix import namespace_root, prefix_key
 
 SECRET = b"s3cret"
 ROOT = namespace_root("m", "t", "tenant", SECRET)
@@ -27,20 +29,47 @@ def live(_: str) -> None:
     return None
 
 
+class PolicyRing:
+    """The ring and the policy over it, asked the way the Router asks: a `Candidates` view per decision."""
+
+    def __init__(self, workers: Iterable[str] = (), *, epsilon: float = 0.25, footprint_epsilon: float = 0.1,
+                 rng: random.Random | None = None) -> None:
+        self.policy = RoutingPolicy(epsilon=epsilon, footprint_epsilon=footprint_epsilon, rng=rng)
+        for w in workers:
+            self.policy.add(w)
+
+    @property
+    def members(self) -> frozenset[str]:
+        return self.policy.members
+
+    def walk(self, key: bytes) -> list[str]:
+        return list(self.policy.order(key))
+
+    def choose(self, key: bytes | None, cost: int, loads: Mapping[str, float], *,
+               eligible: Callable[[str], str | None], exclude: frozenset[str] = frozenset(),
+               held: Callable[[str], int] | None = None, footprints: Mapping[str, float] | None = None,
+               span: int = 0) -> Choice:
+        order = self.policy.order(key)
+        view = Candidates(order, {w: eligible(w) for w in order}, loads, keyed=key is not None, excluded=exclude,
+                          held={w: held(w) for w in order} if held is not None and key is not None else {},
+                          footprints=footprints if key is not None else None)
+        return self.policy.choose(view, cost, span)
+
+
 def make_keys(n: int) -> list[bytes]:
     return [prefix_key([i] * 32, None, root=ROOT, secret=SECRET, block_size=16) for i in range(n)]
 
 
 def test_independent_rings_agree() -> None:
-    a = HashRing(WORKERS)
-    b = HashRing(reversed(WORKERS))  # other insertion order, other replica
+    a = PolicyRing(WORKERS)
+    b = PolicyRing(reversed(WORKERS))  # other insertion order, other replica
     loads = {w: 500 for w in WORKERS}
     for k in make_keys(2000):
         assert a.choose(k, 100, loads, eligible=live) == b.choose(k, 100, loads, eligible=live)
 
 
 def test_equal_loads_keep_each_prefix_on_one_worker() -> None:
-    ring = HashRing(WORKERS)
+    ring = PolicyRing(WORKERS)
     keys = make_keys(32)
     per_prefix: dict[bytes, Counter] = defaultdict(Counter)
     rng = random.Random(1)
@@ -60,7 +89,7 @@ def test_balanced_traffic_with_load_accounting_keeps_affinity() -> None:
     Load-driven spills are inherent to bounded loads (a worker owning more key space than
     1 + eps times its share must spill), so this asserts the average affinity, not each prefix's.
     """
-    ring = HashRing(WORKERS)
+    ring = PolicyRing(WORKERS)
     keys = make_keys(64)
     rng = random.Random(2)
     loads = dict.fromkeys(WORKERS, 0.0)
@@ -82,7 +111,7 @@ def test_balanced_traffic_with_load_accounting_keeps_affinity() -> None:
 def test_hot_prefix_load_is_bounded() -> None:
     """One prefix takes 50% of the traffic: no worker exceeds (1 + eps) x mean + one request's cost."""
     eps = 0.25
-    ring = HashRing(WORKERS, epsilon=eps)
+    ring = PolicyRing(WORKERS, epsilon=eps)
     hot, *cold = make_keys(200)
     rng = random.Random(3)
     loads = dict.fromkeys(WORKERS, 0.0)
@@ -101,7 +130,7 @@ def test_hot_prefix_load_is_bounded() -> None:
 
 def test_hot_prefix_with_completions_places_within_bound() -> None:
     eps = 0.25
-    ring = HashRing(WORKERS, epsilon=eps)
+    ring = PolicyRing(WORKERS, epsilon=eps)
     hot, *cold = make_keys(100)
     rng = random.Random(4)
     loads = dict.fromkeys(WORKERS, 0.0)
@@ -120,7 +149,7 @@ def test_hot_prefix_with_completions_places_within_bound() -> None:
 
 
 def test_a_prefix_holder_may_exceed_the_bound_by_what_it_holds() -> None:
-    ring = HashRing(WORKERS, epsilon=0.25)
+    ring = PolicyRing(WORKERS, epsilon=0.25)
     k = make_keys(1)[0]
     home = ring.walk(k)[0]
     loads = dict.fromkeys(WORKERS, 0.0)
@@ -133,7 +162,7 @@ def test_a_prefix_holder_may_exceed_the_bound_by_what_it_holds() -> None:
 
 
 def test_a_holder_later_on_the_walk_comes_before_the_home() -> None:
-    ring = HashRing(WORKERS, epsilon=0.25)
+    ring = PolicyRing(WORKERS, epsilon=0.25)
     k = make_keys(1)[0]
     home, second, *_ = ring.walk(k)
     loads = dict.fromkeys(WORKERS, 100.0)
@@ -144,7 +173,7 @@ def test_a_holder_later_on_the_walk_comes_before_the_home() -> None:
     assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0)) == Choice(home)
 
 
-def place_new_prefixes(ring: HashRing, keys: list[bytes], span: int) -> dict[str, int]:
+def place_new_prefixes(ring: PolicyRing, keys: list[bytes], span: int) -> dict[str, int]:
     """Place each key once (no worker holds it yet, loads equal); returns the prefix tokens per worker."""
     footprints = dict.fromkeys(ring.members, 0)
     loads = dict.fromkeys(ring.members, 0.0)
@@ -160,7 +189,7 @@ def test_new_prefixes_spread_within_the_footprint_bound() -> None:
     span, workers = 600, WORKERS[:3]
     plain_worst = 0
     for seed in range(40):
-        ring = HashRing(workers, epsilon=0.25, footprint_epsilon=0.1)
+        ring = PolicyRing(workers, epsilon=0.25, footprint_epsilon=0.1)
         keys = [bytes(random.Random(seed * 100 + i).randbytes(16)) for i in range(16)]
         footprints = place_new_prefixes(ring, keys, span)
         assert max(footprints.values()) <= 1.1 * sum(footprints.values()) / len(workers) + span
@@ -171,7 +200,7 @@ def test_new_prefixes_spread_within_the_footprint_bound() -> None:
 
 
 def test_footprint_rule_keeps_replicas_agreeing_and_names_its_fallback() -> None:
-    ring = HashRing(WORKERS, epsilon=0.25)
+    ring = PolicyRing(WORKERS, epsilon=0.25)
     k = make_keys(1)[0]
     home, second, *_ = ring.walk(k)
     loads = dict.fromkeys(WORKERS, 0.0)
@@ -187,7 +216,7 @@ def test_footprint_rule_keeps_replicas_agreeing_and_names_its_fallback() -> None
 def test_hot_cached_prefix_stays_within_bound_plus_one_request() -> None:
     """Requests add only what their worker does not hold; no worker exceeds the bound plus one request."""
     eps = 0.25
-    ring = HashRing(WORKERS, epsilon=eps)
+    ring = PolicyRing(WORKERS, epsilon=eps)
     hot, *cold = make_keys(60)
     rng = random.Random(5)
     loads = dict.fromkeys(WORKERS, 0.0)
@@ -216,8 +245,8 @@ def test_hot_cached_prefix_stays_within_bound_plus_one_request() -> None:
 def test_adding_a_fifth_worker_moves_few_keys() -> None:
     keys = make_keys(10000)
     zero: dict[str, float] = {}
-    before = HashRing(WORKERS)
-    after = HashRing(WORKERS + ["worker-4"])
+    before = PolicyRing(WORKERS)
+    after = PolicyRing(WORKERS + ["worker-4"])
     moved = 0
     for k in keys:
         a = before.choose(k, 1, zero, eligible=live).worker_id
@@ -230,7 +259,7 @@ def test_adding_a_fifth_worker_moves_few_keys() -> None:
 
 
 def test_dead_worker_keys_go_elsewhere_and_come_back() -> None:
-    ring = HashRing(WORKERS)
+    ring = PolicyRing(WORKERS)
     keys = make_keys(500)
     zero: dict[str, float] = {}
     home = {k: ring.choose(k, 1, zero, eligible=live).worker_id for k in keys}
@@ -250,7 +279,7 @@ def test_dead_worker_keys_go_elsewhere_and_come_back() -> None:
 
 
 def test_keyless_goes_to_least_loaded_with_random_ties() -> None:
-    ring = HashRing(WORKERS, rng=random.Random(5))
+    ring = PolicyRing(WORKERS, rng=random.Random(5))
     loads = {"worker-0": 50, "worker-1": 10, "worker-2": 10, "worker-3": 10}
     picks = Counter(ring.choose(None, 100, loads, eligible=live).worker_id for _ in range(300))
     assert set(picks) == {"worker-1", "worker-2", "worker-3"}
@@ -260,7 +289,7 @@ def test_keyless_goes_to_least_loaded_with_random_ties() -> None:
 
 
 def test_exclusion_and_no_worker() -> None:
-    ring = HashRing(WORKERS)
+    ring = PolicyRing(WORKERS)
     k = make_keys(1)[0]
     first = ring.choose(k, 1, {}, eligible=live).worker_id
     second = ring.choose(k, 1, {}, eligible=live, exclude=frozenset({first}))
@@ -269,4 +298,4 @@ def test_exclusion_and_no_worker() -> None:
     with pytest.raises(NoWorkerAvailable):
         ring.choose(k, 1, {}, eligible=lambda w: FALLBACK_DEAD)
     with pytest.raises(NoWorkerAvailable):
-        HashRing().choose(None, 1, {}, eligible=live)
+        PolicyRing().choose(None, 1, {}, eligible=live)

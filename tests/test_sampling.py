@@ -8,8 +8,8 @@ import torch
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.errors import RequestError
+from worker.protocol import SamplingParams
 from worker.sampler import SamplingBatch, restrict_logits, sample, uniform_noise
-from worker.sampling import SamplingParams
 from worker.tiny_model import load_tiny_model
 
 

@@ -26,12 +26,13 @@ import zmq.asyncio
 from router.client import WorkerClient, WorkerError
 from tests.worker_procs import REPO, WorkerProc
 from worker import protocol as p
-from worker.registry import REGISTRATION_TTL_MS, parse_registration, registration_key
+from worker.protocol import SamplingParams, parse_registration, registration_key
+from worker.registry import REGISTRATION_TTL_MS
 
 pytestmark = pytest.mark.timeout(180)
 
 READY_TIMEOUT = 90.0
-LONG = {"max_tokens": 400, "ignore_eos": True}  # outlives the test's actions on the tiny model
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)  # outlives the test's actions on the tiny model
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ async def tiny(tiny_worker: WorkerProc) -> AsyncIterator[WorkerClient]:
         await client.close()
 
 
-async def collect(client: WorkerClient, rid: str, tokens: list[int], sampling: dict) -> tuple[list[int], str]:
+async def collect(client: WorkerClient, rid: str, tokens: list[int], sampling: SamplingParams) -> tuple[list[int], str]:
     out: list[int] = []
     finish = ""
     async for chunk in client.generate(rid, b"ns", tokens, sampling):
@@ -87,8 +88,8 @@ def idle(s: p.WorkerStats) -> bool:
 
 async def test_stream_and_abort_frees_pages(tiny: WorkerClient) -> None:
     idle_stats = await wait_stats(tiny, idle, 10)
-    tokens, finish = await asyncio.wait_for(collect(tiny, "a1", [1, 2, 3, 4, 5], {"max_tokens": 5,
-                                                                                  "ignore_eos": True}), 30)
+    tokens, finish = await asyncio.wait_for(collect(tiny, "a1", [1, 2, 3, 4, 5],
+                                                  SamplingParams(max_tokens=5, ignore_eos=True)), 30)
     assert len(tokens) == 5 and finish == "length"
 
     got = 0
@@ -101,14 +102,14 @@ async def test_stream_and_abort_frees_pages(tiny: WorkerClient) -> None:
                 finish = "asked"
             if chunk.finish_reason is not None:
                 finish = chunk.finish_reason
-    assert finish == "abort" and got < LONG["max_tokens"]
+    assert finish == "abort" and got < LONG.max_tokens
     back = await wait_stats(tiny, lambda s: idle(s) and s.kv_free == idle_stats.kv_free, 10)
     assert back.kv_free == idle_stats.kv_free
 
 
 async def test_garbage_frames_get_err_or_drop_and_worker_keeps_serving(tiny_worker: WorkerProc,
                                                                        tiny: WorkerClient) -> None:
-    good = asyncio.create_task(collect(tiny, "keep", [7, 8, 9], {"max_tokens": 60, "ignore_eos": True}))
+    good = asyncio.create_task(collect(tiny, "keep", [7, 8, 9], SamplingParams(max_tokens=60, ignore_eos=True)))
     ctx = zmq.asyncio.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -148,7 +149,7 @@ async def test_garbage_frames_get_err_or_drop_and_worker_keeps_serving(tiny_work
         tokens, finish = await asyncio.wait_for(good, 60)
         assert len(tokens) == 60 and finish == "length"
         assert tiny_worker.proc.poll() is None
-        again, _ = await asyncio.wait_for(collect(tiny, "after", [7, 8, 9], {"max_tokens": 3}), 30)
+        again, _ = await asyncio.wait_for(collect(tiny, "after", [7, 8, 9], SamplingParams(max_tokens=3)), 30)
         assert len(again) >= 1
     finally:
         raw.close()
@@ -160,7 +161,7 @@ async def test_deadline_ends_request_with_retryable_capacity(tiny: WorkerClient)
     start = time.time()
     with pytest.raises(WorkerError) as info:
         async with asyncio.timeout(20):
-            async for _ in tiny.generate("dl", b"", [3, 4], {"max_tokens": 2040, "ignore_eos": True},
+            async for _ in tiny.generate("dl", b"", [3, 4], SamplingParams(max_tokens=2040, ignore_eos=True),
                                          deadline=time.time() + 0.3):
                 pass
     assert info.value.code == "capacity" and info.value.retryable
@@ -172,13 +173,14 @@ async def test_deadline_ends_request_with_retryable_capacity(tiny: WorkerClient)
 GATEWAY_SCRIPT = textwrap.dedent("""
     import asyncio, sys
     from router.client import WorkerClient
+    from worker.protocol import SamplingParams
 
     async def main():
         c = WorkerClient(sys.argv[1], gateway_id=sys.argv[2])
         await c.start()
         await c.wait_ready(60)
         async def one(i):
-            async for _ in c.generate(f"k{i}", b"", [5, 6, 7], {"max_tokens": 2000, "ignore_eos": True}):
+            async for _ in c.generate(f"k{i}", b"", [5, 6, 7], SamplingParams(max_tokens=2000, ignore_eos=True)):
                 print("tok", flush=True)
         await asyncio.gather(*(one(i) for i in range(3)))
 
@@ -224,8 +226,8 @@ async def test_sigterm_drains_running_streams(tmp_path: Path, redis_url: str) ->
 
         async def stream(i: int) -> tuple[int, str | None]:
             n, finish = 0, None
-            async for chunk in client.generate(f"s{i}", b"", [11, 12, 13 + i], {"max_tokens": 600,
-                                                                                "ignore_eos": True}):
+            async for chunk in client.generate(f"s{i}", b"", [11, 12, 13 + i],
+                                               SamplingParams(max_tokens=600, ignore_eos=True)):
                 n += len(chunk.tokens)
                 first_token[i].set()
                 finish = chunk.finish_reason
@@ -238,7 +240,7 @@ async def test_sigterm_drains_running_streams(tmp_path: Path, redis_url: str) ->
         worker.signal(signal.SIGTERM)
         await wait_stats(client, lambda s: s.draining, 10)
         with pytest.raises(WorkerError) as info:
-            await asyncio.wait_for(collect(client, "late", [1, 2], {"max_tokens": 2}), 10)
+            await asyncio.wait_for(collect(client, "late", [1, 2], SamplingParams(max_tokens=2)), 10)
         assert info.value.code == "capacity" and info.value.retryable and "draining" in info.value.message
         results = await asyncio.wait_for(asyncio.gather(*tasks), 90)
         assert results == [(600, "length")] * 8
@@ -281,7 +283,6 @@ def _reference_tokens(prompts: list[list[int]], max_tokens: int) -> list[list[in
     from worker.config import EngineConfig
     from worker.engine import Engine
     from worker.loader import load_model
-    from worker.sampling import SamplingParams
 
     torch.set_num_threads(1)
     engine = Engine(load_model("default", dtype="float32"),
@@ -304,7 +305,7 @@ async def test_32_concurrent_default_model_match_in_process_engine(tmp_path: Pat
         except WorkerError:
             pytest.fail("worker not ready:\n" + worker.log_text())
         results = await asyncio.wait_for(asyncio.gather(
-            *(collect(client, f"q{i}", pr, {"max_tokens": 16}) for i, pr in enumerate(prompts))), 150)
+            *(collect(client, f"q{i}", pr, SamplingParams(max_tokens=16)) for i, pr in enumerate(prompts))), 150)
         assert [toks for toks, _ in results] == expected
         assert all(finish in ("stop", "length") for _, finish in results)
         assert all(len(toks) == 16 for toks, finish in results if finish == "length")

@@ -1,10 +1,4 @@
-"""Test helper: start real `switchyard worker` processes and stop them for sure.
-
-`WorkerProc` spawns `python -m config.cli worker ...` on a free port with its log
-in a file (shown when a test fails), and `stop()` always ends it: SIGTERM, then
-SIGKILL after a grace period. Readiness is the first `stats` frame a
-`WorkerClient` receives (see `wait_ready`), never a sleep.
-"""
+"""Test helper: start real `switchyard worker` processes and stop them for sure (SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Attention backends over the paged KV cache, behind one interface.
+"""Paged attention backends behind one interface: `prepare` per step, `forward` per layer.
 
-The runner describes a step as a `BatchLayout` (decode sequences first, one
-token each, then prefill chunks) with plain lists. A backend turns that into
-its own per-step metadata once (`prepare`), then `forward` runs per layer:
-write the step's new K/V into their cache slots, attend. `TorchAttention` is
-the reference and CPU path; `FlashAttention` (flash-attn 2) is used only when
-CUDA and the package exist and the page size suits its paged kernels.
+`TorchAttention` is the reference and CPU path; `FlashAttention` (flash-attn 2) is used on CUDA when it fits.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Configuration records of the worker: the engine's tuning knobs and the model's shape.
+"""The worker's configuration records: `EngineConfig` (operator knobs) and `ModelConfig` (model shape).
 
-`EngineConfig` is what an operator sets (KV budget, batch limits, dtype,
-device); `ModelConfig` is what the loader reads out of a GGUF file or an HF
-`config.json` and what the model code is built from. Both are plain dataclasses
-so the `config` package can fill them from settings without importing torch.
+Plain dataclasses, so the `config` package can fill them from settings without importing torch.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ class EngineConfig:
     cache_aware_order: bool = False
     # "auto" | "torch" (CPU: with the C++ decode kernel when it builds) | "torch_reference" | "flash_attn"
     attention_backend: str = "auto"
-    cuda_graphs: bool = True  # decode batches on GPU only
     num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
     default_cpu_kv_bytes: int = 1 << 30
 

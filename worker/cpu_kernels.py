@@ -1,12 +1,6 @@
-"""Optional C++ kernel for paged decode attention on CPU, compiled on first use.
+"""Optional C++ paged decode attention for CPU, compiled on first use (None without a compiler).
 
-Pure-torch decode attention must gather every sequence's pages into a padded
-tensor before its matmuls, which reads and writes the whole KV twice and then
-runs batched matmuls with only `group` query rows. This kernel reads K/V
-straight from the pages (one pass, fp32 accumulation, OpenMP over sequence x
-KV head) and skips padding. It is built with torch's `load_inline` into the
-torch extensions cache; if no compiler is available `paged_decode` is None and
-the torch path is used.
+It reads K/V straight from the pages in one pass, where the torch path first gathers a padded copy.
 """
 
 from __future__ import annotations

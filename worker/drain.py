@@ -1,10 +1,6 @@
 """Lame-duck state of a worker: SIGTERM (or SIGINT) starts a drain with a deadline.
 
-While draining the server refuses new `gen` frames (retryable `capacity` error),
-reports `draining: true` in stats, lets admitted requests finish until the drain
-deadline, then ends the stragglers with a retryable error and exits 0. The signal
-handler only flips a flag; the server loop polls at most every stats interval, so
-it notices within ~100 ms.
+The signal handler only flips a flag; the server loop polls it and refuses new requests while draining.
 """
 
 from __future__ import annotations

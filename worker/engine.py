@@ -1,15 +1,6 @@
-"""The engine API: add requests, step, abort; everything above the worker uses this.
+"""The engine API (add requests, step, abort, stats): everything above the worker uses only this.
 
-`Engine.step()` runs one iteration: the scheduler picks decodes and prefill
-chunks, the runner executes them in one forward and samples, and the engine
-appends tokens, applies stop rules (stop ids, EOS unless `ignore_eos`,
-`max_tokens`) and releases finished sequences' pages. Input is validated in
-`add_request` before any state changes; requests that can never fit the KV
-cache or the model context are refused at once with a `capacity` error. With
-`enable_prefix_cache` a `RadixCache` over the page pool lets requests of one
-cache namespace reuse each other's prompt KV (an empty namespace means
-`DEFAULT_NAMESPACE`); `kv_free_tokens` then counts evictable cached pages as
-free, since admission evicts them on demand.
+Requests are validated before any state changes; stop rules and page release happen here.
 """
 
 from __future__ import annotations
@@ -24,9 +15,9 @@ from worker.errors import RequestError, bad_request
 from worker.kv_cache import num_pages_for
 from worker.loader import LoadedModel
 from worker.page_pool import PagePool
+from worker.protocol import SamplingParams
 from worker.radix_cache import RadixCache
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
 from worker.scheduler import Scheduler, pages_for
 from worker.sequence import Priority, SeqStatus, Sequence
 
@@ -65,6 +56,8 @@ class EngineStats:
 
 
 class Engine:
+    runner_class: type[ModelRunner] = ModelRunner
+
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         config.validate()
@@ -81,7 +74,7 @@ class Engine:
         self.pool = PagePool(num_pages)
         self.cache = RadixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(config, self.pool, self.cache)
-        self.runner = ModelRunner(model, config, num_pages)
+        self.runner = self.runner_class(model, config, num_pages)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[str] = []
         self._arrivals = 0
@@ -150,17 +143,14 @@ class Engine:
 
     # ---- stepping ----
 
-    def step(self, capture: list | None = None) -> list[StepOutput]:
-        """One iteration. `capture` (tests): receives (rid, first position, logits) for every row computed."""
+    def step(self) -> list[StepOutput]:
         outputs = [StepOutput(rid, [], "abort", 0, None) for rid in self._aborted]
         self._aborted.clear()
         batch = self.scheduler.schedule()
         if batch.empty:
             return outputs
         self._steps += 1
-        result = self.runner.run(batch, all_logits=capture is not None)
-        if capture is not None:
-            capture.extend((seq.rid, pos, lg) for seq, pos, lg in result.segments)
+        result = self.runner.run(batch)
         for seq in batch.decodes:
             seq.num_computed += 1
         for seq, n in batch.prefills:

@@ -1,7 +1,6 @@
 """Command line: `python -m worker.generate "What is the capital of France?"` prints the model's chat answer.
 
-Loads a model (the default SmolLM2 unless --model is given), applies its chat
-template, runs the engine to completion and prints the decoded answer.
+Loads a model, applies its chat template, runs the engine to completion and prints the decoded answer.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import sys
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.loader import load_model
-from worker.sampling import SamplingParams
+from worker.protocol import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:

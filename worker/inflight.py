@@ -1,9 +1,6 @@
-"""Book-keeping of the worker server: which gateway owns each running request, and when it was last heard.
+"""Which gateway owns each running request, and when each gateway was last heard.
 
-Engine request ids are minted here (a counter), so that two gateways may use the
-same request id without colliding; the table maps them back to (gateway identity,
-gateway's request id) when tokens come out. Gateways are keyed by their ZeroMQ
-identity and remembered while they send anything within the gateway timeout.
+Engine request ids are minted here, so two gateways may use the same request id without colliding.
 """
 
 from __future__ import annotations

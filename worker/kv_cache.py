@@ -1,10 +1,6 @@
-"""The paged KV cache tensors and their sizing.
+"""The paged KV cache tensors and their sizing (page accounting is `page_pool.PagePool`).
 
-Per layer one K and one V tensor of shape [num_kv_heads, num_pages * block_size,
-head_dim]: heads outermost so that gathering a batch of sequences' pages gives
-[kv_heads, batch, context, head_dim] directly, ready for batched matmuls on the
-CPU path. (The flash-attn backend views the same storage per its own layout;
-see `attention.FlashAttention`.) Page accounting is `page_pool.PagePool`.
+Heads outermost, so gathering a batch's pages gives [kv_heads, batch, context, head_dim] for batched matmuls.
 """
 
 from __future__ import annotations

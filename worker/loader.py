@@ -1,10 +1,6 @@
-"""Load model weights into `model.LlamaModel`: from a GGUF file or a local HF folder.
+"""Load weights into `model.LlamaModel` from a GGUF file (dequantized) or a local HF folder.
 
-GGUF tensors are dequantized with the `gguf` package; llama.cpp stores Q and K
-projections permuted for its interleaved RoPE, which is undone here so the
-model uses the HF (rotate-half) layout. HF folders load safetensors shards. The
-dtype defaults to bf16 on CUDA and on CPUs with native bf16 matmul (AMX /
-AVX512-BF16), fp32 otherwise.
+GGUF Q/K rows are un-permuted from llama.cpp's interleaved RoPE to the HF rotate-half layout.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from worker.model import LlamaModel
 from worker.model_source import ModelSource, default_model_path, gguf_metadata, hf_config, resolve
 from worker.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["LoadedModel", "default_model_path", "load_model", "pick_device", "pick_dtype"]
+__all__ = ["LoadedModel", "default_model_path", "load_any", "load_model", "pick_device", "pick_dtype"]
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -80,6 +76,15 @@ def load_model(spec: str | Path = "default", *, dtype: str | torch.dtype | None 
     model = _build(cfg, tensors, dt, dev)
     log.info("loaded %s (%s, %s) in %.1fs", src.model_id, dt, dev, time.monotonic() - t0)
     return LoadedModel(cfg, model, tok, src.model_id, tok.version, min(cfg.max_position, tok.max_context), dt, dev)
+
+
+def load_any(spec: str, *, dtype: str | None = None, device: str | None = None) -> LoadedModel:
+    """`tiny-random` (see `worker.tiny_model`) or anything `load_model` understands."""
+    from worker import tiny_model
+
+    if spec == tiny_model.TINY_SPEC:
+        return tiny_model.load_tiny_model(dtype=dtype or "float32", device=device)
+    return load_model(spec, dtype=dtype, device=device)
 
 
 def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

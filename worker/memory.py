@@ -1,12 +1,6 @@
-"""Hand freed heap memory back to the operating system, so a worker's RSS follows what it uses.
+"""Hand freed heap memory back to the OS (glibc `malloc_trim`), so a worker's RSS follows what it uses.
 
-A worker allocates and frees many short-lived buffers of varied sizes (prompt tensors,
-token lists, protocol frames). glibc's allocator keeps freed chunks in its arenas and
-returns them to the OS only from the top of each heap, so a long-running worker's RSS
-can creep upward through fragmentation even when nothing is leaked. `malloc_trim(0)`
-releases the free pages inside every arena. `TrimSchedule` calls it at most once per
-interval from the server loop's housekeeping; on a C library without `malloc_trim`
-(musl, macOS) it does nothing.
+Fragmentation in glibc's arenas otherwise lets RSS creep up; a no-op on C libraries without it.
 """
 
 from __future__ import annotations

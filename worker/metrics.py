@@ -1,14 +1,6 @@
-"""Prometheus metrics of a worker process, served on its own HTTP port (`--metrics-port`).
+"""Prometheus metrics of a worker process, served on its own port (`--metrics-port`).
 
-Names are a contract with `docker/grafana-dashboard.json`. `WorkerMetrics` is
-fed by three hooks of the server loop, none per token: `admitted(rid)` when a
-request enters the engine, `stepped(outputs, started)` after each engine step
-(step time, batch size, and for requests still waiting for their first token:
-queue time = admission to the first step that scheduled it, prefill time = that
-step's start to the first token), and `refresh()` on each stats tick, which
-copies `Engine.stats()` into the gauges and advances the counters by the growth
-of the engine's cumulative totals. Labels carry no tenant, key or prompt data
-(the worker knows tenants only as opaque cache namespaces).
+Names are a contract with `docker/grafana-dashboard.json`; labels carry no tenant, key or prompt data.
 """
 
 from __future__ import annotations

@@ -1,22 +1,32 @@
-"""A Llama-family decoder written for paged attention (Llama 2/3, SmolLM2, Mistral).
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral) over the paged KV cache.
 
-One `forward` runs a whole engine step: the flattened tokens of every sequence
-in the batch (decodes and prefill chunks mixed) with their positions, and an
-attention backend that reads/writes the paged KV cache. Q/K/V and gate/up
-projections are fused into single matmuls; RoPE (with Llama-3 or linear
-scaling) uses a precomputed table; the LM head runs only on the rows that need
-logits (the last token of sequences that sample this step).
+One forward runs a whole engine step (decodes and prefill chunks flattened together),
+with fused Q/K/V and gate/up projections and logits only for the rows that sample.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.attention import FlashAttention, FlashMeta, TorchAttention, TorchMeta
 from worker.config import ModelConfig
+from worker.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class StepContext:
+    """One step's inputs besides the token ids: positions, rows that need logits, the attention state."""
+
+    positions: torch.Tensor  # [T] int64
+    logits_rows: torch.Tensor | None  # [n] rows that need logits
+    attn: TorchAttention | FlashAttention
+    meta: TorchMeta | FlashMeta  # the backend's metadata for this step
+    kv: KVCache
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -40,6 +50,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope scaling {kind!r}")
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the HF layout)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -56,7 +73,7 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.nh, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, hd
@@ -66,6 +83,16 @@ class DecoderLayer(nn.Module):
         self.o = nn.Linear(self.nh * hd, h, bias=False)
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.index = index
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        nh, kvh, hd = self.nh, self.kvh, self.hd
+        qkv = self.qkv(self.input_norm(x)).view(x.shape[0], nh + 2 * kvh, hd)
+        qk = apply_rope(qkv[:, : nh + kvh], cos, sin)
+        attn_out = ctx.attn.forward(self.index, qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:], ctx.kv, ctx.meta)
+        x = x + self.o(attn_out)
+        g, u = self.gate_up(self.post_attn_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
 
 
 class LlamaModel(nn.Module):
@@ -73,7 +100,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -90,32 +117,18 @@ class LlamaModel(nn.Module):
         freqs = torch.outer(pos, inv)
         self._rope_cos, self._rope_sin = freqs.cos(), freqs.sin()
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, meta, kv,
-                logits_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """input_ids, positions: [T]; logits_rows: [n] row indices needing logits. Returns [n, vocab] fp32."""
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """input_ids: [T]. Returns fp32 logits [n, vocab] of `ctx.logits_rows`, None when there are none."""
         if self._rope_cos is None:
             self.build_rope()
         x = self.embed(input_ids)
         dt = x.dtype
-        cos = self._rope_cos[positions].to(dt)[:, None, :]
-        sin = self._rope_sin[positions].to(dt)[:, None, :]
-        t = x.shape[0]
-        for i, layer in enumerate(self.layers):
-            nh, kvh, hd = layer.nh, layer.kvh, layer.hd
-            h = layer.input_norm(x)
-            qkv = layer.qkv(h).view(t, nh + 2 * kvh, hd)
-            qk = self._rope(qkv[:, : nh + kvh], cos, sin)
-            attn_out = attn.forward(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:], kv, meta)
-            x = x + layer.o(attn_out)
-            gu = layer.gate_up(layer.post_attn_norm(x))
-            g, u = gu.chunk(2, dim=-1)
-            x = x + layer.down(F.silu(g) * u)
-        if logits_rows is None or logits_rows.numel() == 0:
+        cos = self._rope_cos[ctx.positions].to(dt)[:, None, :]
+        sin = self._rope_sin[ctx.positions].to(dt)[:, None, :]
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        rows = ctx.logits_rows
+        if rows is None or rows.numel() == 0:
             return None
-        x = self.norm(x[logits_rows])
+        x = self.norm(x[rows])
         return self.lm_head(x).float()

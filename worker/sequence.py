@@ -1,13 +1,5 @@
-"""One request's state inside the engine.
-
-`tokens` holds the prompt followed by every generated token; `num_computed`
-counts the leading tokens whose K/V are in the cache. A decode step feeds the
-last token (`num_computed == len(tokens) - 1`); a prefill chunk feeds the next
-slice. After a preemption `num_computed` drops to 0 and `tokens` is
-recomputed (mostly served by the prefix cache, which keeps the preempted
-sequence's pages), so outputs survive preemption unchanged. With the prefix
-cache, admission starts `pages` with the matched shared pages and
-`num_computed` at the matched length; `prefix_handle` is that match's lock.
+"""One request's state inside the engine: its tokens (prompt, then output), how many of them the
+KV cache holds, its pages and its place in the queue. Survives preemption by recomputing.
 """
 
 from __future__ import annotations
@@ -16,15 +8,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from worker.sampling import SamplingParams
+from worker.protocol import Priority, SamplingParams
 
 if TYPE_CHECKING:
     from worker.radix_cache import RadixNode
-
-
-class Priority(IntEnum):
-    INTERACTIVE = 0
-    BATCH = 1
 
 
 class SeqStatus(IntEnum):
@@ -36,7 +23,7 @@ class SeqStatus(IntEnum):
 @dataclass(slots=True)
 class Sequence:
     rid: str
-    tokens: list[int]
+    tokens: list[int]  # the prompt, then every generated token
     prompt_len: int
     sampling: SamplingParams
     priority: Priority
@@ -45,7 +32,7 @@ class Sequence:
     seed: int  # 32-bit; drawn at random when the request gave none
     stop_ids: frozenset[int]
     pages: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    num_computed: int = 0  # leading tokens whose K/V are cached; 0 again after a preemption
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admissions: int = 0  # times admitted (> 1 after preemptions)
     prefix_handle: RadixNode | None = None  # lock of the prefix match while running

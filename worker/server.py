@@ -1,14 +1,5 @@
-"""The worker's ZeroMQ server: a ROUTER socket around one engine, in a single-threaded loop.
-
-Each turn of the loop drains every pending frame without waiting when the engine
-has work (and sleeps on the socket, at most until the next stats tick, when it
-has none), runs one engine step, and sends ONE `out` frame per gateway with all
-of that gateway's new tokens. Around it: `stats` to every live gateway each
-`stats_interval`, deadlines of requests, expiry of silent gateways (their
-requests are aborted), and the SIGTERM drain (see `worker.drain`). Bad frames get
-an `err` (or are dropped with a log line when they name no request); an error
-while admitting or stepping ends only the requests concerned, never the process.
-Frame layout lives in `worker.protocol`; registration in `worker.registry`.
+"""The worker's ZeroMQ server: one engine behind a ROUTER socket, served by a single-threaded loop that
+turns frames into engine calls and each engine step into one `out` frame per gateway.
 """
 
 from __future__ import annotations
@@ -22,13 +13,12 @@ import zmq
 
 from worker import protocol as proto
 from worker.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, Drain
-from worker.engine import Engine, Priority
-from worker.errors import RequestError
+from worker.engine import Engine
 from worker.inflight import InFlight, InFlightTable
 from worker.memory import TrimSchedule
 from worker.metrics import WorkerMetrics
-from worker.registry import Registrar, Registration
-from worker.sampling import SamplingParams
+from worker.protocol import ErrorCode, OutItem, Registration, RequestError, SamplingParams
+from worker.registry import Registrar
 from worker.stats_pulse import StatsPulse
 
 log = logging.getLogger(__name__)
@@ -139,7 +129,7 @@ class WorkerServer:
             if now >= self._next_housekeeping:
                 self._housekeeping(now)
                 if self.drain.active and (len(self.table) == 0 or self.drain.expired(now)):
-                    self._end_all("capacity", DRAIN_EXPIRED_MESSAGE, retryable=True)
+                    self._end_all(ErrorCode.CAPACITY, DRAIN_EXPIRED_MESSAGE, retryable=True)
                     return
             if engine.has_work():
                 self._step()
@@ -173,7 +163,7 @@ class WorkerServer:
                 log.warning("dropping bad frame from gateway %r: %s", ident[:64], exc.message)
             else:
                 log.info("rejecting request %s: %s", exc.rid, exc.message, extra={"request_id": exc.rid})
-                self._send(ident, proto.encode_err(exc.rid, "bad_request", exc.message, False))
+                self._send(ident, proto.encode_err(exc.rid, ErrorCode.BAD_REQUEST, exc.message, False))
             return
         if isinstance(frame, proto.GenRequest):
             self._admit(ident, frame)
@@ -187,10 +177,10 @@ class WorkerServer:
 
     def _admit(self, ident: bytes, req: proto.GenRequest) -> None:
         if self.drain.active:
-            self._send(ident, proto.encode_err(req.rid, "capacity", DRAINING_MESSAGE, True))
+            self._send(ident, proto.encode_err(req.rid, ErrorCode.CAPACITY, DRAINING_MESSAGE, True))
             return
         if self.table.find(ident, req.rid) is not None:
-            self._send(ident, proto.encode_err(req.rid, "bad_request", "duplicate request id", False))
+            self._send(ident, proto.encode_err(req.rid, ErrorCode.BAD_REQUEST, "duplicate request id", False))
             return
         try:
             sampling = SamplingParams.from_dict(req.sampling)
@@ -198,11 +188,11 @@ class WorkerServer:
             self._send(ident, proto.encode_err(req.rid, exc.code, exc.message, exc.retryable))
             return
         except (TypeError, ValueError) as exc:
-            self._send(ident, proto.encode_err(req.rid, "bad_request", f"bad sampling: {exc}", False))
+            self._send(ident, proto.encode_err(req.rid, ErrorCode.BAD_REQUEST, f"bad sampling: {exc}", False))
             return
         entry = self.table.add(ident, req.rid, req.deadline, time.monotonic())
         try:  # the engine validates sampling against the vocabulary, token ids and the context length
-            self.engine.add_request(entry.engine_rid, req.tokens.tolist(), sampling, priority=Priority(req.priority),
+            self.engine.add_request(entry.engine_rid, req.tokens.tolist(), sampling, priority=req.priority,
                                     namespace=req.ns)
             self.metrics.admitted(entry.engine_rid)  # METRICS HOOK
         except RequestError as exc:
@@ -211,7 +201,7 @@ class WorkerServer:
         except Exception:
             log.exception("internal error admitting request %s", req.rid, extra={"request_id": req.rid})
             self.table.remove(entry.engine_rid)
-            self._send(ident, proto.encode_err(req.rid, "internal", "internal error admitting the request", True))
+            self._send(ident, proto.encode_err(req.rid, ErrorCode.INTERNAL, "internal error admitting the request", True))
 
     def _step(self) -> None:
         started = time.monotonic()  # METRICS HOOK
@@ -221,14 +211,14 @@ class WorkerServer:
             outputs = self.engine.step()
         except Exception:
             log.exception("engine step failed; ending its %d requests", len(self.table))
-            self._end_all("internal", "internal error in the engine step", retryable=True)
+            self._end_all(ErrorCode.INTERNAL, "internal error in the engine step", retryable=True)
             time.sleep(0.05)  # no hot spin should the engine keep failing
             return
         finally:
             if self._pulse is not None:
                 self._pulse.disarm()
         self.metrics.stepped(outputs, started)  # METRICS HOOK
-        per_gateway: dict[bytes, list[list[object]]] = {}
+        per_gateway: dict[bytes, list[OutItem]] = {}
         table = self.table
         for out in outputs:
             entry = table.get(out.rid)
@@ -238,8 +228,7 @@ class WorkerServer:
                 table.remove(out.rid)
             elif not out.new_tokens:
                 continue
-            lps = None if out.logprobs is None else proto.pack_logprobs(out.logprobs)
-            item = [entry.rid, proto.pack_tokens(out.new_tokens), out.finish_reason, out.cached_tokens, lps]
+            item = OutItem(entry.rid, out.new_tokens, out.finish_reason, out.cached_tokens, out.logprobs)
             per_gateway.setdefault(entry.ident, []).append(item)
         sent_at = time.time()
         for ident, items in per_gateway.items():
@@ -257,7 +246,7 @@ class WorkerServer:
                 self._abort_quietly(engine_rid)
         for entry in self.table.past_deadline(time.time()):
             log.info("request %s passed its deadline", entry.rid, extra={"request_id": entry.rid})
-            self._end(entry, "capacity", "deadline exceeded", retryable=True)
+            self._end(entry, ErrorCode.CAPACITY, "deadline exceeded", retryable=True)
         self._trim.maybe_trim(now)
 
     def _abort_quietly(self, engine_rid: str) -> None:
@@ -268,11 +257,11 @@ class WorkerServer:
         except Exception:
             log.exception("engine abort failed for engine request %s", engine_rid)
 
-    def _end(self, entry: InFlight, code: str, message: str, retryable: bool) -> None:
+    def _end(self, entry: InFlight, code: ErrorCode, message: str, retryable: bool) -> None:
         self._abort_quietly(entry.engine_rid)
         self._send(entry.ident, proto.encode_err(entry.rid, code, message, retryable))
 
-    def _end_all(self, code: str, message: str, retryable: bool) -> None:
+    def _end_all(self, code: ErrorCode, message: str, retryable: bool) -> None:
         for entry in self.table:
             self._end(entry, code, message, retryable)
 

@@ -1,14 +1,6 @@
-"""Keeps `stats` flowing while the engine is inside one long step.
+"""Keeps `stats` frames flowing while the server loop is inside one long engine step.
 
-Gateways count a worker as dead after a few stats intervals of silence. A CPU
-prefill chunk can take longer than that, and the server loop, which owns the
-socket, sends nothing during `engine.step()`. Around each step the loop *arms*
-this pulse with the last stats frame; a background thread re-sends that frame
-every interval until the loop *disarms* it. The socket is only ever used by one
-thread at a time: the loop does not touch it while armed, and `disarm` waits
-for a send in progress (ZeroMQ sockets may change threads with a lock between).
-The frame is the state before the step, which is what a gateway needs: a sign of
-life and a load figure at most one step old.
+Gateways count a silent worker as dead; a long CPU prefill chunk must not look like a crash.
 """
 
 from __future__ import annotations

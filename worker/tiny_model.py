@@ -1,10 +1,6 @@
-"""The `tiny-random` model spec: a 2-layer Llama with seeded random weights and the default model's tokenizer.
+"""The `tiny-random` model: a 2-layer Llama with seeded random weights and the default model's tokenizer.
 
-For fast tests and development of everything around the engine (worker processes,
-routing, the gateway): it loads in about a second, runs a step in milliseconds on
-a CPU, and produces the same tokens for the same seed on every run and in every
-process. Its tokenizer (and so `tokenizer_version`) is the default model's, so
-prompts tokenize exactly as they would for the real model.
+Loads in about a second and gives the same tokens in every process, for tests and development.
 """
 
 from __future__ import annotations
@@ -57,11 +53,3 @@ def load_tiny_model(*, dtype: str | torch.dtype | None = "float32", device: str 
     model = _build(cfg, _random_tensors(cfg, seed), dt, dev)
     return LoadedModel(cfg, model, tok, TINY_SPEC, tok.version, min(cfg.max_position, tok.max_context), dt, dev)
 
-
-def load_any(spec: str, *, dtype: str | None = None, device: str | None = None) -> LoadedModel:
-    """`tiny-random` or anything `worker.loader.load_model` understands."""
-    if spec == TINY_SPEC:
-        return load_tiny_model(dtype=dtype or "float32", device=device)
-    from worker.loader import load_model
-
-    return load_model(spec, dtype=dtype, device=device)

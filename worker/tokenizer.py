@@ -1,11 +1,6 @@
-"""The model's tokenizer and chat template, loadable without torch.
+"""The model's tokenizer and chat template, loadable without torch (built on `tokenizers`).
 
-Built on the `tokenizers` library. For an HF folder it reads `tokenizer.json`
-and `tokenizer_config.json`; for a GGUF file the vocabulary is converted once
-with transformers' GGUF converter and the result cached under the user cache
-dir, keyed by the file's digest, so later starts (gateway and worker) load in
-well under a second. `version` is a SHA-256 over everything that decides token
-ids (vocabulary, merges, special tokens, chat template), used in cache keys.
+A GGUF vocabulary is converted once and cached by file digest; `version` hashes all that decides token ids.
 """
 
 from __future__ import annotations

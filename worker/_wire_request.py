@@ -1,20 +1,71 @@
-"""Per-request sampling parameters: validation and the msgpack wire form.
+"""What a `gen` request asks for and how a request can fail: priority, sampling and error codes.
 
-This module is imported by the gateway (through the wire protocol), so it must
-stay free of torch. The vectorized sampler that applies these parameters to a
-batch of logits lives in `worker.sampler`.
+Private to `worker.protocol`, which re-exports every name; import them from there.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from enum import IntEnum, StrEnum
 
-from worker.errors import bad_request
+
+class ErrorCode(StrEnum):
+    """The `code` of an `err` frame."""
+
+    CAPACITY = "capacity"
+    BAD_REQUEST = "bad_request"
+    INTERNAL = "internal"
+
+
+class Priority(IntEnum):
+    """Scheduling class: an int on the wire, its lower-case name to operators, tenants and metrics."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, name: str) -> Priority:
+        """'interactive' or 'batch' (exactly) -> Priority; ValueError otherwise."""
+        for member in cls:
+            if name == member.label:
+                return member
+        raise ValueError(f"priority must be one of {', '.join(PRIORITY_NAMES)}, got {name!r}")
+
+
+PRIORITY_NAMES = tuple(p.label for p in Priority)
+
+
+class RequestError(Exception):
+    """Ends one request: `code`, `message` and `retryable` go out in its `err` frame; `param` names the field."""
+
+    def __init__(self, code: ErrorCode | str, message: str, *, param: str | None = None,
+                 retryable: bool = False) -> None:
+        try:
+            self.code = ErrorCode(code)
+        except ValueError:
+            raise ValueError(f"unknown error code {code!r}") from None
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retryable = retryable
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.code.value!r}, {self.message!r}, param={self.param!r})"
+
+
+def bad_request(message: str, param: str | None = None) -> RequestError:
+    return RequestError(ErrorCode.BAD_REQUEST, message, param=param)
 
 
 @dataclass(slots=True)
 class SamplingParams:
+    """Per-request sampling; travels in `gen` as its `to_dict()` map. Applied by `worker.sampler`."""
+
     max_tokens: int = 16
     temperature: float = 0.0  # 0 => greedy
     top_p: float = 1.0  # (0, 1]
@@ -54,12 +105,9 @@ class SamplingParams:
             if key not in known:
                 raise bad_request(f"unknown sampling field {key!r}", str(key))
         kw = dict(d)
-        _check_type(kw, "max_tokens", int)
-        _check_type(kw, "temperature", (int, float))
-        _check_type(kw, "top_p", (int, float))
-        _check_type(kw, "top_k", int)
-        _check_type(kw, "ignore_eos", bool)
-        _check_type(kw, "logprobs", bool)
+        for key, kinds in (("max_tokens", int), ("temperature", (int, float)), ("top_p", (int, float)),
+                           ("top_k", int), ("ignore_eos", bool), ("logprobs", bool)):
+            _check_type(kw, key, kinds)
         if kw.get("seed") is not None:
             _check_type(kw, "seed", int)
         if "stop_token_ids" in kw:
@@ -75,16 +123,9 @@ class SamplingParams:
         return cls(**kw)
 
     def to_dict(self) -> dict:
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos,
-            "logprobs": self.logprobs,
-        }
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
+                "ignore_eos": self.ignore_eos, "logprobs": self.logprobs}
 
 
 def _is_number(x: object) -> bool:
@@ -95,6 +136,5 @@ def _check_type(kw: dict, key: str, types: type | tuple[type, ...]) -> None:
     if key not in kw:
         return
     value = kw[key]
-    wants_bool = types is bool
-    if (isinstance(value, bool) and not wants_bool) or not isinstance(value, types):
+    if (isinstance(value, bool) and types is not bool) or not isinstance(value, types):
         raise bad_request(f"{key} has the wrong type", key)

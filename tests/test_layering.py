@@ -1,0 +1,156 @@
+"""The one-way layering of Switchyard's packages, checked from the source with `ast`.
+
+A violation names the importing module, its line and the imported module, so a broken rule says where.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("worker", "router", "gateway", "admission", "tenancy", "config", "bench", "tests")
+WORKER_FACES = ("worker.protocol", "worker.tokenizer")
+FACED = ("router", "admission", "tenancy")  # the gateway imports these only through `__init__`
+RING = "router.ring"
+RING_OWNER = "router.policy"
+
+
+@dataclass(slots=True, frozen=True)
+class Source:
+    """One module to check: its dotted name, whether it is a package `__init__`, and its text."""
+
+    module: str
+    is_package: bool
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class Import:
+    module: str  # importing module
+    line: int
+    target: str  # absolute dotted name of what is imported
+
+
+def _package_of(src: Source) -> str:
+    return src.module if src.is_package else src.module.rpartition(".")[0]
+
+
+def _resolve_base(src: Source, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    parts = _package_of(src).split(".")
+    base = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imports_of(src: Source, is_module: Callable[[str], bool]) -> list[Import]:
+    """Every import in `src` (at any depth), as absolute names; `from pkg import sub` gives `pkg.sub`."""
+    found: dict[Import, None] = {}  # ordered and without repeats
+    for node in ast.walk(ast.parse(src.text)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found[Import(src.module, node.lineno, alias.name)] = None
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_base(src, node)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found[Import(src.module, node.lineno, full if is_module(full) else base)] = None
+    return sorted(found, key=lambda imp: imp.line)
+
+
+def _top(name: str) -> str:
+    return name.partition(".")[0]
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def check(sources: Iterable[Source], is_module: Callable[[str], bool]) -> list[str]:
+    """All layering violations of `sources`, one `module:line: message` string each."""
+    found: list[str] = []
+    for src in sources:
+        owner = _top(src.module)
+        for imp in imports_of(src, is_module):
+            target = imp.target
+            where = f"{imp.module}:{imp.line}"
+            if owner == "worker" and _top(target) in PACKAGES and _top(target) != "worker":
+                found.append(f"{where}: worker imports {target} (worker imports no other Switchyard package)")
+            if owner in ("router", "gateway", "admission", "tenancy") and _top(target) == "worker" \
+                    and not any(_under(target, face) for face in WORKER_FACES):
+                found.append(f"{where}: {owner} imports {target} (only {' and '.join(WORKER_FACES)} allowed)")
+            if owner == "gateway" and _top(target) in FACED and target != _top(target):
+                found.append(f"{where}: gateway imports {target} (use the face: from {_top(target)} import ...)")
+            if owner != "tests" and _under(target, RING) and src.module != RING_OWNER and src.module != RING:
+                found.append(f"{where}: imports {target} (only {RING_OWNER} may use the ring)")
+    return found
+
+
+def _module_name(path: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_package else parts), is_package
+
+
+def _repo_is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def repo_sources() -> list[Source]:
+    sources = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module, is_package = _module_name(path)
+            sources.append(Source(module, is_package, path.read_text()))
+    return sources
+
+
+def test_repository_follows_the_layering() -> None:
+    sources = repo_sources()
+    assert len(sources) > 50  # the walk really found the packages
+    violations = check(sources, _repo_is_module)
+    assert not violations, "layering violations:\n" + "\n".join(violations)
+
+
+def test_checker_catches_violations() -> None:
+    """The checker flags each kind of violation on synthetic modules, and passes the allowed forms."""
+    known = {"router.ring", "router.policy", "router.client", "tenancy.store", "worker.engine",
+             "worker.protocol", "worker.tokenizer", "gateway.sse"}
+    bad = [
+        Source("worker.engine", False, "import gateway.app\nfrom tenancy import Tenant\n"),
+        Source("router.client", False, "from worker.engine import Engine\n"),
+        Source("gateway.service", False, "from router.client import WorkerClient\nfrom tenancy import store\n"),
+        Source("gateway.app", False, "import admission.gate\n"),
+        Source("config.cmd_gateway", False, "from router.ring import HashRing\n"),
+        Source("router.dispatch", False, "from . import ring\n"),
+        Source("router", True, "from .ring import HashRing\n"),
+    ]
+    found = check(bad, known.__contains__)
+    expected = [
+        "worker.engine:1: worker imports gateway.app",
+        "worker.engine:2: worker imports tenancy",
+        "router.client:1: router imports worker.engine",
+        "gateway.service:1: gateway imports router.client",
+        "gateway.service:2: gateway imports tenancy.store",
+        "gateway.app:1: gateway imports admission.gate",
+        "config.cmd_gateway:1: imports router.ring",
+        "router.dispatch:1: imports router.ring",
+        "router:1: imports router.ring",
+    ]
+    for prefix in expected:
+        assert any(v.startswith(prefix) for v in found), f"missed {prefix!r} in {found}"
+    assert len(found) == len(expected), found
+
+    good = [
+        Source("worker.server", False, "from worker.protocol import Frame\nfrom . import engine\nimport zmq\n"),
+        Source("gateway.service", False, "import router\nfrom router import Router\nfrom admission import Admission\n"
+                                         "from tenancy import Tenant\nfrom worker.protocol import Priority\n"
+                                         "from .sse import event\nfrom worker import tokenizer\n"),
+        Source("router.policy", False, "from router.ring import HashRing\n"),
+        Source("tests.test_router_ring", False, "from router.ring import HashRing\n"),
+    ]
+    assert check(good, known.__contains__) == []
