@@ -11,7 +11,7 @@ requests. `--weights` adds a phase under vtc: tenants of weight 2 and 1 both bac
 
     {"light_ttft_p99_ratio_fair", "light_ttft_p99_ratio_fifo", "throughput_ratio_vs_fifo", ...details}
 
-Targets (issue 18): ratio_fair <= 1.5, throughput_ratio_vs_fifo >= 0.95, weighted_service_ratio 2 +- 10%.
+Targets: ratio_fair <= 1.5, throughput_ratio_vs_fifo >= 0.95, weighted_service_ratio 2 +- 10%.
 
     .venv/bin/python bench/fairness.py --json
 """

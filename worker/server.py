@@ -64,7 +64,7 @@ class WorkerServer:
         self._trim = TrimSchedule()
         self._pulse: StatsPulse | None = None
         self._last_stats = b""
-        self.metrics = WorkerMetrics(engine)  # METRICS HOOK (worker.metrics)
+        self.metrics = WorkerMetrics(engine)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -194,7 +194,7 @@ class WorkerServer:
         try:  # the engine validates sampling against the vocabulary, token ids and the context length
             self.engine.add_request(entry.engine_rid, req.tokens.tolist(), sampling, priority=req.priority,
                                     namespace=req.ns)
-            self.metrics.admitted(entry.engine_rid)  # METRICS HOOK
+            self.metrics.admitted(entry.engine_rid)
         except RequestError as exc:
             self.table.remove(entry.engine_rid)
             self._send(ident, proto.encode_err(req.rid, exc.code, exc.message, exc.retryable))
@@ -204,7 +204,7 @@ class WorkerServer:
             self._send(ident, proto.encode_err(req.rid, ErrorCode.INTERNAL, "internal error admitting the request", True))
 
     def _step(self) -> None:
-        started = time.monotonic()  # METRICS HOOK
+        started = time.monotonic()
         if self._pulse is not None and self._last_stats:
             self._pulse.arm(self._last_stats, self.table.live_gateways())
         try:
@@ -217,7 +217,7 @@ class WorkerServer:
         finally:
             if self._pulse is not None:
                 self._pulse.disarm()
-        self.metrics.stepped(outputs, started)  # METRICS HOOK
+        self.metrics.stepped(outputs, started)
         per_gateway: dict[bytes, list[OutItem]] = {}
         table = self.table
         for out in outputs:
@@ -293,7 +293,7 @@ class WorkerServer:
 
     def _send_stats(self) -> None:
         self._next_stats = time.monotonic() + self.config.stats_interval
-        self.metrics.refresh()  # METRICS HOOK: gauges and counters once per stats tick
+        self.metrics.refresh()
         frame = self._last_stats = self._stats_frame()
         for ident in self.table.live_gateways():
             self._send(ident, frame)
