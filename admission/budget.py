@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aredis
+from redis.exceptions import RedisError
 
 from admission.local_limits import LocalLimiter
-from admission.results import ReserveResult, error_for
+from admission.results import Renewal, ReserveResult, error_for
 from admission.scripts import RENEW, RESERVE, SETTLE
 from tenancy.errors import QuotaServiceUnavailable
 from tenancy.schema import INT_DEFAULTS, Tenant, bucket_key, config_key, leases_key, usage_key
@@ -39,6 +40,7 @@ class Reservation:
     cached_tokens: int = 0
     served: bool = True              # False: never reached a worker; refund everything, meter nothing
     settled: bool = False
+    lease_lost: bool = False         # expired during an outage and could not be taken again: end the request
     renewed_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -146,11 +148,22 @@ class Budget:
         released, _level = await SETTLE(self.redis, keys, args)
         return bool(released)
 
-    async def renew(self, tenant_name: str, lease_ids: list[str]) -> int:
-        """Extend these leases of one tenant by the lease TTL; returns how many were still held."""
+    async def renew(self, tenant_name: str, lease_ids: list[str]) -> Renewal:
+        """Extend these leases of one tenant by the lease TTL; expired ones are taken again while the
+        tenant is below max_concurrent, else reported lost."""
         if not lease_ids:
-            return 0
-        return int(await RENEW(self.redis, [leases_key(tenant_name)], [self._lease_ttl_ms, *lease_ids]))
+            return Renewal(0)
+        reply = await RENEW(self.redis, [leases_key(tenant_name), config_key(tenant_name)],
+                            [self._lease_ttl_ms, INT_DEFAULTS["max_concurrent"], *lease_ids])
+        return Renewal.from_reply(reply)
+
+    async def drop(self, tenant_name: str, lease_ids: list[str]) -> None:
+        """Remove leases (best effort: one left behind expires by its TTL)."""
+        try:
+            await self.redis.zrem(leases_key(tenant_name), *lease_ids)
+        except (RedisError, OSError) as exc:
+            log.warning("could not drop %d lease(s) of tenant %s: %s", len(lease_ids), tenant_name,
+                        type(exc).__name__)
 
 
 async def _quietly(coro) -> None:

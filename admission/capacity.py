@@ -17,6 +17,7 @@ from worker.protocol import Priority
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
 DRAIN_WINDOW_S = 30.0
+DRAIN_BIN_S = 1.0  # releases are summed per bin, so the history holds at most window / bin entries
 IDLE_RESET_S = 1.0
 
 
@@ -78,7 +79,8 @@ class CapacityGate:
         self._clock = clock
         self._queues: dict[Priority, deque[_Waiter]] = {INTERACTIVE: deque(), BATCH: deque()}
         self._pending: dict[str, list[CapacityTicket]] = {}
-        self._drained: deque[tuple[float, int]] = deque()
+        self._drained: deque[list[float]] = deque()  # [bin start, tokens released in the bin], oldest first
+        self._drained_sum = 0
         self._outstanding = 0  # tickets admitted and not yet released
         self._idle_since: float | None = None  # when _outstanding last dropped to 0
         self.shed: dict[Priority, int] = {INTERACTIVE: 0, BATCH: 0}
@@ -125,7 +127,7 @@ class CapacityGate:
         if tickets is not None:
             with contextlib.suppress(ValueError):
                 tickets.remove(ticket)
-        self._drained.append((self._clock(), ticket.cost))
+        self._record_drain(ticket.cost)
         self.notify()
 
     def notify(self) -> None:
@@ -174,14 +176,26 @@ class CapacityGate:
     def drain_rate(self) -> float:
         """KV tokens per second released recently (0.0 when nothing was released in the window)."""
         now = self._clock()
-        while self._drained and now - self._drained[0][0] > DRAIN_WINDOW_S:
-            self._drained.popleft()
+        self._prune_drained(now)
         if not self._drained:
             return 0.0
         span = max(1.0, now - self._drained[0][0])
-        return sum(c for _, c in self._drained) / span
+        return self._drained_sum / span
 
     # ---- internals --------------------------------------------------------------------------------
+    def _record_drain(self, cost: int) -> None:
+        now = self._clock()
+        self._prune_drained(now)
+        if self._drained and now - self._drained[-1][0] < DRAIN_BIN_S:
+            self._drained[-1][1] += cost
+        else:
+            self._drained.append([now, cost])
+        self._drained_sum += cost
+
+    def _prune_drained(self, now: float) -> None:
+        while self._drained and now - self._drained[0][0] > DRAIN_WINDOW_S:
+            self._drained_sum -= int(self._drained.popleft()[1])
+
     def _live_views(self) -> list[WorkerCapacity]:
         return [v for v in self._views() if not v.draining and v.kv_total > 0]
 
@@ -210,6 +224,7 @@ class CapacityGate:
         ticket = CapacityTicket(cost, priority, best.worker_id, now)
         if self._outstanding == 0 and self._idle_since is not None and now - self._idle_since > IDLE_RESET_S:
             self._drained.clear()  # a new busy period: releases before the idle gap say nothing of now
+            self._drained_sum = 0
         self._outstanding += 1
         self._pending.setdefault(best.worker_id, []).append(ticket)
         return ticket

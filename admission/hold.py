@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 from admission.budget import Budget, Reservation
+from admission.results import Renewal
 from tenancy.errors import QuotaServiceUnavailable
 from tenancy.schema import Tenant
 
@@ -80,26 +81,41 @@ class BudgetGuard:
                 log.exception("lease renewal failed")
 
     async def renew_due(self, older_than_s: float) -> int:
-        """Renew every held lease not renewed for `older_than_s`, one script call per tenant."""
+        """Renew every held lease not renewed for `older_than_s`, one script call per tenant; returns how
+        many are held now. An expired lease is taken again if there is room, else marked `lease_lost`."""
         now = time.monotonic()
         by_tenant: dict[str, list[Reservation]] = {}
         for res in self._held.values():
-            if not res.result.local and now - res.renewed_at >= older_than_s:
+            if not res.result.local and not res.lease_lost and now - res.renewed_at >= older_than_s:
                 by_tenant.setdefault(res.tenant.name, []).append(res)
         if not by_tenant:
             return 0
         results = await asyncio.gather(
             *(self.budget.renew(name, [r.lease_id for r in group]) for name, group in by_tenant.items()),
             return_exceptions=True)
-        renewed = 0
+        held = 0
         for group, result in zip(by_tenant.values(), results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("lease renewal for tenant %s failed: %s", group[0].tenant.name, type(result).__name__)
                 continue
-            renewed += result
-            for res in group:
-                res.renewed_at = now
-        return renewed
+            held += result.renewed + len(result.retaken)
+            self._mark_lost(group, result, now)
+            # settled while the renewal was on its way: the settle's ZREM came first, so undo the re-take
+            gone = [lease for lease in result.retaken if lease not in self._held]
+            if gone:
+                await self.budget.drop(group[0].tenant.name, gone)
+        return held
+
+    def _mark_lost(self, group: list[Reservation], result: Renewal, now: float) -> None:
+        lost = set(result.lost)
+        for res in group:
+            res.renewed_at = now
+            if res.lease_id in lost:
+                res.lease_lost = True
+                log.warning("lease %s of tenant %s expired during a quota-store outage and the tenant is at "
+                            "max_concurrent: ending its request", res.lease_id, res.tenant.name)
+        if result.retaken:
+            log.info("took back %d expired lease(s) of tenant %s", len(result.retaken), group[0].tenant.name)
 
     async def aclose(self) -> None:
         """Stop renewing and wait (bounded) for settles in progress."""

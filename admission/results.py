@@ -43,6 +43,21 @@ class ReserveResult:
         return self.status == ADMITTED
 
 
+@dataclass(slots=True, frozen=True)
+class Renewal:
+    """What one renewal call found: leases still held, expired ones taken again, and ones lost."""
+
+    renewed: int
+    retaken: tuple[str, ...] = ()
+    lost: tuple[str, ...] = ()  # expired while the tenant was at max_concurrent: their requests must end
+
+    @classmethod
+    def from_reply(cls, reply: list) -> Renewal:
+        def ids(xs: list) -> tuple[str, ...]:
+            return tuple(x.decode() if isinstance(x, bytes) else str(x) for x in xs)
+        return cls(int(reply[0]), ids(reply[1]), ids(reply[2]))
+
+
 class BudgetError(Exception):
     """A reservation that was not admitted; `result` holds the state for the response headers."""
 

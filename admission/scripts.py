@@ -6,18 +6,24 @@ Reloading makes a Redis restart transparent; connection failures become `QuotaSe
 from __future__ import annotations
 
 import hashlib
+import logging
 from importlib import resources
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import BusyLoadingError, NoScriptError
+from redis.exceptions import BusyLoadingError, NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tenancy.errors import QuotaServiceUnavailable
 
+log = logging.getLogger("switchyard.admission")
+
 # Errors meaning "Redis cannot answer now" (as opposed to a bug in a script or a call).
 UNAVAILABLE_ERRORS = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
+# Error replies of a server that cannot take writes now: a replica after a failover (READONLY), out of
+# memory (OOM), failing to persist (MISCONF), a busy script, no quorum of replicas or a master link down.
+UNAVAILABLE_REPLIES = ("READONLY", "OOM", "MISCONF", "BUSY", "NOREPLICAS", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
 
 
 class LuaScript:
@@ -39,6 +45,20 @@ class LuaScript:
                 return await client.evalsha(self.sha, len(keys), *keys, *args)
         except UNAVAILABLE_ERRORS as exc:
             raise QuotaServiceUnavailable(f"quota store unreachable: {type(exc).__name__}") from None
+        except ResponseError as exc:
+            if not is_unavailable_reply(exc):
+                raise
+            log.warning("quota store refused %s: %s", self.name, str(exc)[:200])
+            raise QuotaServiceUnavailable(f"quota store refused the call: {str(exc)[:80]}") from None
+
+
+def is_unavailable_reply(exc: ResponseError) -> bool:
+    """True for an error reply that says the server cannot serve writes now (not a bug in the call)."""
+    if isinstance(exc, ReadOnlyError):
+        return True
+    words = str(exc).split()
+    return bool(words) and (words[0] in UNAVAILABLE_REPLIES or words[0].startswith("-") and
+                            words[0][1:] in UNAVAILABLE_REPLIES)
 
 
 RESERVE = LuaScript("reserve")

@@ -189,7 +189,8 @@ async def phase(env: Env, light: Tenant, heavy: Tenant | None, capacity: float) 
            "tokens_per_s": round((after["generated_tokens_total"] - before["generated_tokens_total"]) / elapsed, 2)}
     if heavy is not None:
         out.update(heavy_requests=len(heavy_records), heavy_errors=errors(heavy_records),
-                   heavy_completed=sum(r.ok for r in heavy_records))
+                   heavy_completed=sum(r.ok for r in heavy_records),
+                   heavy_completed_per_s=round(sum(r.ok for r in heavy_records) / elapsed, 3))
     return out
 
 
@@ -271,8 +272,20 @@ def bench(args: argparse.Namespace, log_dir: Path) -> dict:
         finally:
             stack.stop()
     return {**ratios(results), "capacity_rps": round(capacity or 0.0, 3), "policies": results,
-            "model": args.model, "duration_s": args.duration, "heavy_load": args.heavy_load,
-            "light_load": args.light_load, "gateway_capacity": args.gateway_capacity, "max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens}
+            "model": args.model, "dtype": args.dtype or "auto", "threads": args.threads, "cpu": cpu_model(),
+            "duration_s": args.duration, "heavy_load": args.heavy_load, "light_load": args.light_load,
+            "gateway_capacity": args.gateway_capacity, "max_num_seqs": args.max_num_seqs,
+            "max_batched_tokens": args.max_batched_tokens, "max_tokens": args.max_tokens}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,7 @@ def _add_quota_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, help="cap on max_tokens per request")
     p.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none")
     p.add_argument("--priority", choices=PRIORITIES, help="priority class")
+    p.add_argument("--weight", type=float, help="relative fair share on a worker (default 1)")
     p.add_argument("--models", help="allowed model ids, comma-separated, or '*'")
 
 
@@ -85,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fields(args: argparse.Namespace) -> dict[str, object]:
     fields: dict[str, object] = {k: getattr(args, k) for k in QUOTA_OPTIONS}
     fields["priority"] = args.priority
+    fields["weight"] = args.weight
     fields["allowed_models"] = args.models
     return fields
 
@@ -93,16 +95,17 @@ def describe(t: Tenant) -> str:
     models = ",".join(t.allowed_models) if t.allowed_models is not None else "*"
     return (f"{t.name} status={t.status} priority={t.priority.label} tpm={t.tpm} rpm={t.rpm} "
             f"max_concurrent={t.max_concurrent} max_tokens={t.max_tokens} "
-            f"default_max_tokens={t.default_max_tokens} models={models}")
+            f"default_max_tokens={t.default_max_tokens} weight={t.weight:g} models={models}")
 
 
 def _list(r: redis.Redis) -> int:
-    header = ("NAME", "STATUS", "PRIORITY", "TPM", "RPM", "MAX_CONC", "MAX_TOKENS", "DEF_MAX", "KEYS", "MODELS")
+    header = ("NAME", "STATUS", "PRIORITY", "TPM", "RPM", "MAX_CONC", "MAX_TOKENS", "DEF_MAX", "WEIGHT", "KEYS",
+              "MODELS")
     rows = [header]
     for t, nkeys in list_tenants(r):
         models = ",".join(t.allowed_models) if t.allowed_models is not None else "*"
         rows.append((t.name, t.status, t.priority.label, str(t.tpm), str(t.rpm), str(t.max_concurrent),
-                     str(t.max_tokens), str(t.default_max_tokens), str(nkeys), models))
+                     str(t.max_tokens), str(t.default_max_tokens), f"{t.weight:g}", str(nkeys), models))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

@@ -11,7 +11,7 @@ from typing import Any
 from config.settings import Settings, WorkerSettings, flags_to_overrides, load_settings
 
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
-_ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads")
+_ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-threads", type=int, help="torch intra-op threads")
     a("--dtype", choices=["auto", "bfloat16", "float32", "float16"])
     a("--device", help="auto, cpu, cuda or cuda:N")
+    a("--quantization", choices=["none", "int8", "int4", "auto"],
+      help="weight-only quantization (auto: the fastest mode passing the quality gate here; see README)")
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
+    a("--fairness", choices=["vtc", "fifo"], help="order between tenants in a priority class (default vtc)")
     a("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a("--log-format", choices=["json", "text"], help="log lines as JSON objects (default) or text")
     a("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default 0: off)")
@@ -48,7 +51,8 @@ def engine_config(ws: WorkerSettings) -> Any:
     from worker.config import EngineConfig
 
     kwargs: dict[str, Any] = {k: getattr(ws, k) for k in _ENGINE_FIELDS if getattr(ws, k) is not None}
-    cfg = EngineConfig(dtype=ws.dtype, device=ws.device, enable_prefix_cache=ws.enable_prefix_cache, **kwargs)
+    cfg = EngineConfig(dtype=ws.dtype, device=ws.device, enable_prefix_cache=ws.enable_prefix_cache,
+                       quantization=ws.quantization, **kwargs)
     cfg.validate()
     return cfg
 
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                               redis_url=settings.redis_url, drain_timeout=ws.drain_timeout,
                               gateway_timeout=ws.gateway_timeout, stats_interval=ws.stats_interval)
     loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,
-                      device=None if ws.device == "auto" else ws.device)
+                      device=None if ws.device == "auto" else ws.device, quantization=ws.quantization)
     engine = Engine(loaded, engine_config(ws))
     if ws.metrics_port:
         from worker.metrics import start_metrics_server

@@ -35,7 +35,9 @@ class WorkerSettings(BaseModel):
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
     device: str = "auto"
     enable_prefix_cache: bool = True
+    fairness: Literal["vtc", "fifo"] = "vtc"  # between tenants within a priority class: VTC fair share or arrival
     num_threads: int | None = None
+    quantization: Literal["none", "int8", "int4", "auto"] = "none"  # weights; auto: see worker.quant.resolve_mode
     metrics_port: int = Field(0, ge=0, le=65535)  # Prometheus /metrics HTTP port; 0 = disabled
     metrics_host: str = "0.0.0.0"
 

@@ -85,6 +85,14 @@ def tenant_disabled() -> ApiError:
     return ApiError(401, "The tenant of this API key was disabled.", INVALID_REQUEST, code="tenant_disabled")
 
 
+def lease_lost() -> ApiError:
+    """Ends a request whose concurrency lease expired during a quota-store outage while the tenant's other
+    requests filled its max_concurrent (an SSE error event once streaming)."""
+    return ApiError(429, "This request's concurrency slot expired during a quota-service outage and your "
+                    "other requests now use every slot (max_concurrent); retry when one ends.", "requests",
+                    code="concurrency_lease_lost", headers={"retry-after": "1"})
+
+
 def no_live_worker(retry_after_s: int = 1) -> ApiError:
     return ApiError(503, "No model worker is available right now; retry shortly.", "server_error",
                     code="no_live_worker", headers={"retry-after": str(retry_after_s)})

@@ -34,6 +34,10 @@ class ServedModel:
         return cls(load_tokenizer(spec))
 
     def encode(self, req: GenerationRequest) -> Encoded:
+        bad_bias = next((t for t, _ in req.logit_bias if not 0 <= t < self.vocab_size), None)
+        if bad_bias is not None:
+            raise invalid(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {self.vocab_size}).",
+                          param="logit_bias")
         if req.kind == "chat":
             assert req.messages is not None
             return self._encode_chat(req.messages)
@@ -52,18 +56,24 @@ class ServedModel:
             text = tok.render_chat(messages, add_generation_prompt=True)
             last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=0)
             head = tok.render_chat(messages[:last_user], add_generation_prompt=False) if last_user else ""
+            enc = tok.encode_chat(messages, add_generation_prompt=True)
         except ValueError as exc:  # the template's raise_exception (e.g. roles out of order)
             raise invalid(f"The chat template rejected the messages: {exc}", param="messages") from None
-        # One encode with offsets (as `apply_chat_template` encodes: no added special tokens);
-        # the stable prefix is every token that ends inside the rendered history.
-        enc = tok.hf.encode(text, add_special_tokens=False)
+        # The stable prefix is every token that ends inside the rendered history.
         if not head or not text.startswith(head):
             return Encoded(enc.ids, 0)
         limit = len(head)
-        stable = next((i for i, (_, end) in enumerate(enc.offsets) if end > limit), len(enc.ids))
+        stable = next((i for i, end in enumerate(enc.ends) if end > limit), len(enc.ids))
         return Encoded(enc.ids, stable)
 
-    def token_logprobs(self, tokens: list[int], logprobs: list[float]) -> list[TokenLogprob]:
-        table = self.byte_table
-        return [TokenLogprob(table[t].decode("utf-8", "replace"), table[t], lp)
-                for t, lp in zip(tokens, logprobs, strict=False)]
+    def token_logprobs(self, tokens: list[int], logprobs: list[float], top_ids: list[list[int]] | None = None,
+                       top_logprobs: list[list[float]] | None = None) -> list[TokenLogprob]:
+        out = [self._token(t, lp) for t, lp in zip(tokens, logprobs, strict=False)]
+        if top_ids is not None and top_logprobs is not None:
+            for item, ids, lps in zip(out, top_ids, top_logprobs, strict=False):
+                item.top = [self._token(t, lp) for t, lp in zip(ids, lps, strict=False)]
+        return out
+
+    def _token(self, token: int, logprob: float) -> TokenLogprob:
+        raw = self.byte_table[token]
+        return TokenLogprob(raw.decode("utf-8", "replace"), raw, logprob)

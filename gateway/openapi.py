@@ -12,7 +12,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.schemas import CHAT_ROLES, MAX_STOP, PRIORITIES
+from gateway.schemas import (
+    CHAT_ROLES,
+    MAX_CACHE_KEY,
+    MAX_COMPLETION_LOGPROBS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP,
+    MAX_TOP_LOGPROBS,
+    PRIORITIES,
+)
 
 INT32_MAX = 2**31 - 1
 JSON = "application/json"
@@ -90,8 +98,25 @@ def _common_fields() -> dict[str, Any]:
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": ["boolean", "null"]}}},
         "n": {"type": "integer", "enum": [1]},
-        "user": {"type": "string"},
+        "user": {"type": "string", "description": "Accepted and ignored."},
+        "metadata": {"type": "object", "description": "Accepted and ignored."},
+        "store": {"type": "boolean", "description": "Accepted and ignored: nothing is stored."},
+        "service_tier": {"type": "string", "description": "Accepted and ignored; see `priority`."},
+        "parallel_tool_calls": {"type": "boolean", "description": "Accepted and ignored (no tools)."},
+        "safety_identifier": {"type": "string", "description": "Accepted and ignored."},
+        "prompt_cache_key": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_KEY,
+                             "description": "Routes requests with the same key (within your tenant) together."},
         "ignore_eos": {"type": "boolean"},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2,
+                               "description": "HF/vLLM: over prompt and output tokens; 1 is off."},
+        "min_tokens": _integer(0, INT32_MAX, "Stop tokens are banned until this many are out."),
+        "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                       "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                       "description": "Token id (a string) to a bias added to its logit; ids must be in the "
+                                      "vocabulary."},
         "priority": {"type": "string", "enum": list(PRIORITIES)},
     }
 
@@ -108,9 +133,10 @@ def _chat_request() -> dict[str, Any]:
              "messages": {"type": "array", "minItems": 1, "items": message},
              "max_completion_tokens": _integer(1, INT32_MAX),
              "logprobs": {"type": "boolean"},
-             "top_logprobs": _integer(0, 1, "Only the chosen token's logprob is available.")}
+             "top_logprobs": _integer(0, MAX_TOP_LOGPROBS, "Alternatives per token; implies `logprobs`.")}
     required = ("model", "messages")
-    return {"type": "object", "required": list(required), "properties": _nullable(props, required)}
+    return {"type": "object", "required": list(required), "properties": _nullable(props, required),
+            "additionalProperties": False}
 
 
 def _completion_request() -> dict[str, Any]:
@@ -120,10 +146,12 @@ def _completion_request() -> dict[str, Any]:
                         {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
                         {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]}
     props = {**_common_fields(), "prompt": prompt,
-             "logprobs": _integer(0, 1, "Only the chosen token's logprob is available."),
-             "echo": {"type": "boolean", "enum": [False]}}
+             "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS, "Alternatives per token (0: the chosen only)."),
+             "echo": {"type": "boolean", "enum": [False]},
+             "best_of": {"type": "integer", "enum": [1]}}
     required = ("model", "prompt")
-    return {"type": "object", "required": list(required), "properties": _nullable(props, required)}
+    return {"type": "object", "required": list(required), "properties": _nullable(props, required),
+            "additionalProperties": False}
 
 
 def _choice(chat: bool) -> dict[str, Any]:

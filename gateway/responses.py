@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SYSTEM_FINGERPRINT = "switchyard-v1"
 
@@ -27,12 +27,15 @@ class TokenLogprob:
     token: str
     raw: bytes
     logprob: float
+    top: list[TokenLogprob] = field(default_factory=list)  # the most likely tokens at this position
 
 
 def _chat_logprobs(items: list[TokenLogprob] | None) -> dict | None:
     if items is None:
         return None
-    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.raw), "top_logprobs": []}
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.raw),
+                         "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.raw)}
+                                          for a in t.top]}
                         for t in items]}
 
 
@@ -43,8 +46,9 @@ def _completion_logprobs(items: list[TokenLogprob] | None, offset: int) -> dict 
     for t in items:
         offsets.append(offset)
         offset += len(t.token)
+    top = [{a.token: a.logprob for a in t.top} for t in items] if any(t.top for t in items) else None
     return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
-            "top_logprobs": None, "text_offset": offsets}
+            "top_logprobs": top, "text_offset": offsets}
 
 
 @dataclass(slots=True)

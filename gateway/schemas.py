@@ -1,4 +1,4 @@
-"""Strict parsing of OpenAI request bodies into typed records; a bad known field is a 400 naming it.
+"""Strict parsing of OpenAI request bodies into typed records; a bad or unknown field is a 400 naming it.
 
 Knows nothing about tenants or tokenizers: their limits are applied later by the service.
 """
@@ -15,7 +15,24 @@ from worker.protocol import PRIORITY_NAMES, Priority
 MAX_STOP = 4
 PRIORITIES = PRIORITY_NAMES
 CHAT_ROLES = ("system", "user", "assistant", "developer")
+MAX_CACHE_KEY = 256
+MAX_LOGIT_BIAS = 300
+MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`
+MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`
 _MISSING = object()
+
+# Accepted and deliberately ignored (listed in README): they change nothing we compute.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                            "safety_identifier"})
+_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                            "stream_options", "n", "ignore_eos", "priority", "prompt_cache_key",
+                            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                            "logit_bias"}) | IGNORED_FIELDS
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+# Known OpenAI fields not implemented (yet): a clearer message than "unknown".
+_UNSUPPORTED = frozenset({"response_format", "tools", "tool_choice", "functions", "function_call", "audio",
+                          "modalities", "prediction", "reasoning_effort", "web_search_options", "suffix"})
 
 
 @dataclass(slots=True)
@@ -35,7 +52,14 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    prompt_cache_key: str | None = None
     logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # token ids checked against the vocabulary by the model
     ignore_eos: bool = False
     priority: Priority | None = None
 
@@ -87,9 +111,21 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _check_fields(body: dict, allowed: frozenset[str]) -> None:
+    for name, value in body.items():
+        if name in allowed:
+            continue
+        if name in _UNSUPPORTED:
+            if value is None:
+                continue
+            raise invalid(f"'{name}' is not supported by this server.", param=name)
+        raise invalid(f"Unrecognized request argument supplied: {name}", param=str(name))
+
+
 def _common(body: Any, kind: str) -> GenerationRequest:
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
+    _check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
     model = _get(body, "model", (str,), "a string")
     if not model:
         raise invalid("'model' is required.", param="model")
@@ -116,9 +152,45 @@ def _common(body: Any, kind: str) -> GenerationRequest:
         stream=stream,
         include_usage=include_usage and stream,
         user=_get(body, "user", (str,), "a string"),
+        prompt_cache_key=_cache_key(body),
         ignore_eos=_bool(body, "ignore_eos"),
         priority=None if priority is None else Priority.parse(priority),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=_repetition(body),
+        min_tokens=_int(body, "min_tokens", 0, 2**31 - 1) or 0,
+        logit_bias=_logit_bias(body),
     )
+
+
+def _repetition(body: dict) -> float:
+    value = _number(body, "repetition_penalty", 0.0, 2.0, 1.0)
+    if value <= 0.0:
+        raise invalid("'repetition_penalty' must be greater than 0 and at most 2.", param="repetition_penalty")
+    return value
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    value = _get(body, "logit_bias", (dict,), "an object mapping token ids to numbers")
+    if not value:
+        return ()
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries.", param="logit_bias")
+    out: list[tuple[int, float]] = []
+    for key, bias in value.items():
+        if not isinstance(key, str) or not key.isdigit() or len(key) > 10:
+            raise invalid(f"'logit_bias' keys must be token ids, got {str(key)[:20]!r}.", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise invalid("'logit_bias' values must be numbers between -100 and 100.", param="logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+def _cache_key(body: dict) -> str | None:
+    value = _get(body, "prompt_cache_key", (str,), "a string")
+    if value is not None and not 0 < len(value) <= MAX_CACHE_KEY:
+        raise invalid(f"'prompt_cache_key' must be 1 to {MAX_CACHE_KEY} characters.", param="prompt_cache_key")
+    return value
 
 
 def _top_p(body: dict) -> float:
@@ -175,11 +247,16 @@ def parse_chat(body: Any) -> GenerationRequest:
     req.messages = _messages(body)
     req.max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
     req.logprobs = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, 20)
-    if top is not None and top > 1:
-        raise invalid("Only the chosen token's logprob is available: 'top_logprobs' must be 0 or 1.",
-                      param="top_logprobs")
+    req.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    req.logprobs = req.logprobs or req.top_logprobs > 0  # alternatives come with the chosen token's logprob
+    _check_min_tokens(req)
     return req
+
+
+def _check_min_tokens(req: GenerationRequest) -> None:
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise invalid(f"'min_tokens' ({req.min_tokens}) is above max_tokens ({req.max_tokens}).",
+                      param="min_tokens")
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -200,11 +277,11 @@ def parse_completion(body: Any) -> GenerationRequest:
     req = _common(body, "completion")
     req.prompt = _prompt(body)
     req.max_tokens = _max_tokens(body, ("max_tokens",))
-    logprobs = _int(body, "logprobs", 0, 5)
-    if logprobs is not None and logprobs > 1:
-        raise invalid("Only the chosen token's logprob is available: 'logprobs' must be 0 or 1.",
-                      param="logprobs")
+    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     req.logprobs = logprobs is not None
+    req.top_logprobs = logprobs or 0
+    _check_min_tokens(req)
     if _bool(body, "echo"):
         raise invalid("'echo' is not supported.", param="echo")
+    _int(body, "best_of", 1, 1)  # only the default, 1, is accepted
     return req

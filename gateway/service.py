@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,7 +22,7 @@ from gateway.errors import ApiError, invalid
 from gateway.model import ServedModel
 from gateway.responses import ResponseShape, TokenLogprob, Usage
 from gateway.schemas import GenerationRequest
-from router import NoWorkerAvailable, Router, RouteRequest, WorkerError, namespace_root
+from router import NoWorkerAvailable, Router, RouteRequest, WorkerError, fairness_key, namespace_root
 from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory
 from worker.protocol import ErrorCode, OutItem, Priority, SamplingParams
 
@@ -63,12 +64,29 @@ def _bearer(header: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+_LINK_TEXT = {
+    "timeout": "The model worker stopped sending tokens.",
+    "worker_lost": "The model worker serving this request was lost.",
+    "incompatible": "The model worker runs an incompatible version.",
+    "closed": "The connection to the model worker closed.",
+    "protocol": "The model worker sent a malformed reply.",
+}
+_ADDRESS = re.compile(r"\b(?:tcp|ipc|inproc)://\S+")
+
+
 def _worker_error(exc: WorkerError) -> ApiError:
+    """The client-facing error for a failed worker stream; link details (addresses, worker ids) stay in the log."""
+    code = str(exc.code)
+    log.warning("worker stream failed (%s): %s", code, exc.message)
+    message = _ADDRESS.sub("<worker>", exc.message)
     if exc.code == ErrorCode.BAD_REQUEST:
-        return invalid(f"The worker rejected the request: {exc.message}")
+        return invalid(f"The worker rejected the request: {message}")
     if exc.code == ErrorCode.CAPACITY and not exc.retryable:
-        return invalid(f"The request can never fit on a worker: {exc.message}", code="context_length_exceeded")
-    return errors.upstream_failed(f"Generation failed ({exc.code}): {exc.message}", exc.retryable)
+        return invalid(f"The request can never fit on a worker: {message}", code="context_length_exceeded")
+    if exc.code == ErrorCode.CAPACITY:
+        return errors.upstream_failed(f"Generation failed ({code}): {message}", exc.retryable)
+    return errors.upstream_failed(f"Generation failed ({code}): {_LINK_TEXT.get(code, 'internal error.')}",
+                                  exc.retryable)
 
 
 class GatewayService:
@@ -135,7 +153,10 @@ class GatewayService:
     def _sampling(self, p: Prepared) -> SamplingParams:
         r = p.req
         return SamplingParams(max_tokens=p.max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              seed=r.seed, ignore_eos=r.ignore_eos, logprobs=r.logprobs)
+                              seed=r.seed, ignore_eos=r.ignore_eos, logprobs=r.logprobs,
+                              top_logprobs=r.top_logprobs, presence_penalty=r.presence_penalty,
+                              frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty,
+                              min_tokens=min(r.min_tokens, p.max_tokens), logit_bias=r.logit_bias)
 
     async def start(self, p: Prepared) -> Generation:
         """Admit the request and open its worker stream; the caller must `close()` the result."""
@@ -155,7 +176,8 @@ class GatewayService:
                 # the response id is unique; a client-chosen x-request-id need not be
                 rid=p.shape.id, ns=p.ns, tokens=p.prompt_ids, cost=usage.prompt_tokens + p.max_tokens,
                 sampling=self._sampling(p), stable_len=p.stable_len, priority=p.priority,
-                deadline=time.time() + self.config.request_timeout_s))
+                deadline=time.time() + self.config.request_timeout_s, cache_key=p.req.prompt_cache_key,
+                fkey=fairness_key(p.tenant.name, self.router.secret), weight=p.tenant.weight))
             stack.push_async_callback(_aclose, chunks)
         except BaseException:
             await stack.aclose()
@@ -213,6 +235,8 @@ class Generation:
     async def next(self) -> Delta | None:
         """The next non-empty delta, the final one carrying finish_reason; None after the end."""
         while self.finish_reason is None:
+            if self.ticket is not None and self.ticket.reservation.lease_lost:
+                raise errors.lease_lost()
             if self.tenants is not None and time.monotonic() >= self._recheck_at:
                 await self._check_tenant(self.tenants)
             chunk = await self._next_chunk()
@@ -247,6 +271,7 @@ class Generation:
             metrics.current().count_shed("no_worker")
             raise errors.no_live_worker() from None
         except TimeoutError:
+            self._unserved_if_nothing_sent()
             raise errors.upstream_failed("Timed out waiting for the first token.", True) from None
         except StopAsyncIteration:
             raise errors.upstream_failed("The worker stream ended without a finish reason.", True) from None
@@ -264,7 +289,7 @@ class Generation:
         text = stops.feed(self._detok.feed(toks))
         logprobs = None
         if self.prepared.req.logprobs:
-            logprobs = self.model.token_logprobs(toks, chunk.logprobs or [])
+            logprobs = self.model.token_logprobs(toks, chunk.logprobs or [], chunk.top_ids, chunk.top_logprobs)
         finish = chunk.finish_reason
         if stops.stopped:
             self.finish_reason = "stop"

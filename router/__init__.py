@@ -16,7 +16,7 @@ from router.policy import (
     Choice,
     NoWorkerAvailable,
 )
-from router.prefix import key_span, namespace_root, prefix_key
+from router.prefix import fairness_key, key_span, namespace_root, prefix_key
 
 __all__ = [
     "FALLBACK_DEAD",
@@ -35,6 +35,7 @@ __all__ = [
     "WorkerClient",
     "WorkerError",
     "key_span",
+    "fairness_key",
     "namespace_root",
     "prefix_key",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from enum import StrEnum
@@ -29,9 +30,13 @@ from worker.protocol import (
     encode_abort,
     encode_gen,
     encode_hello,
+    rids_in_frame,
 )
 
 log = logging.getLogger(__name__)
+
+MAX_FRAMES_PER_DRAIN = 1024  # frames taken in one go before the receive task yields to the loop
+
 
 class LinkError(StrEnum):
     """Codes of errors raised by this client rather than sent by the worker."""
@@ -40,6 +45,7 @@ class LinkError(StrEnum):
     WORKER_LOST = "worker_lost"  # no stats for worker_timeout
     INCOMPATIBLE = "incompatible"  # the worker speaks another protocol version
     CLOSED = "closed"  # this client was closed
+    PROTOCOL = "protocol"  # the worker sent a frame about this request that could not be decoded
 
 
 class WorkerError(Exception):
@@ -55,7 +61,7 @@ class WorkerError(Exception):
 class WorkerClient:
     def __init__(self, endpoint: str, *, gateway_id: str, context: zmq.asyncio.Context | None = None,
                  inter_token_timeout: float = 30.0, worker_timeout: float = 1.0,
-                 heartbeat_interval: float = 1.0,
+                 heartbeat_interval: float = 1.0, cluster_key: str | None = None,
                  on_stats: Callable[[WorkerClient, WorkerStats], None] | None = None) -> None:
         self.endpoint = endpoint
         self.gateway_id = gateway_id
@@ -65,6 +71,9 @@ class WorkerClient:
         self.on_stats = on_stats
         self.stats: WorkerStats | None = None  # latest; .received_at is time.monotonic()
         self.incompatible: str | None = None  # reason, once a stats frame showed another protocol version
+        self._cluster_key = cluster_key  # z85 CURVE secret key of the cluster; None: plain TCP (dev only)
+        self._heard_at: float | None = None  # time.monotonic() of the last frame received
+        self._quiet_at = 0.0  # time.monotonic() when the socket was last seen empty, after draining it
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._streams: dict[str, asyncio.Queue[OutItem | WorkerError]] = {}
@@ -77,7 +86,11 @@ class WorkerClient:
 
     async def start(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.gateway_id.encode())
+        # An unguessable routing id: no other peer can take over this link's identity and its streams.
+        sock.setsockopt(zmq.IDENTITY, f"{self.gateway_id[:64]}/{secrets.token_hex(16)}".encode())
+        if self._cluster_key is not None:
+            sock.curve_secretkey = self._cluster_key.encode()
+            sock.curve_publickey = sock.curve_serverkey = zmq.curve_public(self._cluster_key.encode())
         sock.setsockopt(zmq.LINGER, 200)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -112,10 +125,18 @@ class WorkerClient:
         if self._sock is not None:
             self._sock.close()
 
+    def silent_for(self) -> float:
+        """Seconds the link has been observed silent: from the last frame received to the last time the
+        receive task found the socket empty. A stall of this process's event loop does not count (frames
+        wait in the socket meanwhile); infinite before the first frame."""
+        if self._heard_at is None:
+            return float("inf")
+        return max(0.0, self._quiet_at - self._heard_at)
+
     @property
     def alive(self) -> bool:
-        """Stats arrived within worker_timeout (the worker may still be incompatible: see `usable`)."""
-        return self.stats is not None and time.monotonic() - self.stats.received_at <= self.worker_timeout
+        """Stats arrived and the link has not been silent for worker_timeout (see `usable` for the version)."""
+        return self.stats is not None and self.silent_for() <= self.worker_timeout
 
     @property
     def usable(self) -> bool:
@@ -129,7 +150,8 @@ class WorkerClient:
     # ------------------------------------------------------------ requests
 
     async def generate(self, rid: str, ns: bytes, tokens: Any, sampling: SamplingParams,
-                       priority: Priority = Priority.INTERACTIVE, deadline: float = 0.0) -> AsyncIterator[OutItem]:
+                       priority: Priority = Priority.INTERACTIVE, deadline: float = 0.0, *, fkey: bytes = b"",
+                       weight: float = 1.0) -> AsyncIterator[OutItem]:
         """Stream a request's tokens (the `gen` goes out on the first iteration).
 
         Raises WorkerError; leaving the iterator early sends `abort` to the worker.
@@ -144,7 +166,7 @@ class WorkerClient:
         self._streams[rid] = queue
         ended = False
         try:
-            self._send_soon(encode_gen(rid, ns, tokens, sampling, priority, deadline))
+            self._send_soon(encode_gen(rid, ns, tokens, sampling, priority, deadline, fkey, weight))
             while True:
                 if queue.empty():
                     try:
@@ -187,20 +209,36 @@ class WorkerClient:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        poll_s = max(0.05, min(self.worker_timeout, self.heartbeat_interval) / 2)
+        poll_ms = int(1000 * max(0.02, min(0.1, self.worker_timeout / 4, self.heartbeat_interval / 2)))
         while True:
-            if await self._sock.poll(timeout=int(poll_s * 1000)):
-                self._dispatch(await self._sock.recv())
-            elif self._streams and self.stats is not None and not self.alive and not self._lost_reported:
+            await self._sock.poll(timeout=poll_ms)
+            if await self._drain():
+                self._quiet_at = time.monotonic()
+            if self._streams and self.stats is not None and not self.alive and not self._lost_reported:
                 self._lost_reported = True  # once per outage; the next stats frame re-arms it
                 self._fail_all(WorkerError(LinkError.WORKER_LOST, f"no stats from {self.endpoint} "
                                            f"for {self.worker_timeout}s", True))
+
+    async def _drain(self) -> bool:
+        """Take every waiting frame, up to MAX_FRAMES_PER_DRAIN; True when the socket was left empty."""
+        assert self._sock is not None
+        for _ in range(MAX_FRAMES_PER_DRAIN):
+            try:
+                data = await self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            self._heard_at = time.monotonic()
+            try:
+                self._dispatch(data)
+            except Exception:  # one bad frame must not end the link's receive task
+                log.exception("error handling a frame from worker %s", self.endpoint)
+        return False
 
     def _dispatch(self, data: bytes) -> None:
         try:
             frame = decode_worker_frame(data)
         except ProtocolError as exc:
-            log.warning("dropping malformed frame from worker %s: %s", self.endpoint, exc)
+            self._malformed(data, exc)
             return
         if isinstance(frame, OutFrame):
             streams = self._streams
@@ -231,6 +269,15 @@ class WorkerClient:
                 self.on_stats(self, stats)
             except Exception:
                 log.exception("on_stats callback failed")
+
+    def _malformed(self, data: bytes, exc: ProtocolError) -> None:
+        """End the requests a bad frame names (their output is lost) with a retryable error; log the rest."""
+        rids = [rid for rid in rids_in_frame(data) if rid in self._streams]
+        log.warning("malformed frame from worker %s (%s); ending %d request(s)", self.endpoint, exc.message,
+                    len(rids))
+        error = WorkerError(LinkError.PROTOCOL, f"malformed frame from the worker: {exc.message}", True)
+        for rid in rids:
+            self._streams[rid].put_nowait(error)
 
     def _fail_all(self, error: WorkerError) -> None:
         for queue in self._streams.values():

@@ -27,7 +27,7 @@ from router.policy import (
     NoWorkerAvailable,
     RoutingPolicy,
 )
-from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, key_span, prefix_key
+from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, cache_key_route, key_span, prefix_key
 from worker.protocol import OutItem, Priority, SamplingParams
 
 FALLBACK_FAILOVER = "failover"
@@ -51,6 +51,9 @@ class RouteRequest:
     stable_len: int | None = None  # chat: tokens before the last user turn; None: raw completion
     priority: Priority = Priority.INTERACTIVE
     deadline: float = 0.0  # unix seconds; 0 = none
+    cache_key: str | None = None  # the client's prompt_cache_key: routes instead of the prefix, within `ns`
+    fkey: bytes = b""  # fairness key: `fairness_key(...)` of the tenant; empty: the worker uses `ns`
+    weight: float = 1.0  # the tenant's fair-share weight
 
 
 class Router:
@@ -140,6 +143,8 @@ class Router:
     # ------------------------------------------------------------ routing
 
     def key_for(self, req: RouteRequest) -> bytes | None:
+        if req.cache_key is not None:
+            return cache_key_route(req.ns, self.secret, req.cache_key)
         return prefix_key(req.tokens, req.stable_len, root=req.ns, secret=self.secret,
                           block_size=self.block_size, max_tokens=self.route_prefix_tokens)
 
@@ -210,7 +215,8 @@ class Router:
         holders.remember(wid, key, span)
         metrics.REQUESTS.labels(wid).inc()
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
-        stream = client.generate(req.rid, req.ns, req.tokens, req.sampling, req.priority, req.deadline)
+        stream = client.generate(req.rid, req.ns, req.tokens, req.sampling, req.priority, req.deadline,
+                                 fkey=req.fkey, weight=req.weight)
         first = True
         cached = 0
         try:

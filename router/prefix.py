@@ -5,6 +5,7 @@ Every gateway replica with the same secret computes the same key, so routing nee
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -101,6 +102,20 @@ def prefix_key(
     for off in range(0, 4 * n, step):
         h = _keyed_hash(secret, h, raw[off : off + step])
     return h
+
+
+def cache_key_route(root: bytes, secret: bytes, cache_key: str) -> bytes:
+    """The routing key of a client's `prompt_cache_key`, inside its tenant's namespace `root`."""
+    if len(root) != DIGEST_SIZE:
+        raise ValueError(f"root must be a {DIGEST_SIZE}-byte namespace_root digest")
+    return _keyed_hash(secret, root, b"prompt_cache_key", _field(cache_key))
+
+
+def fairness_key(tenant_name: str, secret: bytes) -> bytes:
+    """The tenant's fairness key on workers: a keyed digest of its name (stable across models and salts)."""
+    if not isinstance(secret, bytes | bytearray) or not secret:
+        raise ValueError("secret must be non-empty bytes")
+    return hashlib.blake2b(b"fair\0" + tenant_name.encode(), key=bytes(secret)[:64], digest_size=8).digest()
 
 
 def key_point(key: bytes) -> int:

@@ -1,12 +1,15 @@
 """The gateway's view of tenants: API key -> `Tenant`, cached in-process for a short TTL.
 
 The TTL bounds both the Redis reads per key and how long a revoked key or an edited quota takes to apply.
+Unknown keys are cached apart and their Redis look-ups capped, so a flood of made-up keys cannot evict
+real ones or take the Redis pool from them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,46 +30,60 @@ class _Entry:
 
 
 class _TTLCache:
-    """A bounded dict of entries that are fresh for `ttl_s` and usable as stale for `stale_s`."""
+    """A bounded LRU of entries that are fresh for `ttl_s` and usable as stale for `stale_s`; O(1) per call."""
 
     def __init__(self, ttl_s: float, stale_s: float, max_entries: int) -> None:
         self.ttl_s, self.stale_s, self.max_entries = ttl_s, stale_s, max_entries
-        self._data: dict[str, _Entry] = {}
+        self._data: OrderedDict[str, _Entry] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
 
     def get(self, key: str, now: float, allow_stale: bool = False) -> _Entry | None:
         entry = self._data.get(key)
         if entry is None:
             return None
         if now < entry.fresh_until or (allow_stale and now < entry.stale_until):
+            self._data.move_to_end(key)
             return entry
         return None
 
     def put(self, key: str, value: Any, now: float) -> None:
-        if len(self._data) >= self.max_entries and key not in self._data:
-            self._evict(now)
         self._data[key] = _Entry(value, now + self.ttl_s, now + self.stale_s)
+        self._data.move_to_end(key)
+        while len(self._data) > self.max_entries:
+            self._data.popitem(last=False)  # least recently used
+
+    def discard(self, key: str) -> None:
+        self._data.pop(key, None)
 
     def clear(self) -> None:
         self._data.clear()
 
-    def _evict(self, now: float) -> None:
-        for k in [k for k, e in self._data.items() if e.stale_until <= now]:
-            del self._data[k]
-        while len(self._data) >= self.max_entries:
-            del self._data[next(iter(self._data))]  # oldest insertion
-
 
 class TenantDirectory:
-    """API key -> Tenant for the gateway, cached briefly; see the module docstring."""
+    """API key -> Tenant for the gateway, cached briefly; see the module docstring.
+
+    A key the gateway has not seen resolve to a tenant (not in the known-key cache) is looked up under a
+    cap of `max_unknown_lookups` concurrent Redis reads; past `unknown_wait_s` waiting for one it gets
+    `QuotaServiceUnavailable` (503 with retry-after). Known keys never wait for that cap.
+    """
 
     def __init__(self, client: aredis.Redis, *, ttl_s: float = 0.5, stale_s: float = 300.0,
-                 max_entries: int = 10_000, serve_stale_on_error: bool = False,
+                 max_entries: int = 10_000, max_unknown_entries: int = 10_000, unknown_ttl_s: float = 0.5,
+                 max_unknown_lookups: int = 8, unknown_wait_s: float = 0.1, serve_stale_on_error: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not 0 < ttl_s <= 0.5:
-            raise ValueError("ttl_s must be in (0, 0.5] so changes show within 1 s")
+        if not 0 < ttl_s <= 0.5 or not 0 < unknown_ttl_s <= 0.5:
+            raise ValueError("ttl_s and unknown_ttl_s must be in (0, 0.5] so changes show within 1 s")
         self._redis = client
-        self._keys = _TTLCache(ttl_s, stale_s, max_entries)      # digest -> tenant name | None
-        self._tenants = _TTLCache(ttl_s, stale_s, max_entries)   # name -> Tenant | None
+        self._keys = _TTLCache(ttl_s, stale_s, max_entries)                       # digest -> tenant name
+        self._unknown = _TTLCache(unknown_ttl_s, unknown_ttl_s, max_unknown_entries)  # digest -> None
+        self._tenants = _TTLCache(ttl_s, stale_s, max_entries)                    # name -> Tenant | None
+        self._lookups = asyncio.Semaphore(max_unknown_lookups)
+        self._unknown_wait_s = unknown_wait_s
         self._inflight: dict[str, asyncio.Future] = {}
         self._serve_stale = serve_stale_on_error
         self._clock = clock
@@ -75,7 +92,7 @@ class TenantDirectory:
         """The active tenant owning `api_key`, or None for a missing, unknown, revoked or disabled key."""
         if not api_key or not api_key.startswith(apikeys.KEY_PREFIX) or len(api_key) > 256:
             return None
-        name = await self._cached(self._keys, "k:", apikeys.digest(api_key), self._read_key_owner)
+        name = await self._key_owner(apikeys.digest(api_key))
         if name is None:
             return None
         tenant = await self.tenant(name)
@@ -83,29 +100,72 @@ class TenantDirectory:
 
     async def tenant(self, name: str) -> Tenant | None:
         """The tenant's current config (active or not), or None if it does not exist."""
-        return await self._cached(self._tenants, "t:", name, self._read_tenant)
+        entry = self._tenants.get(name, self._clock())
+        if entry is not None:
+            return entry.value
+        return await self._shared("t:" + name, lambda: self._load_tenant(name))
 
     def invalidate(self) -> None:
         self._keys.clear()
+        self._unknown.clear()
         self._tenants.clear()
 
-    async def _read_key_owner(self, digest: str) -> str | None:
-        owner = await self._redis.hget(api_key_key(digest), "tenant")
-        return owner.decode() if owner is not None else None
-
-    async def _read_tenant(self, name: str) -> Tenant | None:
-        fields = await self._redis.hgetall(config_key(name))
-        return parse_tenant(name, fields) if fields else None
-
-    async def _cached(self, cache: _TTLCache, ns: str, key: str,
-                      load: Callable[[str], Awaitable[Any]]) -> Any:
-        entry = cache.get(key, self._clock())
+    async def _key_owner(self, digest: str) -> str | None:
+        now = self._clock()
+        entry = self._keys.get(digest, now)
         if entry is not None:
             return entry.value
-        flight_key = ns + key
+        if self._unknown.get(digest, now) is not None:
+            return None
+        if digest in self._keys:  # known (its entry expired): refresh without waiting for the cap
+            return await self._shared("k:" + digest, lambda: self._load_key(digest))
+        return await self._shared("k:" + digest, lambda: self._load_unknown_key(digest))
+
+    async def _load_unknown_key(self, digest: str) -> str | None:
+        try:
+            await asyncio.wait_for(self._lookups.acquire(), self._unknown_wait_s)
+        except TimeoutError:
+            raise QuotaServiceUnavailable("too many concurrent look-ups of unknown API keys") from None
+        try:
+            return await self._load_key(digest)
+        finally:
+            self._lookups.release()
+
+    async def _load_key(self, digest: str) -> str | None:
+        try:
+            owner = await self._redis.hget(api_key_key(digest), "tenant")
+        except (RedisError, OSError) as exc:
+            stale = self._keys.get(digest, self._clock(), allow_stale=True) if self._serve_stale else None
+            if stale is not None:
+                return stale.value
+            raise QuotaServiceUnavailable(f"tenant store unreachable: {type(exc).__name__}") from None
+        now = self._clock()
+        if owner is None:
+            self._keys.discard(digest)
+            self._unknown.put(digest, None, now)
+            return None
+        name = owner.decode()
+        self._unknown.discard(digest)
+        self._keys.put(digest, name, now)
+        return name
+
+    async def _load_tenant(self, name: str) -> Tenant | None:
+        try:
+            fields = await self._redis.hgetall(config_key(name))
+        except (RedisError, OSError) as exc:
+            stale = self._tenants.get(name, self._clock(), allow_stale=True) if self._serve_stale else None
+            if stale is not None:
+                return stale.value
+            raise QuotaServiceUnavailable(f"tenant store unreachable: {type(exc).__name__}") from None
+        tenant = parse_tenant(name, fields) if fields else None
+        self._tenants.put(name, tenant, self._clock())
+        return tenant
+
+    async def _shared(self, flight_key: str, load: Callable[[], Awaitable[Any]]) -> Any:
+        """Concurrent misses of one key share one Redis read."""
         fut = self._inflight.get(flight_key)
         if fut is None:
-            fut = asyncio.ensure_future(self._load(cache, key, load))
+            fut = asyncio.ensure_future(load())
             self._inflight[flight_key] = fut
             fut.add_done_callback(lambda f: self._flight_done(flight_key, f))
         # shield: one caller being cancelled must not cancel the shared read of the others.
@@ -115,14 +175,3 @@ class TenantDirectory:
         self._inflight.pop(flight_key, None)
         if not fut.cancelled():
             fut.exception()  # mark retrieved even when every waiter was cancelled
-
-    async def _load(self, cache: _TTLCache, key: str, load: Callable[[str], Awaitable[Any]]) -> Any:
-        try:
-            value = await load(key)
-        except (RedisError, OSError) as exc:
-            stale = cache.get(key, self._clock(), allow_stale=True) if self._serve_stale else None
-            if stale is not None:
-                return stale.value
-            raise QuotaServiceUnavailable(f"tenant store unreachable: {type(exc).__name__}") from None
-        cache.put(key, value, self._clock())
-        return value

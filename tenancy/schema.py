@@ -7,10 +7,11 @@ operators edit quotas with `redis-cli HSET`.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass
 
-from worker.protocol import PRIORITY_NAMES, Priority
+from worker.protocol import MAX_WEIGHT, PRIORITY_NAMES, Priority
 
 log = logging.getLogger("switchyard.tenancy")
 
@@ -28,6 +29,7 @@ INT_DEFAULTS: dict[str, int] = {
     "default_max_tokens": 256,
 }
 STR_DEFAULTS: dict[str, str] = {"status": ACTIVE, "priority": INTERACTIVE.label, "allowed_models": "*"}
+DEFAULT_WEIGHT = 1.0  # `weight`: relative fair share on a worker, in (0, MAX_WEIGHT]
 
 TENANTS_SET = "sy:tenants"          # set of tenant names (for `tenants list`)
 API_KEY_PREFIX = "sy:key:"          # sy:key:<sha256 hex> -> hash {tenant, prefix, created_at}
@@ -88,6 +90,7 @@ class Tenant:
     max_tokens: int = INT_DEFAULTS["max_tokens"]
     default_max_tokens: int = INT_DEFAULTS["default_max_tokens"]
     allowed_models: tuple[str, ...] | None = None  # None: every model
+    weight: float = DEFAULT_WEIGHT  # relative fair share on a worker
     salt: str = ""
     created_at: float = 0.0
 
@@ -123,6 +126,20 @@ def parse_int_field(name: str, raw: str | bytes | None) -> int:
     return int(value)
 
 
+def parse_weight(raw: str | bytes | None) -> float:
+    """The fair-share weight; missing, malformed or out of (0, MAX_WEIGHT] gives the default (1)."""
+    if raw is None or raw == "" or raw == b"":
+        return DEFAULT_WEIGHT
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not 0 < value <= MAX_WEIGHT:
+        log.warning("tenant config field weight %r is not a number in (0, %g]; using 1", raw, MAX_WEIGHT)
+        return DEFAULT_WEIGHT
+    return value
+
+
 def parse_models(raw: str) -> tuple[str, ...] | None:
     raw = raw.strip()
     if raw in ("", "*"):
@@ -153,6 +170,7 @@ def parse_tenant(name: str, fields: dict) -> Tenant:
         status=status,
         priority=priority,
         allowed_models=parse_models(f.get("allowed_models") or "*"),
+        weight=parse_weight(f.get("weight")),
         salt=f.get("salt") or "",
         created_at=created_at,
         **{k: parse_int_field(k, f.get(k)) for k in INT_DEFAULTS},

@@ -27,9 +27,9 @@ from tenancy.schema import (
     tenant_keys_key,
     validate_name,
 )
-from worker.protocol import Priority
+from worker.protocol import MAX_WEIGHT, Priority
 
-SETTABLE_FIELDS = (*INT_DEFAULTS, "priority", "allowed_models", "status")
+SETTABLE_FIELDS = (*INT_DEFAULTS, "priority", "allowed_models", "status", "weight")
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,6 +63,10 @@ def validate_fields(fields: dict[str, object]) -> dict[str, str]:
             if value not in STATUSES:
                 raise TenancyError(f"status must be one of {', '.join(STATUSES)}, got {value!r}")
             out[name] = str(value)
+        elif name == "weight":
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_WEIGHT:
+                raise TenancyError(f"weight must be a number in (0, {MAX_WEIGHT:g}], got {value!r}")
+            out[name] = repr(float(value))
         else:
             out[name] = _models_value(value)
     return out

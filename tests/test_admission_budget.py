@@ -122,8 +122,9 @@ async def test_concurrency_leases_cap_and_expire(r, redis_url):
         again = await asyncio.gather(*(short.reserve(t, 1, 1) for _ in range(3)))
         assert len(again) == 3 and r.zcard(leases_key("acme")) == 3
         # renewal keeps leases alive past the TTL
-        assert await short.renew("acme", [x.lease_id for x in again]) == 3
-        assert await short.renew("acme", [admitted[0].lease_id]) == 0  # expired and swept
+        assert (await short.renew("acme", [x.lease_id for x in again])).renewed == 3
+        lost = await short.renew("acme", [admitted[0].lease_id])  # expired and swept; all 3 slots taken
+        assert (lost.renewed, lost.retaken, lost.lost) == (0, (), (admitted[0].lease_id,))
     finally:
         await client.aclose()
 
@@ -225,4 +226,84 @@ async def test_admission_facade_sheds_without_charging(r, redis_url):
         assert spec.status == 429 and spec.code == "rate_limit_exceeded" and "retry-after-ms" in spec.headers
     finally:
         await admission.aclose()
+        await client.aclose()
+
+
+async def test_read_only_or_full_redis_is_quota_service_unavailable(r, redis_url):
+    """After a failover the old primary answers READONLY; a full one OOM: both are 503s, never 500s."""
+    from redis.exceptions import ResponseError
+
+    from admission.gate import error_response
+    from admission.scripts import is_unavailable_reply
+    from tenancy.errors import QuotaServiceUnavailable
+    from tests.conftest import free_port
+
+    t = store.create_tenant(r, "acme", tpm=10_000, max_concurrent=5)
+    client = async_client(redis_url)
+    guard = BudgetGuard(Budget(client, lease_ttl_s=60))
+    try:
+        held = await guard.acquire(t, 10, 10)
+        r.replicaof("127.0.0.1", free_port())  # this server is a replica now: writes answer READONLY
+        with pytest.raises(QuotaServiceUnavailable) as exc:
+            await guard.acquire(t, 10, 10)
+        spec = error_response(exc.value)
+        assert spec is not None and (spec.status, spec.code) == (503, "quota_service_unavailable")
+        assert await guard.renew_due(0.0) == 0  # renewal fails quietly; the lease is kept for the next try
+    finally:
+        r.replicaof("no", "one")
+        await guard.release(held)
+        await guard.aclose()
+        await client.aclose()
+    assert r.zcard(leases_key("acme")) == 0
+    # the other "cannot write now" replies map the same way; a bug in a call still raises
+    assert is_unavailable_reply(ResponseError("OOM command not allowed when used memory > 'maxmemory'. script: x"))
+    assert is_unavailable_reply(ResponseError("MISCONF Redis is configured to save RDB snapshots, but ..."))
+    assert not is_unavailable_reply(ResponseError("ERR wrong number of arguments for 'hget' command"))
+
+
+async def test_renewal_retakes_expired_leases_only_within_max_concurrent(r, redis_url):
+    """Leases that expired during an outage: taken again while the tenant has room, else marked lost."""
+    t = store.create_tenant(r, "acme", max_concurrent=2, tpm=0, rpm=0)
+    client = async_client(redis_url)
+    guard = BudgetGuard(Budget(client, lease_ttl_s=60))
+    other = Budget(client, lease_ttl_s=60)  # another gateway
+    try:
+        a = await guard.acquire(t, 1, 1)
+        b = await guard.acquire(t, 1, 1)
+        r.delete(leases_key("acme"))  # both expired while Redis was unreachable (or it lost them)
+        c = await other.reserve(t, 1, 1)  # meanwhile another gateway took one of the two slots
+        assert await guard.renew_due(0.0) == 1
+        assert [a.lease_lost, b.lease_lost] == [False, True]
+        assert r.zcard(leases_key("acme")) == 2  # never more than max_concurrent
+        assert r.zscore(leases_key("acme"), a.lease_id) is not None
+        assert await guard.renew_due(0.0) == 1  # a is renewed as usual; b is not taken again
+        await guard.release(b)
+        await guard.release(a)
+        await other.settle(c)
+        assert r.zcard(leases_key("acme")) == 0
+    finally:
+        await guard.aclose()
+        await client.aclose()
+
+
+async def test_renewal_racing_a_settle_leaves_no_lease(r, redis_url):
+    class LateRenewals(Budget):
+        async def renew(self, tenant_name, lease_ids):
+            await settled.wait()
+            return await super().renew(tenant_name, lease_ids)
+
+    settled = asyncio.Event()
+    t = store.create_tenant(r, "acme", max_concurrent=2, tpm=0, rpm=0)
+    client = async_client(redis_url)
+    guard = BudgetGuard(LateRenewals(client, lease_ttl_s=60))
+    try:
+        res = await guard.acquire(t, 1, 1)
+        renewal = asyncio.ensure_future(guard.renew_due(0.0))
+        await asyncio.sleep(0)  # the renewal has picked the lease
+        await guard.release(res)  # and the settle's ZREM reaches Redis first
+        settled.set()
+        assert await renewal == 1  # it found the lease gone and took it back...
+        assert r.zcard(leases_key("acme")) == 0
+    finally:
+        await guard.aclose()
         await client.aclose()

@@ -151,3 +151,15 @@ async def test_overload_10x_sheds_excess_without_hanging():
     assert results.count("ok") >= 8 and results.count("shed") > 0
     assert gate.shed[BATCH] > 0 and gate.shed[BATCH] >= gate.shed[INTERACTIVE]
     assert gate.waiting == {INTERACTIVE: 0, BATCH: 0}
+
+
+async def test_drain_history_stays_bounded_on_a_busy_gateway():
+    now = [1000.0]
+    workers = Workers((10_000, 10_000))
+    gate = CapacityGate(workers, admission_wait_ms=0, clock=lambda: now[0])
+    # 200 releases a second for 120 s, never a shed: the history must not keep one entry per release
+    for _ in range(120 * 200):
+        gate.release(await gate.acquire(50, INTERACTIVE))
+        now[0] += 0.005
+    assert len(gate._drained) <= 64
+    assert gate.drain_rate() == pytest.approx(200 * 50, rel=0.05)  # still the recent rate

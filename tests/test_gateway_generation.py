@@ -7,17 +7,22 @@ stop strings and usage can be checked exactly.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 import pytest
 
+from admission import AdmissionTicket, Reservation, ReserveResult
+from gateway.errors import ApiError
 from gateway.model import ServedModel
 from gateway.responses import ResponseShape, Usage
 from gateway.schemas import parse_completion
 from gateway.service import Generation, Prepared
 from tenancy.schema import Tenant
-from worker.protocol import OutItem, Priority
+from router import WorkerError
+from router.client import LinkError
+from worker.protocol import ErrorCode, OutItem, Priority
 
 TEXT = "日本語のテスト 🎉👩‍👩‍👧 — done"
 
@@ -85,3 +90,65 @@ async def test_logprobs_follow_tokens(model):
     assert text == "Hello world" and gen.finish_reason == "stop"
     assert [lp.logprob for lp in logprobs] == [-0.5] * len(tokens)
     assert "".join(lp.token for lp in logprobs) == text
+
+
+class Failing:
+    """A worker stream that fails (or hangs) before or after some tokens."""
+
+    def __init__(self, tokens: list[int], error: Exception | None) -> None:
+        self.tokens, self.error, self.closed = tokens, error, False
+
+    async def stream(self) -> AsyncIterator[OutItem]:
+        try:
+            for t in self.tokens:
+                yield OutItem("r", [t], None, 0, [-0.5])
+            if self.error is None:
+                await asyncio.sleep(3600)
+            raise self.error
+        finally:
+            self.closed = True
+
+
+def with_ticket(gen: Generation) -> AdmissionTicket:
+    result = ReserveResult(0, None, *([0] * 11))
+    gen.ticket = AdmissionTicket(Reservation(Tenant(name="t"), "lease-1", 2, 100, result), None)
+    return gen.ticket
+
+
+async def test_first_token_timeout_is_refunded_like_any_failure(model):
+    gen = make(model, Failing([], None))  # type: ignore[arg-type]
+    gen.first_token_timeout_s = 0.05
+    ticket = with_ticket(gen)
+    with pytest.raises(ApiError) as exc:
+        await gen.next()
+    await gen.close()
+    assert exc.value.status == 503 and exc.value.code == "worker_unavailable"
+    assert ticket.reservation.served is False and ticket.reservation.refund_tokens == 102
+
+
+async def test_worker_addresses_never_reach_the_client(model):
+    cases = [WorkerError(LinkError.WORKER_LOST, "no stats from tcp://10.1.2.3:5555 for 1.0s", True),
+             WorkerError(LinkError.INCOMPATIBLE, "worker gpu-7-5555 speaks protocol version 9, this gateway "
+                                                 "speaks 1", False),
+             WorkerError(ErrorCode.INTERNAL, "engine crashed at tcp://10.1.2.3:5555", True),
+             WorkerError(ErrorCode.BAD_REQUEST, "bad sampling (worker tcp://10.1.2.3:5555)", False)]
+    for error in cases:
+        for tokens in ([], [100]):
+            gen = make(model, Failing(tokens, error))  # type: ignore[arg-type]
+            with pytest.raises(ApiError) as exc:
+                while await gen.next() is not None:
+                    pass
+            await gen.close()
+            text = exc.value.message
+            assert "tcp://" not in text and "10.1.2.3" not in text and "gpu-7" not in text, text
+
+
+async def test_a_lost_lease_ends_the_stream(model):
+    gen = make(model, Failing([100, 101, 102, 103], None))  # type: ignore[arg-type]
+    ticket = with_ticket(gen)
+    assert await gen.next() is not None
+    ticket.reservation.lease_lost = True  # the renewer found it expired and the tenant at max_concurrent
+    with pytest.raises(ApiError) as exc:
+        await gen.next()
+    await gen.close()
+    assert exc.value.status == 429 and exc.value.code == "concurrency_lease_lost"

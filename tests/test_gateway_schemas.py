@@ -1,4 +1,4 @@
-"""Strict request parsing: each bad field gives a 400 naming it; extras are ignored."""
+"""Strict request parsing: each bad or unknown field gives a 400 naming it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def _error(parse, body) -> ApiError:
 
 
 def test_minimal_chat_and_defaults():
-    req = parse_chat({**CHAT, "unknown_field": {"x": 1}, "frequency_penalty": 0.5})
+    req = parse_chat({**CHAT, "metadata": {"x": "1"}, "store": False, "service_tier": "auto",
+                      "parallel_tool_calls": True, "tools": None})
     assert req.kind == "chat" and req.messages == [{"role": "user", "content": "hi"}]
     assert req.max_tokens is None and req.temperature == 1.0 and req.stop == () and not req.stream
 
@@ -68,7 +69,7 @@ def test_text_parts_and_developer_role():
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": 1}}, "include_usage"),
     ({"n": 2}, "n"),
-    ({"top_logprobs": 5}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"priority": "urgent"}, "priority"),
     ({"top_k": 1.5}, "top_k"),
 ])
@@ -98,4 +99,42 @@ def test_completion_bad_prompt(prompt):
 
 
 def test_completion_logprobs_over_one_rejected():
-    assert _error(parse_completion, {**COMP, "logprobs": 3}).param == "logprobs"
+    assert _error(parse_completion, {**COMP, "logprobs": 6}).param == "logprobs"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("unknown_field", {"x": 1}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("suffix", "x"),
+    ("audio", {}), ("functions", [])])
+def test_unknown_and_unsupported_fields_are_400(field, value):
+    assert _error(parse_chat, {**CHAT, field: value}).param == field
+    assert _error(parse_completion, {**COMP, field: value}).param == field
+
+
+def test_completion_only_and_chat_only_fields():
+    assert _error(parse_chat, {**CHAT, "echo": False}).param == "echo"
+    assert _error(parse_completion, {**COMP, "top_logprobs": 1}).param == "top_logprobs"
+    assert _error(parse_completion, {**COMP, "best_of": 2}).param == "best_of"
+    assert parse_completion({**COMP, "best_of": 1}).kind == "completion"
+
+
+def test_prompt_cache_key():
+    assert parse_chat({**CHAT, "prompt_cache_key": "conv-1"}).prompt_cache_key == "conv-1"
+    assert _error(parse_chat, {**CHAT, "prompt_cache_key": ""}).param == "prompt_cache_key"
+    assert _error(parse_chat, {**CHAT, "prompt_cache_key": 5}).param == "prompt_cache_key"
+
+
+def test_sampling_controls_parsed_and_bounded():
+    req = parse_chat({**CHAT, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                      "min_tokens": 2, "logit_bias": {"12": -100, "7": 3.5}, "top_logprobs": 20})
+    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert req.min_tokens == 2 and req.logit_bias == ((12, -100.0), (7, 3.5))
+    assert req.top_logprobs == 20 and req.logprobs
+    assert parse_completion({**COMP, "logprobs": 5}).top_logprobs == 5
+    for patch, param in [({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
+                         ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+                         ({"top_logprobs": 21}, "top_logprobs"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"),
+                         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens")]:
+        assert _error(parse_chat, {**CHAT, **patch}).param == param
+    assert _error(parse_completion, {**COMP, "logprobs": 6}).param == "logprobs"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from gateway.detokenize import token_byte_table
 from worker.tokenizer import load_tokenizer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -72,3 +73,36 @@ def test_sdk_error_types(stack, client):
     limited = openai.OpenAI(api_key=stack.limited_key, base_url=stack.base_url + "/v1", max_retries=0)
     with pytest.raises(openai.PermissionDeniedError):
         limited.chat.completions.create(model="default", messages=QUESTION)
+
+
+def test_chat_top_logprobs_and_logit_bias(client, tok):
+    resp = client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=3,
+                                          logprobs=True, top_logprobs=5)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for tok_lp in content:
+        tops = tok_lp.top_logprobs
+        assert len(tops) == 5 and tops[0].logprob == pytest.approx(tok_lp.logprob, abs=1e-4)  # greedy
+        assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+    first = token_byte_table(tok.hf, tok.vocab_size).index(bytes(content[0].bytes))
+    banned = client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=3,
+                                            logprobs=True, logit_bias={str(first): -100})
+    assert banned.choices[0].logprobs.content[0].token != content[0].token
+
+
+def test_completion_logprobs_alternatives(client):
+    resp = client.completions.create(model="default", prompt="The capital of France is", max_tokens=2,
+                                     temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert len(lp.top_logprobs) == 2 and all(len(d) <= 3 for d in lp.top_logprobs)
+    assert max(lp.top_logprobs[0].values()) == pytest.approx(lp.token_logprobs[0], abs=1e-4)
+
+
+def test_unknown_and_unsupported_fields_are_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="default", messages=QUESTION, extra_body={"bogus": 1})
+    assert err.value.body["param"] == "bogus"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="default", messages=QUESTION,
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert err.value.body["param"] == "tools"

@@ -7,7 +7,12 @@ own behaviour: demultiplexing, errors, deadlines, abort on early exit, version r
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+import time
 from collections.abc import AsyncIterator
+
+import msgpack
 
 import pytest
 import zmq
@@ -56,7 +61,8 @@ async def link() -> AsyncIterator[tuple[Peer, WorkerClient]]:
     await client.start()
     try:
         ident, hello = await peer.recv("hello")
-        assert ident == b"gw-test" and hello == p.Hello("gw-test")
+        assert hello == p.Hello("gw-test")
+        assert ident.startswith(b"gw-test/") and len(ident) >= len(b"gw-test/") + 32  # unguessable routing id
         await peer.stats(ident)
         stats = await client.wait_ready(5.0)
         assert stats.kv_total == 20 and client.alive and client.usable
@@ -233,3 +239,136 @@ async def test_wait_ready_times_out_without_worker() -> None:
     finally:
         await client.close()
         ctx.term()
+
+
+async def test_malformed_out_frames_end_only_their_requests(link: tuple[Peer, WorkerClient]) -> None:
+    """A bad `out` frame ends the requests it names with a retryable error; the link stays usable."""
+    peer, client = link
+    client.inter_token_timeout = 10.0
+    streams = {rid: client.generate(rid, b"", [1], p.SamplingParams()) for rid in ("m1", "m2", "m3")}
+    firsts = {rid: asyncio.create_task(s.__anext__()) for rid, s in streams.items()}
+    for _ in streams:
+        ident, _gen = await peer.recv("gen")
+    good = [p.OutItem("m1", [5], None, 0, None)]
+    await peer.send(ident, p.encode_out(good))
+    assert (await asyncio.wait_for(firsts["m1"], 5)).tokens == [5]
+    bad = msgpack.unpackb(p.encode_out([p.OutItem("m1", [6], None, 0, None), p.OutItem("m2", [6], None, 0, None)]),
+                          raw=False)
+    bad["items"][1][3] = "lots"  # cached_tokens of the wrong type: both rows of the frame are lost
+    await peer.send(ident, msgpack.packb(bad, use_bin_type=True))
+    unnamed = msgpack.unpackb(p.encode_out([p.OutItem("m3", [6], None, 0, None)]), raw=False)
+    unnamed["items"][0][0] = [1, 2]  # an unhashable rid: nothing to end, only a log line
+    await peer.send(ident, msgpack.packb(unnamed, use_bin_type=True))
+    for rid in ("m1", "m2"):
+        with pytest.raises(WorkerError) as info:
+            await asyncio.wait_for(streams[rid].__anext__() if rid == "m1" else firsts[rid], 5)
+        assert info.value.code == "protocol" and info.value.retryable
+    await peer.send(ident, p.encode_out([p.OutItem("m3", [8], "stop", 0, None)]))
+    assert (await asyncio.wait_for(firsts["m3"], 5)).finish_reason == "stop"
+    for _ in range(3):  # the receive task is still running: stats keep it alive, new requests work
+        await peer.stats(ident)
+        await asyncio.sleep(0.2)
+    assert client.usable
+    task = asyncio.create_task(_collect(client.generate("m4", b"", [1], p.SamplingParams())))
+    await peer.recv("gen")
+    await peer.send(ident, p.encode_out([p.OutItem("m4", [3], "length", 0, None)]))
+    assert await asyncio.wait_for(task, 5) == [3]
+    for s in streams.values():
+        await s.aclose()
+
+
+async def _collect(stream: AsyncIterator[p.OutItem]) -> list[int]:
+    return [t async for item in stream for t in item.tokens]
+
+
+class ThreadWorker:
+    """A worker's ROUTER socket served from its own thread: it keeps sending stats every 50 ms, and ends a
+    request 1.5 s after its `gen`, while the test's event loop may be blocked."""
+
+    def __init__(self) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.stop = threading.Event()
+        self.bound = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.bound.wait(5)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.endpoint)
+        self.bound.set()
+        idents: set[bytes] = set()
+        due: list[tuple[float, bytes, str]] = []
+        stats = p.encode_stats(p.WorkerStats("w", 0, 0, 10, 20, 0.0, False, "m", p.PROTOCOL_VERSION))
+        while not self.stop.is_set():
+            while sock.poll(0):
+                ident, data = sock.recv_multipart()
+                idents.add(ident)
+                frame = p.decode_gateway_frame(data, 1 << 16)
+                if isinstance(frame, p.GenRequest):
+                    due.append((time.monotonic() + 1.5, ident, frame.rid))
+            for ident in idents:
+                sock.send_multipart([ident, stats])
+            for entry in [d for d in due if d[0] <= time.monotonic()]:
+                due.remove(entry)
+                sock.send_multipart([entry[1], p.encode_out([p.OutItem(entry[2], [4], "stop", 0, None)])])
+            time.sleep(0.05)
+        sock.close()
+        ctx.term()
+
+
+async def test_event_loop_stall_is_not_worker_loss() -> None:
+    """Stats queue up in the socket while the gateway's loop is blocked: the link is judged on what it has
+    received once it drains, not on the wall clock, so a stall is no worker loss; real silence still is."""
+    worker = ThreadWorker()
+    client = WorkerClient(worker.endpoint, gateway_id="gw-stall", worker_timeout=0.5, heartbeat_interval=0.2,
+                          inter_token_timeout=10.0)
+    await client.start()
+    try:
+        await client.wait_ready(5)
+        stream = client.generate("st", b"", [1], p.SamplingParams())
+        first = asyncio.create_task(stream.__anext__())
+        await asyncio.sleep(0.2)
+        time.sleep(1.2)  # the gateway's event loop stalls for more than twice the worker timeout
+        assert client.alive, "a stall of the gateway's own loop counted as the worker's silence"
+        assert (await asyncio.wait_for(first, 5)).finish_reason == "stop"  # no worker_lost meanwhile
+        await stream.aclose()
+        worker.stop.set()
+        loop = asyncio.get_running_loop()
+        stopped_at = loop.time()
+        while client.alive:
+            await asyncio.sleep(0.05)
+            assert loop.time() - stopped_at < 3, "real silence was not noticed"
+    finally:
+        worker.stop.set()
+        await client.close()
+        worker.thread.join(5)
+
+
+async def test_fuzzed_frames_leave_the_client_usable(link: tuple[Peer, WorkerClient]) -> None:
+    """Every wrong-typed frame of the protocol fuzz cases that does not decode, sent to a live client."""
+    from tests.test_protocol_fuzz import CASES
+
+    peer, client = link
+    ident, _ = await peer.recv("hello")
+    broken = []
+    for _label, frame in CASES:
+        data = msgpack.packb(frame, use_bin_type=True)
+        with contextlib.suppress(p.ProtocolError):
+            p.decode_worker_frame(data)
+            continue
+        broken.append(data)
+    assert len(broken) > 200
+    for i, data in enumerate(broken):
+        await peer.send(ident, data)
+        if i % 50 == 0:
+            await peer.stats(ident)
+    await peer.stats(ident)
+    await asyncio.sleep(0.3)
+    assert client.usable and not any(t.done() for t in client._tasks)
+    task = asyncio.create_task(_collect(client.generate("fz", b"", [1], p.SamplingParams())))
+    await peer.recv("gen")
+    await peer.send(ident, p.encode_out([p.OutItem("fz", [2, 3], "length", 0, None)]))
+    assert await asyncio.wait_for(task, 5) == [2, 3]

@@ -23,7 +23,7 @@ def batch_for(n: int, temp: float, top_k: int = 0, top_p: float = 1.0, seed0: in
 def test_top_k_restricts_support():
     logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(0)).repeat(400, 1)
     allowed = set(torch.topk(logits[0], 5).indices.tolist())
-    tokens, _ = sample(logits, batch_for(400, temp=2.0, top_k=5))
+    tokens = sample(logits, batch_for(400, temp=2.0, top_k=5)).tokens
     drawn = set(tokens.tolist())
     assert drawn <= allowed and len(drawn) >= 3
 
@@ -33,14 +33,14 @@ def test_top_p_restricts_support():
     logits = probs.log()[None].repeat(500, 1)
     masked = restrict_logits(logits[:1], torch.tensor([0]), torch.tensor([0.8]))
     assert torch.isfinite(masked[0]).tolist() == [True, True] + [False] * 6
-    tokens, _ = sample(logits, batch_for(500, temp=1.0, top_p=0.8))
+    tokens = sample(logits, batch_for(500, temp=1.0, top_p=0.8)).tokens
     assert set(tokens.tolist()) == {0, 1}
 
 
 def test_sampling_follows_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     n = 6000
-    tokens, _ = sample(probs.log()[None].repeat(n, 1), batch_for(n, temp=1.0))
+    tokens = sample(probs.log()[None].repeat(n, 1), batch_for(n, temp=1.0)).tokens
     freq = torch.bincount(tokens, minlength=3).float() / n
     assert torch.allclose(freq, probs, atol=0.03)
 
@@ -57,7 +57,8 @@ def test_logprobs_of_chosen_token():
     logits = torch.randn(4, 50)
     b = batch_for(4, temp=0.0, logprobs=True)
     b.all_greedy = True
-    tokens, lp = sample(logits, b)
+    out = sample(logits, b)
+    tokens, lp = out.tokens, out.logprobs
     assert torch.equal(tokens, logits.argmax(-1))
     assert torch.allclose(lp, torch.log_softmax(logits, -1).max(-1).values)
 

@@ -155,3 +155,95 @@ def test_malformed_hand_edits_fall_back_safely(r):
     r.hset(config_key("acme"), mapping={"tpm": "lots", "status": "paused", "priority": "vip"})
     t = store.get_tenant(r, "acme")
     assert t.tpm == 100_000 and not t.active and t.priority == BATCH
+
+
+class _SlowRedis:
+    """A real client whose key look-ups take `delay_s`, counting how many run at once."""
+
+    def __init__(self, client, delay_s: float) -> None:
+        self.client, self.delay_s, self.running, self.peak, self.calls = client, delay_s, 0, 0, 0
+
+    async def hget(self, *args):
+        self.running += 1
+        self.calls += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            await asyncio.sleep(self.delay_s)
+            return await self.client.hget(*args)
+        finally:
+            self.running -= 1
+
+    async def hgetall(self, *args):
+        return await self.client.hgetall(*args)
+
+
+def _unknown_key(i: int) -> str:
+    return "sy-" + f"{i:040d}"
+
+
+async def test_unknown_key_flood_cannot_evict_known_keys(r, redis_url):
+    store.create_tenant(r, "acme")
+    keys = [store.issue_key(r, "acme") for _ in range(3)]
+    now = [100.0]
+    client = async_client(redis_url)
+    directory = TenantDirectory(client, max_entries=10, clock=lambda: now[0])
+    try:
+        for key in keys:
+            assert await directory.authenticate(key) is not None
+        for i in range(200):  # far more distinct unknown keys than the cache holds
+            assert await directory.authenticate(_unknown_key(i)) is None
+        for key in keys:  # still cached (the clock stood still): no Redis needed
+            store.revoke_key(r, key[:10])
+        assert all([await directory.authenticate(k) is not None for k in keys])
+        # an unknown key is remembered briefly too, apart from the known ones
+        before = r.info("commandstats").get("cmdstat_hget", {"calls": 0})["calls"]
+        assert await directory.authenticate(_unknown_key(199)) is None
+        assert r.info("commandstats")["cmdstat_hget"]["calls"] == before
+    finally:
+        await client.aclose()
+
+
+async def test_known_keys_are_evicted_least_recently_used_first(r, redis_url):
+    store.create_tenant(r, "acme")
+    keys = [store.issue_key(r, "acme") for _ in range(4)]
+    now = [100.0]
+    client = async_client(redis_url)
+    directory = TenantDirectory(client, max_entries=3, clock=lambda: now[0])
+    try:
+        for key in keys[:3]:
+            await directory.authenticate(key)
+        await directory.authenticate(keys[0])  # the oldest entry is the most recently used now
+        await directory.authenticate(keys[3])  # evicts keys[1], the least recently used
+        store.revoke_key(r, keys[0][:10])
+        store.revoke_key(r, keys[1][:10])
+        assert await directory.authenticate(keys[0]) is not None  # served from the cache
+        assert await directory.authenticate(keys[1]) is None  # evicted, read again: revoked
+    finally:
+        await client.aclose()
+
+
+async def test_unknown_key_lookups_are_capped_and_known_keys_never_wait(r, redis_url):
+    from tenancy.errors import QuotaServiceUnavailable
+
+    store.create_tenant(r, "acme")
+    key = store.issue_key(r, "acme")
+    now = [100.0]
+    client = async_client(redis_url)
+    slow = _SlowRedis(client, delay_s=0.3)
+    directory = TenantDirectory(slow, clock=lambda: now[0], max_unknown_lookups=4, unknown_wait_s=0.05)
+    try:
+        assert await directory.authenticate(key) is not None
+        now[0] += 10.0  # the known key's entry is expired: its refresh needs Redis
+        start = time.monotonic()
+        flood = [asyncio.ensure_future(directory.authenticate(_unknown_key(i))) for i in range(40)]
+        await asyncio.sleep(0.01)
+        assert slow.running == 4  # the cap holds the unknown keys' look-ups
+        assert await directory.authenticate(key) is not None  # not queued behind them
+        assert time.monotonic() - start < 0.5
+        results = await asyncio.gather(*flood, return_exceptions=True)
+        assert slow.peak <= 5  # four unknown look-ups and the known key's refresh
+        busy = [x for x in results if isinstance(x, QuotaServiceUnavailable)]
+        assert len(busy) == 36 and results.count(None) == 4
+        assert time.monotonic() - start < 1.0  # refused quickly, not after the pool's timeout
+    finally:
+        await client.aclose()

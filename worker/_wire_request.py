@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass, fields
 from enum import IntEnum, StrEnum
 
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+
 
 class ErrorCode(StrEnum):
     """The `code` of an `err` frame."""
@@ -74,10 +77,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # logprob of the chosen token
+    top_logprobs: int = 0  # also the k most likely tokens and their logprobs (0..MAX_TOP_LOGPROBS)
+    presence_penalty: float = 0.0  # OpenAI: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: divide (>0) or multiply (<0) logits of prompt+output tokens
+    min_tokens: int = 0  # stop ids (EOS included) are banned until this many tokens are out
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError("bad_request", param=<field>) on the first invalid field."""
@@ -89,11 +102,32 @@ class SamplingParams:
             raise bad_request("top_p must be in (0, 1]", "top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad_request("top_k must be an integer >= 0 (0 disables it)", "top_k")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad_request("seed must be an integer or null", "seed")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise bad_request("seed must be a 64-bit integer or null", "seed")
+        self._validate_extras(vocab_size)
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size})", "stop_token_ids")
+
+    def _validate_extras(self, vocab_size: int) -> None:
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad_request(f"{name} must be in [-2, 2]", name)
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad_request("repetition_penalty must be in (0, 2]", "repetition_penalty")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad_request("min_tokens must be in [0, max_tokens]", "min_tokens")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        for entry in self.logit_bias:
+            if (len(entry) != 2 or not _is_int(entry[0]) or not 0 <= entry[0] < vocab_size
+                    or not _is_number(entry[1]) or not -100.0 <= entry[1] <= 100.0):
+                raise bad_request(f"logit_bias must map token ids in [0, {vocab_size}) to values in "
+                                  "[-100, 100]", "logit_bias")
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
@@ -106,7 +140,9 @@ class SamplingParams:
                 raise bad_request(f"unknown sampling field {key!r}", str(key))
         kw = dict(d)
         for key, kinds in (("max_tokens", int), ("temperature", (int, float)), ("top_p", (int, float)),
-                           ("top_k", int), ("ignore_eos", bool), ("logprobs", bool)):
+                           ("top_k", int), ("ignore_eos", bool), ("logprobs", bool), ("top_logprobs", int),
+                           ("presence_penalty", (int, float)), ("frequency_penalty", (int, float)),
+                           ("repetition_penalty", (int, float)), ("min_tokens", int)):
             _check_type(kw, key, kinds)
         if kw.get("seed") is not None:
             _check_type(kw, "seed", int)
@@ -117,7 +153,9 @@ class SamplingParams:
             ):
                 raise bad_request("stop_token_ids must be a list of integers", "stop_token_ids")
             kw["stop_token_ids"] = tuple(stops)
-        for key in ("temperature", "top_p"):
+        if "logit_bias" in kw:
+            kw["logit_bias"] = _bias_pairs(kw["logit_bias"])
+        for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if key in kw:
                 kw[key] = float(kw[key])
         return cls(**kw)
@@ -125,7 +163,29 @@ class SamplingParams:
     def to_dict(self) -> dict:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
-                "ignore_eos": self.ignore_eos, "logprobs": self.logprobs}
+                "ignore_eos": self.ignore_eos, "logprobs": self.logprobs, **self._extras()}
+
+    def _extras(self) -> dict:
+        """The optional controls, only where they differ from their defaults (a default request's map is small)."""
+        out: dict = {}
+        for name, off in (("top_logprobs", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0), ("min_tokens", 0)):
+            if getattr(self, name) != off:
+                out[name] = getattr(self, name)
+        if self.logit_bias:
+            out["logit_bias"] = [list(e) for e in self.logit_bias]
+        return out
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    if not isinstance(value, list | tuple) or not all(
+            isinstance(e, list | tuple) and len(e) == 2 and _is_int(e[0]) and _is_number(e[1]) for e in value):
+        raise bad_request("logit_bias must be a list of [token id, bias] pairs", "logit_bias")
+    return tuple((int(i), float(b)) for i, b in value)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x: object) -> bool:

@@ -21,9 +21,11 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     enable_prefix_cache: bool = True
     cache_aware_order: bool = False
+    fairness: str = "vtc"  # "vtc": fair share between fairness keys within a priority class | "fifo": arrival order
     # "auto" | "torch" (CPU: with the C++ decode kernel when it builds) | "torch_reference" | "flash_attn"
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
+    quantization: str = "none"  # weights: "none" | "int8" | "int4" | "auto" (applied by the loader; worker.quant)
     default_cpu_kv_bytes: int = 1 << 30
 
     def validate(self) -> None:
@@ -37,6 +39,10 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "torch_reference", "flash_attn"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
+        if self.quantization not in ("none", "int8", "int4", "auto"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of none, int8, int4, auto")
+        if self.fairness not in ("vtc", "fifo"):
+            raise ValueError(f"fairness must be 'vtc' or 'fifo', got {self.fairness!r}")
 
 
 @dataclass(slots=True)

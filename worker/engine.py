@@ -12,6 +12,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.errors import RequestError, bad_request
+from worker.fairness import check_fair_params
 from worker.kv_cache import num_pages_for
 from worker.loader import LoadedModel
 from worker.page_pool import PagePool
@@ -33,6 +34,8 @@ class StepOutput:
     finish_reason: str | None  # None while running; "stop" | "length" | "abort"
     cached_tokens: int
     logprobs: list[float] | None
+    top_ids: list[list[int]] | None = None  # with `top_logprobs`: per new token, the k most likely ids
+    top_logprobs: list[list[float]] | None = None
 
 
 @dataclass(slots=True)
@@ -53,6 +56,7 @@ class EngineStats:
     evictable_pages: int = 0
     locked_pages: int = 0
     evicted_pages: int = 0
+    quantization: str = "none"  # weight mode actually in use (worker.quant)
 
 
 class Engine:
@@ -87,10 +91,13 @@ class Engine:
     # ---- requests ----
 
     def add_request(self, rid: str, token_ids: list[int], sampling: SamplingParams,
-                    priority: Priority = Priority.INTERACTIVE, namespace: bytes = b"") -> None:
+                    priority: Priority = Priority.INTERACTIVE, namespace: bytes = b"", fkey: bytes = b"",
+                    weight: float = 1.0) -> None:
+        """`fkey`/`weight`: fairness key and share (worker.fairness); no key => the cache namespace's."""
         self._validate(rid, token_ids, sampling, priority)
         if not isinstance(namespace, bytes):
             raise bad_request("cache namespace must be bytes", "ns")
+        check_fair_params(fkey, weight)
         total = len(token_ids) + sampling.max_tokens
         if total > self.max_context:
             raise RequestError("capacity", f"prompt ({len(token_ids)}) + max_tokens ({sampling.max_tokens}) "
@@ -103,7 +110,8 @@ class Engine:
             stops.add(self.tokenizer.eos_token_id)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(rid, list(token_ids), len(token_ids), sampling, Priority(priority), self._arrivals,
-                       namespace or DEFAULT_NAMESPACE, seed & 0xFFFFFFFF, frozenset(stops))
+                       namespace or DEFAULT_NAMESPACE, seed & 0xFFFFFFFFFFFFFFFF, frozenset(stops),
+                       fkey=fkey or namespace or DEFAULT_NAMESPACE, weight=float(weight))
         self._arrivals += 1
         self._prompt_tokens += len(token_ids)
         self._seqs[rid] = seq
@@ -160,7 +168,12 @@ class Engine:
                 self.scheduler.publish(seq)
         lps = result.logprobs
         for i, (seq, tok) in enumerate(zip(result.sampled, result.tokens, strict=True)):
-            outputs.append(self._append(seq, tok, None if lps is None else lps[i]))
+            out = self._append(seq, tok, None if lps is None else lps[i])
+            k = seq.sampling.top_logprobs
+            if k and result.top_ids is not None and result.top_logprobs is not None:
+                out.top_ids = [result.top_ids[i][:k]] if out.new_tokens else []
+                out.top_logprobs = [result.top_logprobs[i][:k]] if out.new_tokens else []
+            outputs.append(out)
         return outputs
 
     def _append(self, seq: Sequence, tok: int, logprob: float | None) -> StepOutput:
@@ -198,6 +211,7 @@ class Engine:
             cached_pages=cache.cached_pages if cache is not None else 0,
             locked_pages=cache.locked_pages if cache is not None else 0,
             evicted_pages=cache.evicted_pages if cache is not None else 0,
+            quantization=self.loaded.quantization,
         )
 
     def pages_idle(self) -> bool:

@@ -14,7 +14,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from worker.protocol import MAX_FKEY_LEN, MAX_WEIGHT, bad_request
+
 POLICIES = ("vtc", "fifo")
+
+
+def check_fair_params(fkey: object, weight: object) -> None:
+    """Raise bad_request unless fkey is bytes of at most MAX_FKEY_LEN and weight a finite number in (0, MAX_WEIGHT]."""
+    if not isinstance(fkey, bytes) or len(fkey) > MAX_FKEY_LEN:
+        raise bad_request(f"fkey must be bytes of at most {MAX_FKEY_LEN}", "fkey")
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= MAX_WEIGHT:
+        raise bad_request(f"weight must be a finite number in (0, {MAX_WEIGHT:g}]", "weight")
 
 
 class FairItem(Protocol):
@@ -174,12 +184,21 @@ class FairShare:
         st = self._keys.get(key)
         return st.active if st is not None else 0
 
+    @property
+    def active_keys(self) -> int:
+        """Keys with at least one waiting or running request."""
+        return self._num_active
+
     def min_active_counter(self) -> float | None:
         return self._min_active()
 
     def top_service(self, n: int) -> list[tuple[bytes, float]]:
         """The `n` keys with the most service (bounded metric labels)."""
         return heapq.nlargest(n, ((k, st.service) for k, st in self._keys.items()), key=lambda kv: kv[1])
+
+    def services(self) -> Iterable[tuple[bytes, float]]:
+        """(key, service) of every tracked key (at most `max_keys` idle ones plus the active ones)."""
+        return ((k, st.service) for k, st in self._keys.items())
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -1,4 +1,4 @@
-"""Load weights into `model.LlamaModel` from a GGUF file (dequantized) or a local HF folder.
+"""Load weights into `model.LlamaModel` from a GGUF file (dequantized) or a local HF folder, then quantize.
 
 GGUF Q/K rows are un-permuted from llama.cpp's interleaved RoPE to the HF rotate-half layout.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from worker import quant
 from worker.config import ModelConfig
 from worker.model import LlamaModel
 from worker.model_source import ModelSource, default_model_path, gguf_metadata, hf_config, resolve
@@ -34,6 +35,7 @@ class LoadedModel:
     max_context: int
     dtype: torch.dtype
     device: torch.device
+    quantization: str = "none"  # the mode actually applied (see `worker.quant`)
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -63,28 +65,39 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
 
 
 def load_model(spec: str | Path = "default", *, dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None) -> LoadedModel:
+               device: str | torch.device | None = None, quantization: str = "none") -> LoadedModel:
     t0 = time.monotonic()
     src = resolve(spec)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    mode = quant.resolve_mode(quantization, dev)
     if src.kind == "gguf":
         cfg, tensors = _read_gguf(src)
     else:
         cfg, tensors = _read_hf(src)
     tok = load_tokenizer(src)
     model = _build(cfg, tensors, dt, dev)
-    log.info("loaded %s (%s, %s) in %.1fs", src.model_id, dt, dev, time.monotonic() - t0)
-    return LoadedModel(cfg, model, tok, src.model_id, tok.version, min(cfg.max_position, tok.max_context), dt, dev)
+    quant.quantize_model(model, mode)
+    log.info("loaded %s (%s, %s, quantization %s%s) in %.1fs", src.model_id, dt, dev, mode,
+             " from auto" if quantization == "auto" else "", time.monotonic() - t0)
+    return LoadedModel(cfg, model, tok, src.model_id, tok.version, min(cfg.max_position, tok.max_context), dt, dev,
+                       mode)
 
 
-def load_any(spec: str, *, dtype: str | None = None, device: str | None = None) -> LoadedModel:
-    """`tiny-random` (see `worker.tiny_model`) or anything `load_model` understands."""
+def load_any(spec: str, *, dtype: str | None = None, device: str | None = None,
+             quantization: str = "none") -> LoadedModel:
+    """`tiny-random` (see `worker.tiny_model`) or anything `load_model` understands.
+
+    The random test model stays unquantized under `auto` (the quality gate means nothing for it)."""
     from worker import tiny_model
 
     if spec == tiny_model.TINY_SPEC:
-        return tiny_model.load_tiny_model(dtype=dtype or "float32", device=device)
-    return load_model(spec, dtype=dtype, device=device)
+        loaded = tiny_model.load_tiny_model(dtype=dtype or "float32", device=device)
+        mode = "none" if quantization == "auto" else quant.resolve_mode(quantization, loaded.device)
+        quant.quantize_model(loaded.model, mode)
+        loaded.quantization = mode
+        return loaded
+    return load_model(spec, dtype=dtype, device=device, quantization=quantization)
 
 
 def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

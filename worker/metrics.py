@@ -1,12 +1,14 @@
 """Prometheus metrics of a worker process, served on its own port (`--metrics-port`).
 
-Names are a contract with `docker/grafana-dashboard.json`; labels carry no tenant, key or prompt data.
+Names are a contract with `docker/grafana-dashboard.json`; labels carry no tenant, key or prompt data
+(the `fkey` label is a short prefix of the gateway's keyed fairness digest, for at most FAIR_LABELS keys).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
@@ -30,19 +32,51 @@ PREEMPTIONS = Counter("switchyard_worker_preemptions", "Sequences preempted for 
 PROMPT_TOKENS = Counter("switchyard_worker_prompt_tokens", "Prompt tokens admitted")
 CACHED_TOKENS = Counter("switchyard_worker_cached_tokens", "Prompt tokens served by the prefix cache")
 GENERATED_TOKENS = Counter("switchyard_worker_generated_tokens", "Tokens sampled")
+FAIR_SERVICE = Counter("switchyard_worker_fair_service_tokens",
+                       "Fair-share service (w_p x computed prefill + w_d x decode tokens) per fairness key", ["fkey"])
+FAIR_QUEUE = Histogram("switchyard_worker_fair_queue_seconds", "Admission to first scheduled step, per fairness key",
+                       ["fkey"], buckets=LATENCY_BUCKETS)
+FAIR_KEYS = Gauge("switchyard_worker_fair_keys", "Fairness keys the scheduler tracks")
+
+FAIR_LABELS = 16  # distinct fkey label values per process; later keys share "other"
+OTHER = "other"
+
+
+class FairLabels:
+    """Bounded label values for fairness keys: the first FAIR_LABELS keys get their hex prefix, then "other"."""
+
+    def __init__(self, limit: int = FAIR_LABELS) -> None:
+        self.limit = limit
+        self._labels: dict[bytes, str] = {}
+
+    def __call__(self, fkey: bytes) -> str:
+        label = self._labels.get(fkey)
+        if label is None:
+            if len(self._labels) >= self.limit:
+                return OTHER
+            label = self._labels[fkey] = fkey[:4].hex() or OTHER
+        return label
+
+
+@dataclass(slots=True)
+class _Pending:
+    admitted_at: float
+    prefill_at: float  # 0.0 until the first scheduled step
+    label: str  # fkey label
 
 
 class WorkerMetrics:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.block_size = engine.config.block_size
-        # requests without a first token yet: rid -> [admitted at, prefill started at or 0.0]
-        self._pending: dict[str, list[float]] = {}
+        self._pending: dict[str, _Pending] = {}  # requests without a first token yet
         self._unscheduled = 0  # entries of _pending whose prefill has not started
         self._prompt = self._cached = self._generated = self._preempted = 0
+        self.fair_labels = FairLabels()
+        self._fair_seen: dict[str, float] = {}  # per label: service total already counted
 
-    def admitted(self, rid: str) -> None:
-        self._pending[rid] = [time.monotonic(), 0.0]
+    def admitted(self, rid: str, fkey: bytes = b"") -> None:
+        self._pending[rid] = _Pending(time.monotonic(), 0.0, self.fair_labels(fkey))
         self._unscheduled += 1
 
     def stepped(self, outputs: Sequence[StepOutput], started: float) -> None:
@@ -61,27 +95,30 @@ class WorkerMetrics:
             self._mark_scheduled(started)
 
     def _first_token(self, out: StepOutput, started: float, ended: float) -> None:
-        admitted_at, prefill_at = self._pending.pop(out.rid)
+        p = self._pending.pop(out.rid)
+        prefill_at = p.prefill_at
         if prefill_at == 0.0:
             self._unscheduled -= 1
             prefill_at = started
         if out.finish_reason == "abort":
             return
-        QUEUE.observe(max(0.0, prefill_at - admitted_at))
+        queued = max(0.0, prefill_at - p.admitted_at)
+        QUEUE.observe(queued)
+        FAIR_QUEUE.labels(p.label).observe(queued)
         PREFILL.observe(ended - prefill_at)
 
     def _mark_scheduled(self, started: float) -> None:
         # Only while some request has not been scheduled yet: O(waiting), not per token.
         waiting = {seq.rid for seq in self.engine.scheduler.waiting}
-        for rid, times in self._pending.items():
-            if times[1] == 0.0 and rid not in waiting:
-                times[1] = started
+        for rid, p in self._pending.items():
+            if p.prefill_at == 0.0 and rid not in waiting:
+                p.prefill_at = started
                 self._unscheduled -= 1
 
     def _forget_gone(self) -> None:
         """Drop requests that left the engine without an output we saw (rare: never per step)."""
         for rid in [r for r in self._pending if not self.engine.is_running(r)]:
-            if self._pending.pop(rid)[1] == 0.0:
+            if self._pending.pop(rid).prefill_at == 0.0:
                 self._unscheduled -= 1
 
     def refresh(self) -> None:
@@ -101,6 +138,22 @@ class WorkerMetrics:
         self._cached = _advance(CACHED_TOKENS, self._cached, s.cached_tokens)
         self._generated = _advance(GENERATED_TOKENS, self._generated, s.generated_tokens)
         self._preempted = _advance(PREEMPTIONS, self._preempted, s.preemptions)
+        self._refresh_fair()
+
+    def _refresh_fair(self) -> None:
+        """Per label, advance the service counter by the growth of its keys' total (forgotten keys: no advance)."""
+        fair = self.engine.scheduler.fair
+        FAIR_KEYS.set(len(fair))
+        totals: dict[str, float] = {}
+        for key, service in fair.services():
+            label = self.fair_labels(key)
+            totals[label] = totals.get(label, 0.0) + service
+        seen = self._fair_seen
+        for label, total in totals.items():
+            grown = total - seen.get(label, 0.0)
+            if grown > 0:
+                FAIR_SERVICE.labels(label).inc(grown)
+            seen[label] = total
 
 
 def _advance(counter: Counter, seen: int, total: int) -> int:

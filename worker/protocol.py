@@ -29,9 +29,13 @@ STATS = "stats"
 MAX_RID_LEN = 256
 MAX_NS_LEN = 1024
 MAX_GATEWAY_ID_LEN = 256
+MAX_FKEY_LEN = 64  # `gen.fkey`: opaque fairness key
+MAX_WEIGHT = 1000.0  # `gen.weight`: fair-share weight in (0, MAX_WEIGHT]
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 REGISTRY_KEY_PREFIX = "sy:worker:"
+REGISTRY_SET_KEY = "sy:workers"  # sorted set: member = worker id, score = registration expiry (Redis ms)
+MAX_FINISH_LEN = 64
 
 
 class ProtocolError(ValueError):
@@ -57,6 +61,8 @@ class GenRequest:
     sampling: dict[str, Any]  # the worker builds SamplingParams.from_dict() from it
     priority: Priority
     deadline: float  # unix seconds; 0.0 = no deadline
+    fkey: bytes = b""  # fairness key (opaque); empty: the worker uses `ns`
+    weight: float = 1.0  # fair-share weight
 
 
 @dataclass(slots=True)
@@ -74,6 +80,8 @@ class OutItem:
     cached_tokens: int
     logprobs: list[float] | None
     sent_at: float = 0.0  # the frame's `ts`, copied into each item on decode (hop-latency metrics)
+    top_ids: list[list[int]] | None = None  # per token, the k most likely ids (`top_logprobs`)
+    top_logprobs: list[list[float]] | None = None
 
 
 @dataclass(slots=True)
@@ -164,10 +172,32 @@ def encode_hello(gateway_id: str) -> bytes:
 
 
 def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: SamplingParams, priority: Priority = Priority.INTERACTIVE,
-               deadline: float = 0.0) -> bytes:
+               deadline: float = 0.0, fkey: bytes = b"", weight: float = 1.0) -> bytes:
     token_bytes = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     return _pack({"t": GEN, "rid": rid, "ns": bytes(ns), "tokens": token_bytes, "sampling": sampling.to_dict(),
-                  "priority": int(priority), "deadline": float(deadline)})
+                  "priority": int(priority), "deadline": float(deadline), "fkey": bytes(fkey),
+                  "weight": float(weight)})
+
+
+def _pack_top(item: OutItem) -> list:
+    """The optional 6th out-row element: [k, packed ids, packed logprobs], row-major per token."""
+    if item.top_ids is None or item.top_logprobs is None:
+        return []
+    k = len(item.top_ids[0]) if item.top_ids else 0
+    flat_ids = [t for row in item.top_ids for t in row]
+    flat_lps = [v for row in item.top_logprobs for v in row]
+    return [[k, pack_tokens(flat_ids), pack_logprobs(flat_lps)]]
+
+
+def _unpack_top(top: Any, n_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    if not isinstance(top, list) or len(top) != 3 or not isinstance(top[0], int):
+        raise ProtocolError("out item top logprobs are not [k, ids, logprobs]")
+    k, ids_raw, lps_raw = top
+    ids = np.frombuffer(ids_raw, dtype=TOKEN_DTYPE)
+    lps = np.frombuffer(lps_raw, dtype=LOGPROB_DTYPE)
+    if k < 0 or len(ids) != k * n_tokens or len(lps) != len(ids):
+        raise ProtocolError("out item top logprobs have the wrong size")
+    return ids.reshape(n_tokens, k).tolist(), lps.reshape(n_tokens, k).tolist()
 
 
 def encode_abort(rid: str) -> bytes:
@@ -176,7 +206,7 @@ def encode_abort(rid: str) -> bytes:
 
 def encode_out(items: list[OutItem], sent_at: float = 0.0) -> bytes:
     rows = [[i.rid, pack_tokens(i.tokens), i.finish_reason, i.cached_tokens,
-             None if i.logprobs is None else pack_logprobs(i.logprobs)] for i in items]
+             None if i.logprobs is None else pack_logprobs(i.logprobs), *_pack_top(i)] for i in items]
     return _pack({"t": OUT, "items": rows, "ts": sent_at})
 
 
@@ -251,8 +281,14 @@ def _decode_gen(obj: dict[str, Any], max_tokens: int) -> GenRequest:
     deadline = float(_field(obj, "deadline", (int, float), rid))
     if not math.isfinite(deadline) or deadline < 0:
         raise ProtocolError("deadline must be a finite non-negative unix time", rid=rid, param="deadline")
+    fkey = _field(obj, "fkey", bytes, rid) if "fkey" in obj else b""
+    if len(fkey) > MAX_FKEY_LEN:
+        raise ProtocolError(f"fkey longer than {MAX_FKEY_LEN} bytes", rid=rid, param="fkey")
+    weight = float(_field(obj, "weight", (int, float), rid)) if "weight" in obj else 1.0
+    if not 0 < weight <= MAX_WEIGHT:  # also refuses nan
+        raise ProtocolError(f"weight must be a finite number in (0, {MAX_WEIGHT:g}]", rid=rid, param="weight")
     return GenRequest(rid=rid, ns=ns, tokens=tokens, sampling=sampling, priority=Priority(priority),
-                      deadline=deadline)
+                      deadline=deadline, fkey=fkey, weight=weight)
 
 
 def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | Abort:
@@ -277,21 +313,49 @@ def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | A
     raise ProtocolError(f"unknown frame type {kind!r}"[:80], rid=_usable_rid(obj), param="t")
 
 
+def _out_item(row: list[Any], sent_at: float) -> OutItem:
+    """One out row's first five elements, type-checked; ProtocolError names the row's rid when it has one."""
+    rid, toks, finish, cached, lps = row[:5]
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_LEN:
+        raise ProtocolError("out item without a usable rid")
+    if not isinstance(toks, bytes) or len(toks) % 4:
+        raise ProtocolError("out item tokens are not packed int32", rid=rid)
+    if finish is not None and (not isinstance(finish, str) or len(finish) > MAX_FINISH_LEN):
+        raise ProtocolError("out item finish reason is not a short string", rid=rid)
+    if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+        raise ProtocolError("out item cached_tokens is not a non-negative int", rid=rid)
+    if lps is not None and (not isinstance(lps, bytes) or len(lps) != len(toks)):
+        raise ProtocolError("out item logprobs are not one packed float32 per token", rid=rid)
+    return OutItem(rid=rid, tokens=np.frombuffer(toks, dtype=TOKEN_DTYPE).tolist(), finish_reason=finish,
+                   cached_tokens=cached, sent_at=sent_at,
+                   logprobs=None if lps is None else np.frombuffer(lps, dtype=LOGPROB_DTYPE).tolist())
+
+
+def rids_in_frame(data: bytes) -> list[str]:
+    """The request ids a worker frame names (an `err`'s rid, an `out`'s row rids), read leniently from a
+    frame that failed to decode, so the receiver can end exactly the requests whose output it lost."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:
+        return []
+    if not isinstance(obj, dict):
+        return []
+    rows = obj.get("items") if obj.get("t") == OUT else [[obj.get("rid")]]
+    if not isinstance(rows, list):
+        return []
+    found = [row[0] for row in rows if isinstance(row, list) and row and isinstance(row[0], str)]
+    return [rid for rid in dict.fromkeys(found) if 0 < len(rid) <= MAX_RID_LEN]
+
+
 def _decode_out_items(obj: dict[str, Any], sent_at: float) -> list[OutItem]:
     rows = _field(obj, "items", list, None)
     items: list[OutItem] = []
     for row in rows:
-        if not isinstance(row, list) or len(row) != 5:
-            raise ProtocolError("out item is not a 5-element list")
-        rid, toks, finish, cached, lps = row
-        items.append(OutItem(
-            rid=rid,
-            tokens=np.frombuffer(toks, dtype=TOKEN_DTYPE).tolist(),
-            finish_reason=finish,
-            cached_tokens=cached,
-            logprobs=None if lps is None else np.frombuffer(lps, dtype=LOGPROB_DTYPE).tolist(),
-            sent_at=sent_at,
-        ))
+        if not isinstance(row, list) or len(row) not in (5, 6):
+            raise ProtocolError("out item is not a 5- or 6-element list")
+        items.append(_out_item(row, sent_at))
+        if len(row) == 6:
+            items[-1].top_ids, items[-1].top_logprobs = _unpack_top(row[5], len(items[-1].tokens))
     return items
 
 

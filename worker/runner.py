@@ -13,6 +13,7 @@ from worker.attention import BatchLayout, make_backend
 from worker.config import EngineConfig
 from worker.kv_cache import KVCache
 from worker.loader import LoadedModel
+from worker.logit_adjust import build_adjust
 from worker.model import StepContext
 from worker.sampler import SamplingBatch, sample
 from worker.scheduler import ScheduledBatch
@@ -24,6 +25,8 @@ class StepResult:
     sampled: list[Sequence]  # sequences that got a new token, in order
     tokens: list[int]
     logprobs: list[float] | None
+    top_ids: list[list[int]] | None = None  # per sampled row, the k most likely token ids
+    top_logprobs: list[list[float]] | None = None
 
 
 class ModelRunner:
@@ -43,9 +46,11 @@ class ModelRunner:
             logits = self.logits(input_ids, ctx)
             if not sampled:
                 return StepResult([], [], None)
-            tokens, logprobs = sample(logits, self._sampling_batch(sampled, self.device))
-        lp = logprobs.tolist() if logprobs is not None else None
-        return StepResult(sampled, tokens.tolist(), lp)
+            out = sample(logits, self._sampling_batch(sampled, self.device, logits.shape[-1]))
+        lp = out.logprobs.tolist() if out.logprobs is not None else None
+        if out.top_ids is None:
+            return StepResult(sampled, out.tokens.tolist(), lp)
+        return StepResult(sampled, out.tokens.tolist(), lp, out.top_ids.tolist(), out.top_logprobs.tolist())
 
     def logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
         """fp32 logits of the rows that sample, None when none does."""
@@ -95,17 +100,21 @@ class ModelRunner:
         return input_ids, StepContext(pos_t, rows_t, self.attn, meta, self.kv), sampled
 
     @staticmethod
-    def _sampling_batch(seqs: list[Sequence], dev: torch.device) -> SamplingBatch:
+    def _sampling_batch(seqs: list[Sequence], dev: torch.device, vocab: int) -> SamplingBatch:
         params = [s.sampling for s in seqs]
         all_greedy = all(p.greedy for p in params)
         want_lp = any(p.logprobs for p in params)
+        top = min(max(p.top_logprobs for p in params), vocab)
+        adjust = build_adjust(seqs, vocab, dev)
         if all_greedy:
             empty = torch.empty(0)
-            return SamplingBatch(empty, empty, empty, empty, empty, True, False, False, want_lp)
+            return SamplingBatch(empty, empty, empty, empty, empty, True, False, False, want_lp, top, adjust)
         temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        seed = torch.tensor([s.seed for s in seqs], dtype=torch.int64)
+        seed = torch.tensor([s.seed & 0xFFFFFFFF for s in seqs], dtype=torch.int64)
+        hi = [s.seed >> 32 for s in seqs]
+        seed_hi = torch.tensor(hi, dtype=torch.int64, device=dev) if any(hi) else None
         step = torch.tensor([s.num_output for s in seqs], dtype=torch.int64)
         return SamplingBatch(temp.to(dev), top_k.to(dev), top_p.to(dev), seed.to(dev), step.to(dev), False,
-                             bool((top_k > 0).any()), bool((top_p < 1).any()), want_lp)
+                             bool((top_k > 0).any()), bool((top_p < 1).any()), want_lp, top, adjust, seed_hi)

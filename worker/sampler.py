@@ -1,4 +1,4 @@
-"""Vectorized token sampling for a batch of logit rows (greedy, temperature, top-k, top-p).
+"""Vectorized token sampling for a batch of logit rows (greedy, temperature, top-k, top-p, logprobs).
 
 Randomness is a hash of (seed, step, token id): a seeded request samples the same whatever shares its batch.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from worker.logit_adjust import LogitAdjust
 
 _M32 = 0xFFFFFFFF
 
@@ -19,12 +21,23 @@ class SamplingBatch:
     temperature: torch.Tensor  # [n] float32, 0 => greedy
     top_k: torch.Tensor  # [n] int64, 0 => off
     top_p: torch.Tensor  # [n] float32
-    seed: torch.Tensor  # [n] int64 (32-bit values)
+    seed: torch.Tensor  # [n] int64: the seed's low 32 bits
     step: torch.Tensor  # [n] int64: index of the token being drawn within the request
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
     want_logprobs: bool
+    top_logprobs: int = 0  # the most any row asks for
+    adjust: LogitAdjust | None = None  # penalties, bias, bans; None when no row uses them
+    seed_hi: torch.Tensor | None = None  # [n] int64: the seed's high 32 bits (None: all zero)
+
+
+@dataclass(slots=True)
+class Sampled:
+    tokens: torch.Tensor  # [n] int64
+    logprobs: torch.Tensor | None  # [n]: the chosen tokens' logprobs under the model's distribution
+    top_ids: torch.Tensor | None = None  # [n, k]
+    top_logprobs: torch.Tensor | None = None  # [n, k]
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -36,13 +49,28 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[n, vocab] uniforms in (0, 1), a pure function of (seed, step, token id)."""
-    base = _fmix32((seed * 0x9E3779B1 + step * 0x85EBCA77 + 0x165667B1) & _M32)
-    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    h = _fmix32((base[:, None] ^ ((ids * 0x27D4EB2F) & _M32)[None, :]) & _M32)
-    h = _fmix32((h + base[:, None]) & _M32)
-    return (h.to(torch.float64) + 0.5).div_(4294967296.0).to(torch.float32)
+def _fmix32_(h: torch.Tensor) -> torch.Tensor:
+    """`_fmix32` in place: one temporary per shift instead of one per operation."""
+    h ^= h >> 16
+    h.mul_(0x85EBCA6B).bitwise_and_(_M32)
+    h ^= h >> 13
+    h.mul_(0xC2B2AE35).bitwise_and_(_M32)
+    h ^= h >> 16
+    return h
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int,
+                  seed_hi: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, vocab] uniforms in (0, 1) (24-bit resolution), a pure function of (seed, step, token id)."""
+    mixed = seed * 0x9E3779B1 + step * 0x85EBCA77 + 0x165667B1
+    if seed_hi is not None:
+        mixed = mixed + _fmix32(seed_hi) * 0x27D4EB2F  # fmix32(0) == 0: 32-bit seeds are unchanged
+    base = _fmix32(mixed & _M32)
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64).mul_(0x27D4EB2F).bitwise_and_(_M32)
+    h = _fmix32_(base[:, None] ^ ids[None, :])
+    h += base[:, None]
+    h = _fmix32_(h.bitwise_and_(_M32))
+    return (h >> 8).to(torch.float32).add_(0.5).mul_(2.0**-24)
 
 
 def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -60,22 +88,27 @@ def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return logits.masked_fill(drop, float("-inf"))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draw one token per row. logits: [n, vocab] float32. Returns (tokens [n] int64, logprobs [n] or None)."""
-    greedy_tokens = torch.argmax(logits, dim=-1)
-    if batch.all_greedy:
-        tokens = greedy_tokens
-    else:
-        temp = batch.temperature.clamp(min=1e-5)[:, None]
-        scaled = logits / temp
-        if batch.any_top_k or batch.any_top_p:
-            scaled = restrict_logits(scaled, batch.top_k, batch.top_p)
-        probs = torch.softmax(scaled, dim=-1)
-        noise = uniform_noise(batch.seed, batch.step, logits.shape[-1])
-        # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i
-        drawn = torch.argmax(probs / (-torch.log(noise)), dim=-1)
-        tokens = torch.where(batch.temperature > 0, drawn, greedy_tokens)
-    logprobs = None
-    if batch.want_logprobs:
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, logprobs
+def _draw(logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tensor) -> torch.Tensor:
+    scaled = logits / batch.temperature.clamp(min=1e-5)[:, None]
+    if batch.any_top_k or batch.any_top_p:
+        scaled = restrict_logits(scaled, batch.top_k, batch.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    del scaled
+    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i
+    race = uniform_noise(batch.seed, batch.step, logits.shape[-1], batch.seed_hi).log_().neg_()
+    drawn = torch.argmax(probs.div_(race), dim=-1)
+    return torch.where(batch.temperature > 0, drawn, greedy_tokens)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
+    """Draw one token per row. logits: [n, vocab] float32, the model's (logprobs are computed from them)."""
+    adjusted = logits if batch.adjust is None else batch.adjust.apply(logits)
+    greedy_tokens = torch.argmax(adjusted, dim=-1)
+    tokens = greedy_tokens if batch.all_greedy else _draw(adjusted, batch, greedy_tokens)
+    out = Sampled(tokens, None)
+    if batch.want_logprobs or batch.top_logprobs:
+        lsm = torch.log_softmax(logits, dim=-1)
+        out.logprobs = lsm.gather(-1, tokens[:, None]).squeeze(-1)
+        if batch.top_logprobs:
+            out.top_logprobs, out.top_ids = torch.topk(lsm, batch.top_logprobs, dim=-1)
+    return out

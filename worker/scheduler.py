@@ -2,6 +2,7 @@
 
 Decodes first, then prefill chunks within a token budget; pages come from eviction, then preemption.
 With the radix cache, admission reuses a cached prefix and finished or preempted sequences feed it.
+Within a priority class, VTC fair share (`worker.fairness`) chooses whose request is admitted and whose is preempted.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from worker.config import EngineConfig
+from worker.fairness import FairShare
 from worker.page_pool import PagePool
 from worker.radix_cache import RadixCache
 from worker.sequence import SeqStatus, Sequence
@@ -43,6 +45,7 @@ class Scheduler:
         self.bs = config.block_size
         self.waiting: list[Sequence] = []  # sorted by order_key
         self.running: list[Sequence] = []  # sorted by order_key
+        self.fair = FairShare(config.fairness)
         self.preemptions = 0
         # first admissions only (resumes after preemption excluded): prompt tokens, of which served by the cache
         self.admitted_prompt_tokens = 0
@@ -51,6 +54,11 @@ class Scheduler:
         self.watermark = max(1, pool.num_pages // 100)
 
     def add(self, seq: Sequence) -> None:
+        """A new request: its key becomes active (a requeue after preemption uses `_enqueue`)."""
+        self.fair.on_active(seq.fkey, seq.weight)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.order_key)
 
@@ -60,11 +68,14 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
+        if seq.status != SeqStatus.FINISHED:
+            self.fair.on_idle(seq.fkey)
         self._release_pages(seq, keep=False)
         seq.status = SeqStatus.FINISHED
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.fair.on_idle(seq.fkey)
         self._release_pages(seq, keep=True)
         seq.status = SeqStatus.FINISHED
 
@@ -76,6 +87,11 @@ class Scheduler:
         budget = self._schedule_decodes(out, self.config.max_num_batched_tokens)
         budget = self._schedule_running_prefills(out, budget)
         self._admit(out, budget)
+        charge = self.fair.charge
+        for seq in out.decodes:
+            charge(seq.fkey, decode=1)
+        for seq, n in out.prefills:
+            charge(seq.fkey, prefill_computed=n)  # chunks never cover cached prefix tokens
         return out
 
     def _schedule_decodes(self, out: ScheduledBatch, budget: int) -> int:
@@ -85,24 +101,37 @@ class Scheduler:
             if not seq.in_decode:
                 i += 1
                 continue
-            if not self._ensure_decode_page(seq, out):
-                break  # seq itself was the victim: everything after it was preempted too
+            if not self._ensure_decode_page(seq, i, out):
+                continue  # seq itself was the victim: the next sequence moved into slot i
             out.decodes.append(seq)
             budget -= 1
             i += 1
         return budget
 
-    def _ensure_decode_page(self, seq: Sequence, out: ScheduledBatch) -> bool:
-        """Make room for the K/V of seq's last token, preempting from the tail if needed."""
+    def _ensure_decode_page(self, seq: Sequence, i: int, out: ScheduledBatch) -> bool:
+        """Make room for the K/V of seq (= running[i]), preempting from running[i:] if needed."""
         if seq.num_computed < len(seq.pages) * self.bs:
             return True
         while not self._free_a_page():
-            victim = self.running[-1]
+            victim = self._victim(i)
             self._preempt(victim, out)
             if victim is seq:
                 return False
         seq.pages.extend(self.pool.allocate(1))
         return True
+
+    def _victim(self, i: int) -> Sequence:
+        """Newest sequence, of the lowest priority class in running[i:], of the key most over its share.
+
+        Sequences before i are already in this step's decodes. FIFO (or one key): the newest, running[-1].
+        """
+        running = self.running
+        last = running[-1]
+        if not self.fair.fair or self.fair.active_keys < 2:
+            return last
+        tail = [s for s in running[i:] if s.priority == last.priority]
+        key = self.fair.preemption_victim({s.fkey for s in tail})
+        return next(s for s in reversed(tail) if s.fkey == key)
 
     def _schedule_running_prefills(self, out: ScheduledBatch, budget: int) -> int:
         for seq in self.running:
@@ -116,13 +145,14 @@ class Scheduler:
 
     def _admit(self, out: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            idx = self._next_waiting() if self.cache_aware else 0
+            head = self._fair_head()
+            idx = self._next_waiting(head) if self.cache_aware else head
             seq = self.waiting[idx]
             if self._prefix_in_flight(seq) or not self._reserve(seq):
                 break  # the chosen request waits; others do not jump it
             self.waiting.pop(idx)
-            if idx:
-                self.waiting[0].skipped += 1
+            if idx != head:
+                self.waiting[head].skipped += 1
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.order_key)
             chunk = min(seq.remaining_prefill, budget)
@@ -164,21 +194,49 @@ class Scheduler:
             return True
         return self.cache is not None and self.cache.evict(1) > 0 and self.pool.num_free > 0
 
-    def _next_waiting(self) -> int:
-        """Cache-aware order: index of the head's same-priority request with the longest cached prefix.
+    def _fair_head(self) -> int:
+        """Index of the oldest waiting request of the head's priority class whose key has the lowest counter.
+
+        Arrival order (0) under FIFO or with one active key. O(waiting of that class).
+        """
+        fair, waiting = self.fair, self.waiting
+        if not fair.fair or fair.active_keys < 2:
+            return 0
+        prio = waiting[0].priority
+        counter = fair.counter
+        best, best_c = 0, counter(waiting[0].fkey)
+        seen = {waiting[0].fkey}
+        for i in range(1, len(waiting)):
+            seq = waiting[i]
+            if seq.priority != prio:
+                break
+            if seq.fkey in seen:
+                continue
+            seen.add(seq.fkey)
+            c = counter(seq.fkey)
+            if c < best_c:
+                best, best_c = i, c
+        return best
+
+    def _next_waiting(self, start: int = 0) -> int:
+        """Cache-aware order: index of the request of waiting[start]'s priority (and key, under VTC with
+        several keys) with the longest cached prefix.
 
         Ties keep arrival order. Plain arrival order when the queue is long (bounded cost per step)
         or when the head was overtaken too often (no starvation of requests without a shared prefix).
         """
         waiting = self.waiting
-        head = waiting[0]
+        head = waiting[start]
         if len(waiting) > CACHE_AWARE_MAX_QUEUE or head.skipped >= CACHE_AWARE_MAX_SKIPS:
-            return 0
-        best, best_len = 0, self._cached_len(head)
-        for i in range(1, len(waiting)):
+            return start
+        best, best_len = start, self._cached_len(head)
+        by_key = self.fair.fair and self.fair.active_keys > 1
+        for i in range(start + 1, len(waiting)):
             seq = waiting[i]
             if seq.priority != head.priority:
                 break
+            if by_key and seq.fkey != head.fkey:
+                continue
             n = self._cached_len(seq)
             if n > best_len:
                 best, best_len = i, n
@@ -236,7 +294,7 @@ class Scheduler:
         seq.num_computed = 0
         self.preemptions += 1
         out.preempted.append(seq)
-        self.add(seq)
+        self._enqueue(seq)
 
     # ---- radix prefix cache call sites ----
 

@@ -31,6 +31,8 @@ class Sequence:
     namespace: bytes
     seed: int  # 32-bit; drawn at random when the request gave none
     stop_ids: frozenset[int]
+    fkey: bytes = b""  # fairness key (opaque tenant digest); the scheduler's fair share is per key
+    weight: float = 1.0  # the key's relative share
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V are cached; 0 again after a preemption
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission

@@ -193,8 +193,8 @@ class WorkerServer:
         entry = self.table.add(ident, req.rid, req.deadline, time.monotonic())
         try:  # the engine validates sampling against the vocabulary, token ids and the context length
             self.engine.add_request(entry.engine_rid, req.tokens.tolist(), sampling, priority=req.priority,
-                                    namespace=req.ns)
-            self.metrics.admitted(entry.engine_rid)
+                                    namespace=req.ns, fkey=req.fkey, weight=req.weight)
+            self.metrics.admitted(entry.engine_rid, req.fkey or req.ns)
         except RequestError as exc:
             self.table.remove(entry.engine_rid)
             self._send(ident, proto.encode_err(req.rid, exc.code, exc.message, exc.retryable))
@@ -228,7 +228,8 @@ class WorkerServer:
                 table.remove(out.rid)
             elif not out.new_tokens:
                 continue
-            item = OutItem(entry.rid, out.new_tokens, out.finish_reason, out.cached_tokens, out.logprobs)
+            item = OutItem(entry.rid, out.new_tokens, out.finish_reason, out.cached_tokens, out.logprobs,
+                           top_ids=out.top_ids, top_logprobs=out.top_logprobs)
             per_gateway.setdefault(entry.ident, []).append(item)
         sent_at = time.time()
         for ident, items in per_gateway.items():

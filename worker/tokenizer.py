@@ -12,6 +12,7 @@ from pathlib import Path
 
 import tokenizers
 
+from worker.chat_template import ChatIds, SegmentEncoder, segments
 from worker.model_source import ModelSource, file_digest, gguf_metadata, hf_config, resolve
 
 _CACHE_FORMAT = 1
@@ -39,6 +40,7 @@ class Tokenizer:
             hf.to_str().encode() + json.dumps(meta, sort_keys=True).encode()
         ).hexdigest()
         self._template = None
+        self._segment_encoder: SegmentEncoder | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
@@ -66,9 +68,15 @@ class Tokenizer:
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
         )
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> ChatIds:
+        """The template writes the special tokens; message content never yields special-token ids."""
+        runs = segments(lambda ms: self.render_chat(ms, add_generation_prompt), messages)
+        if self._segment_encoder is None:
+            self._segment_encoder = SegmentEncoder(self.hf)
+        return self._segment_encoder.encode(runs)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        # The template writes the special tokens itself (as HF does with tokenize=True).
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode_chat(messages, add_generation_prompt).ids
 
 
 def load_tokenizer(spec: str | Path | ModelSource = "default") -> Tokenizer:

@@ -1,0 +1,139 @@
+"""Weight-only quantization benchmark: decode step time per mode against its bandwidth floor, and quality.
+
+Quality is perplexity and top-1 agreement with the unquantized model on `tests/data/quant_eval.txt`,
+scored through the engine's own paged prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from worker import quant
+from worker.config import EngineConfig
+from worker.debug import DebugEngine
+from worker.engine import Engine
+from worker.loader import LoadedModel, load_model
+from worker.protocol import SamplingParams
+
+EVAL_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quant_eval.txt"
+
+
+@dataclass(slots=True)
+class Score:
+    nll: torch.Tensor  # [n-1] negative log-likelihood of each next token
+    top1: torch.Tensor  # [n-1] argmax prediction at each position
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll.mean().item())
+
+
+def eval_ids(loaded: LoadedModel) -> list[int]:
+    return loaded.tokenizer.encode(EVAL_TEXT.read_text())
+
+
+def score(loaded: LoadedModel, ids: list[int], chunk: int) -> Score:
+    """Next-token NLL and argmax of every position, prefilled `chunk` tokens per engine step."""
+    cfg = EngineConfig(kv_cache_bytes=256 << 20, max_num_batched_tokens=chunk, enable_prefix_cache=False)
+    engine = DebugEngine(loaded, cfg)
+    engine.add_request("ppl", ids, SamplingParams(max_tokens=1, ignore_eos=True))
+    target = torch.tensor(ids[1:] + [0])
+    nll, top1 = torch.zeros(len(ids)), torch.zeros(len(ids), dtype=torch.int64)
+    while engine.has_work():
+        capture: list = []
+        engine.step(capture=capture)
+        for _, pos, lg in capture:
+            n = lg.shape[0]
+            logp = F.log_softmax(lg.float(), dim=-1)
+            nll[pos:pos + n] = -logp.gather(1, target[pos:pos + n, None])[:, 0]
+            top1[pos:pos + n] = lg.argmax(-1)
+    return Score(nll[:-1], top1[:-1])
+
+
+def quantized(base: LoadedModel, mode: str) -> LoadedModel:
+    """A copy of `base` (loaded unquantized) with `mode` applied."""
+    if mode == "none":
+        return base
+    model = copy.deepcopy(base.model)
+    quant.quantize_model(model, mode)
+    out = copy.copy(base)
+    out.model, out.quantization = model, mode
+    return out
+
+
+def decode_step_ms(loaded: LoadedModel, batch: int, steps: int) -> float:
+    """Median engine step time with `batch` sequences decoding (short prompts, greedy)."""
+    engine = Engine(loaded, EngineConfig(kv_cache_bytes=128 << 20, max_num_batched_tokens=256))
+    for i in range(batch):
+        engine.add_request(f"r{i}", [1 + i, 2, 3, 4], SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+    while any(engine.is_running(f"r{i}") and engine._seqs[f"r{i}"].num_output == 0 for i in range(batch)):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for i in range(batch):
+        engine.abort(f"r{i}")
+    engine.step()
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def matvec_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Memory bandwidth of a bf16 matrix-vector product over `nbytes` of weights (the floor's yardstick)."""
+    w = torch.randn(nbytes // 2 // 4096, 4096).to(torch.bfloat16)
+    x = torch.randn(1, 4096, dtype=torch.bfloat16)
+    F.linear(x, w)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        F.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return w.numel() * 2 / best / 1e9
+
+
+def run(modes: list[str], steps: int, chunk: int) -> dict:
+    torch.manual_seed(0)
+    base = load_model("default", quantization="none")
+    ids = eval_ids(base)
+    ref = score(base, ids, 256)
+    gbps = matvec_gbps()
+    out: dict = {"model": base.model_id, "dtype": str(base.dtype).replace("torch.", ""), "eval_tokens": len(ids),
+                 "threads": torch.get_num_threads(), "matvec_gbps": round(gbps, 2), "modes": {}}
+    for mode in modes:
+        lm = quantized(base, mode)
+        sc = ref if mode == "none" else score(lm, ids, chunk)
+        wb = quant.weight_bytes(lm.model)
+        row = {"weight_bytes": wb, "floor_ms": round(wb / gbps / 1e6, 2), "perplexity": round(sc.perplexity, 4),
+               "ppl_ratio": round(sc.perplexity / ref.perplexity, 4),
+               "top1_agreement": round((sc.top1 == ref.top1).float().mean().item(), 4)}
+        for b in (1, 16):
+            row[f"step_ms_b{b}"] = round(decode_step_ms(lm, b, steps), 2)
+        row["b1_over_floor"] = round(row["step_ms_b1"] / row["floor_ms"], 2)
+        out["modes"][mode] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--modes", default="none,int8,int4")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--chunk", type=int, default=16, help="prefill tokens per step when scoring quantized modes")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    args = p.parse_args(argv)
+    res = run(args.modes.split(","), args.steps, args.chunk)
+    print(json.dumps(res) if args.json else json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
