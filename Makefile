@@ -40,7 +40,7 @@ test-faults: install tools
 	$(PY) -m pytest -q tests/faults
 
 run: install redis-bin
-	$(PY) -m config.launcher
+	SWITCHYARD_WORKER__QUANTIZATION=$${SWITCHYARD_WORKER__QUANTIZATION:-auto} $(PY) -m config.launcher
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 import socket
 import sys
 
 from config.settings import Settings, flags_to_overrides, load_settings
+
+log = logging.getLogger(__name__)
 
 TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
 
@@ -28,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", dest="body_timeout", type=float,
                         help="seconds for a request's headers, then for its whole body, to arrive "
                         "(late headers: connection closed; late body: 408; default 10)")
+    parser.add_argument("--stream-write-timeout", dest="stream_write_timeout", type=float,
+                        help="seconds a streaming client may take no data before it is cut and its request "
+                             "ends (default 30)")
     parser.add_argument("--worker-timeout", dest="worker_timeout", type=float,
                         help="seconds without worker stats before it counts as lost (default 1)")
     parser.add_argument("--route-epsilon", dest="route_epsilon", type=float,
@@ -52,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
     names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "worker_timeout", "log_level",
-             "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
+             "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
              "route_prefix_tokens")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:
@@ -82,7 +88,11 @@ def build_app(settings: Settings):
 
     async def make_service() -> GatewayService:
         model = ServedModel.load(gw.model)
-        clients = functools.partial(WorkerClient, inter_token_timeout=gw.inter_token_timeout)
+        clients = functools.partial(WorkerClient, inter_token_timeout=gw.inter_token_timeout,
+                                    cluster_key=settings.cluster_key())
+        if settings.cluster_key() is None:
+            log.warning("no cluster key (SWITCHYARD_CLUSTER_SECRET_KEY): worker links are unauthenticated, "
+                        "which workers allow on loopback addresses only")
         membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers,
                                 redis_url=None if gw.workers else settings.redis_url,
                                 dead_after=gw.worker_timeout, client_factory=clients)
@@ -120,8 +130,25 @@ def build_app(settings: Settings):
         await redis.aclose()
 
     return create_app(make_service, AppConfig(max_body_bytes=gw.max_body_bytes, body_timeout_s=gw.body_timeout,
+                                               stream_write_timeout_s=gw.stream_write_timeout,
                                                ready_check=redis_ok),
                       on_close=close)
+
+
+DEV_STACK_ENV = "SWITCHYARD_DEV_STACK"  # set by `make run` (config.launcher): the default secret is fine there
+
+
+def warn_default_secret(secret: str) -> None:
+    """Loudly warn when the prefix-hash secret is the public default outside `make run`."""
+    from config.settings import GatewaySettings
+
+    if secret == GatewaySettings.model_fields["hash_secret"].default and not os.environ.get(DEV_STACK_ENV):
+        import logging
+
+        logging.getLogger("switchyard.gateway").warning(
+            "SECURITY: gateway.hash_secret is the public default %r: anyone can compute this deployment's "
+            "prefix-cache routing keys. Set SWITCHYARD_GATEWAY__HASH_SECRET (or hash_secret in the config "
+            "file) to a random per-deployment value.", secret)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_format, [RequestIdFilter()])
     gw = settings.gateway
+    warn_default_secret(gw.hash_secret)
     # SIGTERM: lame-duck for drain_timeout (gateway.drain), then a short window before stragglers are cancelled
     return serve(app, app.state.drain, gw.drain_timeout, host=gw.host, port=gw.port, loop="uvloop",
                  http=header_deadline_protocol(gw.body_timeout), log_level=settings.log_level.lower(),

@@ -6,6 +6,7 @@ Torch and the model load only when the command runs.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from config.settings import Settings, WorkerSettings, flags_to_overrides, load_settings
@@ -63,6 +64,13 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
     ws = settings.worker
+    from worker.link_auth import InsecureBind, LinkAuth
+
+    try:  # before the model loads: an open port without a cluster key is refused at once
+        LinkAuth.check(settings.cluster_key(), ws.bind)
+    except InsecureBind as exc:
+        print(f"switchyard worker: {exc}", file=sys.stderr)
+        return 2
     if ws.num_threads:
         import torch
 
@@ -73,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
     server_cfg = ServerConfig(bind=ws.bind, advertise=ws.advertise, worker_id=ws.worker_id,
                               redis_url=settings.redis_url, drain_timeout=ws.drain_timeout,
-                              gateway_timeout=ws.gateway_timeout, stats_interval=ws.stats_interval)
+                              gateway_timeout=ws.gateway_timeout, stats_interval=ws.stats_interval,
+                              cluster_key=settings.cluster_key())
     loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,
                       device=None if ws.device == "auto" else ws.device, quantization=ws.quantization)
     engine = Engine(loaded, engine_config(ws))

@@ -1,7 +1,7 @@
 """`make run`: a private Switchyard stack on this machine, stopped with Ctrl-C.
 
-Redis (unless given), one worker and one gateway, plus a demo tenant's key; `Stack` runs the same
-processes for the end-to-end tests.
+Redis (unless given), one worker and one gateway, plus a demo tenant's key; the worker link is secured
+by the configured cluster key or a fresh one per run. `Stack` runs the same processes for the end-to-end tests.
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEMO_TENANT = "demo"
+CLUSTER_KEY_ENV = "SWITCHYARD_CLUSTER_SECRET_KEY"
+
+
+def cluster_key_for_run() -> str:
+    """The configured cluster key, or a fresh CURVE secret key for this run only."""
+    import zmq
+
+    return os.environ.get(CLUSTER_KEY_ENV) or zmq.curve_keypair()[1].decode()
 
 
 def free_port() -> int:
@@ -49,6 +57,7 @@ class StackConfig:
     gateway_args: list[str] = field(default_factory=list)
     ready_timeout: float = 180.0
     log_dir: Path | None = None  # None: children inherit this process's stdout/stderr
+    cluster_key: str | None = None  # z85 CURVE secret key given to worker and gateway; None: the environment's
 
 
 class Stack:
@@ -66,7 +75,9 @@ class Stack:
         if self.config.log_dir is not None:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.config.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWITCHYARD_DEV_STACK": "1"}
+        if self.config.cluster_key is not None:  # by environment, never on a command line
+            env[CLUSTER_KEY_ENV] = self.config.cluster_key
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
                                 start_new_session=True)
         if out is not None:
@@ -157,7 +168,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     stack = Stack(StackConfig(port=args.port, redis_url=os.environ.get("SWITCHYARD_REDIS_URL") or None,
-                              model=args.model, ready_timeout=args.ready_timeout, log_dir=args.log_dir))
+                              model=args.model, ready_timeout=args.ready_timeout, log_dir=args.log_dir,
+                              cluster_key=cluster_key_for_run()))
 
     def on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -55,6 +55,7 @@ class GatewaySettings(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger request bodies get 413
     body_timeout: float = Field(10.0, gt=0)  # seconds for a request's headers, then its body, to arrive
     request_timeout: float = Field(600.0, gt=0)  # whole-request deadline sent to the worker
+    stream_write_timeout: float = Field(30.0, gt=0)  # an SSE client that takes no chunk for this long is cut
     hash_secret: str = "switchyard-dev-secret"  # per-deployment key of prefix hashes; set it in production
     route_epsilon: float = Field(0.25, ge=0.0)  # bounded loads: a worker takes new keys below (1 + eps) x mean
     # a prefix no worker holds goes to a worker whose placed prefix tokens are below (1 + eps) x mean
@@ -72,13 +73,36 @@ class GatewaySettings(BaseModel):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", env_nested_delimiter="__", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", env_nested_delimiter="__", extra="forbid",
+                                      hide_input_in_errors=True)  # no secret in an error message
 
     redis_url: str | None = None
+    # z85 CURVE secret key shared by workers and gateways (env SWITCHYARD_CLUSTER_SECRET_KEY); never logged
+    cluster_secret_key: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+
+    @field_validator("cluster_secret_key", mode="before")
+    @classmethod
+    def _check_cluster_key(cls, value: Any) -> Any:
+        """An empty value means none; anything else must be a z85 CURVE secret key."""
+        raw = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if raw is None or raw == "":
+            return None
+        import zmq
+
+        try:
+            zmq.curve_public(str(raw).encode())
+        except (zmq.ZMQError, ValueError):
+            raise ValueError("cluster_secret_key must be a z85 CURVE secret key of 40 characters "
+                             "(python -c 'import zmq; print(zmq.curve_keypair()[1].decode())')") from None
+        return value
+
+    def cluster_key(self) -> str | None:
+        """The cluster secret key as text, or None (unauthenticated worker links, loopback only)."""
+        return None if self.cluster_secret_key is None else self.cluster_secret_key.get_secret_value()
 
 
 def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:

@@ -26,11 +26,12 @@ from gateway.http import ClientGone, RequestIdMiddleware, read_json, until_disco
 from gateway.openapi import openapi_endpoint
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion
 from gateway.service import Delta, GatewayService, Generation
-from gateway.sse import DONE, SSEResponse, event
+from gateway.sse import DONE, SSEResponse, event, install_log_filter
 
 log = logging.getLogger("switchyard.gateway")
 
 THREAD_TOKENIZE_BYTES = 16 * 1024
+BODY_NUMBER_SLACK = 64  # numbers a body may hold beside its prompt's token ids (max_tokens, seed, ...)
 # nginx's convention for "client closed the request"; never seen by the client
 CLIENT_CLOSED = 499
 
@@ -39,6 +40,7 @@ CLIENT_CLOSED = 499
 class AppConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     body_timeout_s: float = 10.0  # the whole body must arrive within this (408 otherwise)
+    stream_write_timeout_s: float = 30.0  # an SSE client that takes no chunk for this long is cut
     ready_check: Callable[[], Awaitable[bool]] | None = None  # e.g. a Redis ping
 
 
@@ -52,7 +54,9 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
     rid = request.scope["state"]["request_id"]
     tenant = await svc.authenticate(request.headers.get("authorization"))
     config = request.app.state.config
-    body, size = await read_json(request, config.max_body_bytes, config.body_timeout_s)
+    # a token-id prompt longer than the context is refused while the body is decoded
+    body, size = await read_json(request, config.max_body_bytes, config.body_timeout_s,
+                                 max_numbers=svc.model.max_context + BODY_NUMBER_SLACK)
     req = parse(body)
     if size < THREAD_TOKENIZE_BYTES:
         prepared = svc.prepare(tenant, req, rid)
@@ -66,7 +70,7 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
             first = await until_disconnect(request, gen.next())
             trace.first_token(gen.usage.completion_tokens)
             response: Response = SSEResponse(_sse_body(gen, first, trace), functools.partial(_close, gen, trace),
-                                             headers=gen.headers)
+                                             headers=gen.headers, write_timeout_s=config.stream_write_timeout_s)
             gen = None  # the response owns it now
             return response
         text, logprobs = await until_disconnect(request, gen.collect())
@@ -178,6 +182,7 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
     app.state.started = int(time.time())
     app.state.drain = DrainState()  # flipped by gateway.drain.LameDuckServer on SIGTERM
     install_handlers(app)
+    install_log_filter()
     # outermost last: request id, then status counting and access log, then the lame-duck gate
     app.add_middleware(DrainMiddleware, state=app.state.drain)
     app.add_middleware(metrics.ObserveMiddleware)

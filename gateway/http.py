@@ -1,7 +1,8 @@
 """HTTP plumbing shared by the routes: request ids, bounded body reading, disconnect watching.
 
 Bodies are checked while read (413, 408, 415, 400), so oversized, slow or malformed ones are refused,
-never buffered whole or crashed on.
+never buffered whole or crashed on. Large bodies are decoded off the event loop with a cap on the numbers
+they hold, so a huge token-id list is refused after `max_numbers` of them instead of parsed whole.
 """
 
 from __future__ import annotations
@@ -24,6 +25,33 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # A JSON escape of a UTF-16 surrogate; only then can a parsed string hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 BODY_TIMEOUT_S = 10.0
+THREAD_DECODE_BYTES = 64 * 1024  # bodies larger than this are decoded in a thread
+
+
+class _NumberCap:
+    """`parse_int`/`parse_float` hooks that count the numbers decoded and stop past `limit`.
+
+    Being Python calls, they also let the decoding thread give up the GIL, so other streams keep going."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.count = limit, 0
+
+    def _tick(self) -> None:
+        self.count += 1
+        if self.limit is not None and self.count > self.limit:
+            raise _TooManyNumbers()
+
+    def int(self, text: str) -> int:
+        self._tick()
+        return int(text)
+
+    def float(self, text: str) -> float:
+        self._tick()
+        return float(text)
+
+
+class _TooManyNumbers(Exception):
+    pass
 
 
 class ClientGone(Exception):
@@ -53,8 +81,10 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> tuple[Any, int]:
-    """The decoded JSON body and its size in bytes; 413 past `limit`, 408 past `timeout_s`, 415/400 when not JSON."""
+async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S,
+                    max_numbers: int | None = None) -> tuple[Any, int]:
+    """The decoded JSON body and its size in bytes; 413 past `limit`, 408 past `timeout_s`, 415/400 when not JSON,
+    400 (param `prompt`) when it holds more than `max_numbers` numbers."""
     _check_content_type(request.headers.get("content-type"))
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -68,7 +98,9 @@ async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOU
                     raise body_too_large(limit)
     except TimeoutError:
         raise request_timeout(timeout_s) from None
-    return _decode_json(buf), len(buf)
+    if len(buf) > THREAD_DECODE_BYTES:
+        return await asyncio.to_thread(_decode_json, buf, max_numbers), len(buf)
+    return _decode_json(buf, max_numbers), len(buf)
 
 
 def _check_content_type(value: str | None) -> None:
@@ -80,10 +112,14 @@ def _check_content_type(value: str | None) -> None:
         raise unsupported_media_type(value)
 
 
-def _decode_json(buf: bytearray) -> Any:
+def _decode_json(buf: bytearray, max_numbers: int | None = None) -> Any:
+    cap = _NumberCap(max_numbers)
     try:
         # Strict UTF-8 first: json.loads(bytes) would let encoded surrogates through ('surrogatepass').
-        body = json.loads(buf.decode("utf-8"))
+        body = json.loads(buf.decode("utf-8"), parse_int=cap.int, parse_float=cap.float)
+    except _TooManyNumbers:
+        raise invalid(f"The request holds more than {max_numbers} numbers: a prompt of token ids may hold at most "
+                      "the model's context length.", param="prompt", code="context_length_exceeded") from None
     except UnicodeDecodeError:
         raise invalid("The request body is not valid UTF-8.") from None
     except RecursionError:

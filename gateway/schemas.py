@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import invalid
-from worker.protocol import PRIORITY_NAMES, Priority
+from worker.protocol import (
+    PRIORITY_NAMES,
+    GrammarError,
+    GrammarSpec,
+    Priority,
+    json_object_spec,
+    json_schema_spec,
+)
 
 MAX_STOP = 4
 PRIORITIES = PRIORITY_NAMES
@@ -27,11 +34,11 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parall
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                             "stream_options", "n", "ignore_eos", "priority", "prompt_cache_key",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                            "logit_bias"}) | IGNORED_FIELDS
+                            "logit_bias", "response_format"}) | IGNORED_FIELDS
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 # Known OpenAI fields not implemented (yet): a clearer message than "unknown".
-_UNSUPPORTED = frozenset({"response_format", "tools", "tool_choice", "functions", "function_call", "audio",
+_UNSUPPORTED = frozenset({"tools", "tool_choice", "functions", "function_call", "audio",
                           "modalities", "prediction", "reasoning_effort", "web_search_options", "suffix"})
 
 
@@ -62,18 +69,20 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # token ids checked against the vocabulary by the model
     ignore_eos: bool = False
     priority: Priority | None = None
+    grammar: GrammarSpec | None = None  # from `response_format`: the output is constrained to it
 
 
-def _get(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
-    """The field's value, None when absent or null; 400 when of the wrong JSON type."""
+def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, param: str | None = None) -> Any:
+    """The field's value, None when absent or null; 400 (naming `param`, default `name`) when of the wrong type."""
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         return None
+    param = param or name
     # JSON true/false are Python bools, which are ints too: never accept them as numbers.
     if isinstance(value, bool) and bool not in kinds:
-        raise invalid(f"'{name}' must be {what}, got a boolean.", param=name)
+        raise invalid(f"'{param}' must be {what}, got a boolean.", param=param)
     if not isinstance(value, kinds):
-        raise invalid(f"'{name}' must be {what}.", param=name)
+        raise invalid(f"'{param}' must be {what}.", param=param)
     return value
 
 
@@ -160,7 +169,47 @@ def _common(body: Any, kind: str) -> GenerationRequest:
         repetition_penalty=_repetition(body),
         min_tokens=_int(body, "min_tokens", 0, 2**31 - 1) or 0,
         logit_bias=_logit_bias(body),
+        grammar=_response_format(body.get("response_format")),
     )
+
+
+_JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
+
+
+def _response_format(value: Any) -> GrammarSpec | None:
+    """`{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict, description}}`."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid("'response_format' must be an object.", param="response_format")
+    kind = value.get("type")
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    for key in value:
+        if key not in allowed:
+            raise invalid(f"Unrecognized argument in response_format: {key}", param=f"response_format.{key}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object_spec()
+    if kind != "json_schema":
+        raise invalid("'response_format.type' must be 'text', 'json_object' or 'json_schema'.",
+                      param="response_format.type")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid("'response_format.json_schema' must be an object.", param="response_format.json_schema")
+    for key in spec:
+        if key not in _JSON_SCHEMA_KEYS:
+            raise invalid(f"Unrecognized argument in response_format.json_schema: {key}",
+                          param=f"response_format.json_schema.{key}")
+    for key, kinds, what in (("name", (str,), "a string"), ("description", (str,), "a string"),
+                             ("strict", (bool,), "a boolean")):
+        _get(spec, key, kinds, what, f"response_format.json_schema.{key}")
+    if spec.get("schema") is None:
+        return json_object_spec()
+    try:
+        return json_schema_spec(spec["schema"])
+    except GrammarError as e:
+        raise invalid(e.message, param=e.param) from None
 
 
 def _repetition(body: dict) -> float:

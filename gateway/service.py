@@ -156,7 +156,8 @@ class GatewayService:
                               seed=r.seed, ignore_eos=r.ignore_eos, logprobs=r.logprobs,
                               top_logprobs=r.top_logprobs, presence_penalty=r.presence_penalty,
                               frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty,
-                              min_tokens=min(r.min_tokens, p.max_tokens), logit_bias=r.logit_bias)
+                              min_tokens=min(r.min_tokens, p.max_tokens), logit_bias=r.logit_bias,
+                              grammar=None if r.grammar is None else r.grammar.to_dict())
 
     async def start(self, p: Prepared) -> Generation:
         """Admit the request and open its worker stream; the caller must `close()` the result."""

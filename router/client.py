@@ -227,11 +227,12 @@ class WorkerClient:
                 data = await self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            self._heard_at = time.monotonic()
             try:
                 self._dispatch(data)
             except Exception:  # one bad frame must not end the link's receive task
                 log.exception("error handling a frame from worker %s", self.endpoint)
+            finally:  # after dispatch: a stats listener still sees how long the link had been silent
+                self._heard_at = time.monotonic()
         return False
 
     def _dispatch(self, data: bytes) -> None:

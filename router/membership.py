@@ -1,6 +1,7 @@
 """The known workers (Redis registry and/or static endpoints), one WorkerClient each, and their liveness.
 
-Liveness is decided in `status` alone, from the workers' ~100 ms stats; listeners hear joins, leaves and stats.
+The registry only discovers workers; liveness is decided in `status` alone, from the direct link (the
+workers' ~100 ms stats), so Redis being down or empty drops nobody. Listeners hear joins, leaves and stats.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from dataclasses import dataclass
 
 from router.client import WorkerClient
 from router.policy import FALLBACK_DEAD, FALLBACK_DRAINING
-from worker.protocol import PROTOCOL_VERSION, REGISTRY_KEY_PREFIX, WorkerStats, parse_registration
+from worker.protocol import (
+    PROTOCOL_VERSION,
+    REGISTRY_KEY_PREFIX,
+    REGISTRY_SET_KEY,
+    WorkerStats,
+    parse_registration,
+)
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +30,18 @@ DEFAULT_DEAD_AFTER_S = 0.5  # 3 stats intervals of 100 ms plus slack for a busy 
 REDIS_TIMEOUT_S = 1.0
 
 ClientFactory = Callable[..., WorkerClient]
+
+# KEYS: registry set. ARGV: record key prefix. Sweeps expired entries, then MGETs the live ones' records.
+_READ_REGISTRY = """
+local t = redis.call('TIME')
+local now_ms = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms)
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms, '+inf')
+if #ids == 0 then return {} end
+local keys = {}
+for i, id in ipairs(ids) do keys[i] = ARGV[1] .. id end
+return redis.call('MGET', unpack(keys))
+"""
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,6 +65,7 @@ class Member:
     client: WorkerClient
     static: bool = False
     started_at: float = 0.0
+    joined_at: float = 0.0  # membership clock
     stats: WorkerStats | None = None
     stats_at: float | None = None  # membership clock
 
@@ -85,6 +105,7 @@ class Membership:
         self._members: dict[str, Member] = {}
         self._registry: dict[str, _Wanted] = {}  # last good registry view, kept across Redis errors
         self._redis = None
+        self._read_script = None
         self._task: asyncio.Task[None] | None = None
         self._redis_ok = True
         self._changed = asyncio.Event()
@@ -114,6 +135,7 @@ class Membership:
             self._redis = aioredis.Redis.from_url(
                 self.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
             )
+            self._read_script = self._redis.register_script(_READ_REGISTRY)  # reloads itself on NOSCRIPT
         await self.refresh()
         self._task = asyncio.create_task(self._poll_loop(), name="sy-membership")
 
@@ -157,8 +179,7 @@ class Membership:
 
     async def _read_registry(self) -> dict[str, _Wanted] | None:
         try:
-            keys = [k async for k in self._redis.scan_iter(match=REGISTRY_KEY_PREFIX + "*", count=1000)]
-            values = await self._redis.mget(keys) if keys else []
+            values = await self._read_script(keys=[REGISTRY_SET_KEY], args=[REGISTRY_KEY_PREFIX])
         except Exception as exc:
             if self._redis_ok:
                 log.warning("worker registry unreadable, keeping the last view: %s", exc)
@@ -168,7 +189,7 @@ class Membership:
         found: dict[str, _Wanted] = {}
         by_endpoint: dict[str, str] = {}
         for raw in values:
-            if raw is None:  # expired between SCAN and MGET
+            if raw is None:  # the record expired before its set entry
                 continue
             try:
                 reg = parse_registration(raw)
@@ -187,10 +208,17 @@ class Membership:
         return found
 
     def _wanted(self) -> dict[str, _Wanted]:
+        """The registry's workers, those it no longer lists whose link still answers (unless another worker
+        registered their endpoint since), and the static endpoints no registered worker covers."""
         wanted = dict(self._registry)
-        registered = {w.endpoint for w in wanted.values()}
+        claimed = {w.endpoint for w in wanted.values()}
+        for mid, member in self._members.items():
+            if (mid not in wanted and not member.static and member.endpoint not in claimed
+                    and self._silence(member) <= self.dead_after):
+                wanted[mid] = _Wanted(member.endpoint, False, member.started_at)
+                claimed.add(member.endpoint)
         for ep in self.static_endpoints:
-            if ep not in registered:
+            if ep not in claimed:
                 wanted[ep] = _Wanted(ep, True, 0.0)
         return wanted
 
@@ -212,7 +240,7 @@ class Membership:
             log.warning("cannot connect to worker %s at %r: %s", mid, want.endpoint, exc)
             await client.close()
             return
-        self._members[mid] = Member(mid, want.endpoint, client, want.static, want.started_at)
+        self._members[mid] = Member(mid, want.endpoint, client, want.static, want.started_at, self.clock())
         for listener in self._on_join:
             listener(mid)
         log.info("worker %s joined at %s", mid, want.endpoint)
@@ -257,7 +285,7 @@ class Membership:
         member = self._members.get(mid)
         if member is None or member.stats is None or member.stats_at is None:
             return FALLBACK_DEAD
-        if self.clock() - member.stats_at > self.dead_after:
+        if self._silence(member) > self.dead_after:
             return FALLBACK_DEAD
         stats = member.stats
         if stats.version != PROTOCOL_VERSION or (self.model is not None and stats.model != self.model):
@@ -265,6 +293,14 @@ class Membership:
         if stats.draining:
             return FALLBACK_DRAINING
         return None
+
+    def _silence(self, member: Member) -> float:
+        """How long `member` has been silent: the time since its last stats (or its join, before any), but
+        no longer than its link has been observed silent after draining its socket, so that a stall of
+        this process's event loop (frames waiting unread) is not taken for the worker's silence."""
+        if member.stats_at is None:
+            return self.clock() - member.joined_at
+        return min(self.clock() - member.stats_at, member.client.silent_for())
 
     # ------------------------------------------------------------ queries
 

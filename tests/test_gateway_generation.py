@@ -19,9 +19,9 @@ from gateway.model import ServedModel
 from gateway.responses import ResponseShape, Usage
 from gateway.schemas import parse_completion
 from gateway.service import Generation, Prepared
-from tenancy.schema import Tenant
 from router import WorkerError
 from router.client import LinkError
+from tenancy.schema import Tenant
 from worker.protocol import ErrorCode, OutItem, Priority
 
 TEXT = "日本語のテスト 🎉👩‍👩‍👧 — done"

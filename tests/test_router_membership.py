@@ -1,8 +1,9 @@
-"""Membership against a real redis-server: registry watch, liveness by injected clock, draining, load."""
+"""Membership against a real redis-server: registry watch, liveness by injected clock and by real links
+(a worker thread on a real ROUTER socket), draining, Redis loss, event-loop stalls, load."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 
 import pytest
@@ -11,7 +12,9 @@ import redis
 from router import FALLBACK_DEAD, FALLBACK_DRAINING, Membership, Router
 from router.holders import PrefixHolders
 from router.load import LoadTracker
-from worker.protocol import PROTOCOL_VERSION, WorkerStats, registration_key
+from tests.test_router_client import ThreadWorker
+from worker.protocol import PROTOCOL_VERSION, REGISTRY_SET_KEY, Registration, WorkerStats, registration_key
+from worker.registry import heartbeat
 
 
 class Clock:
@@ -29,9 +32,7 @@ def stats(wid: str, *, draining: bool = False, running: int = 0, queue: int = 0,
 
 
 def register(r: redis.Redis, wid: str, endpoint: str, started_at: float = 1.0, ttl_ms: int = 5000) -> None:
-    value = {"worker_id": wid, "endpoint": endpoint, "model": "m", "version": PROTOCOL_VERSION,
-             "started_at": started_at}
-    r.set(registration_key(wid), json.dumps(value), px=ttl_ms)
+    heartbeat(r, Registration(wid, endpoint, "m", PROTOCOL_VERSION, started_at), ttl_ms)
 
 
 @pytest.fixture()
@@ -45,6 +46,7 @@ async def test_registry_members_liveness_and_draining(redis_url: str, r: redis.R
     register(r, "w1", "tcp://127.0.0.1:1")
     register(r, "w2", "tcp://127.0.0.1:2")
     r.set("sy:worker:broken", b"not json")
+    r.zadd(REGISTRY_SET_KEY, {"broken": 2 ** 50})
     clock = Clock()
     m = Membership(gateway_id="gw-test", redis_url=redis_url, poll_interval=60, clock=clock, dead_after=0.5)
     router = Router(m, secret=b"s")
@@ -82,6 +84,10 @@ async def test_registry_members_liveness_and_draining(redis_url: str, r: redis.R
         r.delete(registration_key("w2"))
         register(r, "w3", "tcp://127.0.0.1:3")
         await m.refresh()
+        assert m.member_ids() == ["w1", "w2", "w3"]  # gone from the registry, but its link is not silent
+        clock.now += 0.6
+        m.observe("w1", stats("w1"))
+        await m.refresh()  # gone from the registry and silent past dead_after: removed
         assert m.member_ids() == ["w1", "w3"]
         assert set(router.policy.members) == {"w1", "w3"}
     finally:
@@ -220,3 +226,86 @@ async def test_malformed_endpoint_is_skipped_not_fatal(redis_url: str, r: redis.
         assert set(router.policy.members) == {"good"}
     finally:
         await m.close()
+
+
+def scan_calls(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
+
+
+async def test_registry_is_read_from_the_sorted_set(redis_url: str, r: redis.Redis) -> None:
+    """No SCAN over the keyspace: live ids come from the registry set, expired entries are swept."""
+    register(r, "w1", "tcp://127.0.0.1:1")
+    r.set(registration_key("ghost"), b'{"worker_id": "ghost"}')  # a record without a set entry
+    r.zadd(REGISTRY_SET_KEY, {"expired": 1})  # an entry whose score (expiry) is long past
+    before = scan_calls(r)
+    m = Membership(gateway_id="gw", redis_url=redis_url, poll_interval=60)
+    await m.start()
+    try:
+        await m.refresh()
+        assert m.member_ids() == ["w1"]
+        assert scan_calls(r) == before
+        assert r.zscore(REGISTRY_SET_KEY, "expired") is None
+        score = r.zscore(REGISTRY_SET_KEY, "w1")
+        secs, micros = r.time()
+        assert 4000 < score - (secs * 1000 + micros // 1000) <= 5000  # expiry on the Redis clock
+    finally:
+        await m.close()
+
+
+async def wait_for(predicate, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_live_link_outlives_its_registration(redis_url: str, r: redis.Redis) -> None:
+    """Redis emptied (restarted, flushed, expired): a worker whose link answers stays; a silent one goes."""
+    worker = ThreadWorker()
+    register(r, "w1", worker.endpoint)
+    m = Membership(gateway_id="gw", redis_url=redis_url, poll_interval=60, dead_after=0.5)
+    await m.start()
+    try:
+        await wait_for(lambda: m.live() == ["w1"], 5)
+        r.flushall()
+        await m.refresh()
+        await asyncio.sleep(0.7)
+        await m.refresh()
+        assert m.member_ids() == ["w1"] and m.live() == ["w1"]
+        worker.stop.set()
+        await wait_for(lambda: m.status("w1") == FALLBACK_DEAD, 3)
+        await m.refresh()
+        assert m.member_ids() == []
+    finally:
+        worker.stop.set()
+        await m.close()
+        worker.thread.join(5)
+
+
+async def test_event_loop_stall_keeps_workers_and_routing_memory() -> None:
+    worker = ThreadWorker()
+    m = Membership(gateway_id="gw", static_endpoints=[worker.endpoint], poll_interval=60, dead_after=0.5)
+    router = Router(m, secret=b"s")
+    came_back: list[str] = []
+    m.on_stats(lambda e: came_back.append(e.member_id) if e.came_back else None)
+    await m.start()
+    try:
+        await wait_for(lambda: m.live() == [worker.endpoint], 5)
+        came_back.clear()
+        router.holders.remember(worker.endpoint, b"k" * 16, 64)
+        time.sleep(1.2)  # the gateway's loop stalls; the worker keeps sending stats
+        assert m.status(worker.endpoint) is None
+        await asyncio.sleep(0.3)
+        assert came_back == [] and m.live() == [worker.endpoint]
+        assert router.holders.expected_cached(worker.endpoint, b"k" * 16) == 64
+        worker.stop.set()  # a real outage: dead, then back on the same endpoint with routing memory reset
+        await wait_for(lambda: m.status(worker.endpoint) == FALLBACK_DEAD, 3)
+        worker.thread.join(5)
+        worker = ThreadWorker(worker.endpoint)
+        await wait_for(lambda: came_back == [worker.endpoint], 5)
+        assert router.holders.expected_cached(worker.endpoint, b"k" * 16) == 0
+    finally:
+        worker.stop.set()
+        await m.close()
+        worker.thread.join(5)

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, fields
 from enum import IntEnum, StrEnum
 
+from worker.grammar_spec import GrammarError, GrammarSpec
+
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 
@@ -83,6 +85,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: divide (>0) or multiply (<0) logits of prompt+output tokens
     min_tokens: int = 0  # stop ids (EOS included) are banned until this many tokens are out
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
+    grammar: dict | None = None  # constrained output: a `GrammarSpec.to_dict()` map (worker.grammar_spec)
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +131,17 @@ class SamplingParams:
                     or not _is_number(entry[1]) or not -100.0 <= entry[1] <= 100.0):
                 raise bad_request(f"logit_bias must map token ids in [0, {vocab_size}) to values in "
                                   "[-100, 100]", "logit_bias")
+        if self.grammar is not None:
+            self.grammar_spec()
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The checked grammar, None without one; RequestError("bad_request", param=...) if it is unusable."""
+        if self.grammar is None:
+            return None
+        try:
+            return GrammarSpec.from_dict(self.grammar, param="response_format")
+        except GrammarError as e:
+            raise bad_request(e.message, e.param) from None
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
@@ -155,6 +169,8 @@ class SamplingParams:
             kw["stop_token_ids"] = tuple(stops)
         if "logit_bias" in kw:
             kw["logit_bias"] = _bias_pairs(kw["logit_bias"])
+        if kw.get("grammar") is not None and not isinstance(kw["grammar"], dict):
+            raise bad_request("grammar must be a map", "response_format")
         for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if key in kw:
                 kw[key] = float(kw[key])
@@ -174,6 +190,8 @@ class SamplingParams:
                 out[name] = getattr(self, name)
         if self.logit_bias:
             out["logit_bias"] = [list(e) for e in self.logit_bias]
+        if self.grammar is not None:
+            out["grammar"] = dict(self.grammar)
         return out
 
 

@@ -5,6 +5,8 @@ Requests are validated before any state changes; stop rules and page release hap
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import random
 from dataclasses import dataclass
 
@@ -13,6 +15,8 @@ import torch
 from worker.config import EngineConfig
 from worker.errors import RequestError, bad_request
 from worker.fairness import check_fair_params
+from worker.grammar import BatchMasker, GrammarCache, GrammarState, grammar_tokenizer
+from worker.grammar_spec import GrammarError
 from worker.kv_cache import num_pages_for
 from worker.loader import LoadedModel
 from worker.page_pool import PagePool
@@ -25,6 +29,8 @@ from worker.sequence import Priority, SeqStatus, Sequence
 __all__ = ["DEFAULT_NAMESPACE", "Engine", "EngineStats", "Priority", "StepOutput"]
 
 DEFAULT_NAMESPACE = b"default"  # cache namespace of requests that name none (in-process callers)
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # llguidance compiles a schema in about 1 ms; this bounds a pathological one
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -36,6 +42,7 @@ class StepOutput:
     logprobs: list[float] | None
     top_ids: list[list[int]] | None = None  # with `top_logprobs`: per new token, the k most likely ids
     top_logprobs: list[list[float]] | None = None
+    error: RequestError | None = None  # the request ended with this error (finish_reason "error")
 
 
 @dataclass(slots=True)
@@ -87,7 +94,7 @@ class Engine:
         self._prefill_computed = 0
         self._generated = 0
         self._steps = 0
-
+        self._grammars: GrammarCache | None = None  # built with the first grammar request
     # ---- requests ----
 
     def add_request(self, rid: str, token_ids: list[int], sampling: SamplingParams,
@@ -105,17 +112,38 @@ class Engine:
         if pages_for(total, self.config.block_size) > self.pool.num_pages:
             raise RequestError("capacity", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
                                f"({self.pool.num_pages * self.config.block_size} tokens)", param="max_tokens")
+        grammar = self._grammar_state(sampling)
         stops = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
+        if not sampling.ignore_eos or grammar is not None:  # a grammar ends with EOS whatever ignore_eos says
             stops.add(self.tokenizer.eos_token_id)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(rid, list(token_ids), len(token_ids), sampling, Priority(priority), self._arrivals,
                        namespace or DEFAULT_NAMESPACE, seed & 0xFFFFFFFFFFFFFFFF, frozenset(stops),
-                       fkey=fkey or namespace or DEFAULT_NAMESPACE, weight=float(weight))
+                       fkey=fkey or namespace or DEFAULT_NAMESPACE, weight=float(weight), grammar=grammar)
         self._arrivals += 1
         self._prompt_tokens += len(token_ids)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
+
+    def _grammar_state(self, sampling: SamplingParams) -> GrammarState | None:
+        """The request's matcher, compiled (or found in the cache) before the request is queued."""
+        spec = sampling.grammar_spec()
+        if spec is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCache(grammar_tokenizer(self.tokenizer, vocab_size=self.vocab_size))
+            self.runner.masker = BatchMasker(self.vocab_size)
+        try:
+            return self._grammars.get(spec).result(timeout=GRAMMAR_COMPILE_TIMEOUT_S).new_state()
+        except GrammarError as e:
+            raise bad_request(e.message, e.param) from None
+        except concurrent.futures.TimeoutError:
+            raise RequestError("capacity", "grammar compilation timed out", retryable=True) from None
+
+    def close(self) -> None:
+        """Stop the grammar compile threads (if any were started)."""
+        if self._grammars is not None:
+            self._grammars.close()
 
     def _validate(self, rid: str, token_ids: list[int], sampling: SamplingParams, priority: int) -> None:
         if not isinstance(rid, str) or not rid:
@@ -181,11 +209,18 @@ class Engine:
         self._generated += 1
         reason = None
         emitted = [tok]
+        error = None
         if tok in seq.stop_ids:
             reason, emitted = "stop", []
+        elif seq.grammar is not None and not seq.grammar.accept(tok):
+            log.error("grammar refused sampled token %d: %s", tok, seq.grammar.error, extra={"request_id": seq.rid})
+            reason, emitted = "error", []
+            error = RequestError("internal", "constrained decoding failed", retryable=False)
         else:
             seq.tokens.append(tok)
-            if seq.num_output >= params.max_tokens:
+            if seq.grammar is not None and seq.grammar.is_terminated():
+                reason = "stop"  # the value is complete (takes precedence when max_tokens is reached with it)
+            elif seq.num_output >= params.max_tokens:
                 reason = "length"
         if reason is not None:
             seq.finish_reason = reason
@@ -194,7 +229,7 @@ class Engine:
         lp = [logprob] if params.logprobs and emitted and logprob is not None else None
         if params.logprobs and lp is None:
             lp = []
-        return StepOutput(seq.rid, emitted, reason, seq.cached_tokens, lp)
+        return StepOutput(seq.rid, emitted, reason, seq.cached_tokens, lp, error=error)
 
     def stats(self) -> EngineStats:
         bs = self.config.block_size

@@ -16,6 +16,11 @@ from worker._wire_request import PRIORITY_NAMES as PRIORITY_NAMES
 from worker._wire_request import ErrorCode, Priority, SamplingParams
 from worker._wire_request import RequestError as RequestError
 from worker._wire_request import bad_request as bad_request
+from worker.grammar_spec import GrammarError as GrammarError
+from worker.grammar_spec import GrammarSpec as GrammarSpec
+from worker.grammar_spec import json_object_spec as json_object_spec
+from worker.grammar_spec import json_schema_spec as json_schema_spec
+from worker.grammar_spec import tool_call_spec as tool_call_spec
 
 PROTOCOL_VERSION = 1
 

@@ -11,6 +11,7 @@ import torch
 
 from worker.attention import BatchLayout, make_backend
 from worker.config import EngineConfig
+from worker.grammar import BatchMasker
 from worker.kv_cache import KVCache
 from worker.loader import LoadedModel
 from worker.logit_adjust import build_adjust
@@ -39,6 +40,7 @@ class ModelRunner:
                                  config.block_size, loaded.device)
         self.kv = KVCache(cfg, num_pages, config.block_size, loaded.dtype, loaded.device,
                           pages_first=self.attn.pages_first)
+        self.masker: BatchMasker | None = None  # set by the engine with its first grammar request
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         input_ids, ctx, sampled = self.prepare(batch)
@@ -46,7 +48,10 @@ class ModelRunner:
             logits = self.logits(input_ids, ctx)
             if not sampled:
                 return StepResult([], [], None)
-            out = sample(logits, self._sampling_batch(sampled, self.device, logits.shape[-1]))
+            sb = self._sampling_batch(sampled, self.device, logits.shape[-1])
+            if self.masker is not None:
+                sb.grammar_mask = self.masker.fill([s.grammar for s in sampled])
+            out = sample(logits, sb)
         lp = out.logprobs.tolist() if out.logprobs is not None else None
         if out.top_ids is None:
             return StepResult(sampled, out.tokens.tolist(), lp)

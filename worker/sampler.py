@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.grammar import apply_bitmask
 from worker.logit_adjust import LogitAdjust
 
 _M32 = 0xFFFFFFFF
@@ -30,6 +31,7 @@ class SamplingBatch:
     top_logprobs: int = 0  # the most any row asks for
     adjust: LogitAdjust | None = None  # penalties, bias, bans; None when no row uses them
     seed_hi: torch.Tensor | None = None  # [n] int64: the seed's high 32 bits (None: all zero)
+    grammar_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (bitmask [m, words], rows [m]) or None
 
 
 @dataclass(slots=True)
@@ -70,7 +72,8 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int,
     h = _fmix32_(base[:, None] ^ ids[None, :])
     h += base[:, None]
     h = _fmix32_(h.bitwise_and_(_M32))
-    return (h >> 8).to(torch.float32).add_(0.5).mul_(2.0**-24)
+    # (2^24 - 1) + 0.5 rounds to 2^24 in float32: clamp so that no u is 1 (its Exp(1) race value would be 0)
+    return (h >> 8).to(torch.float32).add_(0.5).mul_(2.0**-24).clamp_(max=1.0 - 2.0**-24)
 
 
 def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -103,6 +106,10 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tenso
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     """Draw one token per row. logits: [n, vocab] float32, the model's (logprobs are computed from them)."""
     adjusted = logits if batch.adjust is None else batch.adjust.apply(logits)
+    if batch.grammar_mask is not None:
+        if adjusted is logits:
+            adjusted = logits.clone()  # logprobs stay those of the model's distribution
+        apply_bitmask(adjusted, *batch.grammar_mask)
     greedy_tokens = torch.argmax(adjusted, dim=-1)
     tokens = greedy_tokens if batch.all_greedy else _draw(adjusted, batch, greedy_tokens)
     out = Sampled(tokens, None)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from worker.protocol import Priority, SamplingParams
 
 if TYPE_CHECKING:
+    from worker.grammar import GrammarState
     from worker.radix_cache import RadixNode
 
 
@@ -44,6 +45,7 @@ class Sequence:
     skipped: int = 0  # admissions of later same-priority requests ahead of this one while it headed the queue
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
+    grammar: GrammarState | None = None  # constrained output: the matcher, advanced with every token
 
     @property
     def order_key(self) -> tuple[int, int]:

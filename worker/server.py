@@ -15,6 +15,7 @@ from worker import protocol as proto
 from worker.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, Drain
 from worker.engine import Engine
 from worker.inflight import InFlight, InFlightTable
+from worker.link_auth import LinkAuth
 from worker.memory import TrimSchedule
 from worker.metrics import WorkerMetrics
 from worker.protocol import ErrorCode, OutItem, Registration, RequestError, SamplingParams
@@ -37,6 +38,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     gateway_timeout: float = 5.0
     stats_interval: float = 0.1
+    cluster_key: str | None = None  # z85 CURVE secret key; None: plain TCP, loopback binds only
 
 
 def advertised_endpoint(bound: str) -> str:
@@ -56,6 +58,7 @@ class WorkerServer:
         self.drain = Drain(config.drain_timeout)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self._auth: LinkAuth | None = None
         self.endpoint = ""
         self.worker_id = config.worker_id or ""
         self._registrar: Registrar | None = None
@@ -69,10 +72,14 @@ class WorkerServer:
     # ------------------------------------------------------------ lifecycle
 
     def bind(self) -> str:
+        """Bind the ROUTER socket, CURVE-secured when a cluster key is set (InsecureBind: an open port without)."""
         sock = self.sock
+        self._auth = LinkAuth(self.ctx, self.config.cluster_key, self.config.bind)
+        self._auth.secure(sock)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a silent drop
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting gateway takes its identity back
+        # A reconnecting gateway takes its identity back; identities are random and peers authenticated.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -109,7 +116,10 @@ class WorkerServer:
         if self._registrar is not None:
             self._registrar.stop()
         self._send_stats()  # last word: draining=true
+        self.engine.close()
         self.sock.close()
+        if self._auth is not None:
+            self._auth.close()
         self.ctx.term()
         log.info("worker %s stopped", self.worker_id)
 
@@ -224,6 +234,10 @@ class WorkerServer:
             entry = table.get(out.rid)
             if entry is None:
                 continue  # ended here already (deadline, gateway gone)
+            if out.error is not None:
+                table.remove(out.rid)
+                self._send(entry.ident, proto.encode_err(entry.rid, out.error.code, out.error.message, False))
+                continue
             if out.finish_reason is not None:
                 table.remove(out.rid)
             elif not out.new_tokens:

@@ -7,7 +7,10 @@ can set the worker-loss timeout, lease TTL, drain grace period and admission wai
 JSON at INFO to their own file; `gateway_log_records` parses it and `unattributed_errors` returns the
 ERROR lines without a request id (and any line that is not JSON, such as a stray traceback).
 `bucket_level`/`set_bucket` (from `tests.admission_stack`) read and write a tenant's token bucket on the Redis clock, so refund
-arithmetic is exact. Everything started is stopped by `stop()`, SIGKILL after a grace period.
+arithmetic is exact. With `discover=True` the gateways list no workers and find them in the Redis
+registry instead; with `cluster_key` every worker link is CURVE-secured with that key (given to the
+processes in their TOML files, never on a command line), and `add_gateway` starts a gateway with its own
+settings. Everything started is stopped by `stop()`, SIGKILL after a grace period.
 """
 
 from __future__ import annotations
@@ -36,21 +39,22 @@ class FaultCluster:
     redis: RedisServer
     config_path: Path
     worker_args: list[str] = field(default_factory=list)
+    discover: bool = False
+    cluster_key: str | None = None
     workers: list[WorkerProc] = field(default_factory=list)
     gateways: list[GatewayProc] = field(default_factory=list)
 
     @classmethod
     def start(cls, *, workers: int = 1, gateways: int = 1, gateway_settings: dict[str, object] | None = None,
-              worker_args: Sequence[str] = ("--no-prefix-cache",), ready_timeout: float = 180.0) -> FaultCluster:
+              worker_args: Sequence[str] = ("--no-prefix-cache",), ready_timeout: float = 180.0,
+              discover: bool = False, cluster_key: str | None = None) -> FaultCluster:
         log_dir = Path(tempfile.mkdtemp(prefix="sy-faults-"))
-        cluster = cls(log_dir, RedisServer(log_dir), log_dir / "gateway.toml", list(worker_args))
+        cluster = cls(log_dir, RedisServer(log_dir), log_dir / "gateway.toml", list(worker_args), discover,
+                      cluster_key)
         try:
             cluster.redis.start()
-            cluster.workers = [WorkerProc(log_dir, extra=cluster.worker_args) for _ in range(workers)]
-            settings = {"worker_timeout": 1.0, **(gateway_settings or {}),
-                        "workers": [w.endpoint for w in cluster.workers]}
-            cluster.config_path.write_text("[gateway]\n" + "".join(
-                f"{k} = {_toml_value(v)}\n" for k, v in settings.items()))
+            cluster.workers = [cluster.spawn_worker() for _ in range(workers)]
+            cluster.write_gateway_config(cluster.config_path, gateway_settings or {})
             cluster.gateways = [cluster.spawn_gateway() for _ in range(gateways)]
             cluster.wait_ready(ready_timeout)
         except BaseException:
@@ -59,10 +63,37 @@ class FaultCluster:
             raise
         return cluster
 
-    def spawn_gateway(self) -> GatewayProc:
+    def _key_line(self) -> str:
+        return "" if self.cluster_key is None else f"cluster_secret_key = {_toml(self.cluster_key)}\n"
+
+    def spawn_worker(self, port: int | None = None) -> WorkerProc:
+        extra = list(self.worker_args)
+        if self.cluster_key is not None:
+            config = self.log_dir / "worker.toml"
+            config.write_text(self._key_line())
+            extra += ["--config", str(config)]
+        return WorkerProc(self.log_dir, extra=extra, port=port, redis_url=self.redis.url if self.discover else None)
+
+    def write_gateway_config(self, path: Path, gateway_settings: dict[str, object]) -> None:
+        settings = {"worker_timeout": 1.0, **gateway_settings}
+        if not self.discover:
+            settings["workers"] = [w.endpoint for w in self.workers]
+        path.write_text(self._key_line() + "[gateway]\n" + "".join(
+            f"{k} = {_toml_value(v)}\n" for k, v in settings.items()))
+
+    def add_gateway(self, gateway_settings: dict[str, object]) -> GatewayProc:
+        """Start one more gateway with its own settings (it is stopped with the cluster)."""
+        path = self.log_dir / f"gateway-{len(self.gateways)}-{time.monotonic_ns()}.toml"
+        self.write_gateway_config(path, gateway_settings)
+        gw = self.spawn_gateway(path)
+        self.gateways.append(gw)
+        return gw
+
+    def spawn_gateway(self, config_path: Path | None = None) -> GatewayProc:
         port = free_port()
         log_path = self.log_dir / f"gateway-{port}.log"
-        cmd = [sys.executable, "-m", "config.cli", "gateway", "--config", str(self.config_path), "--port",
+        config = str(config_path or self.config_path)
+        cmd = [sys.executable, "-m", "config.cli", "gateway", "--config", config, "--port",
                str(port), "--redis-url", self.redis.url, "--log-level", "INFO", "--log-format", "json"]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         with open(log_path, "wb") as log:
@@ -95,14 +126,14 @@ class FaultCluster:
             if w.proc.poll() is not None:
                 w.stop()
                 w.log_path.rename(w.log_path.with_suffix(f".{time.monotonic_ns()}.log"))
-                self.workers[i] = WorkerProc(self.log_dir, extra=list(self.worker_args), port=w.port)
+                self.workers[i] = self.spawn_worker(port=w.port)
                 restarted.append(self.workers[i])
         for i, g in enumerate(self.gateways):
             if g.proc.poll() is not None:
                 self.gateways[i] = self.spawn_gateway()
         self.wait_ready(timeout)
         if restarted:
-            asyncio.run(_wait_stats([w.endpoint for w in restarted], timeout))
+            asyncio.run(_wait_stats([w.endpoint for w in restarted], timeout, self.cluster_key))
             time.sleep(GATEWAY_SEES_WORKER_S)
 
     def logs(self) -> str:
@@ -116,12 +147,13 @@ class FaultCluster:
         self.redis.stop(save=False)
 
 
-async def _wait_stats(endpoints: list[str], timeout: float) -> None:
+async def _wait_stats(endpoints: list[str], timeout: float, cluster_key: str | None = None) -> None:
     """Wait until each worker sends stats to an observer client (it is up and serving)."""
     from router.client import WorkerClient
 
     for endpoint in endpoints:
-        client = WorkerClient(endpoint, gateway_id=f"faults-observer-{time.monotonic_ns()}", worker_timeout=5.0)
+        client = WorkerClient(endpoint, gateway_id=f"faults-observer-{time.monotonic_ns()}", worker_timeout=5.0,
+                              cluster_key=cluster_key)
         await client.start()
         try:
             await client.wait_ready(timeout)

@@ -1,0 +1,54 @@
+"""Request bodies and response streams against hostile clients: huge token lists, clients that stop reading."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from gateway.errors import ApiError
+from gateway.http import _decode_json
+from gateway.sse import SSEResponse
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_huge_token_list_is_refused_while_decoding():
+    body = bytearray(json.dumps({"model": "m", "prompt": list(range(700_000)), "max_tokens": 5}).encode())
+    assert len(body) > 4_000_000
+    start = time.perf_counter()
+    with pytest.raises(ApiError) as exc:
+        _decode_json(body, max_numbers=8192 + 64)
+    assert time.perf_counter() - start < 0.05  # stopped after the cap, not after 700,000 numbers
+    assert (exc.value.status, exc.value.param, exc.value.code) == (400, "prompt", "context_length_exceeded")
+    ok = {"model": "m", "prompt": list(range(8192)), "max_tokens": 5, "temperature": 0.5}
+    assert _decode_json(bytearray(json.dumps(ok).encode()), max_numbers=8192 + 64) == ok
+
+
+async def test_a_client_that_stops_reading_is_cut_after_the_write_deadline():
+    closed = asyncio.Event()
+    sent: list[dict] = []
+
+    async def body():
+        for i in range(1000):
+            yield f"data: {i}\n\n".encode()
+
+    async def on_close() -> None:
+        closed.set()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if len(sent) > 3:  # the socket buffers are full: the client is not reading
+            await asyncio.sleep(3600)
+
+    async def receive() -> dict:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    response = SSEResponse(body(), on_close, write_timeout_s=0.2)
+    start = time.monotonic()
+    await asyncio.wait_for(response({"type": "http", "method": "GET"}, receive, send), 5)
+    assert 0.2 <= time.monotonic() - start < 1.0
+    assert closed.is_set() and len(sent) == 4

@@ -1,0 +1,134 @@
+"""Structured outputs through the official `openai` SDK against a real gateway, Redis and worker:
+`response_format` json_schema and json_object, streaming and not, and 400s for schemas that cannot be
+enforced, with nothing charged. The worker serves the tiny random model (the default model's tokenizer):
+its near-uniform choices stress the grammar harder than a real model, and 40 requests finish in seconds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema_rs
+import openai
+import pytest
+
+from tenancy.redis_client import sync_client
+from tests.gateway_stack import GatewayStack, start_gateway_stack
+
+pytestmark = pytest.mark.timeout(120)
+SEEDS = range(20)
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+    "required": ["name", "age", "role", "tags"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+ASK = [{"role": "user", "content": "Describe a made-up person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[GatewayStack]:
+    gs = start_gateway_stack(worker_model="tiny-random")
+    try:
+        yield gs
+    finally:
+        gs.stack.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    key = stack.stack.create_tenant("structured", max_concurrent=64)
+    return openai.OpenAI(api_key=key, base_url=stack.base_url + "/v1", max_retries=0, timeout=60)
+
+
+def _chat(client: openai.OpenAI, seed: int, stream: bool, response_format: dict) -> tuple[str, str]:
+    kw = {"model": "default", "messages": ASK, "temperature": 1.0, "seed": seed, "max_tokens": 120,
+          "response_format": response_format}
+    if not stream:
+        resp = client.chat.completions.create(**kw)
+        return resp.choices[0].message.content, resp.choices[0].finish_reason
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+
+def test_json_schema_output_validates_for_every_seed(client):
+    validator = jsonschema_rs.validator_for(PERSON)
+    jobs = [(seed, stream) for seed in SEEDS for stream in (False, True)]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # concurrent, so the worker batches them
+        results = list(pool.map(lambda job: _chat(client, job[0], job[1], FORMAT), jobs))
+    for (seed, stream), (text, finish) in zip(jobs, results, strict=True):
+        assert finish == "stop", (seed, stream, text)
+        value = json.loads(text)
+        assert validator.is_valid(value), (seed, stream, text)
+    assert len({t for t, _ in results}) > 5  # temperature 1.0 really samples
+
+
+def test_json_object_output_is_an_object(client):
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda s: _chat(client, s, s % 2 == 1, {"type": "json_object"}), range(4)))
+    for text, finish in results:
+        assert finish in ("stop", "length")
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert text.startswith("{"), text
+
+
+def test_text_format_is_unconstrained(client):
+    resp = client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=5,
+                                          response_format={"type": "text"})
+    assert resp.choices[0].message.content
+
+
+def test_max_tokens_first_ends_with_length(client):
+    resp = client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=3,
+                                          response_format=FORMAT)
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 3
+
+
+def _tenant_state(url: str, name: str) -> dict:
+    r = sync_client(url)
+    try:
+        return {k: r.dump(k) for k in sorted(r.scan_iter(match=f"{{t:{name}}}:*")) if not k.endswith(b":config")}
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize(("schema", "param", "words"), [
+    ({"type": "object", "properties": {"a": {"type": "nope"}}}, "response_format.json_schema.schema", "invalid"),
+    ({"type": "array", "uniqueItems": True}, "response_format.json_schema.schema", "uniqueItems"),
+    ({"type": "string", "not": {"const": "x"}}, "response_format.json_schema.schema", "not"),
+    ("not a schema", "response_format.json_schema.schema", "object"),
+])
+def test_unusable_schema_is_400_and_charges_nothing(stack, schema, param, words):
+    name = f"rf{abs(hash(json.dumps(schema))) % 10**8}"
+    key = stack.stack.create_tenant(name)
+    sdk = openai.OpenAI(api_key=key, base_url=stack.base_url + "/v1", max_retries=0, timeout=60)
+    before = _tenant_state(stack.stack.redis_url, name)
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model="default", messages=ASK, max_tokens=10, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert err.value.body["param"] == param
+    assert words in err.value.body["message"]
+    assert _tenant_state(stack.stack.redis_url, name) == before  # no tokens, request or lease written
+
+
+@pytest.mark.parametrize(("fmt", "param"), [
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}},
+     "response_format.json_schema.extra"),
+    ({"type": "json_schema", "json_schema": {"name": 5, "schema": {}}}, "response_format.json_schema.name"),
+])
+def test_malformed_response_format_is_400(client, fmt, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="default", messages=ASK, max_tokens=5, response_format=fmt)
+    assert err.value.body["param"] == param
