@@ -104,7 +104,7 @@ def test_completion_logprobs_over_one_rejected():
 
 @pytest.mark.parametrize("field,value", [
     ("unknown_field", {"x": 1}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("suffix", "x"),
+    ("tool_choice", "auto"), ("suffix", "x"),
     ("audio", {}), ("functions", [])])
 def test_unknown_and_unsupported_fields_are_400(field, value):
     assert _error(parse_chat, {**CHAT, field: value}).param == field

@@ -13,8 +13,10 @@ import jsonschema_rs
 import openai
 import pytest
 
+from gateway.schemas import parse_chat, parse_completion
 from tenancy.redis_client import sync_client
 from tests.gateway_stack import GatewayStack, start_gateway_stack
+from worker.protocol import json_object_spec, json_schema_spec
 
 pytestmark = pytest.mark.timeout(120)
 SEEDS = range(20)
@@ -132,3 +134,13 @@ def test_malformed_response_format_is_400(client, fmt, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="default", messages=ASK, max_tokens=5, response_format=fmt)
     assert err.value.body["param"] == param
+
+
+def test_parse_response_format_kinds():
+    base = {"model": "m", "messages": ASK}
+    assert parse_chat({**base, "response_format": {"type": "text"}}).grammar is None
+    assert parse_chat({**base, "response_format": None}).grammar is None
+    assert parse_chat({**base, "response_format": {"type": "json_object"}}).grammar == json_object_spec()
+    assert parse_chat({**base, "response_format": FORMAT}).grammar == json_schema_spec(PERSON)
+    completion = parse_completion({"model": "m", "prompt": "x", "response_format": FORMAT})
+    assert completion.grammar == json_schema_spec(PERSON)
