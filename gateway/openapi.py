@@ -118,7 +118,26 @@ def _common_fields() -> dict[str, Any]:
                        "description": "Token id (a string) to a bias added to its logit; ids must be in the "
                                       "vocabulary."},
         "priority": {"type": "string", "enum": list(PRIORITIES)},
+        "response_format": _response_format(),
     }
+
+
+def _response_format() -> dict[str, Any]:
+    def plain(kind: str) -> dict[str, Any]:
+        return {"type": "object", "required": ["type"], "additionalProperties": False,
+                "properties": {"type": {"type": "string", "enum": [kind]}}}
+    json_schema = {"type": "object", "additionalProperties": False, "properties": {
+        "name": {"type": ["string", "null"]}, "description": {"type": ["string", "null"]},
+        "strict": {"type": ["boolean", "null"], "description": "Output always follows the schema."},
+        "schema": {"type": ["object", "null"], "description": "A JSON schema; keywords that cannot be enforced "
+                   "(not, if/then/else, uniqueItems, contains, ...) are a 400 naming "
+                   "`response_format.json_schema.schema`. null: any JSON object."}}}
+    return {"anyOf": [plain("text"), plain("json_object"),
+                      {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+                       "properties": {"type": {"type": "string", "enum": ["json_schema"]},
+                                      "json_schema": json_schema}}],
+            "description": "Constrains the output: text (none), any JSON object, or a JSON schema. An output "
+                           "cut by max_tokens ends with finish_reason `length` and may be incomplete JSON."}
 
 
 def _chat_request() -> dict[str, Any]:
