@@ -5,6 +5,7 @@ its near-uniform choices stress the grammar harder than a real model, and 40 req
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -111,7 +112,7 @@ def _tenant_state(url: str, name: str) -> dict:
     ("not a schema", "response_format.json_schema.schema", "object"),
 ])
 def test_unusable_schema_is_400_and_charges_nothing(stack, schema, param, words):
-    name = f"rf{abs(hash(json.dumps(schema))) % 10**8}"
+    name = "rf-" + hashlib.sha256(json.dumps(schema).encode()).hexdigest()[:10]
     key = stack.stack.create_tenant(name)
     sdk = openai.OpenAI(api_key=key, base_url=stack.base_url + "/v1", max_retries=0, timeout=60)
     before = _tenant_state(stack.stack.redis_url, name)
