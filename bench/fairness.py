@@ -24,6 +24,7 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -313,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     a("--seed", type=int, default=1)
     a("--ready-timeout", type=float, default=240.0)
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the stacks
     with tempfile.TemporaryDirectory(prefix="sy-bench-fairness-") as tmp:
         result = bench(args, Path(tmp))
     if not args.json:
