@@ -51,7 +51,7 @@ def test_tenant_and_key_lifecycle(redis_url):
     listed = cli("tenants", "list", url=redis_url)
     assert listed.returncode == 0
     row = [line.split() for line in listed.stdout.splitlines() if line.startswith("acme")][0]
-    assert row[:4] == ["acme", "active", "batch", "9000"] and row[8] == "2"
+    assert row[:4] == ["acme", "active", "batch", "9000"] and row[8] == "1" and row[9] == "2"  # weight 1, two keys
 
     ambiguous = cli("keys", "revoke", "sy-", url=redis_url)
     assert ambiguous.returncode == 1 and "give a longer prefix" in ambiguous.stderr

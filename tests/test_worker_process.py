@@ -373,7 +373,7 @@ async def test_worker_port_needs_the_cluster_key(tmp_path: Path) -> None:
         for sock in intruders:
             sock.close()
         await good.close()
-        ctx.term()
+        ctx.destroy(linger=0)
         worker.stop()
 
 
