@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-faults test-slow run lint redis-bin tools clean
+.PHONY: install test test-faults test-slow test-soak run lint redis-bin tools clean
 
 install: $(STAMP)
 
@@ -32,9 +32,13 @@ tools: redis-bin
 test: install tools
 	$(PY) -m pytest -q
 
-# Long-running tests (the 10-minute soak; SWITCHYARD_SOAK_S sets its length).
+# Long-running tests (the CI soak and the 10-minute soak; SWITCHYARD_SOAK_S sets the latter's length).
 test-slow: install tools
 	$(PY) -m pytest -q -m slow
+
+# The CI-sized soak (about 3 minutes: zero errors, settled leases and pages, bounded RSS growth per request).
+test-soak: install tools
+	$(PY) -m pytest -q -m slow tests/faults/test_soak.py::test_soak_ci_bounded_growth_per_request
 
 test-faults: install tools
 	$(PY) -m pytest -q tests/faults

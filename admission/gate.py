@@ -54,7 +54,7 @@ class Admission:
             if self.capacity is not None:
                 cost = max(0, prompt_tokens + max_tokens - expected_cached_tokens)
                 try:
-                    cap = await self.capacity.acquire(cost, priority)
+                    cap = await self.capacity.acquire(cost, priority, tenant.name, tenant.weight)
                 except (Overloaded, CapacityNeverFits):
                     res.unserved()
                     raise

@@ -1,17 +1,20 @@
 """Benchmark: fair share between two tenants on one worker, VTC against FIFO, in one run.
 
 For each policy (`--policies`, default vtc then fifo) it starts a private stack (redis, one worker with
-`--fairness <policy>` and a metrics port, one gateway) with tenant `heavy` (no rate or concurrency limit,
-so a flood stays within its quota) and tenant `light`. The first stack measures capacity: requests of the
-heavy shape per second with `--max-num-seqs` in flight. Then, per policy: `light` alone, open-loop Poisson
-at `--light-load` x capacity, for `--duration` s; then `light` again while `heavy` floods at
+`--fairness <policy>` and a metrics port, one gateway whose capacity queue is fair for vtc and one FIFO for
+fifo) with tenant `heavy` (no rate or concurrency limit, so a flood stays within its quota) and tenant
+`light`. The first stack measures capacity: requests of the heavy shape per second with `--max-num-seqs` in
+flight, then `light` alone, open-loop Poisson at `--light-load` x capacity, for `--duration` s (one key: both
+policies order it the same, so it is measured once). Then, per policy: `light` again while `heavy` floods at
 `--heavy-load` x capacity. Light's TTFT p50/p99 come from its streams; throughput is the growth of the
 worker's generated-token counter over the flood. Prompts are seeded, so both policies see the same
-requests. `--weights` adds a phase under vtc: tenants of weight 2 and 1 both backlogged. One JSON line:
+requests. `--weights` (default) adds a phase under vtc: tenants of weight 2 and 1 both backlogged. One line:
 
-    {"light_ttft_p99_ratio_fair", "light_ttft_p99_ratio_fifo", "throughput_ratio_vs_fifo", ...details}
+    {"light_ttft_p99_ratio_fair", "light_ttft_p99_ratio_fifo", "throughput_ratio_vs_fifo",
+     "weighted_service_ratio", ...details}
 
 Targets: ratio_fair <= 1.5, throughput_ratio_vs_fifo >= 0.95, weighted_service_ratio 2 +- 10%.
+About 5 minutes with the defaults on an idle 2-core machine.
 
     .venv/bin/python bench/fairness.py --json
 """
@@ -38,6 +41,7 @@ if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
 from bench.loadgen import WORDS, RequestRecord, RequestSpec, api_base, discover_model, send_request  # noqa: E402
+from bench.machine import cpu_model  # noqa: E402
 from bench.report import latency_stats_ms  # noqa: E402
 from config.launcher import Stack, StackConfig, free_port  # noqa: E402
 
@@ -67,6 +71,8 @@ class Env:
 # ---------------------------------------------------------------- stack
 
 def start_stack(args: argparse.Namespace, policy: str, log_dir: Path) -> tuple[Stack, str]:
+    # the gateway's capacity queue follows the policy: fair across tenants for vtc, one FIFO for fifo
+    os.environ["SWITCHYARD_GATEWAY__CAPACITY_FAIR_QUEUE"] = "false" if policy == "fifo" else "true"
     mport = free_port()
     wargs = ["--model", args.model, *(["--fairness", policy] if policy != "none" else []),
              "--metrics-port", str(mport), "--metrics-host", "127.0.0.1",
@@ -226,9 +232,10 @@ async def run_policy(stack: Stack, metrics_url: str, policy: str, args: argparse
     clients = [heavy.client, light.client]
     try:
         env = Env(base, await discover_model(heavy.client, base, 30.0), metrics_url, args)
-        if capacity is None:
+        out: dict = {}
+        if capacity is None:  # the first policy: capacity, and light alone (one key: the same for all policies)
             capacity = await calibrate(env, heavy)
-        out = {"alone": await phase(env, light, None, capacity)}
+            out["alone"] = await phase(env, light, None, capacity)
         # reseeded: both policies replay the same requests in the flood phase
         light.rng, heavy.rng = random.Random(args.seed + 1), random.Random(args.seed + 2)
         out["flood"] = await phase(env, light, heavy, capacity)
@@ -244,11 +251,13 @@ async def run_policy(stack: Stack, metrics_url: str, policy: str, args: argparse
 
 
 def ratios(results: dict[str, dict]) -> dict:
+    alone = next(r["alone"]["light_ttft_ms"]["p99"] for r in results.values() if "alone" in r)
+
     def p99_ratio(policy: str) -> float | None:
         r = results.get(policy)
         if r is None:
             return None
-        alone, flood = r["alone"]["light_ttft_ms"]["p99"], r["flood"]["light_ttft_ms"]["p99"]
+        flood = r["flood"]["light_ttft_ms"]["p99"]
         return round(flood / alone, 3) if alone and flood is not None else None
 
     out = {"light_ttft_p99_ratio_fair": p99_ratio("vtc"), "light_ttft_p99_ratio_fifo": p99_ratio("fifo")}
@@ -262,8 +271,9 @@ def ratios(results: dict[str, dict]) -> dict:
 
 
 def bench(args: argparse.Namespace, log_dir: Path) -> dict:
-    if not args.gateway_capacity:  # the gateway's KV-capacity hold is FIFO across tenants
+    if not args.gateway_capacity:
         os.environ["SWITCHYARD_GATEWAY__CAPACITY_ADMISSION"] = "false"
+    load_before = os.getloadavg()
     results: dict[str, dict] = {}
     capacity: float | None = None
     for policy in args.policies.split(","):
@@ -276,17 +286,8 @@ def bench(args: argparse.Namespace, log_dir: Path) -> dict:
             "model": args.model, "dtype": args.dtype or "auto", "threads": args.threads, "cpu": cpu_model(),
             "duration_s": args.duration, "heavy_load": args.heavy_load, "light_load": args.light_load,
             "gateway_capacity": args.gateway_capacity, "max_num_seqs": args.max_num_seqs,
-            "max_batched_tokens": args.max_batched_tokens, "max_tokens": args.max_tokens}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+            "max_batched_tokens": args.max_batched_tokens, "max_tokens": args.max_tokens,
+            "loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)], "cpus": os.cpu_count()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     a("--threads", type=int, default=2, help="torch threads of the worker")
     a("--policies", default="vtc,fifo",
       help="comma-separated worker fairness policies, run in this order ('none': the worker's default)")
-    a("--duration", type=float, default=30.0, help="seconds of each phase")
+    a("--duration", type=float, default=45.0, help="seconds of each phase")
     a("--calibrate-s", type=float, default=15.0, help="seconds of the capacity measurement")
     a("--heavy-load", type=float, default=4.0, help="heavy tenant's offered load, x capacity")
     a("--light-load", type=float, default=0.1, help="light tenant's offered load, x capacity")
@@ -308,9 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     a("--max-num-seqs", type=int, default=16)
     a("--max-batched-tokens", type=int, default=512)
     a("--request-timeout", type=float, default=300.0)
-    a("--weights", action="store_true", help="also measure a weight-2 against a weight-1 tenant (vtc)")
+    a("--weights", action=argparse.BooleanOptionalAction, default=True,
+      help="also measure a weight-2 against a weight-1 tenant (vtc)")
     a("--gateway-capacity", action=argparse.BooleanOptionalAction, default=True,
-      help="keep the gateway's KV-capacity admission (its hold queue is FIFO across tenants)")
+      help="keep the gateway's KV-capacity admission (its queue is fair for vtc, FIFO for fifo)")
     a("--seed", type=int, default=1)
     a("--ready-timeout", type=float, default=240.0)
     args = ap.parse_args(argv)

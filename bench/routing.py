@@ -1,6 +1,8 @@
-"""Benchmark: prefix-aware routing vs round-robin vs one big worker (the hit-rate oracle), pooled over orders.
+"""Benchmark: prefix-aware routing vs round-robin vs one big worker (the hit-rate oracle), pooled over orders,
+with the router run by N gateway processes at once (`--gateways 1,3`: clients split across them).
 
-Prints one JSON line (hit rates, TTFT p50, max/mean load); the method and targets are in docs. `--json` prints only it.
+Prints one JSON line (hit rates, TTFT p50, max/mean load, routing precision, per N under `by_gateways`); the
+method and targets are in docs. `--json` prints only it.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import queue
 import random
 import statistics
 import sys
@@ -20,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_model  # noqa: E402
 from router import Membership, Router, RouteRequest, WorkerError, namespace_root  # noqa: E402
 from tests.worker_procs import WorkerProc  # noqa: E402
 from worker.protocol import Priority, SamplingParams  # noqa: E402
@@ -51,6 +56,7 @@ class Result:
     cached_tokens: int
     ttft_s: float
     error: str | None = None
+    predicted: int = -1  # prompt tokens the router expected cached (-1: not routed)
 
 
 def build_workload(seed: int, n_prompts: int, prompt_len: int, per_prompt: int) -> list[tuple[int, list[int]]]:
@@ -95,28 +101,101 @@ async def stream_routed(router: Router, req: RouteRequest, samples: list[dict[st
     return Result(len(req.tokens), cached, ttft if ttft is not None else float("nan"))
 
 
-async def run_mode(mode: str, membership: Membership, router: Router, cluster: list[str], oracle: str,
-                   work: list[tuple[int, list[int]]], args: argparse.Namespace,
-                   samples: list[dict[str, float]], seed: int) -> list[Result]:
+async def run_mode(mode: str, membership: Membership, cluster: list[str], oracle: str,
+                   work: list[tuple[int, list[int]]], args: argparse.Namespace, seed: int) -> list[Result]:
+    """Round-robin over the cluster, or everything to the oracle, from this process."""
     ns = namespace_root(args.model, "bench", f"{mode}-{seed}", SECRET)  # no run reuses another's cache
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     sem = asyncio.Semaphore(args.concurrency)
 
-    async def one(i: int, p: int, tokens: list[int]) -> Result:
+    async def one(i: int, tokens: list[int]) -> Result:
         async with sem:
-            rid = f"{mode}-{seed}-{i}"
+            target = cluster[i % len(cluster)] if mode == "round_robin" else oracle
             try:
-                if mode == "router":
-                    req = RouteRequest(rid=rid, ns=ns, tokens=tokens, cost=len(tokens) + args.max_tokens,
-                                       sampling=sampling, stable_len=args.prompt_len)
-                    return await stream_routed(router, req, samples)
-                target = cluster[i % len(cluster)] if mode == "round_robin" else oracle
-                return await stream_direct(membership.client(target), rid, ns, tokens, sampling)
+                return await stream_direct(membership.client(target), f"{mode}-{seed}-{i}", ns, tokens, sampling)
             except WorkerError as err:
                 return Result(len(tokens), 0, float("nan"), err.code)
 
     # Requests are issued in order; the semaphore keeps `concurrency` in flight.
-    return await asyncio.gather(*(one(i, p, toks) for i, (p, toks) in enumerate(work)))
+    return await asyncio.gather(*(one(i, toks) for i, (_, toks) in enumerate(work)))
+
+
+async def gateway_share(g: int, n_gateways: int, cluster: list[str], work: list[tuple[int, list[int]]],
+                        args: argparse.Namespace, seed: int, barrier) -> tuple[list[Result], list[dict[str, float]]]:
+    """One gateway replica's part: its own membership, sockets and router; requests i = g mod N, with its share
+    of the concurrency. All replicas (and the parent) pass `barrier` once each sees the cluster live."""
+    membership = Membership(gateway_id=f"bench-gw{g}", static_endpoints=cluster, dead_after=args.dead_after)
+    samples: list[dict[str, float]] = []
+    try:
+        await membership.start()
+        await membership.wait_until(lambda m: len(m.live()) == len(cluster), timeout=args.ready_timeout)
+        router = Router(membership, secret=SECRET, route_prefix_tokens=args.prompt_len, epsilon=args.epsilon)
+        predicted: dict[str, int] = {}
+        router.on_precision(lambda rid, _w, p, _a: predicted.__setitem__(rid, p))
+        barrier.wait(timeout=args.ready_timeout)  # blocks this process's loop: nothing else runs here yet
+        ns = namespace_root(args.model, "bench", f"router{n_gateways}-{seed}", SECRET)
+        sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        sem = asyncio.Semaphore(max(1, round(args.concurrency / n_gateways)))
+
+        async def one(i: int, tokens: list[int]) -> Result:
+            async with sem:
+                rid = f"router{n_gateways}-{seed}-{i}"
+                req = RouteRequest(rid=rid, ns=ns, tokens=tokens, cost=len(tokens) + args.max_tokens,
+                                   sampling=sampling, stable_len=args.prompt_len)
+                try:
+                    result = await stream_routed(router, req, samples)
+                except WorkerError as err:
+                    result = Result(len(tokens), 0, float("nan"), err.code)
+                result.predicted = predicted.pop(rid, -1)
+                return result
+
+        mine = [(i, toks) for i, (_, toks) in enumerate(work) if i % n_gateways == g]
+        return await asyncio.gather(*(one(i, toks) for i, toks in mine)), samples
+    finally:
+        await membership.close()
+
+
+def gateway_process(g: int, n_gateways: int, cluster: list[str], work, args, seed: int, barrier, results) -> None:
+    out, samples = asyncio.run(gateway_share(g, n_gateways, cluster, work, args, seed, barrier))
+    results.put((g, [(r.prompt_tokens, r.cached_tokens, r.ttft_s, r.error, r.predicted) for r in out], samples))
+
+
+def run_gateways(n_gateways: int, cluster: list[str], work: list[tuple[int, list[int]]], args: argparse.Namespace,
+                 seed: int) -> tuple[list[Result], list[dict[str, float]]]:
+    """The router mode from `n_gateways` gateway processes at once; returns their pooled results and loads."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(n_gateways + 1), ctx.Queue()
+    procs = [ctx.Process(target=gateway_process, args=(g, n_gateways, cluster, work, args, seed, barrier, results),
+                         daemon=True) for g in range(n_gateways)]
+    for p in procs:
+        p.start()
+    pooled: list[Result] = []
+    samples: list[dict[str, float]] = []
+    try:
+        barrier.wait(timeout=args.ready_timeout)  # every replica connected and sees the workers live
+        deadline = time.monotonic() + args.run_timeout
+        for _ in procs:
+            while True:  # a replica that died sends nothing: do not wait out the whole timeout for it
+                try:
+                    _, rows, their_samples = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
+                        raise RuntimeError("a gateway process ended without results") from None
+            pooled += [Result(*row) for row in rows]
+            samples += their_samples
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return pooled, samples
+
+
+def precision_p50(results: list[Result]) -> float | None:
+    """Median over requests with a predicted hit of the share of the predicted tokens really cached."""
+    shares = [min(r.predicted, r.cached_tokens) / r.predicted for r in results if r.error is None and r.predicted > 0]
+    return round(statistics.median(shares), 3) if shares else None
 
 
 def summarize(results: list[Result]) -> tuple[float, float]:
@@ -155,24 +234,36 @@ async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
     try:
         await membership.start()
         await membership.wait_until(lambda m: len(m.live()) == 4, timeout=args.ready_timeout)
-        router = Router(membership, secret=SECRET, route_prefix_tokens=args.prompt_len, epsilon=args.epsilon)
-        # the oracle stays a member (its stats and client) but off the routed ring
-        router.policy.remove(oracle)
+        modes = [f"router{n}" for n in args.gateways] + ["round_robin", "oracle"]
         out: dict = {"hit_rate": {}, "ttft_p50_ms": {}, "hit_rate_per_order": {}, "wall_s": {}, "errors": {}}
-        samples: list[dict[str, float]] = []
-        pooled: dict[str, list[Result]] = {mode: [] for mode in MODES}
+        samples: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+        pooled: dict[str, list[Result]] = {mode: [] for mode in modes}
         for seed in range(args.seed, args.seed + args.orders):
             work = build_workload(seed, args.prompts, args.prompt_len, args.per_prompt)
-            for mode in MODES:
+            for mode in modes:
                 t0 = time.perf_counter()
-                results = await run_mode(mode, membership, router, cluster, oracle, work, args, samples, seed)
+                if mode.startswith("router"):
+                    results, their = await asyncio.to_thread(run_gateways, int(mode[6:]), cluster, work, args, seed)
+                    samples[mode] += their
+                else:
+                    results = await run_mode(mode, membership, cluster, oracle, work, args, seed)
                 pooled[mode] += results
                 out["hit_rate_per_order"].setdefault(mode, []).append(summarize(results)[0])
+                print(f"seed {seed} {mode}: hit rate, ttft p50 ms {summarize(results)}, precision p50 "
+                      f"{precision_p50(results)}, {time.perf_counter() - t0:.0f}s", file=sys.stderr)
                 out["wall_s"][mode] = round(out["wall_s"].get(mode, 0.0) + time.perf_counter() - t0, 1)
         for mode, results in pooled.items():
             out["hit_rate"][mode], out["ttft_p50_ms"][mode] = summarize(results)
             out["errors"][mode] = sum(r.error is not None for r in results)
-        out["max_over_mean_load"] = load_ratio(samples, cluster)
+        first = f"router{args.gateways[0]}"
+        by_n = {str(n): {"hit_rate": out["hit_rate"][f"router{n}"], "ttft_p50_ms": out["ttft_p50_ms"][f"router{n}"],
+                         "max_over_mean_load": load_ratio(samples[f"router{n}"], cluster),
+                         "precision_p50": precision_p50(pooled[f"router{n}"])} for n in args.gateways}
+        for key in ("hit_rate", "ttft_p50_ms", "hit_rate_per_order", "wall_s", "errors"):
+            out[key]["router"] = out[key].pop(first)  # today's fields: the first N under "router"
+        out["max_over_mean_load"] = by_n[str(args.gateways[0])]["max_over_mean_load"]
+        out["precision_p50"] = by_n[str(args.gateways[0])]["precision_p50"]
+        out["by_gateways"] = by_n
         out["kv_tokens_per_worker"] = {ep: membership.member(ep).stats.kv_total for ep in cluster + [oracle]}
         hr, tt = out["hit_rate"], out["ttft_p50_ms"]
         out["checks"] = {
@@ -180,9 +271,15 @@ async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
             "hit_vs_round_robin": round(hr["router"] / hr["round_robin"], 3) if hr["round_robin"] else None,
             "ttft_vs_round_robin": round(tt["router"] / tt["round_robin"], 3),
         }
-        out.update(model=args.model, workers=3, orders=args.orders, requests=len(pooled["router"]),
-                   concurrency=args.concurrency,
-                   prompt_len=args.prompt_len, max_tokens=args.max_tokens, epsilon=args.epsilon)
+        if len(args.gateways) > 1:
+            last = str(args.gateways[-1])
+            out["checks"][f"hit_{last}gw_vs_{args.gateways[0]}gw"] = (
+                round(by_n[last]["hit_rate"] / hr["router"], 3) if hr["router"] else None)
+            out["checks"][f"hit_{last}gw_vs_oracle"] = (
+                round(by_n[last]["hit_rate"] / hr["oracle"], 3) if hr["oracle"] else None)
+        out.update(model=args.model, workers=3, gateways=args.gateways, orders=args.orders,
+                   requests=len(pooled[first]), concurrency=args.concurrency, prompt_len=args.prompt_len,
+                   max_tokens=args.max_tokens, epsilon=args.epsilon, cpu=cpu_model(), dtype=args.dtype or "auto")
         return out
     finally:
         await membership.close()
@@ -214,7 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orders", type=int, default=5,
                     help="random orders of the workload, each run by all three modes; hit rates and TTFT pool them")
     ap.add_argument("--ready-timeout", type=float, default=180.0)
+    ap.add_argument("--gateways", default="1",
+                    help="comma list of gateway process counts, each run over the same orders (e.g. 1,3)")
+    ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one gateway process may take")
     args = ap.parse_args(argv)
+    try:
+        args.gateways = [int(n) for n in args.gateways.split(",") if n.strip()]
+    except ValueError:
+        ap.error("--gateways must be a comma list of positive integers")
+    if not args.gateways or min(args.gateways) < 1:
+        ap.error("--gateways must be a comma list of positive integers")
     with tempfile.TemporaryDirectory(prefix="sy-bench-routing-") as tmp:
         result = asyncio.run(bench(args, Path(tmp)))
     if not args.json:

@@ -1,6 +1,7 @@
 """Benchmark: what the ZeroMQ hop (worker process + router client) costs against the bare engine.
 
-Same workload as `bench.engine_throughput`, in-process and through a worker (`--json` for one line).
+Same workload as `bench.engine_throughput`, in-process and through a worker (`--json` for one line);
+`--http` adds the full stack (gateway + worker, streaming `/v1/completions` with token-id prompts).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
+
+from bench.machine import cpu_model  # noqa: E402
 
 
 def _free_port() -> int:
@@ -114,6 +117,51 @@ def run_through_worker(args: argparse.Namespace,
             proc.wait(timeout=10)
 
 
+async def _through_http(base_url: str, key: str, workload: list[tuple[list[int], int]]) -> float:
+    """Wall seconds of the workload as streaming completions through the gateway, all requests at once."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def one(client: httpx.AsyncClient, prompt: list[int], out_len: int) -> int:
+        body = {"model": "default", "prompt": prompt, "max_tokens": out_len, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        n = 0
+        async with client.stream("POST", base_url + "/v1/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"gateway answered {resp.status_code}: {(await resp.aread())[:200]!r}")
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {") and '"usage":{' in line:
+                    n = json.loads(line[6:])["usage"]["completion_tokens"]
+        return n
+
+    limits = httpx.Limits(max_connections=len(workload) + 4)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+        await one(client, workload[0][0][:32], 4)  # warm-up
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(client, p, n) for p, n in workload))
+        wall = time.perf_counter() - start
+    if counts != [n for _, n in workload]:
+        raise RuntimeError("the stack produced the wrong number of tokens")
+    return wall
+
+
+def run_through_http(args: argparse.Namespace, workload: list[tuple[list[int], int]]) -> float:
+    from config.launcher import Stack, StackConfig, free_port
+
+    wargs = ["--num-threads", str(args.threads), "--log-level", "WARNING", "--dtype", args.dtype,
+             "--kv-cache-bytes", str(args.kv_cache_bytes)]
+    stack = Stack(StackConfig(port=free_port(), model=args.model, worker_args=wargs,
+                              gateway_args=["--log-level", "WARNING"], ready_timeout=args.ready_timeout,
+                              log_dir=Path(os.environ.get("TMPDIR", "/tmp")) / f"zmq-overhead-{os.getpid()}"))
+    stack.start()
+    try:
+        key = stack.create_tenant("bench", tpm=0, rpm=0, max_concurrent=0, max_tokens=4096)
+        return asyncio.run(_through_http(stack.base_url, key, workload))
+    finally:
+        stack.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON line only")
@@ -125,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ready-timeout", type=float, default=180.0)
+    ap.add_argument("--http", action="store_true", help="also through gateway + worker over HTTP (SSE)")
     args = ap.parse_args(argv)
-
     workload, eng_wall = run_in_process(args)
     out_tokens = sum(n for _, n in workload)
     zmq_wall, hops = run_through_worker(args, workload)
@@ -137,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_vs_engine": round(eng_wall / zmq_wall, 3),
         "extra_latency_ms_p50": round(_percentile(extra, 0.5), 2),
         "extra_latency_ms_p99": round(_percentile(extra, 0.99), 2),
+        "threads": args.threads, "dtype": args.dtype, "cpu": cpu_model(),
     }
+    if args.http:
+        http_wall = run_through_http(args, workload)
+        result["http_tok_s"] = round(out_tokens / http_wall, 1)
+        result["http_ratio_vs_engine"] = round(eng_wall / http_wall, 3)
     if not args.json:
         print(f"in-process {eng_wall:.2f}s, through the worker {zmq_wall:.2f}s", file=sys.stderr)
     print(json.dumps(result))

@@ -97,11 +97,12 @@ def build_app(settings: Settings):
                                 redis_url=None if gw.workers else settings.redis_url,
                                 dead_after=gw.worker_timeout, client_factory=clients)
         router = Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens,
-                        epsilon=gw.route_epsilon, footprint_epsilon=gw.route_footprint_epsilon)
+                        epsilon=gw.route_epsilon, footprint_epsilon=gw.route_footprint_epsilon,
+                        block_size=gw.block_size, tokenizer_version=model.version)
         gate = None
         if gw.capacity_admission:
             gate = CapacityGate(RouterCapacity(router), admission_wait_ms=gw.admission_wait_ms,
-                                interactive_reserve=gw.interactive_reserve)
+                                interactive_reserve=gw.interactive_reserve, fair_queue=gw.capacity_fair_queue)
             router.on_stats(lambda _event: gate.notify())  # new stats may make room for waiters
         await router.start()
         local = None

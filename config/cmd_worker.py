@@ -12,7 +12,8 @@ from typing import Any
 from config.settings import Settings, WorkerSettings, flags_to_overrides, load_settings
 
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
-_ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness")
+_ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness",
+                 "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="weight-only quantization (auto: the fastest mode passing the quality gate here; see README)")
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
     a("--fairness", choices=["vtc", "fifo"], help="order between tenants in a priority class (default vtc)")
+    a("--spec-tokens", type=int, help="n-gram speculative decoding: drafts per sequence per step (0: off)")
+    a("--spec-max-batch", type=int, help="speculate only while this many sequences decode or fewer (0: off)")
+    a("--spec-ngram-max", type=int, help="longest suffix matched for drafts (default 3)")
+    a("--spec-ngram-min", type=int, help="shortest suffix matched for drafts (default 1)")
     a("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a("--log-format", choices=["json", "text"], help="log lines as JSON objects (default) or text")
     a("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default 0: off)")
@@ -64,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
     ws = settings.worker
+    from worker.memory import bound_native_memory
+
+    bound_native_memory()  # before torch runs its first matmul
     from worker.link_auth import InsecureBind, LinkAuth
 
     try:  # before the model loads: an open port without a cluster key is refused at once

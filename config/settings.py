@@ -38,6 +38,11 @@ class WorkerSettings(BaseModel):
     fairness: Literal["vtc", "fifo"] = "vtc"  # between tenants within a priority class: VTC fair share or arrival
     num_threads: int | None = None
     quantization: Literal["none", "int8", "int4", "auto"] = "none"  # weights; auto: see worker.quant.resolve_mode
+    # n-gram speculative decoding (worker.speculative); None keeps the engine's default
+    spec_tokens: int | None = Field(None, ge=0, le=16)
+    spec_max_batch: int | None = Field(None, ge=0)
+    spec_ngram_max: int | None = Field(None, ge=1, le=8)
+    spec_ngram_min: int | None = Field(None, ge=1, le=8)
     metrics_port: int = Field(0, ge=0, le=65535)  # Prometheus /metrics HTTP port; 0 = disabled
     metrics_host: str = "0.0.0.0"
 
@@ -61,10 +66,13 @@ class GatewaySettings(BaseModel):
     # a prefix no worker holds goes to a worker whose placed prefix tokens are below (1 + eps) x mean
     route_footprint_epsilon: float = Field(0.1, ge=0.0)
     route_prefix_tokens: int = Field(256, ge=0)  # stable-prefix tokens a routing key covers at most
+    # the workers' KV block size: the unit of block hashes; a worker reporting another size is refused
+    block_size: int = Field(16, gt=0)
     # capacity admission (admission.capacity.CapacityGate over the workers' KV stats)
     capacity_admission: bool = True
     admission_wait_ms: int = Field(2000, ge=0)  # queue this long for KV capacity, then 503 server_overloaded
     interactive_reserve: float = Field(0.2, ge=0.0, lt=1.0)  # share of each worker's KV kept for interactive
+    capacity_fair_queue: bool = True  # capacity waiters: fair across tenants (false: one FIFO per priority)
     fail_open: bool = False  # Redis down: admit up to this gateway's share of each limit instead of 503
     lease_ttl: float = Field(60.0, gt=0)  # concurrency lease expiry (renewed every ttl/3 while streaming)
     drain_timeout: float = Field(30.0, gt=0)  # SIGTERM: seconds for in-flight requests to finish

@@ -19,13 +19,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import metrics
+from gateway import errors, metrics
+from gateway.choices import GenerationGroup
 from gateway.drain import DrainMiddleware, DrainState
 from gateway.errors import ApiError, install_handlers
 from gateway.http import ClientGone, RequestIdMiddleware, read_json, until_disconnect
 from gateway.openapi import openapi_endpoint
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion
-from gateway.service import Delta, GatewayService, Generation
+from gateway.service import Delta, GatewayService, Generation, Prepared
 from gateway.sse import DONE, SSEResponse, event, install_log_filter
 
 log = logging.getLogger("switchyard.gateway")
@@ -63,6 +64,8 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
     else:  # long prompts tokenize off the event loop (the tokenizer releases the GIL)
         prepared = await run_in_threadpool(svc.prepare, tenant, req, rid)
     trace = metrics.current().trace(prepared.priority.label, tenant.name, arrived)
+    if prepared.grouped:
+        return await _generate_group(request, svc, prepared, trace)
     gen = await svc.start(prepared)
     trace.admitted()
     try:
@@ -87,10 +90,55 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
             await _close(gen, trace)
 
 
-async def _close(gen: Generation, trace: metrics.RequestTrace) -> None:
+async def _generate_group(request: Request, svc: GatewayService, prepared: Prepared,
+                          trace: metrics.RequestTrace) -> Response:
+    """Several choices, tool calls or echo (`gateway.choices`): the same framing as one stream."""
+    group: GenerationGroup | None = await svc.start_group(prepared)
+    assert group is not None
+    trace.admitted()
+    try:
+        if prepared.req.stream:
+            events = group.events()
+            first = await until_disconnect(request, anext(events, None))
+            trace.first_token(group.usage.completion_tokens)
+            response: Response = SSEResponse(
+                _group_sse(group, first, events), functools.partial(_close, group, trace), headers=group.headers,
+                write_timeout_s=request.app.state.config.stream_write_timeout_s)
+            group = None  # the response owns it now
+            return response
+        return JSONResponse(await until_disconnect(request, group.collect()), headers=group.headers)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    except ApiError as exc:
+        exc.headers = {**(group.headers if group else {}), **exc.headers}
+        raise
+    finally:
+        if group is not None:
+            await _close(group, trace)
+
+
+async def _group_sse(group: GenerationGroup, first: dict | None, events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    try:
+        if first is not None:
+            yield event(first)
+        async for chunk in events:
+            yield event(chunk)
+    except ApiError as exc:
+        metrics.current().stream_errors.labels(str(exc.status)).inc()
+        yield event(exc.body())
+        return
+    finally:
+        await events.aclose()
+    if group.prepared.req.include_usage:
+        yield event(group.prepared.shape.usage_chunk(group.usage))
+    yield DONE
+
+
+async def _close(gen: Generation | GenerationGroup, trace: metrics.RequestTrace) -> None:
     await gen.close()
     u = gen.usage
-    trace.finished(u.prompt_tokens, u.completion_tokens, u.cached_tokens, gen.finish_reason is not None)
+    done = gen.finished if isinstance(gen, GenerationGroup) else gen.finish_reason is not None
+    trace.finished(u.prompt_tokens, u.completion_tokens, u.cached_tokens, done)
 
 
 async def _sse_body(gen: Generation, first: Delta | None, trace: metrics.RequestTrace) -> AsyncIterator[bytes]:
@@ -125,15 +173,26 @@ async def completions(request: Request) -> Response:
     return await _generate(request, parse_completion)
 
 
+def _model_card(request: Request, model: str) -> dict:
+    return {"id": model, "object": "model", "created": request.app.state.started, "owned_by": "switchyard"}
+
+
 async def list_models(request: Request) -> Response:
     svc = _service(request)
     tenant = await svc.authenticate(request.headers.get("authorization"))
     model = svc.model.model_id
-    data = []
-    if tenant.allows_model(model):
-        data.append({"id": model, "object": "model", "created": request.app.state.started,
-                     "owned_by": "switchyard"})
+    data = [_model_card(request, model)] if tenant.allows_model(model) else []
     return JSONResponse({"object": "list", "data": data})
+
+
+async def get_model(request: Request) -> Response:
+    """One model by id (or alias) the tenant may use; 404 in OpenAI's shape otherwise."""
+    svc = _service(request)
+    tenant = await svc.authenticate(request.headers.get("authorization"))
+    name = request.path_params["model"]
+    if name not in svc.model.names or not (tenant.allows_model(name) or tenant.allows_model(svc.model.model_id)):
+        raise errors.model_not_found(name)
+    return JSONResponse(_model_card(request, name))
 
 
 async def health(request: Request) -> Response:
@@ -172,6 +231,7 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics.metrics_endpoint, methods=["GET"]),

@@ -17,10 +17,13 @@ from gateway.schemas import (
     MAX_CACHE_KEY,
     MAX_COMPLETION_LOGPROBS,
     MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_PROMPTS,
     MAX_STOP,
     MAX_TOP_LOGPROBS,
     PRIORITIES,
 )
+from gateway.tools import MAX_TOOLS
 
 INT32_MAX = 2**31 - 1
 JSON = "application/json"
@@ -63,7 +66,12 @@ _USAGE = {
 # usage chunk, a final {"error": ...} or "[DONE]", each as one `data:` line.
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string", "minLength": 1}}}
 
-_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None]}
+_TOOL_CALL = {"type": "object", "required": ["id", "function"],
+              "properties": {"id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+                             "function": {"type": "object", "required": ["name", "arguments"],
+                                          "properties": {"name": {"type": "string"},
+                                                         "arguments": {"type": "string"}}}}}
 
 
 def _integer(lo: int, hi: int, description: str = "") -> dict[str, Any]:
@@ -97,12 +105,12 @@ def _common_fields() -> dict[str, Any]:
                            {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1}}]},
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": ["boolean", "null"]}}},
-        "n": {"type": "integer", "enum": [1]},
+        "n": _integer(1, MAX_N, "Choices per prompt: sibling sequences that share the prompt's KV pages; "
+                               "the prompt is prefilled and billed once, every choice's tokens count."),
         "user": {"type": "string", "description": "Accepted and ignored."},
         "metadata": {"type": "object", "description": "Accepted and ignored."},
         "store": {"type": "boolean", "description": "Accepted and ignored: nothing is stored."},
         "service_tier": {"type": "string", "description": "Accepted and ignored; see `priority`."},
-        "parallel_tool_calls": {"type": "boolean", "description": "Accepted and ignored (no tools)."},
         "safety_identifier": {"type": "string", "description": "Accepted and ignored."},
         "prompt_cache_key": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_KEY,
                              "description": "Routes requests with the same key (within your tenant) together."},
@@ -119,6 +127,8 @@ def _common_fields() -> dict[str, Any]:
                                       "vocabulary."},
         "priority": {"type": "string", "enum": list(PRIORITIES)},
         "response_format": _response_format(),
+        "speculative": {"type": "boolean", "description": "Extension: false opts out of n-gram speculative "
+                                                          "decoding (the output is the same either way)."},
     }
 
 
@@ -140,6 +150,31 @@ def _response_format() -> dict[str, Any]:
                            "cut by max_tokens ends with finish_reason `length` and may be incomplete JSON."}
 
 
+def _tool_fields() -> dict[str, Any]:
+    function = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": {"type": ["string", "null"]},
+        "parameters": {"type": ["object", "null"], "description": "A JSON schema (the call's arguments follow "
+                       "it); keywords that cannot be enforced are a 400 naming tools[i].function.parameters."},
+        "strict": {"type": ["boolean", "null"], "description": "Calls always follow the schema."}}}
+    tool = {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+            "properties": {"type": {"type": "string", "enum": ["function"]}, "function": function}}
+    named = {"type": "object", "required": ["type", "function"],
+             "properties": {"type": {"type": "string", "enum": ["function"]},
+                            "function": {"type": "object", "required": ["name"],
+                                         "properties": {"name": {"type": "string"}}}}}
+    return {
+        "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": tool,
+                  "description": "Rendered as a Hermes-style system block; calls come back in "
+                                 "`message.tool_calls` with finish_reason `tool_calls`."},
+        "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, named],
+                        "description": "required / a named function: the call is grammar-constrained to the "
+                                       "parameters' schema; auto: text or calls; none: tools are not shown. "
+                                       "Needs `tools` unless none; an unknown name is a 400."},
+        "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call per choice."},
+    }
+
+
 def _chat_request() -> dict[str, Any]:
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
@@ -147,8 +182,12 @@ def _chat_request() -> dict[str, Any]:
                "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)},
                               "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part},
                                                     {"type": "null"}],
-                                          "description": "null only in assistant messages"}}}
-    props = {**_common_fields(),
+                                          "description": "null only in assistant messages"},
+                              "tool_calls": {"type": ["array", "null"], "minItems": 1, "items": _TOOL_CALL,
+                                             "description": "assistant messages: the calls it made"},
+                              "tool_call_id": {"type": ["string", "null"],
+                                               "description": "required in `tool` messages"}}}
+    props = {**_common_fields(), **_tool_fields(),
              "messages": {"type": "array", "minItems": 1, "items": message},
              "max_completion_tokens": _integer(1, INT32_MAX),
              "logprobs": {"type": "boolean"},
@@ -162,12 +201,14 @@ def _completion_request() -> dict[str, Any]:
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
            "description": "Token ids; each must be inside the model's vocabulary (400 otherwise)."}
     prompt = {"anyOf": [{"type": "string", "minLength": 1}, ids,
-                        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
-                        {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]}
+                        {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                         "items": {"anyOf": [{"type": "string", "minLength": 1}, ids]}}],
+              "description": "One prompt, or a batch: each prompt's `n` choices have index prompt_i * n + j."}
     props = {**_common_fields(), "prompt": prompt,
              "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS, "Alternatives per token (0: the chosen only)."),
-             "echo": {"type": "boolean", "enum": [False]},
-             "best_of": {"type": "integer", "enum": [1]}}
+             "echo": {"type": "boolean", "description": "The prompt's text leads each choice's text; with "
+                                                       "`logprobs` a 400 (prompt logprobs are not computed)."},
+             "best_of": {"type": "integer", "enum": [1], "description": "Only 1: candidates are not ranked."}}
     required = ("model", "prompt")
     return {"type": "object", "required": list(required), "properties": _nullable(props, required),
             "additionalProperties": False}
@@ -176,7 +217,8 @@ def _completion_request() -> dict[str, Any]:
 def _choice(chat: bool) -> dict[str, Any]:
     if chat:
         body = {"message": {"type": "object", "required": ["role", "content"],
-                            "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}}
+                            "properties": {"role": {"type": "string"}, "content": {"type": ["string", "null"]},
+                                           "tool_calls": {"type": "array", "items": _TOOL_CALL}}}}
     else:
         body = {"text": {"type": "string"}}
     return {"type": "object", "required": ["index", "finish_reason"],
@@ -218,6 +260,12 @@ def _plain_get(summary: str, media: str, schema: dict[str, Any], extra: dict[str
     return {"get": op}
 
 
+def _model_get(card: dict[str, Any]) -> dict[str, Any]:
+    op = _plain_get("One model this key may use", JSON, card, _error_responses(("401", "404", "503")), secured=True)
+    op["get"]["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return op
+
+
 def build_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document as a dict."""
     models = {"type": "object", "required": ["object", "data"],
@@ -237,6 +285,7 @@ def build_document() -> dict[str, Any]:
             "/v1/completions": _generate_op("Text completion", "CompletionRequest", "Completion"),
             "/v1/models": _plain_get("Models this key may use", JSON, models, _error_responses(("401", "503")),
                                      secured=True),
+            "/v1/models/{model}": _model_get(models["properties"]["data"]["items"]),
             "/health": _plain_get("Liveness", JSON, {"type": "object"}),
             "/ready": _plain_get("Readiness (worker and Redis reachable, not draining)", JSON,
                                  {"type": "object"}, not_ready),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import invalid
+from gateway.tools import ToolRequest, message_tool_calls, parse_tools
 from worker.protocol import (
     PRIORITY_NAMES,
     GrammarError,
@@ -21,7 +22,9 @@ from worker.protocol import (
 
 MAX_STOP = 4
 PRIORITIES = PRIORITY_NAMES
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_N = 8  # choices per prompt (`n`, `best_of`)
+MAX_PROMPTS = 16  # prompts in one completions request
 MAX_CACHE_KEY = 256
 MAX_LOGIT_BIAS = 300
 MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`
@@ -29,16 +32,16 @@ MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`
 _MISSING = object()
 
 # Accepted and deliberately ignored (listed in README): they change nothing we compute.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                            "safety_identifier"})
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier"})
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                             "stream_options", "n", "ignore_eos", "priority", "prompt_cache_key",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                            "logit_bias", "response_format"}) | IGNORED_FIELDS
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+                            "logit_bias", "response_format", "speculative"}) | IGNORED_FIELDS
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 # Known OpenAI fields not implemented (yet): a clearer message than "unknown".
-_UNSUPPORTED = frozenset({"tools", "tool_choice", "functions", "function_call", "audio",
+_UNSUPPORTED = frozenset({"functions", "function_call", "audio",
                           "modalities", "prediction", "reasoning_effort", "web_search_options", "suffix"})
 
 
@@ -48,8 +51,12 @@ class GenerationRequest:
 
     kind: str  # "chat" | "completion"
     model: str
-    messages: list[dict[str, str]] | None = None
-    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # role, content; assistant tool_calls; tool tool_call_id
+    prompt: str | list[int] | None = None  # the first (often only) prompt of `prompts`
+    prompts: list[str | list[int]] | None = None  # completions: every prompt, each served as its own choices
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt text leads each choice's text
+    tools: ToolRequest | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -70,6 +77,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     priority: Priority | None = None
     grammar: GrammarSpec | None = None  # from `response_format`: the output is constrained to it
+    speculative: bool = True  # extension: false opts out of n-gram speculative decoding (same output)
 
 
 def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, param: str | None = None) -> Any:
@@ -138,9 +146,6 @@ def _common(body: Any, kind: str) -> GenerationRequest:
     model = _get(body, "model", (str,), "a string")
     if not model:
         raise invalid("'model' is required.", param="model")
-    n = _get(body, "n", (int,), "an integer")
-    if n is not None and n != 1:
-        raise invalid(f"Only n=1 is supported, got n={n}.", param="n")
     stream = _bool(body, "stream")
     options = _get(body, "stream_options", (dict,), "an object")
     include_usage = False
@@ -153,6 +158,7 @@ def _common(body: Any, kind: str) -> GenerationRequest:
     return GenerationRequest(
         kind=kind,
         model=model,
+        n=_int(body, "n", 1, MAX_N) or 1,
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=_top_p(body),
         top_k=0 if top_k is None or top_k < 0 else top_k,
@@ -170,6 +176,7 @@ def _common(body: Any, kind: str) -> GenerationRequest:
         min_tokens=_int(body, "min_tokens", 0, 2**31 - 1) or 0,
         logit_bias=_logit_bias(body),
         grammar=_response_format(body.get("response_format")),
+        speculative=_bool(body, "speculative", True),
     )
 
 
@@ -271,11 +278,11 @@ def _content(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _messages(body: dict) -> list[dict[str, Any]]:
     raw = _get(body, "messages", (list,), "an array of messages")
     if not raw:
         raise invalid("'messages' must be a non-empty array.", param="messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(raw):
         param = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -284,10 +291,21 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise invalid(f"'role' must be one of {', '.join(CHAT_ROLES[:3])}.", param=f"{param}.role")
         content = msg.get("content")
+        item: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        if msg.get("tool_calls") is not None:
+            if role != "assistant":
+                raise invalid("Only assistant messages carry 'tool_calls'.", param=f"{param}.tool_calls")
+            item["tool_calls"] = message_tool_calls(msg, param)
         if content is None and role == "assistant":
             content = ""
-        text = _content(content, f"{param}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": text})
+        call_id = msg.get("tool_call_id")
+        if role == "tool" or call_id is not None:
+            if role != "tool" or not isinstance(call_id, str) or not call_id:
+                raise invalid("A 'tool' message, and only one, needs a 'tool_call_id' string.",
+                              param=f"{param}.tool_call_id")
+            item["tool_call_id"] = call_id
+        item["content"] = _content(content, f"{param}.content")
+        out.append(item)
     return out
 
 
@@ -298,6 +316,12 @@ def parse_chat(body: Any) -> GenerationRequest:
     req.logprobs = _bool(body, "logprobs")
     req.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     req.logprobs = req.logprobs or req.top_logprobs > 0  # alternatives come with the chosen token's logprob
+    req.tools = parse_tools(body)
+    if req.tools is not None and req.tools.active:
+        if req.grammar is not None:
+            raise invalid("'response_format' cannot be combined with 'tools' unless tool_choice is 'none'.",
+                          param="response_format")
+        req.grammar = req.tools.grammar()
     _check_min_tokens(req)
     return req
 
@@ -308,29 +332,34 @@ def _check_min_tokens(req: GenerationRequest) -> None:
                       param="min_tokens")
 
 
-def _prompt(body: dict) -> str | list[int]:
+def _prompts(body: dict) -> list[str | list[int]]:
+    """A string, an array of token ids, or an array of several of either (a batch of prompts)."""
     value = _get(body, "prompt", (str, list), "a string or an array of token ids")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]  # a batch of one prompt
-    if value is None or (isinstance(value, str | list) and len(value) == 0):
-        raise invalid("'prompt' must be a non-empty string or array of token ids.", param="prompt")
-    if isinstance(value, list):
-        for tok in value:
-            if isinstance(tok, bool) or not isinstance(tok, int):
-                raise invalid("'prompt' must be a string or one array of integer token ids "
-                              "(batches of several prompts are not supported).", param="prompt")
-    return value
+    batch = value if isinstance(value, list) and value and isinstance(value[0], str | list) else [value]
+    if len(batch) > MAX_PROMPTS:
+        raise invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts.", param="prompt")
+    for i, prompt in enumerate(batch):
+        param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if prompt is None or not isinstance(prompt, str | list) or len(prompt) == 0:
+            raise invalid("Each prompt must be a non-empty string or array of token ids.", param=param)
+        if isinstance(prompt, list) and any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise invalid("A prompt must be a string or an array of integer token ids.", param=param)
+    return batch
 
 
 def parse_completion(body: Any) -> GenerationRequest:
     req = _common(body, "completion")
-    req.prompt = _prompt(body)
+    req.prompts = _prompts(body)
+    req.prompt = req.prompts[0]
     req.max_tokens = _max_tokens(body, ("max_tokens",))
     logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     req.logprobs = logprobs is not None
     req.top_logprobs = logprobs or 0
     _check_min_tokens(req)
-    if _bool(body, "echo"):
-        raise invalid("'echo' is not supported.", param="echo")
-    _int(body, "best_of", 1, 1)  # only the default, 1, is accepted
+    req.echo = _bool(body, "echo")
+    if req.echo and req.logprobs:
+        raise invalid("'echo' with 'logprobs' is not supported (prompt logprobs are not computed).", param="echo")
+    best_of = _int(body, "best_of", 1, MAX_N)
+    if best_of not in (None, 1):
+        raise invalid("'best_of' above 1 is not supported (candidates are not ranked); use 'n'.", param="best_of")
     return req

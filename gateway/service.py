@@ -5,7 +5,6 @@ then turn the worker's token stream into text deltas (`Generation`) and settle a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 from admission import Admission, AdmissionTicket, error_response
 from gateway import errors, metrics
+from gateway.choices import GenerationGroup, close_stack
 from gateway.detokenize import IncrementalDetokenizer, StopMatcher
 from gateway.errors import ApiError, invalid
 from gateway.model import ServedModel
@@ -48,6 +48,21 @@ class Prepared:
     priority: Priority
     ns: bytes
     shape: ResponseShape
+    batch: list[list[int]] = field(default_factory=list)  # every prompt's ids (prompt_ids first); [] = just that
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.batch or [self.prompt_ids]
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.req.n
+
+    @property
+    def grouped(self) -> bool:
+        """Served by `gateway.choices` (several choices, tool calls or echo) rather than one plain stream."""
+        tools = self.req.tools
+        return self.choices > 1 or self.req.echo or (tools is not None and tools.active)
 
 
 @dataclass(slots=True)
@@ -127,7 +142,10 @@ class GatewayService:
     def prepare(self, tenant: Tenant, req: GenerationRequest, request_id: str) -> Prepared:
         self.check_model(tenant, req.model)
         enc = self.model.encode(req)
-        n_prompt = len(enc.ids)
+        batch = [enc.ids]
+        if req.prompts is not None and len(req.prompts) > 1:
+            batch += [self.model.encode_prompt(pr, f"prompt[{i}]").ids for i, pr in enumerate(req.prompts) if i]
+        n_prompt = max(map(len, batch))
         room = self.model.max_context - n_prompt
         param = "messages" if req.kind == "chat" else "prompt"
         if room <= 0:
@@ -148,16 +166,17 @@ class GatewayService:
         prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
         shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), req.model, req.kind == "chat")
         return Prepared(request_id, req, tenant, enc.ids, enc.stable_len, max_tokens,
-                        tenant.effective_priority(req.priority), ns, shape)
+                        tenant.effective_priority(req.priority), ns, shape, batch if len(batch) > 1 else [])
 
-    def _sampling(self, p: Prepared) -> SamplingParams:
+    def _sampling(self, p: Prepared, seed: int | None = None) -> SamplingParams:
         r = p.req
         return SamplingParams(max_tokens=p.max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              seed=r.seed, ignore_eos=r.ignore_eos, logprobs=r.logprobs,
+                              seed=r.seed if seed is None else seed, ignore_eos=r.ignore_eos, logprobs=r.logprobs,
                               top_logprobs=r.top_logprobs, presence_penalty=r.presence_penalty,
                               frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty,
                               min_tokens=min(r.min_tokens, p.max_tokens), logit_bias=r.logit_bias,
-                              grammar=None if r.grammar is None else r.grammar.to_dict())
+                              grammar=None if r.grammar is None else r.grammar.to_dict(),
+                              speculative=r.speculative)
 
     async def start(self, p: Prepared) -> Generation:
         """Admit the request and open its worker stream; the caller must `close()` the result."""
@@ -165,14 +184,7 @@ class GatewayService:
         usage = Usage(prompt_tokens=len(p.prompt_ids))
         headers: dict[str, str] = {}
         try:
-            ticket = None
-            if not self.router.live():
-                # before admission: nothing is charged, and capacity would only queue then shed
-                metrics.current().count_shed("no_worker")
-                raise errors.no_live_worker()
-            if self.admission is not None:
-                ticket = await self._admit(stack, p, usage)
-                headers.update(ticket.headers)
+            ticket = await self._gate(stack, p, usage, headers)
             chunks = self.router.stream(RouteRequest(
                 # the response id is unique; a client-chosen x-request-id need not be
                 rid=p.shape.id, ns=p.ns, tokens=p.prompt_ids, cost=usage.prompt_tokens + p.max_tokens,
@@ -186,11 +198,52 @@ class GatewayService:
         return Generation(self.model, p, chunks, stack, usage, headers, self.config.first_token_timeout_s, ticket,
                           tenants=self.tenants)
 
-    async def _admit(self, stack: AsyncExitStack, p: Prepared, usage: Usage) -> AdmissionTicket:
+    async def start_group(self, p: Prepared) -> GenerationGroup:
+        """Admit once for every choice (prompts once, n x max_tokens each) and open one worker stream per
+        choice; siblings of a prompt share its routing key, so they meet its cached pages on one worker."""
+        stack = AsyncExitStack()
+        usage = Usage(prompt_tokens=sum(map(len, p.prompts)))
+        headers: dict[str, str] = {}
+        gens: list[Generation] = []
+        try:
+            ticket = await self._gate(stack, p, usage, headers, p.choices * p.max_tokens)
+            fkey = fairness_key(p.tenant.name, self.router.secret)
+            deadline = time.time() + self.config.request_timeout_s
+            for i, ids in enumerate(p.prompts):
+                for j in range(p.req.n):
+                    index = i * p.req.n + j
+                    chunks = self.router.stream(RouteRequest(
+                        rid=p.shape.id if index == 0 else f"{p.shape.id}-{index}", ns=p.ns, tokens=ids,
+                        cost=len(ids) + p.max_tokens, sampling=self._sampling(p, sibling_seed(p.req.seed, j)),
+                        stable_len=p.stable_len if i == 0 else None, priority=p.priority, deadline=deadline,
+                        cache_key=p.req.prompt_cache_key, fkey=fkey, weight=p.tenant.weight))
+                    stack.push_async_callback(_aclose, chunks)
+                    gens.append(Generation(self.model, p, chunks, AsyncExitStack(), usage, headers,
+                                           self.config.first_token_timeout_s, ticket, tenants=self.tenants))
+        except BaseException:
+            await stack.aclose()
+            raise
+        return GenerationGroup(p, gens, stack, usage, headers)
+
+    async def _gate(self, stack: AsyncExitStack, p: Prepared, usage: Usage, headers: dict[str, str],
+                    max_tokens: int | None = None) -> AdmissionTicket | None:
+        """Shed when no worker is live (before admission: nothing is charged, and capacity would only queue
+        then shed), else admit; the ticket's headers go into `headers`."""
+        if not self.router.live():
+            metrics.current().count_shed("no_worker")
+            raise errors.no_live_worker()
+        if self.admission is None:
+            return None
+        ticket = await self._admit(stack, p, usage, max_tokens)
+        headers.update(ticket.headers)
+        return ticket
+
+    async def _admit(self, stack: AsyncExitStack, p: Prepared, usage: Usage,
+                     max_tokens: int | None = None) -> AdmissionTicket:
         assert self.admission is not None
         try:
-            ticket = await stack.enter_async_context(
-                self.admission.admit(p.tenant, usage.prompt_tokens, p.max_tokens, p.priority))
+            ticket = await stack.enter_async_context(self.admission.admit(
+                p.tenant, usage.prompt_tokens, p.max_tokens if max_tokens is None else max_tokens, p.priority))
         except Exception as exc:
             spec = error_response(exc)
             if spec is None:
@@ -201,6 +254,13 @@ class GatewayService:
         stack.callback(lambda: ticket.record_usage(usage.prompt_tokens, usage.completion_tokens,
                                                    usage.cached_tokens))
         return ticket
+
+
+def sibling_seed(seed: int | None, j: int) -> int | None:
+    """Choice j's seed: the request's own for j = 0 (so n=1 answers match), distinct 64-bit values after."""
+    if seed is None or j == 0:
+        return seed
+    return (seed + j * 0x9E3779B97F4A7C15) % 2**64
 
 
 async def _aclose(chunks: AsyncIterator[OutItem]) -> None:
@@ -319,12 +379,4 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        task = asyncio.ensure_future(self.stack.aclose())
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await task
-            raise
-        except Exception:
-            log.exception("error while closing request", extra={"request_id": self.prepared.request_id})
+        await close_stack(self.stack, self.prepared.request_id)

@@ -30,6 +30,7 @@ from worker.protocol import (
     encode_abort,
     encode_gen,
     encode_hello,
+    encode_sync,
     rids_in_frame,
 )
 
@@ -193,6 +194,11 @@ class WorkerClient:
         """Ask the worker to stop `rid`; its stream (if open) ends with finish_reason "abort"."""
         if self._sock is not None and not self._closed:
             await self._sock.send(encode_abort(rid))
+
+    def request_sync(self) -> None:
+        """Ask the worker for a snapshot of the blocks it holds (it comes on the stats stream)."""
+        if self._sock is not None and not self._closed:
+            self._send_soon(encode_sync())
 
     # ------------------------------------------------------------ internals
 

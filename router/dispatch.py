@@ -9,19 +9,21 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from router import metrics
 from router.client import WorkerError
-from router.holders import PrefixHolders
+from router.holders import InFlightPrefixes, PrefixHolders
+from router.kv_view import KvView
 from router.load import LoadTracker
 from router.membership import Member, Membership, StatsEvent, StatsListener
 from router.policy import (
     DEFAULT_EPSILON,
     DEFAULT_FOOTPRINT_EPSILON,
+    FALLBACK_INCOMPATIBLE,
     Candidates,
     Choice,
     NoWorkerAvailable,
@@ -31,6 +33,7 @@ from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, cache_key_route, key_span
 from worker.protocol import OutItem, Priority, SamplingParams
 
 FALLBACK_FAILOVER = "failover"
+PrecisionListener = Callable[[str, str, int, int], None]  # rid, worker, predicted, actual cached tokens
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_STREAM_S = 600.0
 DEADLINE_GRACE_S = 1.0  # the worker ends overdue requests itself; this only catches a silent one
@@ -70,6 +73,7 @@ class Router:
         epsilon: float = DEFAULT_EPSILON,
         footprint_epsilon: float = DEFAULT_FOOTPRINT_EPSILON,
         rng: random.Random | None = None,
+        tokenizer_version: str | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must be non-empty bytes")
@@ -81,6 +85,10 @@ class Router:
         self.policy = RoutingPolicy(epsilon=epsilon, footprint_epsilon=footprint_epsilon, rng=rng)
         self.loads = LoadTracker()
         self.holders = PrefixHolders()
+        self.sending = InFlightPrefixes()  # this gateway's placements not yet reported by their workers
+        self.kv = KvView(block_size=block_size, tokenizer_version=tokenizer_version, clock=membership.clock,
+                         request_sync=lambda mid: membership.client(mid).request_sync())
+        self._precision: list[PrecisionListener] = []
         membership.on_join(self._joined)
         membership.on_leave(self._left)
         membership.on_stats(self._observed)
@@ -96,11 +104,15 @@ class Router:
 
     def live(self) -> list[str]:
         """Workers that may take new requests now."""
-        return self.membership.live()
+        return [w for w in self.membership.live() if not self.kv.refused(w)]
 
     def reporting(self) -> list[Member]:
         """Workers with current stats, live or draining (what capacity admission counts)."""
-        return self.membership.reporting()
+        return [m for m in self.membership.reporting() if not self.kv.refused(m.member_id)]
+
+    def on_precision(self, listener: PrecisionListener) -> None:
+        """Call `listener(rid, worker, predicted, actual)` with each request's predicted and reported cached tokens."""
+        self._precision.append(listener)
 
     def committed(self, worker_id: str) -> float:
         """KV tokens committed on `worker_id`, counting a request's hit only once the worker reports it."""
@@ -127,12 +139,14 @@ class Router:
         self.policy.remove(mid)
         self.loads.forget(mid)
         self.holders.forget(mid)
+        self.kv.forget(mid)
         metrics.forget_worker(mid)
 
     def _observed(self, event: StatsEvent) -> None:
         mid, stats = event.member_id, event.stats
         self.holders.set_capacity(mid, stats.kv_total)
         self.loads.on_stats(mid, stats, event.at)
+        self.kv.observe(mid, stats)
         metrics.PREFIX_HIT_RATE.labels(mid).set(stats.hit_rate)
         metrics.OUTSTANDING_TOKENS.labels(mid).set(self.loads.load(mid))
         if event.came_back:
@@ -145,29 +159,37 @@ class Router:
     def key_for(self, req: RouteRequest) -> bytes | None:
         if req.cache_key is not None:
             return cache_key_route(req.ns, self.secret, req.cache_key)
-        return prefix_key(req.tokens, req.stable_len, root=req.ns, secret=self.secret,
-                          block_size=self.block_size, max_tokens=self.route_prefix_tokens)
+        return prefix_key(req.tokens, req.stable_len, root=req.ns, block_size=self.block_size,
+                          max_tokens=self.route_prefix_tokens)
 
-    def pick(self, key: bytes | None, cost: int, exclude: frozenset[str] = frozenset(), span: int = 0) -> Choice:
-        """Choose a worker (raises NoWorkerAvailable) and count the fallback, if any."""
-        choice = self.policy.choose(self._candidates(key, exclude), cost, span)
+    def pick(self, key: bytes | None, cost: int, exclude: frozenset[str] = frozenset(), span: int = 0,
+             matched: dict[str, int] | None = None) -> Choice:
+        """Choose a worker (raises NoWorkerAvailable) and count the fallback, if any. `matched`: the prompt
+        tokens each worker reports holding (`KvView.matched`)."""
+        choice = self.policy.choose(self._candidates(key, exclude, matched or {}), cost, span)
         if choice.fallback is not None:
             metrics.FALLBACKS.labels(choice.fallback).inc()
         return choice
 
-    def _candidates(self, key: bytes | None, exclude: frozenset[str]) -> Candidates:
+    def _candidates(self, key: bytes | None, exclude: frozenset[str], matched: dict[str, int]) -> Candidates:
         order = self.policy.order(key)
-        status = {w: self.membership.status(w) for w in order}
-        if key is None:  # keyless: least loaded, no holders or footprints to compute
+        status = {w: FALLBACK_INCOMPATIBLE if self.kv.refused(w) else self.membership.status(w) for w in order}
+        held = _distinct(matched, order)
+        for w, tokens in self.sending.held(key).items():  # in flight here: held soon, maybe not yet reported
+            held[w] = max(held.get(w, 0), tokens)
+        if key is None and not held:  # keyless: least loaded, no holders or footprints to compute
             return Candidates(order, status, self.loads.loads(), keyed=False, excluded=exclude)
-        return Candidates(order, status, self.loads.loads(), excluded=exclude, held=self.holders.held(key),
-                          footprints=self._footprints_over_allowance())
+        return Candidates(order, status, self.loads.loads(), excluded=exclude,
+                          held=held or self.holders.held(key), footprints=self._footprints_over_allowance())
 
     def _footprints_over_allowance(self) -> dict[str, float]:
-        """Prefix tokens this gateway has placed on each worker beyond FREE_FOOTPRINT_SHARE of its KV cache."""
+        """Prefix tokens placed on each worker beyond FREE_FOOTPRINT_SHARE of its KV cache: the larger of what this
+        gateway placed (known at once) and what the worker reports storing (every gateway's placements)."""
         holders = self.holders
-        return {wid: max(0.0, tokens - FREE_FOOTPRINT_SHARE * holders.capacity(wid))
-                for wid, tokens in holders.footprints().items()}
+        placed = holders.footprints()
+        for wid, tokens in self.kv.footprints.footprints().items():
+            placed[wid] = max(placed.get(wid, 0.0), tokens)
+        return {wid: max(0.0, tokens - FREE_FOOTPRINT_SHARE * holders.capacity(wid)) for wid, tokens in placed.items()}
 
     async def stream(self, req: RouteRequest) -> AsyncIterator[OutItem]:
         """Yield the request's chunks; raises WorkerError or NoWorkerAvailable (before any output)."""
@@ -176,17 +198,18 @@ class Router:
         key = self.key_for(req)
         # what a worker holds under `key` once it has prefilled this request
         span = key_span(req.tokens, req.stable_len, block_size=self.block_size, max_tokens=self.route_prefix_tokens)
+        matched = self.kv.matched(req.ns, req.tokens, self.policy.members)
         exclude: frozenset[str] = frozenset()
         failed: WorkerError | None = None
         for _ in range(2):
             try:
-                choice = self.pick(key, req.cost, exclude, span)
+                choice = self.pick(key, req.cost, exclude, span, matched)
             except NoWorkerAvailable:
                 if failed is not None:
                     raise failed from None
                 raise
             started = False
-            attempt = self._attempt(choice.worker_id, req, key, span)
+            attempt = self._attempt(choice.worker_id, req, key, span, matched.get(choice.worker_id))
             try:
                 # aclosing: a consumer that stops early closes us, and we close the attempt at once
                 async with contextlib.aclosing(attempt) as chunks:
@@ -202,17 +225,20 @@ class Router:
                 exclude = exclude | {choice.worker_id}
                 metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
 
-    async def _attempt(self, wid: str, req: RouteRequest, key: bytes | None,
-                       span: int) -> AsyncIterator[OutItem]:
+    async def _attempt(self, wid: str, req: RouteRequest, key: bytes | None, span: int,
+                       reported: int | None) -> AsyncIterator[OutItem]:
         m = self.membership
         client = m.client(wid)
         loads, holders = self.loads, self.holders
         loop = asyncio.get_running_loop()
         hard_deadline = loop.time() + self._time_left(req)
-        loads.add(wid, req.rid, req.cost, m.clock(), holders.expected_cached(wid, key))
+        # what the worker reported holding; else what this gateway sent it (learned, in flight or not yet reported)
+        predicted = reported if reported is not None else holders.expected_cached(wid, key)
+        loads.add(wid, req.rid, req.cost, m.clock(), predicted)
         # Once this request is prefilled the worker holds its prefix: a request with the same key sent
         # there meanwhile waits for those pages instead of recomputing them (DESIGN.md, worker engine).
         holders.remember(wid, key, span)
+        self.sending.add(key, wid, span)
         metrics.REQUESTS.labels(wid).inc()
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         stream = client.generate(req.rid, req.ns, req.tokens, req.sampling, req.priority, req.deadline,
@@ -227,6 +253,7 @@ class Router:
                 if first:
                     first = False
                     loads.first_output(wid, req.rid, m.clock(), chunk.cached_tokens)
+                    self._predicted(req.rid, wid, predicted, chunk.cached_tokens)
                     if chunk.cached_tokens > span:
                         holders.remember(wid, key, chunk.cached_tokens)
                 cached = max(cached, chunk.cached_tokens)
@@ -238,8 +265,16 @@ class Router:
                     cached = 0
                 yield chunk
         finally:
+            self.sending.remove(key, wid)
             self._settle(wid, req.rid, cached)
             await stream.aclose()  # sends abort when the stream did not finish
+
+    def _predicted(self, rid: str, wid: str, predicted: int, actual: int) -> None:
+        if predicted > 0:
+            metrics.PREDICTED_TOKENS.labels(wid).inc(predicted)
+            metrics.PRECISION.observe(min(predicted, actual) / predicted)
+        for listener in self._precision:
+            listener(rid, wid, predicted, actual)
 
     def _settle(self, wid: str, rid: str, cached: int) -> None:
         """End the request's load accounting (idempotent)."""
@@ -254,3 +289,12 @@ class Router:
         if req.deadline <= 0:
             return self.max_stream_seconds
         return max(0.0, min(req.deadline - time.time() + DEADLINE_GRACE_S, self.max_stream_seconds))
+
+
+def _distinct(matched: dict[str, int], members: Iterable[str]) -> dict[str, int]:
+    """Reported prefix tokens beyond what every member holds (a chat template's common opening is no reason
+    to prefer anyone); empty when no worker holds more than the others."""
+    if not matched:
+        return {}
+    floor = min(matched.get(w, 0) for w in members)
+    return {w: t - floor for w, t in matched.items() if t > floor}

@@ -96,3 +96,32 @@ class PrefixHolders:
 
     def _weight(self, used_at: float) -> float:
         return math.exp(-(self._placed - used_at) / self._scale) if self._scale > 0 else 1.0
+
+
+class InFlightPrefixes:
+    """Prefix keys of this gateway's requests in flight, per worker: what a worker will hold before it reports it."""
+
+    def __init__(self) -> None:
+        self._keys: dict[bytes, dict[str, list[int]]] = {}  # key -> worker -> [requests, tokens]
+
+    def add(self, key: bytes | None, worker_id: str, tokens: int) -> None:
+        if key is None or tokens <= 0:
+            return
+        entry = self._keys.setdefault(key, {}).setdefault(worker_id, [0, 0])
+        entry[0] += 1
+        entry[1] = max(entry[1], tokens)
+
+    def remove(self, key: bytes | None, worker_id: str) -> None:
+        workers = self._keys.get(key) if key is not None else None
+        entry = workers.get(worker_id) if workers else None
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] <= 0:
+            del workers[worker_id]
+            if not workers:
+                del self._keys[key]
+
+    def held(self, key: bytes | None) -> dict[str, int]:
+        workers = self._keys.get(key) if key is not None else None
+        return {w: entry[1] for w, entry in workers.items()} if workers else {}

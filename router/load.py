@@ -36,6 +36,7 @@ class LoadTracker:
     def __init__(self, *, settle: float = DEFAULT_SETTLE_S, initial_mean_cost: float = 512.0) -> None:
         self.settle = settle
         self.mean_cost = initial_mean_cost
+        self._samples = 0
         self._workers: dict[str, _WorkerLoad] = {}
 
     def add(self, worker_id: str, rid: str, cost: int, now: float, expected_cached: int = 0) -> None:
@@ -59,7 +60,9 @@ class LoadTracker:
             w.mine_tokens += exact - entry.cost
             w.mine_committed += exact - entry.full
             entry.cost = exact
-            self.mean_cost += _COST_EWMA_ALPHA * (exact - self.mean_cost)
+            # a plain mean over the first samples (the initial guess goes at once), then an EWMA
+            self._samples += 1
+            self.mean_cost += max(_COST_EWMA_ALPHA, 1.0 / self._samples) * (exact - self.mean_cost)
 
     def release(self, worker_id: str, rid: str) -> None:
         w = self._workers.get(worker_id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter(
     "switchyard_router_requests", "Requests dispatched to each worker (failover re-sends included)", ["worker"]
@@ -26,11 +26,34 @@ CACHED_TOKENS = Counter(
 FALLBACKS = Counter(
     "switchyard_router_fallbacks",
     "Requests not sent to their key's home worker, by reason "
-    "(load, dead, draining, excluded, failover, holder, footprint)",
+    "(load, dead, draining, excluded, failover, holder, footprint, incompatible)",
     ["reason"],
 )
 
-_PER_WORKER = (REQUESTS, OUTSTANDING_TOKENS, PREFIX_HIT_RATE, CACHED_TOKENS)
+PREDICTED_TOKENS = Counter(
+    "switchyard_router_predicted_cached_tokens",
+    "Prompt tokens the router expected the chosen worker to have cached, at routing time", ["worker"],
+)
+PRECISION = Histogram(
+    "switchyard_router_precision",
+    "Per request with a predicted hit: the share of the predicted cached tokens the worker really had cached",
+    buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
+)
+KV_INDEX_BLOCKS = Gauge(
+    "switchyard_router_kv_index_blocks", "Block ids each worker reports holding, as this gateway indexes them",
+    ["worker"],
+)
+KV_SYNCS = Counter(
+    "switchyard_router_kv_syncs", "Block snapshots asked of workers, by reason (gap, overflow, corrupt, stale)",
+    ["reason"],
+)
+REFUSED = Counter(
+    "switchyard_router_refused_workers",
+    "Workers refused for a block-hash contract unlike this gateway's, by field (block_size, hash, tokenizer)",
+    ["reason"],
+)
+
+_PER_WORKER = (REQUESTS, OUTSTANDING_TOKENS, PREFIX_HIT_RATE, CACHED_TOKENS, PREDICTED_TOKENS, KV_INDEX_BLOCKS)
 
 
 def forget_worker(worker_id: str) -> None:

@@ -22,6 +22,7 @@ FALLBACK_EXCLUDED = "excluded"
 FALLBACK_LOAD = "load"
 FALLBACK_HOLDER = "holder"  # the home did not hold the prefix; a later worker on the walk did
 FALLBACK_FOOTPRINT = "footprint"  # a new prefix skipped a home already holding over its share of prefixes
+FALLBACK_INCOMPATIBLE = "incompatible"  # the home's block-hash contract differs from this gateway's (refused)
 
 
 @dataclass(slots=True)
@@ -70,7 +71,8 @@ def choose(view: Candidates, cost: int, *, span: int = 0, bounds: Bounds = Bound
            rng: random.Random | None = None) -> Choice:
     """Pick a worker for a request of `cost` KV tokens whose key covers `span` prompt tokens.
 
-    Keyed: the first holder of the prefix that fits (a holder may exceed the bound by what it need not recompute),
+    Keyed: the holder of the longest prefix that fits, ties in walk order (a holder may exceed the bound by what it
+    need not recompute),
     else for a new prefix the first fitting worker below its footprint share, else plain bounded loads on the walk.
     Keyless: the least-loaded usable worker, ties broken at random.
     """
@@ -87,7 +89,7 @@ def choose(view: Candidates, cost: int, *, span: int = 0, bounds: Bounds = Bound
         load = view.loads.get(w, 0.0) - min(view.held.get(w, 0), cost)
         return load < bound or load <= 0
 
-    holders = [w for w in usable if view.held.get(w, 0) > 0]
+    holders = sorted((w for w in usable if view.held.get(w, 0) > 0), key=lambda w: -view.held[w])  # stable
     if holders:
         taken = next((w for w in holders if fits(w)), None)
         if taken is not None:

@@ -1,6 +1,5 @@
-"""Prefix keys: chained, secret-keyed xxh3-128 block hashes over a prompt's stable prefix.
-
-Every gateway replica with the same secret computes the same key, so routing needs no shared state.
+"""Prefix keys: the namespace root `h_0` (keyed by the deployment secret) and the chained block hash of a
+prompt's stable prefix (`worker.protocol.chain`, the definition workers report their blocks under).
 """
 
 from __future__ import annotations
@@ -10,6 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import xxhash
+
+from worker.protocol import chain
 
 DIGEST_SIZE = 16  # xxh3-128
 DEFAULT_ROUTE_PREFIX_TOKENS = 256
@@ -43,18 +44,6 @@ def namespace_root(model_id: str, tokenizer_version: str, tenant_salt: str | byt
     return _keyed_hash(bytes(secret), _field(model_id), _field(tokenizer_version), _field(tenant_salt))
 
 
-def _as_int32_bytes(tokens: Sequence[int] | np.ndarray | bytes, n: int) -> memoryview:
-    if isinstance(tokens, bytes | bytearray | memoryview):
-        raw = memoryview(tokens)
-        if len(raw) < 4 * n:
-            raise ValueError("token bytes shorter than the requested prefix")
-        return raw[: 4 * n]
-    arr = np.asarray(tokens[:n])
-    if arr.ndim != 1:
-        raise ValueError("tokens must be one-dimensional")
-    return memoryview(np.ascontiguousarray(arr, dtype="<i4")).cast("B")
-
-
 def stable_length(n_tokens: int, stable_len: int | None, *, block_size: int, max_tokens: int) -> int:
     """Block-aligned number of tokens the key covers (0 means: no key).
 
@@ -83,7 +72,6 @@ def prefix_key(
     stable_len: int | None,
     *,
     root: bytes,
-    secret: bytes,
     block_size: int,
     max_tokens: int = DEFAULT_ROUTE_PREFIX_TOKENS,
 ) -> bytes | None:
@@ -96,12 +84,7 @@ def prefix_key(
     n = key_span(tokens, stable_len, block_size=block_size, max_tokens=max_tokens)
     if n == 0:
         return None
-    raw = _as_int32_bytes(tokens, n)
-    step = 4 * block_size
-    h = root
-    for off in range(0, 4 * n, step):
-        h = _keyed_hash(secret, h, raw[off : off + step])
-    return h
+    return chain(root, root, tokens, block_size, n // block_size)[-1]
 
 
 def cache_key_route(root: bytes, secret: bytes, cache_key: str) -> bytes:

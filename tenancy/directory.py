@@ -8,6 +8,7 @@ real ones or take the Redis pool from them.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,9 @@ from redis.exceptions import RedisError
 from tenancy import apikeys
 from tenancy.errors import QuotaServiceUnavailable
 from tenancy.schema import Tenant, api_key_key, config_key, parse_tenant
+
+# The shape every issued key has (`apikeys.new_api_key`): anything else is refused before any cache or Redis.
+_KEY_SHAPE = re.compile(re.escape(apikeys.KEY_PREFIX) + f"[A-Za-z0-9_-]{{{apikeys.KEY_RANDOM_CHARS}}}")
 
 
 @dataclass(slots=True)
@@ -90,7 +94,7 @@ class TenantDirectory:
 
     async def authenticate(self, api_key: str | None) -> Tenant | None:
         """The active tenant owning `api_key`, or None for a missing, unknown, revoked or disabled key."""
-        if not api_key or not api_key.startswith(apikeys.KEY_PREFIX) or len(api_key) > 256:
+        if not api_key or not _KEY_SHAPE.fullmatch(api_key):
             return None
         name = await self._key_owner(apikeys.digest(api_key))
         if name is None:
@@ -122,10 +126,13 @@ class TenantDirectory:
         return await self._shared("k:" + digest, lambda: self._load_unknown_key(digest))
 
     async def _load_unknown_key(self, digest: str) -> str | None:
-        try:
-            await asyncio.wait_for(self._lookups.acquire(), self._unknown_wait_s)
-        except TimeoutError:
-            raise QuotaServiceUnavailable("too many concurrent look-ups of unknown API keys") from None
+        if not self._lookups.locked():
+            await self._lookups.acquire()  # a free slot: taken at once, no timer (the common case, even in a flood)
+        else:
+            try:
+                await asyncio.wait_for(self._lookups.acquire(), self._unknown_wait_s)
+            except TimeoutError:
+                raise QuotaServiceUnavailable("too many concurrent look-ups of unknown API keys") from None
         try:
             return await self._load_key(digest)
         finally:

@@ -63,7 +63,8 @@ def test_light_key_jumps_a_flooding_key_under_vtc_only(tiny, policy):
     eng.add_request("b", prompt(rng, 20), greedy(8), fkey=B)
     _, first = drain(eng)
     if policy == "vtc":
-        assert first.index("b") == 4  # the first slot that frees goes to b
+        assert first.index("b") <= 4  # b takes a slot from a at once (fair-share preemption)
+        assert eng.stats().preemptions == 1
     else:
         assert first.index("b") == 20  # behind all of a's queue
     assert len(eng.scheduler.fair) == 2 and eng.scheduler.fair.active_keys == 0

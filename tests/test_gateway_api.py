@@ -176,9 +176,9 @@ def test_model_errors(stack):
 def test_validation_errors(stack, tok):
     assert_error(post(stack, "/v1/chat/completions", chat_body(temperature=5)), 400,
                  "invalid_request_error", param="temperature")
-    err = assert_error(post(stack, "/v1/chat/completions", chat_body(n=2)), 400, "invalid_request_error",
+    err = assert_error(post(stack, "/v1/chat/completions", chat_body(n=9)), 400, "invalid_request_error",
                        param="n")
-    assert "n=1" in err["message"]
+    assert "between 1 and 8" in err["message"]
     assert_error(post(stack, "/v1/chat/completions", b"{not json"), 400, "invalid_request_error")
     assert_error(post(stack, "/v1/completions", {"model": "default", "prompt": [1, 10**9]}), 400,
                  "invalid_request_error", param="prompt")

@@ -23,6 +23,7 @@ def _error(parse, body) -> ApiError:
 def test_minimal_chat_and_defaults():
     req = parse_chat({**CHAT, "metadata": {"x": "1"}, "store": False, "service_tier": "auto",
                       "parallel_tool_calls": True, "tools": None})
+    assert req.tools is None and req.n == 1 and req.grammar is None
     assert req.kind == "chat" and req.messages == [{"role": "user", "content": "hi"}]
     assert req.max_tokens is None and req.temperature == 1.0 and req.stop == () and not req.stream
 
@@ -51,7 +52,10 @@ def test_text_parts_and_developer_role():
     ({"model": ""}, "model"),
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+     "messages[0].tool_calls[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0]"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -68,7 +72,10 @@ def test_text_parts_and_developer_role():
     ({"stop": 3}, "stop"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": 1}}, "include_usage"),
-    ({"n": 2}, "n"),
+    ({"n": 9}, "n"),
+    ({"n": 0}, "n"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice"),
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"priority": "urgent"}, "priority"),
     ({"top_k": 1.5}, "top_k"),
@@ -78,8 +85,9 @@ def test_chat_bad_fields(patch, param):
     assert err.param == param
 
 
-def test_n_error_says_only_one():
-    assert "n=1" in _error(parse_chat, {**CHAT, "n": 3}).message
+def test_n_error_names_the_bound():
+    assert "between 1 and 8" in _error(parse_chat, {**CHAT, "n": 9}).message
+    assert parse_chat({**CHAT, "n": 8}).n == 8
 
 
 def test_body_must_be_object():
@@ -90,10 +98,12 @@ def test_completion_prompt_forms():
     assert parse_completion(COMP).prompt == "hi"
     assert parse_completion({**COMP, "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
     assert parse_completion({**COMP, "prompt": ["one"]}).prompt == "one"
+    batch = parse_completion({**COMP, "prompt": ["a", [1, 2]]})
+    assert batch.prompts == ["a", [1, 2]] and batch.prompt == "a"
     assert parse_completion({**COMP, "logprobs": 1}).logprobs
 
 
-@pytest.mark.parametrize("prompt", ["", [], [1, "x"], [1, True], ["a", "b"], None, 7])
+@pytest.mark.parametrize("prompt", ["", [], [1, "x"], [1, True], None, 7])
 def test_completion_bad_prompt(prompt):
     assert _error(parse_completion, {**COMP, "prompt": prompt}).param == "prompt"
 
@@ -103,8 +113,7 @@ def test_completion_logprobs_over_one_rejected():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("unknown_field", {"x": 1}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"), ("suffix", "x"),
+    ("unknown_field", {"x": 1}), ("suffix", "x"),
     ("audio", {}), ("functions", [])])
 def test_unknown_and_unsupported_fields_are_400(field, value):
     assert _error(parse_chat, {**CHAT, field: value}).param == field
@@ -115,6 +124,8 @@ def test_completion_only_and_chat_only_fields():
     assert _error(parse_chat, {**CHAT, "echo": False}).param == "echo"
     assert _error(parse_completion, {**COMP, "top_logprobs": 1}).param == "top_logprobs"
     assert _error(parse_completion, {**COMP, "best_of": 2}).param == "best_of"
+    assert _error(parse_completion, {**COMP, "tools": []}).param == "tools"
+    assert parse_completion({**COMP, "n": 2}).n == 2
     assert parse_completion({**COMP, "best_of": 1}).kind == "completion"
 
 

@@ -68,7 +68,7 @@ def test_sdk_error_types(stack, client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=QUESTION)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="default", messages=QUESTION, n=2)
+        client.chat.completions.create(model="default", messages=QUESTION, n=9)
     assert info.value.body["param"] == "n"
     limited = openai.OpenAI(api_key=stack.limited_key, base_url=stack.base_url + "/v1", max_retries=0)
     with pytest.raises(openai.PermissionDeniedError):
@@ -104,5 +104,5 @@ def test_unknown_and_unsupported_fields_are_400(client):
     assert err.value.body["param"] == "bogus"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="default", messages=QUESTION,
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert err.value.body["param"] == "tools"
+                                       functions=[{"name": "f"}])  # the deprecated form of tools
+    assert err.value.body["param"] == "functions"

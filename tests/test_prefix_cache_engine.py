@@ -157,7 +157,8 @@ def test_preempted_sequence_resumes_from_its_cached_prefix(tiny):
     prompts = {f"p{i}": rand_prompt(rng, 160) for i in range(4)}  # 4 x 14 pages wanted, 52 in the pool
     runs = {}
     for on in (False, True):
-        eng = make_engine(tiny, pages=52, max_num_batched_tokens=64, enable_prefix_cache=on)
+        # spec_tokens=0: a verify chunk's rolled-back drafts would read as resumes here
+        eng = make_engine(tiny, pages=52, max_num_batched_tokens=64, enable_prefix_cache=on, spec_tokens=0)
         for rid, p in prompts.items():
             eng.add_request(rid, p, greedy(60))
         capture: list = []

@@ -2,7 +2,7 @@
 
 SIGKILL one of three workers in the middle of 60 streaming requests: every request
 ends (completed, failed over or a retryable error), none hangs, the dead worker
-leaves the ring within 2 s, and a restarted worker rejoins and gets its keys back.
+leaves the ring within 2 s, and a restarted worker rejoins and gets back the keys nobody holds.
 A SIGTERMed (draining) worker gets no new requests once its draining stats arrive.
 """
 
@@ -73,10 +73,10 @@ async def cluster(tmp_path: Path, redis_url: str, ids: list[str], extra: list[st
             p.stop()
 
 
-def home_prefixes(router: Router, worker_id: str, n: int) -> list[int]:
-    """Prefix numbers whose key's first ring choice is `worker_id`."""
+def home_prefixes(router: Router, worker_id: str, n: int, start: int = 0) -> list[int]:
+    """Prefix numbers (from `start`) whose key's first ring choice is `worker_id`."""
     found = []
-    for p in range(1000):
+    for p in range(start, start + 1000):
         key = router.key_for(make_request("probe", p))
         if router.policy.order(key)[0] == worker_id:
             found.append(p)
@@ -101,6 +101,7 @@ async def test_sigkill_during_60_streams_then_rejoin(tmp_path: Path, redis_url: 
         victim = max(ids, key=router.loads.inflight_count)
         # its keys, found while it is still on the ring (its registration expires 5 s after the kill)
         victim_prefixes = home_prefixes(router, victim, 3)
+        fresh = home_prefixes(router, victim, 3, start=100)  # never requested before the restart
         failovers_before = REGISTRY.get_sample_value("switchyard_router_fallbacks_total",
                                                      {"reason": "failover"}) or 0.0
         procs[victim].proc.kill()
@@ -126,13 +127,17 @@ async def test_sigkill_during_60_streams_then_rejoin(tmp_path: Path, redis_url: 
             assert await run_one(router, make_request(f"during-{p}", p, 4)) == "completed"
         assert sum(requests_to(w) - survivors_before[w] for w in survivors_before) == 3
 
-        # restart under the same id (new port): it rejoins and gets its keys back
+        # restart under the same id (new port): it rejoins the ring and gets back its keys that nobody
+        # holds; the ones a survivor now reports holding stay there (every replica sees the same reports)
         procs[victim].stop()
         procs[victim] = WorkerProc(tmp_path, redis_url=redis_url, worker_id=victim)
         await membership.wait_until(lambda m: victim in m.live(), timeout=READY_S)
         before = requests_to(victim)
         for p in victim_prefixes:
             assert await run_one(router, make_request(f"after-{p}", p, 4)) == "completed"
+        assert requests_to(victim) == before
+        for p in fresh:
+            assert await run_one(router, make_request(f"fresh-{p}", p, 4)) == "completed"
         assert requests_to(victim) - before == 3
 
 

@@ -7,13 +7,14 @@ import pytest
 import xxhash
 
 from router.prefix import namespace_root, prefix_key, stable_length
+from worker.protocol import block_id, block_ids
 
 SECRET = b"deployment-secret"
 ROOT = namespace_root("smollm2-135m", "tok-v1", "tenant-a", SECRET)
 
 
 def key(tokens, stable_len=None, **kw):
-    args = {"root": ROOT, "secret": SECRET, "block_size": 16, "max_tokens": 256} | kw
+    args = {"root": ROOT, "block_size": 16, "max_tokens": 256} | kw
     return prefix_key(tokens, stable_len, **args)
 
 
@@ -60,11 +61,11 @@ def test_completion_prefix_capped_at_route_prefix_tokens() -> None:
 
 def test_chain_matches_the_definition() -> None:
     tokens = np.arange(48, dtype=np.int64) * 7919
-    seed = xxhash.xxh3_64_intdigest(SECRET)
+    seed = xxhash.xxh3_64_intdigest(ROOT)  # h_0 = the namespace root, keyed by the deployment secret
     h = ROOT
     for b in range(3):
         block = tokens[16 * b : 16 * (b + 1)].astype("<i4").tobytes()
-        h = xxhash.xxh3_128_digest(SECRET + h + block, seed=seed)
+        h = xxhash.xxh3_128_digest(h + block, seed=seed)
     assert key(tokens) == h
     # list, numpy and packed-bytes inputs agree
     assert key(tokens.tolist()) == h
@@ -73,8 +74,15 @@ def test_chain_matches_the_definition() -> None:
 
 def test_secret_and_root_change_the_key() -> None:
     toks = list(range(64))
-    assert key(toks) != key(toks, secret=b"x")
+    assert key(toks) != key(toks, root=namespace_root("smollm2-135m", "tok-v1", "tenant-a", b"x"))
     assert key(toks) != key(toks, root=namespace_root("m", "t", "tenant-b", SECRET))
+
+
+def test_key_is_the_block_hash_workers_report() -> None:
+    toks = list(range(100, 164))
+    ids = block_ids(ROOT, toks, 16)
+    assert len(ids) == 4 and ids[-1] == block_id(key(toks))
+    assert block_ids(ROOT, toks[:32], 16) == ids[:2]  # a chain: a prefix's ids are a prefix of the ids
 
 
 def test_bad_input_is_rejected() -> None:

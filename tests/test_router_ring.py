@@ -57,7 +57,7 @@ class PolicyRing:
 
 
 def make_keys(n: int) -> list[bytes]:
-    return [prefix_key([i] * 32, None, root=ROOT, secret=SECRET, block_size=16) for i in range(n)]
+    return [prefix_key([i] * 32, None, root=ROOT, block_size=16) for i in range(n)]
 
 
 def test_independent_rings_agree() -> None:

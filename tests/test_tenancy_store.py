@@ -247,3 +247,17 @@ async def test_unknown_key_lookups_are_capped_and_known_keys_never_wait(r, redis
         assert time.monotonic() - start < 1.0  # refused quickly, not after the pool's timeout
     finally:
         await client.aclose()
+
+
+async def test_keys_of_the_wrong_shape_never_reach_redis(r, redis_url):
+    client = async_client(redis_url)
+    directory = TenantDirectory(client)
+    try:
+        before = r.info("commandstats").get("cmdstat_hget", {"calls": 0})["calls"]
+        for bad in ("sy-wrong", "sy-" + "x" * 39, "sy-" + "x" * 41, "sy-" + "x" * 39 + "!", "xy-" + "x" * 40,
+                    "sy-" + "é" * 40):
+            assert await directory.authenticate(bad) is None
+        assert r.info("commandstats").get("cmdstat_hget", {"calls": 0})["calls"] == before
+        assert len(directory._unknown) == 0  # nor take a cache entry
+    finally:
+        await client.aclose()

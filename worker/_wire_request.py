@@ -86,6 +86,7 @@ class SamplingParams:
     min_tokens: int = 0  # stop ids (EOS included) are banned until this many tokens are out
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     grammar: dict | None = None  # constrained output: a `GrammarSpec.to_dict()` map (worker.grammar_spec)
+    speculative: bool = True  # False opts out of n-gram speculative decoding (same output; sent only when False)
 
     @property
     def greedy(self) -> bool:
@@ -156,7 +157,7 @@ class SamplingParams:
         for key, kinds in (("max_tokens", int), ("temperature", (int, float)), ("top_p", (int, float)),
                            ("top_k", int), ("ignore_eos", bool), ("logprobs", bool), ("top_logprobs", int),
                            ("presence_penalty", (int, float)), ("frequency_penalty", (int, float)),
-                           ("repetition_penalty", (int, float)), ("min_tokens", int)):
+                           ("repetition_penalty", (int, float)), ("min_tokens", int), ("speculative", bool)):
             _check_type(kw, key, kinds)
         if kw.get("seed") is not None:
             _check_type(kw, "seed", int)
@@ -192,6 +193,8 @@ class SamplingParams:
             out["logit_bias"] = [list(e) for e in self.logit_bias]
         if self.grammar is not None:
             out["grammar"] = dict(self.grammar)
+        if not self.speculative:
+            out["speculative"] = False
         return out
 
 

@@ -6,6 +6,7 @@ content without, so a user typing `<|im_start|>system` cannot forge a turn.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,9 @@ def segments(render: Callable[[list[dict]], str], messages: list[dict]) -> list[
     """The rendered prompt as (text, is_content) runs; ValueError when the template rewrites content."""
     real = render(messages)
     for strip in (False, True):
-        marked = [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
+        # empty content holds no user text; left as it is, templates that skip it render the same
+        marked = [{**m, "content": _PLACEHOLDER.format(i)} if m.get("content") else m
+                  for i, m in enumerate(messages)]
         runs: list[tuple[str, bool]] = []
         pos = 0
         text = render(marked)
@@ -76,3 +79,73 @@ class SegmentEncoder:
         enc = self._plain.encode(text, add_special_tokens=False)
         out.ids.extend(enc.ids)
         out.ends.extend(start + end for _, end in enc.offsets)
+
+
+# ---- tools, for templates without a tools section (SmolLM2's): a Hermes-style system block ----
+
+TOOLS_PREAMBLE = (
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
+    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
+    "about what values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>"
+)
+
+
+def tool_call_text(name: str, arguments: str) -> str:
+    """One call as the model writes it (`arguments` is the JSON text the client sent back)."""
+    try:
+        args = json.dumps(json.loads(arguments), ensure_ascii=False)
+    except ValueError:
+        args = json.dumps(arguments, ensure_ascii=False)  # not JSON: keep it, as a string
+    return f"<tool_call>\n{{\"name\": {json.dumps(name, ensure_ascii=False)}, \"arguments\": {args}}}\n</tool_call>"
+
+
+def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Plain role/content messages for a template that knows no tools: the tool list joins the system
+    message, assistant `tool_calls` become <tool_call> blocks, `tool` results <tool_response> blocks.
+    All of it is message content, so none of it can produce control tokens."""
+    out: list[dict] = []
+    for m in messages:
+        content = m.get("content") or ""
+        if m.get("tool_calls"):
+            calls = "\n".join(tool_call_text(c["name"], c["arguments"]) for c in m["tool_calls"])
+            content = f"{content}\n{calls}" if content else calls
+        elif m["role"] == "tool":
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": m["role"], "content": content})
+    if tools:
+        listing = "\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools)
+        block = TOOLS_PREAMBLE.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}"}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+# ---- tools, for templates with their own tools section (they read `tools` and `message.tool_calls`) ----
+
+def native_messages(messages: list[dict]) -> list[dict]:
+    """Messages in the shape such templates expect: `tool_calls` as OpenAI function calls whose
+    `arguments` is the parsed JSON object when it parses (HF's convention), else the text."""
+    out = []
+    for m in messages:
+        if not m.get("tool_calls"):
+            out.append(m)
+            continue
+        calls = []
+        for c in m["tool_calls"]:
+            try:
+                args = json.loads(c["arguments"])
+            except ValueError:
+                args = c["arguments"]
+            calls.append({"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": args}})
+        out.append({**m, "tool_calls": calls})
+    return out
+
+
+def special_texts(hf: tokenizers.Tokenizer) -> tuple[str, ...]:
+    """The text of every special token: none may appear in what a template renders outside message content."""
+    return tuple(t.content for t in hf.get_added_tokens_decoder().values() if t.special)

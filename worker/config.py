@@ -27,6 +27,13 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
     quantization: str = "none"  # weights: "none" | "int8" | "int4" | "auto" (applied by the loader; worker.quant)
     default_cpu_kv_bytes: int = 1 << 30
+    # n-gram speculative decoding (worker.speculative): up to spec_tokens proposals per decoding sequence,
+    # from matches of its last spec_ngram_max..spec_ngram_min tokens; only while the step's decode batch
+    # is at most spec_max_batch sequences (0 turns it off)
+    spec_tokens: int = 4
+    spec_ngram_max: int = 3
+    spec_ngram_min: int = 1
+    spec_max_batch: int = 4
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -41,6 +48,10 @@ class EngineConfig:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
         if self.quantization not in ("none", "int8", "int4", "auto"):
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of none, int8, int4, auto")
+        if not 0 <= self.spec_tokens <= 16 or self.spec_max_batch < 0:
+            raise ValueError("spec_tokens must be in [0, 16] and spec_max_batch >= 0")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max <= 8:
+            raise ValueError("spec n-gram sizes must satisfy 1 <= spec_ngram_min <= spec_ngram_max <= 8")
         if self.fairness not in ("vtc", "fifo"):
             raise ValueError(f"fairness must be 'vtc' or 'fifo', got {self.fairness!r}")
 

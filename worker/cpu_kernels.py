@@ -5,8 +5,11 @@ It reads K/V straight from the pages in one pass, where the torch path first gat
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import time
+from pathlib import Path
 
 import torch
 
@@ -92,8 +95,37 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, 
 }
 """
 
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# Named by the source and flags: checkouts with different kernel versions never rebuild each other's
+# copy in the shared torch extensions folder.
+_NAME = "switchyard_cpu_attn_" + hashlib.sha256((_SRC + " ".join(_CFLAGS)).encode()).hexdigest()[:12]
+STALE_LOCK_S = 600.0  # a build lock this old belongs to a compile that was killed: remove it
+
 _loaded: object | None = None
 _tried = False
+
+
+def _wait_for_build_lock(name: str) -> None:
+    """Wait (bounded) for another process's build of `name`; a lock older than STALE_LOCK_S is removed.
+
+    torch waits on the lock file without a deadline, so a compile killed mid-way would hang every worker."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    except Exception:  # noqa: BLE001 - a private helper; without it, torch's own wait applies
+        return
+    deadline = time.monotonic() + STALE_LOCK_S
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S or time.monotonic() > deadline:
+            log.warning("removing a stale kernel build lock (%.0fs old): %s", age, lock)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
 
 
 def paged_decode_kernel():
@@ -107,9 +139,9 @@ def paged_decode_kernel():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        mod = load_inline(name="switchyard_cpu_attn_v1", cpp_sources=[_SRC], functions=["paged_decode"],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                          verbose=False)
+        _wait_for_build_lock(_NAME)
+        mod = load_inline(name=_NAME, cpp_sources=[_SRC], functions=["paged_decode"], extra_cflags=_CFLAGS,
+                          extra_ldflags=["-fopenmp"], verbose=False)
         _loaded = mod.paged_decode
     except Exception as exc:  # noqa: BLE001 - no compiler / headers: fall back to pure torch
         log.warning("CPU paged-attention kernel unavailable, using the torch path: %s", exc)

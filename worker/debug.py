@@ -33,6 +33,7 @@ class DebugRunner(ModelRunner):
         input_ids, ctx, sampled = super().prepare(batch)
         self.last_step_shape = (input_ids.numel(), ctx.logits_rows.numel())
         self._spans = [(seq, seq.num_computed, 1) for seq in batch.decodes]
+        self._spans += [(seq, seq.num_computed, 1 + len(d)) for seq, d in batch.verifies]
         self._spans += [(seq, seq.num_computed, n) for seq, n in batch.prefills]
         return input_ids, ctx, sampled
 

@@ -25,6 +25,7 @@ from worker.radix_cache import RadixCache
 from worker.runner import ModelRunner
 from worker.scheduler import Scheduler, pages_for
 from worker.sequence import Priority, SeqStatus, Sequence
+from worker.speculative import NgramIndex, speculation_allowed
 
 __all__ = ["DEFAULT_NAMESPACE", "Engine", "EngineStats", "Priority", "StepOutput"]
 
@@ -64,6 +65,19 @@ class EngineStats:
     locked_pages: int = 0
     evicted_pages: int = 0
     quantization: str = "none"  # weight mode actually in use (worker.quant)
+    spec_proposed_tokens: int = 0  # n-gram drafts verified
+    spec_accepted_tokens: int = 0  # drafts the target agreed with
+    spec_verify_steps: int = 0  # sequence-steps that verified drafts
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Tokens a verifying sequence got per forward (1.0 = no gain); 0.0 before any verification."""
+        n = self.spec_verify_steps
+        return (n + self.spec_accepted_tokens) / n if n else 0.0
 
 
 class Engine:
@@ -94,6 +108,7 @@ class Engine:
         self._prefill_computed = 0
         self._generated = 0
         self._steps = 0
+        self._spec = [0, 0, 0]  # proposed, accepted, verify steps
         self._grammars: GrammarCache | None = None  # built with the first grammar request
     # ---- requests ----
 
@@ -120,6 +135,9 @@ class Engine:
         seq = Sequence(rid, list(token_ids), len(token_ids), sampling, Priority(priority), self._arrivals,
                        namespace or DEFAULT_NAMESPACE, seed & 0xFFFFFFFFFFFFFFFF, frozenset(stops),
                        fkey=fkey or namespace or DEFAULT_NAMESPACE, weight=float(weight), grammar=grammar)
+        cfg = self.config
+        if cfg.spec_tokens and cfg.spec_max_batch and grammar is None and speculation_allowed(sampling):
+            seq.ngram = NgramIndex(cfg.spec_ngram_min, cfg.spec_ngram_max)
         self._arrivals += 1
         self._prompt_tokens += len(token_ids)
         self._seqs[rid] = seq
@@ -202,30 +220,63 @@ class Engine:
                 out.top_ids = [result.top_ids[i][:k]] if out.new_tokens else []
                 out.top_logprobs = [result.top_logprobs[i][:k]] if out.new_tokens else []
             outputs.append(out)
+        for seq, drafts, toks in result.verified or ():
+            outputs.append(self._verify(seq, drafts, toks))
         return outputs
 
-    def _append(self, seq: Sequence, tok: int, logprob: float | None) -> StepOutput:
-        params = seq.sampling
+    def _verify(self, seq: Sequence, drafts: list[int], toks: list[int]) -> StepOutput:
+        """Keep the drafts the target agreed with, then the target's own next token; cut at a stop rule.
+
+        toks[j] is what plain decoding would have drawn after drafts[:j] (same logits row, same noise)."""
+        a = 0
+        while a < len(drafts) and toks[a] == drafts[a]:
+            a += 1
+        seq.num_computed += 1 + a  # K/V of the last token and the accepted drafts; the rest is rolled back
+        spec = self._spec
+        spec[0] += len(drafts)
+        spec[1] += a
+        spec[2] += 1
+        new: list[int] = []
+        reason = error = None
+        for tok in toks[:a + 1]:
+            emitted, reason, error = self._take(seq, tok)
+            if emitted:
+                new.append(tok)
+            if reason is not None:
+                break
+        if reason is None:
+            self.scheduler.spec_accepted(seq, a)
+        return StepOutput(seq.rid, new, reason, seq.cached_tokens, None, error=error)
+
+    def _take(self, seq: Sequence, tok: int) -> tuple[bool, str | None, RequestError | None]:
+        """Apply one sampled token: (appended?, finish reason, error); a finished sequence leaves the engine."""
         self._generated += 1
-        reason = None
-        emitted = [tok]
-        error = None
+        reason = error = None
+        emitted = False
         if tok in seq.stop_ids:
-            reason, emitted = "stop", []
+            reason = "stop"
         elif seq.grammar is not None and not seq.grammar.accept(tok):
             log.error("grammar refused sampled token %d: %s", tok, seq.grammar.error, extra={"request_id": seq.rid})
-            reason, emitted = "error", []
+            reason = "error"
             error = RequestError("internal", "constrained decoding failed", retryable=False)
         else:
             seq.tokens.append(tok)
+            emitted = True
             if seq.grammar is not None and seq.grammar.is_terminated():
                 reason = "stop"  # the value is complete (takes precedence when max_tokens is reached with it)
-            elif seq.num_output >= params.max_tokens:
+            elif seq.num_output >= seq.sampling.max_tokens:
                 reason = "length"
         if reason is not None:
             seq.finish_reason = reason
+            seq.num_computed = min(seq.num_computed, len(seq.tokens))  # a verify run may end inside its drafts
             self.scheduler.finish(seq)
             del self._seqs[seq.rid]
+        return emitted, reason, error
+
+    def _append(self, seq: Sequence, tok: int, logprob: float | None) -> StepOutput:
+        params = seq.sampling
+        ok, reason, error = self._take(seq, tok)
+        emitted = [tok] if ok else []
         lp = [logprob] if params.logprobs and emitted and logprob is not None else None
         if params.logprobs and lp is None:
             lp = []
@@ -247,6 +298,7 @@ class Engine:
             locked_pages=cache.locked_pages if cache is not None else 0,
             evicted_pages=cache.evicted_pages if cache is not None else 0,
             quantization=self.loaded.quantization,
+            spec_proposed_tokens=self._spec[0], spec_accepted_tokens=self._spec[1], spec_verify_steps=self._spec[2],
         )
 
     def pages_idle(self) -> bool:

@@ -78,6 +78,7 @@ class FairShare:
         self._heap: list[tuple[float, int, bytes, KeyState]] = []
         self._tick = 0
         self._num_active = 0
+        self._active_weight = 0.0  # sum of the active keys' weights (slot shares)
         self._floor = 0.0  # counter of the last key to go idle when none was left active
 
     # ---- request lifecycle ----
@@ -89,8 +90,11 @@ class FairShare:
         st = self._keys.get(key)
         if st is None:
             st = self._keys[key] = KeyState()
+        if st.active:
+            self._active_weight += float(weight) - st.weight
         st.weight = float(weight)
         if st.active == 0:
+            self._active_weight += st.weight
             self._idle.pop(key, None)
             low = self._min_active()
             st.counter = max(st.counter, self._floor if low is None else low)
@@ -108,6 +112,7 @@ class FairShare:
         st.active -= 1
         if st.active == 0:
             self._num_active -= 1
+            self._active_weight = self._active_weight - st.weight if self._num_active else 0.0
             st.idle_since = self._clock()
             self._idle[key] = None
             if self._num_active == 0:
@@ -153,6 +158,38 @@ class FairShare:
             if c > best_c:
                 best, best_c = key, c
         return best
+
+    def slot_victim(self, head: bytes, running: dict[bytes, int], slots: int, gap: float) -> bytes | None:
+        """Fair-share preemption: the key to take one running slot from so that `head`'s key gets one, or None.
+
+        `running`: running sequences per key (those that may be preempted for head). A key's share of `slots`
+        is slots x weight / (sum of the active keys' weights). Only when head's key stays within its share
+        after gaining the slot, the victim stays at or above its own after losing it (so the reverse move
+        can never follow: no thrash), and the victim's counter is at least head's + `gap` (a newly active key
+        is lifted to the minimum, so with gap 0 it may take a slot at once). The victim: the highest counter.
+        """
+        if not self.fair or self._num_active < 2:
+            return None
+        keys, total = self._keys, self._active_weight
+        hs = keys.get(head)
+        if hs is None or not total > 0 or running.get(head, 0) + 1 > slots * hs.weight / total:
+            return None
+        best: bytes | None = None
+        best_c = hs.counter + gap
+        for key, n in running.items():
+            st = keys.get(key)
+            if key == head or st is None or n - 1 < slots * st.weight / total:
+                continue
+            if st.counter >= best_c:
+                best, best_c = key, st.counter
+        return best
+
+    def under_share(self, key: bytes, running: int, slots: int) -> bool:
+        """True when `key` runs fewer sequences than its share of `slots` (VTC with several active keys)."""
+        st = self._keys.get(key)
+        if not self.fair or self._num_active < 2 or st is None or not self._active_weight > 0:
+            return False
+        return running < slots * st.weight / self._active_weight
 
     # ---- state bound ----
 

@@ -64,7 +64,8 @@ class GrammarSpec:
             return json_schema_spec(body, param)
         if d["kind"] == "tool_call" and isinstance(body, dict):
             return tool_call_spec(body.get("tools"), body.get("style", "hermes"),
-                                  parallel=body.get("parallel") is True, param=param)
+                                  parallel=body.get("parallel") is True, auto=body.get("auto") is True,
+                                  param=param)
         raise GrammarError(f"unknown grammar kind {d['kind']!r}", param)
 
 
@@ -84,12 +85,15 @@ def json_schema_spec(schema: object, param: str = SCHEMA_PARAM) -> GrammarSpec:
     return GrammarSpec("json_schema", body)
 
 
-def tool_call_spec(tools: object, style: str = "hermes", *, parallel: bool = False,
+def tool_call_spec(tools: object, style: str = "hermes", *, parallel: bool = False, auto: bool = False,
                    param: str = "tools") -> GrammarSpec:
     """A call to one of `tools` ([{"name", "parameters"}]): `{"name": ..., "arguments": {...}}`,
-    wrapped in <tool_call> tags for Hermes-style chat templates; `parallel` allows several calls."""
+    wrapped in <tool_call> tags for Hermes-style chat templates; `parallel` allows several calls;
+    `auto` (Hermes style only) also allows plain text that does not start with a tool-call tag."""
     if style not in ("hermes", "json"):
         raise GrammarError(f"unknown tool-call style {style!r}", param)
+    if auto and style != "hermes":
+        raise GrammarError("text-or-call grammars need the hermes style", param)
     if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
         raise GrammarError(f"tools must be a list of 1 to {MAX_TOOLS} functions", param)
     checked = []
@@ -100,7 +104,8 @@ def tool_call_spec(tools: object, style: str = "hermes", *, parallel: bool = Fal
         params = tool.get("parameters", {"type": "object"})
         _checked_schema(params, f"{where}.parameters")
         checked.append({"name": tool["name"], "parameters": params})
-    body = canonical_json({"tools": checked, "style": style, "parallel": parallel})
+    shape = {"tools": checked, "style": style, "parallel": parallel}
+    body = canonical_json({**shape, "auto": True} if auto else shape)  # same digest as before for non-auto
     if len(body.encode()) > MAX_SCHEMA_BYTES:
         raise GrammarError(f"tool schemas exceed {MAX_SCHEMA_BYTES} bytes in all", param)
     spec = GrammarSpec("tool_call", body)
@@ -124,8 +129,11 @@ def grammar_text(spec: GrammarSpec) -> str:
     call = f"%json {canonical_json(schema)}"
     if body["style"] == "hermes":
         call = f"{json.dumps(TOOL_OPEN)} {call} {json.dumps(TOOL_CLOSE)}"
-    start = 'start: call ("\\n" call)*' if body["parallel"] else "start: call"
-    return llguidance.LLMatcher.grammar_from_lark(f"{start}\ncall: {call}\n")
+    start = 'calls: call ("\\n" call)*' if body["parallel"] else "calls: call"
+    # `auto`: free text, unless it opens with a tool-call tag (then it must be well-formed calls)
+    head = "start: TEXT | calls\nTEXT: /(.|\\n)*/ & ~/\\s*<tool_call>(.|\\n)*/\n" if body.get("auto") \
+        else "start: calls\n"
+    return llguidance.LLMatcher.grammar_from_lark(f"{head}{start}\ncall: {call}\n")
 
 
 def _checked_schema(schema: object, param: str) -> str:

@@ -17,6 +17,7 @@ from worker import quant
 from worker.config import ModelConfig
 from worker.model import LlamaModel
 from worker.model_source import ModelSource, default_model_path, gguf_metadata, hf_config, resolve
+from worker.packed import pack_model
 from worker.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["LoadedModel", "default_model_path", "load_any", "load_model", "pick_device", "pick_dtype"]
@@ -78,6 +79,7 @@ def load_model(spec: str | Path = "default", *, dtype: str | torch.dtype | None 
     tok = load_tokenizer(src)
     model = _build(cfg, tensors, dt, dev)
     quant.quantize_model(model, mode)
+    pack_model(model)  # bf16 on CPU: the remaining linear layers prepacked for oneDNN
     log.info("loaded %s (%s, %s, quantization %s%s) in %.1fs", src.model_id, dt, dev, mode,
              " from auto" if quantization == "auto" else "", time.monotonic() - t0)
     return LoadedModel(cfg, model, tok, src.model_id, tok.version, min(cfg.max_position, tok.max_context), dt, dev,
@@ -95,6 +97,7 @@ def load_any(spec: str, *, dtype: str | None = None, device: str | None = None,
         loaded = tiny_model.load_tiny_model(dtype=dtype or "float32", device=device)
         mode = "none" if quantization == "auto" else quant.resolve_mode(quantization, loaded.device)
         quant.quantize_model(loaded.model, mode)
+        pack_model(loaded.model)
         loaded.quantization = mode
         return loaded
     return load_model(spec, dtype=dtype, device=device, quantization=quantization)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-from worker.engine import Engine, StepOutput
+from worker.engine import Engine, EngineStats, StepOutput
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -31,7 +31,14 @@ BATCH = Gauge("switchyard_worker_batch_size", "Sequences sampled in the last eng
 PREEMPTIONS = Counter("switchyard_worker_preemptions", "Sequences preempted for lack of KV pages")
 PROMPT_TOKENS = Counter("switchyard_worker_prompt_tokens", "Prompt tokens admitted")
 CACHED_TOKENS = Counter("switchyard_worker_cached_tokens", "Prompt tokens served by the prefix cache")
+PREFILL_TOKENS = Counter("switchyard_worker_prefill_tokens_computed",
+                         "Prompt tokens run through the model (prefill chunks; cache hits excluded)")
 GENERATED_TOKENS = Counter("switchyard_worker_generated_tokens", "Tokens sampled")
+SPEC_PROPOSED = Counter("switchyard_worker_spec_proposed_tokens", "N-gram draft tokens verified")
+SPEC_ACCEPTED = Counter("switchyard_worker_spec_accepted_tokens", "Draft tokens the model agreed with")
+SPEC_STEPS = Counter("switchyard_worker_spec_verify_steps", "Sequence-steps that verified drafts")
+SPEC_RATE = Gauge("switchyard_worker_spec_acceptance_rate", "Accepted / proposed draft tokens since start")
+SPEC_TPS = Gauge("switchyard_worker_spec_tokens_per_step", "Tokens per verifying sequence per forward since start")
 FAIR_SERVICE = Counter("switchyard_worker_fair_service_tokens",
                        "Fair-share service (w_p x computed prefill + w_d x decode tokens) per fairness key", ["fkey"])
 FAIR_QUEUE = Histogram("switchyard_worker_fair_queue_seconds", "Admission to first scheduled step, per fairness key",
@@ -71,7 +78,8 @@ class WorkerMetrics:
         self.block_size = engine.config.block_size
         self._pending: dict[str, _Pending] = {}  # requests without a first token yet
         self._unscheduled = 0  # entries of _pending whose prefill has not started
-        self._prompt = self._cached = self._generated = self._preempted = 0
+        self._prompt = self._cached = self._generated = self._preempted = self._prefilled = 0
+        self._spec = [0, 0, 0]  # proposed, accepted, verify steps already counted
         self.fair_labels = FairLabels()
         self._fair_seen: dict[str, float] = {}  # per label: service total already counted
 
@@ -136,9 +144,19 @@ class WorkerMetrics:
         HIT_RATE.set(s.prefix_hit_rate)
         self._prompt = _advance(PROMPT_TOKENS, self._prompt, s.prompt_tokens)
         self._cached = _advance(CACHED_TOKENS, self._cached, s.cached_tokens)
+        self._prefilled = _advance(PREFILL_TOKENS, self._prefilled, s.prefill_tokens_computed)
         self._generated = _advance(GENERATED_TOKENS, self._generated, s.generated_tokens)
         self._preempted = _advance(PREEMPTIONS, self._preempted, s.preemptions)
+        self._refresh_spec(s)
         self._refresh_fair()
+
+    def _refresh_spec(self, s: EngineStats) -> None:
+        seen = self._spec
+        seen[0] = _advance(SPEC_PROPOSED, seen[0], s.spec_proposed_tokens)
+        seen[1] = _advance(SPEC_ACCEPTED, seen[1], s.spec_accepted_tokens)
+        seen[2] = _advance(SPEC_STEPS, seen[2], s.spec_verify_steps)
+        SPEC_RATE.set(s.spec_acceptance_rate)
+        SPEC_TPS.set(s.spec_tokens_per_step)
 
     def _refresh_fair(self) -> None:
         """Per label, advance the service counter by the growth of its keys' total (forgotten keys: no advance)."""

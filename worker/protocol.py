@@ -4,18 +4,31 @@ records, and the Redis registration record. Both ends encode and decode through 
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from worker._wire_registry import REGISTRY_KEY_PREFIX as REGISTRY_KEY_PREFIX
+from worker._wire_registry import REGISTRY_SET_KEY as REGISTRY_SET_KEY
+from worker._wire_registry import Registration as Registration
+from worker._wire_registry import encode_registration as encode_registration
+from worker._wire_registry import parse_registration as parse_registration
+from worker._wire_registry import registration_key as registration_key
 from worker._wire_request import PRIORITY_NAMES as PRIORITY_NAMES
 from worker._wire_request import ErrorCode, Priority, SamplingParams
 from worker._wire_request import RequestError as RequestError
 from worker._wire_request import bad_request as bad_request
+from worker._wire_stats import MAX_KV_IDS as MAX_KV_IDS
+from worker._wire_stats import STATS, SYNC, Sync, WorkerStats, decode_kv, stats_fields
+from worker._wire_stats import KvContract as KvContract
+from worker._wire_stats import KvReport as KvReport
+from worker.block_hash import HASH_ALGO as HASH_ALGO
+from worker.block_hash import block_id as block_id
+from worker.block_hash import block_ids as block_ids
+from worker.block_hash import chain as chain
 from worker.grammar_spec import GrammarError as GrammarError
 from worker.grammar_spec import GrammarSpec as GrammarSpec
 from worker.grammar_spec import json_object_spec as json_object_spec
@@ -29,7 +42,6 @@ GEN = "gen"
 ABORT = "abort"
 OUT = "out"
 ERR = "err"
-STATS = "stats"
 
 MAX_RID_LEN = 256
 MAX_NS_LEN = 1024
@@ -38,8 +50,6 @@ MAX_FKEY_LEN = 64  # `gen.fkey`: opaque fairness key
 MAX_WEIGHT = 1000.0  # `gen.weight`: fair-share weight in (0, MAX_WEIGHT]
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
-REGISTRY_KEY_PREFIX = "sy:worker:"
-REGISTRY_SET_KEY = "sy:workers"  # sorted set: member = worker id, score = registration expiry (Redis ms)
 MAX_FINISH_LEN = 64
 
 
@@ -101,58 +111,6 @@ class ErrFrame:
     code: ErrorCode
     message: str
     retryable: bool
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    worker_id: str
-    queue: int
-    running: int
-    kv_free: int
-    kv_total: int
-    hit_rate: float
-    draining: bool
-    model: str
-    version: int
-    received_at: float = 0.0  # time.monotonic() at the receiver; not on the wire
-
-
-@dataclass(slots=True)
-class Registration:
-    """A live worker's Redis record: JSON at `REGISTRY_KEY_PREFIX + worker_id`, kept alive by a TTL."""
-
-    worker_id: str
-    endpoint: str
-    model: str
-    version: int
-    started_at: float
-
-
-def registration_key(worker_id: str) -> str:
-    return REGISTRY_KEY_PREFIX + worker_id
-
-
-def encode_registration(reg: Registration) -> str:
-    return json.dumps(asdict(reg))
-
-
-def parse_registration(raw: bytes | str) -> Registration:
-    """Parse a registry value; raises ValueError when it is not a well-formed registration."""
-    try:
-        obj = json.loads(raw)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"registration is not JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise ValueError("registration is not a JSON object")
-    try:
-        reg = Registration(worker_id=obj["worker_id"], endpoint=obj["endpoint"], model=obj["model"],
-                           version=obj["version"], started_at=obj["started_at"])
-    except KeyError as exc:
-        raise ValueError(f"registration lacks field {exc}") from None
-    if not (isinstance(reg.worker_id, str) and isinstance(reg.endpoint, str) and isinstance(reg.model, str)
-            and isinstance(reg.version, int) and isinstance(reg.started_at, int | float)):
-        raise ValueError("registration field has the wrong type")
-    return reg
 
 
 # ---------------------------------------------------------------- packing helpers
@@ -224,9 +182,11 @@ def encode_err(rid: str, code: ErrorCode | str, message: str, retryable: bool) -
 
 
 def encode_stats(stats: WorkerStats) -> bytes:
-    return _pack({"t": STATS, "worker_id": stats.worker_id, "queue": stats.queue, "running": stats.running,
-                  "kv_free": stats.kv_free, "kv_total": stats.kv_total, "hit_rate": stats.hit_rate,
-                  "draining": stats.draining, "model": stats.model, "version": stats.version})
+    return _pack(stats_fields(stats))
+
+
+def encode_sync() -> bytes:
+    return _pack({"t": SYNC})
 
 
 # ---------------------------------------------------------------- decoding and validation
@@ -296,7 +256,7 @@ def _decode_gen(obj: dict[str, Any], max_tokens: int) -> GenRequest:
                       deadline=deadline, fkey=fkey, weight=weight)
 
 
-def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | Abort:
+def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | Abort | Sync:
     """Decode a gw -> worker frame. Raises ProtocolError (with `.rid` when usable) on anything invalid.
 
     `max_tokens` bounds the prompt length (the model context).
@@ -315,6 +275,8 @@ def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | A
         if not isinstance(gw, str) or len(gw) > MAX_GATEWAY_ID_LEN:
             raise ProtocolError("hello without a usable 'gw'", param="gw")
         return Hello(gw)
+    if kind == SYNC:
+        return Sync()
     raise ProtocolError(f"unknown frame type {kind!r}"[:80], rid=_usable_rid(obj), param="t")
 
 
@@ -365,13 +327,19 @@ def _decode_out_items(obj: dict[str, Any], sent_at: float) -> list[OutItem]:
 
 
 def _decode_stats(obj: dict[str, Any]) -> WorkerStats:
-    return WorkerStats(
+    stats = WorkerStats(
         worker_id=_field(obj, "worker_id", str, None), queue=_field(obj, "queue", int, None),
         running=_field(obj, "running", int, None), kv_free=_field(obj, "kv_free", int, None),
         kv_total=_field(obj, "kv_total", int, None), hit_rate=float(_field(obj, "hit_rate", (int, float), None)),
         draining=_field(obj, "draining", bool, None), model=_field(obj, "model", str, None),
         version=_field(obj, "version", int, None),
     )
+    if "kv" in obj:  # a bad kv part costs a snapshot request, not the worker's stats
+        try:
+            stats.kv = decode_kv(obj["kv"])
+        except ValueError as exc:
+            stats.kv_error = str(exc)
+    return stats
 
 
 def decode_worker_frame(data: bytes) -> OutFrame | ErrFrame | WorkerStats:

@@ -1,24 +1,29 @@
 """Weight-only int8/int4 quantization of a loaded `LlamaModel` on CPU, with torch's packed matmul ops.
 
-Small row counts (decode) run the packed kernels directly; large ones (prefill) are faster through a
-transient bf16 copy of one matrix at a time (measured: docs in README "Quantization").
+Small row counts (decode) run the packed kernels directly; larger ones are faster through a bf16 copy of
+the dequantized weight, prepacked once for oneDNN (`worker.packed`). The row cutoff is measured at load.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.packed import PackedLinear, can_pack, pack, packed_linear
+
 __all__ = ["CHOICES", "INT4_GROUP", "PACKED_MAX_ROWS", "QuantEmbedding", "QuantLinear", "quantize_model",
-           "resolve_mode", "weight_bytes"]
+           "calibrate_max_rows", "resolve_mode", "weight_bytes"]
 log = logging.getLogger(__name__)
 
 CHOICES = ("none", "int8", "int4", "auto")
 INT4_GROUP = 32  # int4 group size along the input dimension (576 = 18 x 32; 128 does not divide it)
-PACKED_MAX_ROWS = 24  # above this many rows the packed CPU kernels lose to dequantize + bf16 GEMM
+PACKED_MAX_ROWS = 4  # default: above this many rows the int8/int4 kernels lose to the packed bf16 GEMM
+MAX_ROWS_ENV = "SWITCHYARD_QUANT_MAX_ROWS"  # an integer fixes the cutoff; unset: calibrated at load
 _BLOCK_N = 64  # output rows per block in torch's CPU int4 packing (checked at runtime)
 
 
@@ -58,17 +63,27 @@ class QuantLinear(nn.Module):
         else:
             raise ValueError(f"QuantLinear mode must be int8 or int4, got {mode!r}")
         self.unpackable = mode == "int8" or _int4_unpack_ok(self.out_features)
+        self.max_rows = PACKED_MAX_ROWS  # set by `calibrate_max_rows` through `quantize_model`
+        self.dense: torch.Tensor | None = None  # the dequantized weight, prepacked (None: dequantize per call)
+        if self.unpackable and can_pack(self.dtype, weight.device):
+            self.dense = pack(self.dequantize())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] > PACKED_MAX_ROWS and self.unpackable:
+        if x2.shape[0] > self.max_rows and self.dense is not None:
+            y = packed_linear(x2, self.dense)
+        elif x2.shape[0] > self.max_rows and self.unpackable:
             y = F.linear(x2, self.dequantize())
-        elif self.mode == "int8":
-            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales)
+            y = self.forward_quantized(x2)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def forward_quantized(self, x2: torch.Tensor) -> torch.Tensor:
+        """The int8/int4 kernel itself, whatever the row count."""
+        if self.mode == "int8":
+            return torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        return torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as a dense [out, in] tensor of the model dtype (used transiently for large row counts)."""
@@ -80,7 +95,8 @@ class QuantLinear(nn.Module):
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, mode={self.mode}"
+        return f"{self.in_features}, {self.out_features}, mode={self.mode}, max_rows={self.max_rows}"
+
 
 
 class QuantEmbedding(nn.Module):
@@ -140,11 +156,60 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
             for name in ("qkv", "o", "gate_up", "down"):
                 setattr(layer, name, QuantLinear(getattr(layer, name).weight, mode, group))
         if head != "none":
-            tied = model.lm_head.weight is model.embed.weight
+            # a prepacked head (worker.packed) no longer shares the embedding's tensor: ask the config
+            tied = model.lm_head.weight is model.embed.weight or (
+                isinstance(model.lm_head, PackedLinear) and model.cfg.tie_word_embeddings)
             model.lm_head = QuantLinear(model.lm_head.weight, head, group)
             if tied and head == "int8":
                 model.embed = QuantEmbedding(model.lm_head)
-    log.info("quantized linear layers to %s (LM head: %s)", mode, head)
+        rows = calibrate_max_rows(model.layers[0].gate_up)
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.max_rows = rows
+    log.info("quantized linear layers to %s (LM head: %s); %s kernel up to %d rows, packed bf16 above",
+             mode, head, mode, rows)
+
+
+def calibrate_max_rows(lin: QuantLinear, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)) -> int:
+    """The largest row count up to which `lin`'s int8/int4 kernel beats its packed bf16 copy (best of 5 runs).
+
+    `SWITCHYARD_QUANT_MAX_ROWS` fixes it instead. About 50 ms on the default model; the kernel's cost
+    relative to bf16 depends on the CPU (the int8 one loses from ~8 rows on AMD Zen 4 without AMX)."""
+    env = os.environ.get(MAX_ROWS_ENV)
+    if env:
+        return max(0, int(env))
+    if lin.dense is None:
+        return PACKED_MAX_ROWS if lin.unpackable else 1 << 30
+    key = (lin.mode, lin.out_features, lin.in_features, lin.dtype, candidates)
+    if key not in _CALIBRATED:  # once per process: two models loaded here choose the same kernels
+        _CALIBRATED[key] = _measure_max_rows(lin, candidates)
+    return _CALIBRATED[key]
+
+
+_CALIBRATED: dict[tuple, int] = {}
+
+
+def _measure_max_rows(lin: QuantLinear, candidates: tuple[int, ...]) -> int:
+    best = 0
+    with torch.inference_mode():
+        for rows in candidates:
+            x = torch.randn(rows, lin.in_features, dtype=lin.dtype)
+            t_q = _best_time(lambda x=x: lin.forward_quantized(x))
+            t_d = _best_time(lambda x=x: packed_linear(x, lin.dense))
+            if t_q > t_d:
+                break
+            best = rows
+    return best
+
+
+def _best_time(fn, runs: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -159,4 +224,4 @@ def weight_bytes(model: nn.Module) -> int:
             continue
         seen.add(id(t))
         total += t.numel() * t.element_size()
-    return total
+    return total + sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))

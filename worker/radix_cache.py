@@ -10,6 +10,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from worker.block_hash import block_id, chain
+from worker.kv_events import KvEvents
 from worker.page_pool import PagePool
 
 
@@ -25,6 +27,7 @@ class RadixNode:
     lock_count: int = 0
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     ns: bytes = b""  # set on namespace roots only
+    hashes: list[bytes] = field(default_factory=list)  # the chained block digest of each page (worker.block_hash)
 
 
 @dataclass(slots=True)
@@ -49,7 +52,10 @@ class RadixCache:
         # on abort instead of insert: pool.release(pages); cache.unlock(m.handle)
 
     Every unlocked cached page is evictable, so `pool.num_free + evictable_pages` is what admission can count on.
-    Not thread-safe: the engine loop is its only user.
+    Every page stored or dropped is logged by block id in `events` (what gateways route on). Eviction pops a
+    heap of evictable leaves keyed by last access; an entry whose leaf was touched or left the set since is stale
+    and skipped, and the heap is rebuilt when stale entries outnumber live ones, so each evicted page costs
+    O(log n). Not thread-safe: the engine loop is its only user.
     """
 
     def __init__(self, pool: PagePool, block_size: int) -> None:
@@ -59,6 +65,8 @@ class RadixCache:
         self.block_size = block_size
         self._roots: dict[bytes, RadixNode] = {}
         self._evictable_leaves: set[RadixNode] = set()
+        self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, uid, leaf); may hold stale entries
+        self.events = KvEvents(max_pending=4 * pool.num_pages + 1024)
         self._tree_pages: set[int] = set()
         self._locked_pages = 0
         self._clock = 0
@@ -131,7 +139,7 @@ class RadixCache:
             if node.lock_count == 0:
                 self._locked_pages -= len(node.pages)
                 if not node.children:
-                    self._evictable_leaves.add(node)
+                    self._mark_evictable(node)
             node = node.parent
 
     def insert(self, ns: bytes, tokens: Sequence[int], pages: Sequence[int]) -> int:
@@ -159,13 +167,13 @@ class RadixCache:
         while pos < len(toks):
             child, common = self._step(node, toks, pos)
             if child is None:
-                self._add_leaf(node, toks[pos:], pages[pos // self.block_size:])
+                self._add_leaf(ns, node, toks[pos:], pages[pos // self.block_size:])
                 return len(toks) - pos
             if common < len(child.pages):
                 child = self._split(child, common)
             first = pos // self.block_size
             self.pool.release(pages[first: first + common])  # duplicates of what the tree holds
-            child.last_access = self._clock
+            self._touch(child)
             pos += len(child.key)
             node = child
         return 0
@@ -178,21 +186,31 @@ class RadixCache:
         """
         if n_pages < 0:
             raise ValueError(f"n_pages must be >= 0, got {n_pages}")
-        heap = [(n.last_access, n.uid, n) for n in self._evictable_leaves]
-        heapq.heapify(heap)
         dropped = 0
-        while dropped < n_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+        while dropped < n_pages:
+            leaf = self._pop_lru_leaf()
+            if leaf is None:
+                break
             take = min(len(leaf.pages), n_pages - dropped)
             if take < len(leaf.pages):
                 self._trim_leaf(leaf, take)
+                heapq.heappush(self._heap, (leaf.last_access, leaf.uid, leaf))  # still an evictable leaf
             else:
-                parent = self._remove_leaf(leaf)
-                if parent in self._evictable_leaves:
-                    heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+                self._remove_leaf(leaf)
             dropped += take
         self.evicted_pages += dropped
         return dropped
+
+    def held_block_ids(self) -> list[int]:
+        """The block id of every cached page (a snapshot for gateways); walks the whole tree."""
+        ids: list[int] = []
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                ids.extend(block_id(h) for h in node.hashes)
+                stack.extend(node.children.values())
+        return ids
 
     # ----- inspection (tests, debugging; walks the whole tree) -------------------------------
 
@@ -220,6 +238,7 @@ class RadixCache:
             while stack:
                 node = stack.pop()
                 assert node.pages and len(node.key) == len(node.pages) * bs, "edge is not whole pages"
+                assert len(node.hashes) == len(node.pages), "a page without its block hash"
                 assert node.parent is not None and node.parent.children[node.key[:bs]] is node
                 assert node.lock_count >= 0, "negative lock count"
                 assert node.lock_count <= node.parent.lock_count or node.parent.parent is None, \
@@ -291,17 +310,42 @@ class RadixCache:
         assert parent is not None and 0 < n_pages < len(node.pages)
         upper = self._new_node(node.key[:cut], node.pages[:n_pages], parent)
         upper.last_access, upper.lock_count = node.last_access, node.lock_count
+        upper.hashes, node.hashes = node.hashes[:n_pages], node.hashes[n_pages:]
         parent.children[upper.key[: self.block_size]] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
         upper.children[node.key[: self.block_size]] = node
         return upper
 
-    def _add_leaf(self, parent: RadixNode, key: tuple[int, ...], pages: list[int]) -> None:
+    def _add_leaf(self, ns: bytes, parent: RadixNode, key: tuple[int, ...], pages: list[int]) -> None:
         leaf = self._new_node(key, pages, parent)
+        leaf.hashes = chain(ns, parent.hashes[-1] if parent.hashes else ns, key, self.block_size)
         parent.children[key[: self.block_size]] = leaf
         self._evictable_leaves.discard(parent)
-        self._evictable_leaves.add(leaf)
+        self._mark_evictable(leaf)
         self._tree_pages.update(pages)
+        self.events.stored(block_id(h) for h in leaf.hashes)
+
+    def _mark_evictable(self, leaf: RadixNode) -> None:
+        self._evictable_leaves.add(leaf)
+        heapq.heappush(self._heap, (leaf.last_access, leaf.uid, leaf))
+
+    def _touch(self, node: RadixNode) -> None:
+        """Mark `node` used now; an evictable leaf gets a fresh heap entry (the old one turns stale)."""
+        node.last_access = self._clock
+        if node in self._evictable_leaves:
+            heapq.heappush(self._heap, (node.last_access, node.uid, node))
+
+    def _pop_lru_leaf(self) -> RadixNode | None:
+        """The least recently used evictable leaf (left in the set), skipping stale heap entries."""
+        heap, leaves = self._heap, self._evictable_leaves
+        if len(heap) > 2 * len(leaves) + 64:  # mostly stale: rebuild from the live set
+            heap[:] = [(n.last_access, n.uid, n) for n in leaves]
+            heapq.heapify(heap)
+        while heap:
+            access, _, leaf = heapq.heappop(heap)
+            if leaf in leaves and leaf.last_access == access:
+                return leaf
+        return None
 
     def _lock(self, node: RadixNode) -> None:
         cur: RadixNode | None = node
@@ -317,6 +361,8 @@ class RadixCache:
         dropped = leaf.pages[-n_pages:]
         del leaf.pages[-n_pages:]
         leaf.key = leaf.key[: len(leaf.pages) * self.block_size]
+        self.events.evicted(block_id(h) for h in leaf.hashes[-n_pages:])
+        del leaf.hashes[-n_pages:]
         self._drop_pages(dropped)
 
     def _remove_leaf(self, leaf: RadixNode) -> RadixNode:
@@ -325,12 +371,13 @@ class RadixCache:
         assert parent is not None and leaf.lock_count == 0 and not leaf.children
         del parent.children[leaf.key[: self.block_size]]
         self._evictable_leaves.discard(leaf)
+        self.events.evicted(block_id(h) for h in leaf.hashes)
         self._drop_pages(leaf.pages)
         if not parent.children:
             if parent.parent is None:
                 del self._roots[parent.ns]  # an empty namespace keeps no memory
             elif parent.lock_count == 0:
-                self._evictable_leaves.add(parent)
+                self._mark_evictable(parent)
         return parent
 
     def _drop_pages(self, pages: list[int]) -> None:

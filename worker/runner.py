@@ -28,6 +28,8 @@ class StepResult:
     logprobs: list[float] | None
     top_ids: list[list[int]] | None = None  # per sampled row, the k most likely token ids
     top_logprobs: list[list[float]] | None = None
+    # speculative verification: (sequence, drafts, the target's token at each of the 1 + len(drafts) rows)
+    verified: list[tuple[Sequence, list[int], list[int]]] | None = None
 
 
 class ModelRunner:
@@ -44,25 +46,31 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         input_ids, ctx, sampled = self.prepare(batch)
+        n = len(sampled)
+        rows, steps = spec_rows(sampled, batch.verifies)
         with torch.inference_mode():
             logits = self.logits(input_ids, ctx)
-            if not sampled:
+            if not rows:
                 return StepResult([], [], None)
-            sb = self._sampling_batch(sampled, self.device, logits.shape[-1])
+            sb = self._sampling_batch(rows, steps, self.device, logits.shape[-1])
             if self.masker is not None:
-                sb.grammar_mask = self.masker.fill([s.grammar for s in sampled])
+                sb.grammar_mask = self.masker.fill([s.grammar for s in rows])
             out = sample(logits, sb)
-        lp = out.logprobs.tolist() if out.logprobs is not None else None
+        tokens = out.tokens.tolist()
+        verified = split_verified(batch.verifies, tokens, n) if batch.verifies else None
+        lp = out.logprobs[:n].tolist() if out.logprobs is not None else None
         if out.top_ids is None:
-            return StepResult(sampled, out.tokens.tolist(), lp)
-        return StepResult(sampled, out.tokens.tolist(), lp, out.top_ids.tolist(), out.top_logprobs.tolist())
+            return StepResult(sampled, tokens[:n], lp, verified=verified)
+        return StepResult(sampled, tokens[:n], lp, out.top_ids[:n].tolist(), out.top_logprobs[:n].tolist(), verified)
 
     def logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
         """fp32 logits of the rows that sample, None when none does."""
         return self.model(input_ids, ctx)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepContext, list[Sequence]]:
-        """Token ids (decodes first, then prefill chunks), the step context, and the sequences that sample."""
+        """Token ids (decodes, verify chunks, prefill chunks), the step context, and the sequences that sample.
+
+        Logit rows: decodes and sampling prefills in `sampled` order, then every row of the verify chunks."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -80,9 +88,16 @@ class ModelRunner:
         rows = list(range(len(batch.decodes)))
         row = len(batch.decodes)
         pf_tables, pf_q, pf_ctx = [], [], []
-        for seq, n in batch.prefills:
+        spec: list[int] = []  # verify chunks run like prefill chunks; their rows sample after all others
+        chunks = [(seq, 1 + len(d), d) for seq, d in batch.verifies] + [(seq, n, None) for seq, n in batch.prefills]
+        for seq, n, drafts in chunks:
             start = seq.num_computed
-            ids.extend(seq.tokens[start:start + n])
+            if drafts is None:
+                ids.extend(seq.tokens[start:start + n])
+            else:
+                ids.append(seq.tokens[start])
+                ids.extend(drafts)
+                spec.extend(range(row, row + n))
             pos = torch.arange(start, start + n)
             positions.append(pos)
             first_page, last_page = start // bs, (start + n - 1) // bs
@@ -92,9 +107,10 @@ class ModelRunner:
             pf_q.append(n)
             pf_ctx.append(start + n)
             row += n
-            if start + n == len(seq.tokens):
+            if drafts is None and start + n == len(seq.tokens):
                 sampled.append(seq)
                 rows.append(row - 1)
+        rows += spec
         dev = self.device
         lay = BatchLayout(bs, torch.cat(slots).to(dev), [s.pages for s in batch.decodes],
                           [p + 1 for p in dec_pos], pf_tables, pf_q, pf_ctx)
@@ -105,7 +121,9 @@ class ModelRunner:
         return input_ids, StepContext(pos_t, rows_t, self.attn, meta, self.kv), sampled
 
     @staticmethod
-    def _sampling_batch(seqs: list[Sequence], dev: torch.device, vocab: int) -> SamplingBatch:
+    def _sampling_batch(seqs: list[Sequence], steps: list[int] | None, dev: torch.device,
+                        vocab: int) -> SamplingBatch:
+        """`steps`: the output index each row draws (default: each sequence's next)."""
         params = [s.sampling for s in seqs]
         all_greedy = all(p.greedy for p in params)
         want_lp = any(p.logprobs for p in params)
@@ -120,6 +138,31 @@ class ModelRunner:
         seed = torch.tensor([s.seed & 0xFFFFFFFF for s in seqs], dtype=torch.int64)
         hi = [s.seed >> 32 for s in seqs]
         seed_hi = torch.tensor(hi, dtype=torch.int64, device=dev) if any(hi) else None
-        step = torch.tensor([s.num_output for s in seqs], dtype=torch.int64)
+        step = torch.tensor(steps if steps is not None else [s.num_output for s in seqs], dtype=torch.int64)
         return SamplingBatch(temp.to(dev), top_k.to(dev), top_p.to(dev), seed.to(dev), step.to(dev), False,
                              bool((top_k > 0).any()), bool((top_p < 1).any()), want_lp, top, adjust, seed_hi)
+
+
+def spec_rows(sampled: list[Sequence], verifies: list[tuple[Sequence, list[int]]]
+              ) -> tuple[list[Sequence], list[int] | None]:
+    """Per logit row: its sequence and the output index it draws (None: each sequence's next, no verifies).
+
+    Verify row j of a sequence draws output index num_output + j with the same (seed, step) noise as plain
+    decoding, so a verified token is exactly the token plain decoding would sample there."""
+    if not verifies:
+        return sampled, None
+    rows, steps = list(sampled), [s.num_output for s in sampled]
+    for seq, drafts in verifies:
+        rows.extend([seq] * (1 + len(drafts)))
+        steps.extend(range(seq.num_output, seq.num_output + 1 + len(drafts)))
+    return rows, steps
+
+
+def split_verified(verifies: list[tuple[Sequence, list[int]]], tokens: list[int], start: int
+                   ) -> list[tuple[Sequence, list[int], list[int]]]:
+    out = []
+    for seq, drafts in verifies:
+        end = start + 1 + len(drafts)
+        out.append((seq, drafts, tokens[start:end]))
+        start = end
+    return out

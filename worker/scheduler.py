@@ -14,11 +14,15 @@ from worker.fairness import FairShare
 from worker.page_pool import PagePool
 from worker.radix_cache import RadixCache
 from worker.sequence import SeqStatus, Sequence
+from worker.speculative import DraftPlanner
 
 # cache-aware order: plain arrival order above this many waiting requests (bounds the per-step cost),
 # and for a queue head that later requests with longer cached prefixes overtook this many times
 CACHE_AWARE_MAX_QUEUE = 64
 CACHE_AWARE_MAX_SKIPS = 32
+# fair-share preemption: the victim key's counter must be at least the waiting key's + this (tokens of service);
+# the slot-share rule of FairShare.slot_victim already rules out thrash, so a just-lifted key may preempt at once
+FAIR_PREEMPT_GAP = 0.0
 
 
 @dataclass(slots=True)
@@ -26,10 +30,11 @@ class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk tokens)
     preempted: list[Sequence] = field(default_factory=list)
+    verifies: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # decodes with drafts to verify
 
     @property
     def empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
 
 def pages_for(tokens: int, block_size: int) -> int:
@@ -46,6 +51,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by order_key
         self.running: list[Sequence] = []  # sorted by order_key
         self.fair = FairShare(config.fairness)
+        self.drafts = DraftPlanner(config, pool, self.fair)
         self.preemptions = 0
         # first admissions only (resumes after preemption excluded): prompt tokens, of which served by the cache
         self.admitted_prompt_tokens = 0
@@ -84,12 +90,17 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
+        self._fair_preempt(out)
         budget = self._schedule_decodes(out, self.config.max_num_batched_tokens)
+        budget = self._admit_light(out, budget)
+        budget = self.drafts.plan(out, budget)
         budget = self._schedule_running_prefills(out, budget)
         self._admit(out, budget)
         charge = self.fair.charge
         for seq in out.decodes:
             charge(seq.fkey, decode=1)
+        for seq, _ in out.verifies:
+            charge(seq.fkey, decode=1)  # accepted drafts are charged by `spec_accepted`
         for seq, n in out.prefills:
             charge(seq.fkey, prefill_computed=n)  # chunks never cover cached prefix tokens
         return out
@@ -134,20 +145,27 @@ class Scheduler:
         return next(s for s in reversed(tail) if s.fkey == key)
 
     def _schedule_running_prefills(self, out: ScheduledBatch, budget: int) -> int:
+        admitted = {id(seq) for seq, _ in out.prefills}  # by _admit_light this step
         for seq in self.running:
             if budget <= 0:
                 break
-            if not seq.in_decode and seq.remaining_prefill > 0:
+            if not seq.in_decode and seq.remaining_prefill > 0 and id(seq) not in admitted:
                 chunk = min(seq.remaining_prefill, budget)
                 out.prefills.append((seq, chunk))
                 budget -= chunk
         return budget
 
-    def _admit(self, out: ScheduledBatch, budget: int) -> None:
+    def _admit(self, out: ScheduledBatch, budget: int, light: bool = False) -> int:
+        """Admit waiting requests (fairest key first) while slots, budget and pages last; the budget left.
+
+        `light`: only while the chosen request's key has no running sequence.
+        """
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = self._fair_head()
             idx = self._next_waiting(head) if self.cache_aware else head
             seq = self.waiting[idx]
+            if light and any(s.fkey == seq.fkey for s in self.running):
+                break
             if self._prefix_in_flight(seq) or not self._reserve(seq):
                 break  # the chosen request waits; others do not jump it
             self.waiting.pop(idx)
@@ -158,6 +176,39 @@ class Scheduler:
             chunk = min(seq.remaining_prefill, budget)
             out.prefills.append((seq, chunk))
             budget -= chunk
+        return budget
+
+    # ---- fair share of slots (VTC with several active keys; no-ops otherwise) ----
+
+    def _fair_preempt(self, out: ScheduledBatch) -> None:
+        """No slot free and the fairest waiting request's key runs fewer than its share of `max_num_seqs`:
+        preempt the newest sequence (of the waiting one's priority class or lower) of the key most over its
+        share (`FairShare.slot_victim`). One per step; its pages go to the radix cache, so resuming is cheap.
+        """
+        fair, running = self.fair, self.running
+        if not self.waiting or not fair.fair or fair.active_keys < 2 or len(running) < self.config.max_num_seqs:
+            return
+        head = self.waiting[self._fair_head()]
+        counts: dict[bytes, int] = {}
+        for s in running:
+            counts[s.fkey] = counts.get(s.fkey, 0) + 1
+        key = fair.slot_victim(head.fkey, counts, self.config.max_num_seqs, FAIR_PREEMPT_GAP)
+        if key is None:
+            return
+        victim = next((s for s in reversed(running) if s.fkey == key and s.priority >= head.priority), None)
+        if victim is not None:
+            self._preempt(victim, out)
+
+    def _admit_light(self, out: ScheduledBatch, budget: int) -> int:
+        """Before running prefill chunks: admit the fairest waiting requests of keys with nothing running
+        (light keys); the budget left. A step that admits one carries no other prefill chunk (budget 0), so
+        on a compute-bound device a light key's first token is not held behind others' prefills.
+        """
+        if not self.waiting or not self.fair.fair or self.fair.active_keys < 2:
+            return budget
+        n = len(out.prefills)
+        budget = self._admit(out, budget, light=True)
+        return 0 if len(out.prefills) > n else budget
 
     def _reserve(self, seq: Sequence) -> bool:
         """Give seq its block table (cached prefix + new pages for the rest) or, if memory is short, nothing."""
@@ -195,7 +246,8 @@ class Scheduler:
         return self.cache is not None and self.cache.evict(1) > 0 and self.pool.num_free > 0
 
     def _fair_head(self) -> int:
-        """Index of the oldest waiting request of the head's priority class whose key has the lowest counter.
+        """Index of the oldest waiting request of the head's priority class whose key has the lowest counter
+        (ties: the key with fewer requests in the engine, as a just-lifted light key).
 
         Arrival order (0) under FIFO or with one active key. O(waiting of that class).
         """
@@ -203,8 +255,8 @@ class Scheduler:
         if not fair.fair or fair.active_keys < 2:
             return 0
         prio = waiting[0].priority
-        counter = fair.counter
-        best, best_c = 0, counter(waiting[0].fkey)
+        counter, active = fair.counter, fair.active_requests
+        best, best_c = 0, (counter(waiting[0].fkey), active(waiting[0].fkey))
         seen = {waiting[0].fkey}
         for i in range(1, len(waiting)):
             seq = waiting[i]
@@ -213,7 +265,7 @@ class Scheduler:
             if seq.fkey in seen:
                 continue
             seen.add(seq.fkey)
-            c = counter(seq.fkey)
+            c = (counter(seq.fkey), active(seq.fkey))
             if c < best_c:
                 best, best_c = i, c
         return best
@@ -295,6 +347,10 @@ class Scheduler:
         self.preemptions += 1
         out.preempted.append(seq)
         self._enqueue(seq)
+
+    def spec_accepted(self, seq: Sequence, accepted: int) -> None:
+        """After verification: charge the accepted drafts and roll back the pages of the rejected ones."""
+        self.drafts.accepted(seq, accepted)
 
     # ---- radix prefix cache call sites ----
 

@@ -13,6 +13,7 @@ from worker.protocol import Priority, SamplingParams
 if TYPE_CHECKING:
     from worker.grammar import GrammarState
     from worker.radix_cache import RadixNode
+    from worker.speculative import NgramIndex
 
 
 class SeqStatus(IntEnum):
@@ -46,6 +47,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     grammar: GrammarState | None = None  # constrained output: the matcher, advanced with every token
+    ngram: NgramIndex | None = None  # draft source for speculative decoding; None when the request cannot use it
 
     @property
     def order_key(self) -> tuple[int, int]:

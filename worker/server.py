@@ -15,8 +15,9 @@ from worker import protocol as proto
 from worker.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, Drain
 from worker.engine import Engine
 from worker.inflight import InFlight, InFlightTable
+from worker.kv_events import KvPromises, kv_report
 from worker.link_auth import LinkAuth
-from worker.memory import TrimSchedule
+from worker.memory import MemoryReport, TrimSchedule
 from worker.metrics import WorkerMetrics
 from worker.protocol import ErrorCode, OutItem, Registration, RequestError, SamplingParams
 from worker.registry import Registrar
@@ -65,9 +66,11 @@ class WorkerServer:
         self._next_stats = 0.0
         self._next_housekeeping = 0.0
         self._trim = TrimSchedule()
+        self._memory_report = MemoryReport()  # debug only: off unless SWITCHYARD_MEMORY_REPORT is set
         self._pulse: StatsPulse | None = None
         self._last_stats = b""
         self.metrics = WorkerMetrics(engine)
+        self._promises = KvPromises(engine.cache, engine.config.block_size) if engine.cache is not None else None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -177,6 +180,8 @@ class WorkerServer:
             return
         if isinstance(frame, proto.GenRequest):
             self._admit(ident, frame)
+        elif isinstance(frame, proto.Sync):
+            self._send_stats_to(ident)
         elif isinstance(frame, proto.Abort):
             entry = self.table.find(ident, frame.rid)
             if entry is not None and not entry.client_aborted:
@@ -205,6 +210,8 @@ class WorkerServer:
             self.engine.add_request(entry.engine_rid, req.tokens.tolist(), sampling, priority=req.priority,
                                     namespace=req.ns, fkey=req.fkey, weight=req.weight)
             self.metrics.admitted(entry.engine_rid, req.fkey or req.ns)
+            if self._promises is not None:  # gateways learn the placement now, not after the prefill
+                self._promises.promise(entry.engine_rid, req.ns, req.tokens)
         except RequestError as exc:
             self.table.remove(entry.engine_rid)
             self._send(ident, proto.encode_err(req.rid, exc.code, exc.message, exc.retryable))
@@ -263,6 +270,7 @@ class WorkerServer:
             log.info("request %s passed its deadline", entry.rid, extra={"request_id": entry.rid})
             self._end(entry, ErrorCode.CAPACITY, "deadline exceeded", retryable=True)
         self._trim.maybe_trim(now)
+        self._memory_report.maybe_report(now)
 
     def _abort_quietly(self, engine_rid: str) -> None:
         """Stop a request whose owner will hear nothing more about it (its final output is ignored)."""
@@ -299,12 +307,16 @@ class WorkerServer:
             for engine_rid in list(gw.engine_rids):
                 self._abort_quietly(engine_rid)
 
-    def _stats_frame(self) -> bytes:
-        s = self.engine.stats()
+    def _stats_frame(self, snapshot: bool = False) -> bytes:
+        """Stats with the next batch of block changes; `snapshot`: with every block held (one gateway's)."""
+        s, e = self.engine.stats(), self.engine
+        if self._promises is not None:
+            self._promises.settle(lambda rid: self.table.get(rid) is not None)
+        kv = kv_report(e.cache, e.config.block_size, e.tokenizer_version, snapshot)
         return proto.encode_stats(proto.WorkerStats(
             worker_id=self.worker_id, queue=int(s.num_waiting), running=int(s.num_running),
             kv_free=int(s.kv_free_tokens), kv_total=int(s.kv_total_tokens), hit_rate=float(s.prefix_hit_rate),
-            draining=self.drain.active, model=str(self.engine.model_id), version=proto.PROTOCOL_VERSION))
+            draining=self.drain.active, model=str(self.engine.model_id), version=proto.PROTOCOL_VERSION, kv=kv))
 
     def _send_stats(self) -> None:
         self._next_stats = time.monotonic() + self.config.stats_interval
@@ -314,4 +326,4 @@ class WorkerServer:
             self._send(ident, frame)
 
     def _send_stats_to(self, ident: bytes) -> None:
-        self._send(ident, self._stats_frame())
+        self._send(ident, self._stats_frame(snapshot=True))

@@ -13,6 +13,9 @@ from pathlib import Path
 import tokenizers
 
 from worker.chat_template import ChatIds, SegmentEncoder, segments
+from worker.chat_template import hermes_messages as hermes_messages  # tools rendering: the gateway's face
+from worker.chat_template import native_messages as native_messages
+from worker.chat_template import special_texts as special_texts
 from worker.model_source import ModelSource, file_digest, gguf_metadata, hf_config, resolve
 
 _CACHE_FORMAT = 1
@@ -51,7 +54,13 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self.hf.id_to_token(i) for i in ids]
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template has its own tools section (it reads a `tools` variable)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError(f"model {self.model_id} has no chat template")
         if self._template is None:
@@ -63,14 +72,16 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(self.chat_template)
+        extra = {} if tools is None else {"tools": tools}
         return self._template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> ChatIds:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> ChatIds:
         """The template writes the special tokens; message content never yields special-token ids."""
-        runs = segments(lambda ms: self.render_chat(ms, add_generation_prompt), messages)
+        runs = segments(lambda ms: self.render_chat(ms, add_generation_prompt, tools), messages)
         if self._segment_encoder is None:
             self._segment_encoder = SegmentEncoder(self.hf)
         return self._segment_encoder.encode(runs)

@@ -189,8 +189,11 @@ def test_token_ids_out_of_range(fault_stack, ids):
 
 
 def test_token_ids_of_wrong_type(fault_stack):
-    for ids in ([1, "2"], [1, 2.0], [1, True], [[1], [2]], [None]):
+    for ids in ([1, "2"], [1, 2.0], [1, True], [None]):
         expect_error(post(fault_stack, COMPLETIONS, body(prompt=ids)), 400, None, "prompt")
+    # [[1], [2]] is a batch of two token-id prompts (served); a wrong type inside a batch names its prompt
+    for ids, param in (([[1], ["2"]], "prompt[1]"), ([[1], 2], "prompt[1]"), ([[1, None]], "prompt")):
+        expect_error(post(fault_stack, COMPLETIONS, body(prompt=ids)), 400, None, param)
 
 
 def test_five_thousand_stop_strings(fault_stack):

@@ -96,15 +96,15 @@ def test_namespaces_and_routing_keys_differ_per_tenant(fault_stack, rds):
     ns_a = namespace_root("default", "v1", salt_a, SECRET)
     ns_b = namespace_root("default", "v1", salt_b, SECRET)
     assert ns_a != ns_b
-    key_a = prefix_key(tokens, None, root=ns_a, secret=SECRET, block_size=16)
-    key_b = prefix_key(tokens, None, root=ns_b, secret=SECRET, block_size=16)
+    key_a = prefix_key(tokens, None, root=ns_a, block_size=16)
+    key_b = prefix_key(tokens, None, root=ns_b, block_size=16)
     assert key_a is not None and key_b is not None and key_a != key_b
     # same tenant, same tokens: the same key on every gateway replica
-    assert key_a == prefix_key(tokens, None, root=namespace_root("default", "v1", salt_a, SECRET), secret=SECRET,
+    assert key_a == prefix_key(tokens, None, root=namespace_root("default", "v1", salt_a, SECRET),
                                block_size=16)
     # the key of one block differs too (no shared first hop that would place B next to A)
-    assert prefix_key(tokens[:16], None, root=ns_a, secret=SECRET, block_size=16) != \
-        prefix_key(tokens[:16], None, root=ns_b, secret=SECRET, block_size=16)
+    assert prefix_key(tokens[:16], None, root=ns_a, block_size=16) != \
+        prefix_key(tokens[:16], None, root=ns_b, block_size=16)
 
 
 async def _stream(client: httpx.AsyncClient, key: str, started: asyncio.Event) -> tuple[int, dict | None, float]:

@@ -1,0 +1,100 @@
+"""`bench/vs_peer.py` without a peer: argument checks, alternation of the sides, the JSON line and its ratios."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import vs_peer
+
+
+@pytest.fixture(autouse=True)
+def loadgen(tmp_path, monkeypatch):
+    """A stand-in path: the tests never run the real load generator."""
+    path = tmp_path / "loadgen.py"
+    path.write_text("")
+    monkeypatch.setattr(vs_peer, "LOADGEN", path)
+
+
+def fake_load(url: str, workload: str) -> dict:
+    ours = url == "ours"
+    return {"mixed": {"out_tok_s": 130.0 if ours else 100.0},
+            "prefix": {"ttft_p50_ms": 400.0 if ours else 1000.0},
+            "single": {"tpot_p50_ms": 30.0 if ours else 40.0}}[workload] | {"workload": workload}
+
+
+def test_alternates_sides_and_prints_median_ratios(monkeypatch, capsys):
+    events: list[str] = []
+    up: set[str] = set()
+
+    def side(name: str):
+        def start() -> vs_peer.Server:
+            assert not up, f"{name} started while {up} is running"
+            up.add(name)
+            events.append(f"start {name}")
+
+            def stop() -> None:
+                up.discard(name)
+                events.append(f"stop {name}")
+            return vs_peer.Server(name, "k", "m", stop)
+        return start
+
+    def run_workload(server, workload, n, concurrency, args):
+        assert server.url in up
+        assert (n, concurrency) == vs_peer.QUICK[workload]
+        return fake_load(server.url, workload)
+
+    monkeypatch.setattr(vs_peer, "run_workload", run_workload)
+    args = vs_peer.parse(["--quick", "--quantization", "none", "--dtype", "float32"])
+    result = vs_peer.compare(args, side("ours"), side("peer"))
+    assert events == ["start ours", "stop ours", "start peer", "stop peer"] * 2
+    line = json.loads(json.dumps(result))
+    assert line["ratios"] == {"mixed_out_tok_s": 1.3, "prefix_ttft_p50": 0.4, "single_tpot_p50": 0.75}
+    assert len(line["passes"]) == 2 and set(line["passes"][0]) == {"ours", "peer"}
+    assert line["ours"]["dtype"] == "float32" and line["ours"]["quantization"] == "none"
+    assert line["cpu"] and line["sizes"]["mixed"] == {"n": 8, "concurrency": 4}
+
+
+def test_side_stops_when_load_fails(monkeypatch):
+    stopped = []
+
+    def boom(*a, **k):
+        raise RuntimeError("loadgen failed")
+
+    monkeypatch.setattr(vs_peer, "run_workload", boom)
+    with pytest.raises(RuntimeError):
+        vs_peer.run_side(lambda: vs_peer.Server("u", "", "m", lambda: stopped.append(1)), vs_peer.QUICK,
+                         vs_peer.parse([]))
+    assert stopped == [1]
+
+
+def test_ratios_median_and_missing_figures():
+    def p(ours: float | None, peer: float | None) -> dict:
+        return {"ours": {"mixed": {"out_tok_s": ours}, "prefix": {}, "single": {"tpot_p50_ms": float("nan")}},
+                "peer": {"mixed": {"out_tok_s": peer}, "prefix": {}, "single": {"tpot_p50_ms": 10.0}}}
+
+    r = vs_peer.ratios([p(1.0, 2.0), p(3.0, 2.0), p(2.0, None)])
+    assert r == {"mixed_out_tok_s": 1.0, "prefix_ttft_p50": None, "single_tpot_p50": None}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--peer-start", "start.sh"], "go together"),
+    (["--passes", "0"], "--passes"),
+    (["--loadgen", "/nonexistent/loadgen.py"], "not found"),
+])
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        vs_peer.parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_peer_not_ready_is_a_timeout_and_stops_it(tmp_path):
+    from config.launcher import free_port
+
+    marker = tmp_path / "stopped"
+    args = vs_peer.parse(["--peer-url", f"http://127.0.0.1:{free_port()}", "--peer-ready-timeout", "0.5",
+                          "--peer-start", "true", "--peer-stop", f"touch {marker}"])
+    with pytest.raises(TimeoutError):
+        vs_peer.start_peer(args)
+    assert marker.exists()

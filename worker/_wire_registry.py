@@ -1,0 +1,50 @@
+"""The Redis registration record a live worker keeps under a TTL, for gateways to discover it.
+
+Private to `worker.protocol`, which re-exports every name; import them from there.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+REGISTRY_KEY_PREFIX = "sy:worker:"
+REGISTRY_SET_KEY = "sy:workers"  # sorted set: member = worker id, score = registration expiry (Redis ms)
+
+
+@dataclass(slots=True)
+class Registration:
+    """A live worker's Redis record: JSON at `REGISTRY_KEY_PREFIX + worker_id`, kept alive by a TTL."""
+
+    worker_id: str
+    endpoint: str
+    model: str
+    version: int
+    started_at: float
+
+
+def registration_key(worker_id: str) -> str:
+    return REGISTRY_KEY_PREFIX + worker_id
+
+
+def encode_registration(reg: Registration) -> str:
+    return json.dumps(asdict(reg))
+
+
+def parse_registration(raw: bytes | str) -> Registration:
+    """Parse a registry value; raises ValueError when it is not a well-formed registration."""
+    try:
+        obj = json.loads(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"registration is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("registration is not a JSON object")
+    try:
+        reg = Registration(worker_id=obj["worker_id"], endpoint=obj["endpoint"], model=obj["model"],
+                           version=obj["version"], started_at=obj["started_at"])
+    except KeyError as exc:
+        raise ValueError(f"registration lacks field {exc}") from None
+    if not (isinstance(reg.worker_id, str) and isinstance(reg.endpoint, str) and isinstance(reg.model, str)
+            and isinstance(reg.version, int) and isinstance(reg.started_at, int | float)):
+        raise ValueError("registration field has the wrong type")
+    return reg
