@@ -51,7 +51,7 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 def make_engine(model, args: argparse.Namespace, policy: str) -> Engine:
     return Engine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                                      fairness=policy))
+                                      fairness=policy, fair_step_tokens=args.fair_step_tokens))
 
 
 def calibrate(model, args: argparse.Namespace) -> float:
@@ -158,7 +158,7 @@ def bench(args: argparse.Namespace) -> dict:
     return {**out, "capacity_rps": round(capacity, 3), "alone": alone, "flood": res, "weights": w,
             "model": args.model, "dtype": str(model.dtype).removeprefix("torch."), "threads": args.threads,
             "cpu": cpu_model(), "duration_s": args.duration, "max_num_seqs": args.max_num_seqs,
-            "max_batched_tokens": args.max_batched_tokens,
+            "max_batched_tokens": args.max_batched_tokens, "fair_step_tokens": args.fair_step_tokens,
             "loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)], "cpus": os.cpu_count()}
 
 
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     a("--max-tokens", type=int, default=32)
     a("--max-num-seqs", type=int, default=16)
     a("--max-batched-tokens", type=int, default=512)
+    a("--fair-step-tokens", type=int, default=0, help="the worker's shared-step prefill cap under VTC (0: none)")
     a("--weights", action=argparse.BooleanOptionalAction, default=True)
     a("--max-wait-s", type=float, default=120.0,
       help="after the arrivals, stop this long later; light requests still waiting count with their wait so far")

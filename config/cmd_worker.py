@@ -13,7 +13,7 @@ from config.settings import Settings, WorkerSettings, flags_to_overrides, load_s
 
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
 _ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness",
-                 "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch")
+                 "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="weight-only quantization (auto: the fastest mode passing the quality gate here; see README)")
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
     a("--fairness", choices=["vtc", "fifo"], help="order between tenants in a priority class (default vtc)")
+    a("--fair-step-tokens", type=int,
+      help="VTC: cap a step's prefill tokens while the worker serves several tenants (0: no cap)")
     a("--spec-tokens", type=int, help="n-gram speculative decoding: drafts per sequence per step (0: off)")
     a("--spec-max-batch", type=int, help="speculate only while this many sequences decode or fewer (0: off)")
     a("--spec-ngram-max", type=int, help="longest suffix matched for drafts (default 3)")

@@ -36,6 +36,7 @@ class WorkerSettings(BaseModel):
     device: str = "auto"
     enable_prefix_cache: bool = True
     fairness: Literal["vtc", "fifo"] = "vtc"  # between tenants within a priority class: VTC fair share or arrival
+    fair_step_tokens: int | None = Field(None, ge=0)  # VTC, worker shared: prefill tokens per step cap (0: none)
     num_threads: int | None = None
     quantization: Literal["none", "int8", "int4", "auto"] = "none"  # weights; auto: see worker.quant.resolve_mode
     # n-gram speculative decoding (worker.speculative); None keeps the engine's default

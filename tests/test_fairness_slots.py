@@ -121,3 +121,24 @@ def test_a_light_keys_prefill_step_carries_no_other_prefill_chunk(tiny):
     eng.add_request("b", prompt(rng, 10), greedy(4), fkey=B)
     batch = eng.scheduler.schedule()
     assert [s.fkey for s, _ in batch.prefills] == [B]
+
+
+def test_shared_step_cap_applies_only_under_vtc_once_a_second_key_was_seen(tiny):
+    rng = random.Random(9)
+    for policy, cap_seen in (("vtc", 24), ("fifo", 64)):
+        eng = make_engine(tiny, policy, max_num_seqs=8, max_num_batched_tokens=64, fair_step_tokens=24)
+        eng.add_request("a0", prompt(rng, 200), greedy(2), fkey=A)
+        assert eng.scheduler._shared_step_cap() == 64  # one key: full steps
+        eng.add_request("b0", prompt(rng, 4), greedy(1), fkey=B)
+        for _ in range(40):
+            if eng.scheduler.fair.active_requests(B) == 0:
+                break  # b0 done: B is idle
+            eng.step()
+        assert eng.scheduler.fair.active_requests(B) == 0
+        # B is idle but still tracked: the worker is shared, so A's prefill chunks stay short under VTC
+        eng.add_request("a1", prompt(rng, 200), greedy(2), fkey=A)
+        assert eng.scheduler._shared_step_cap() == cap_seen, policy
+        batch = eng.scheduler.schedule()
+        full = 64 - len(batch.decodes)  # decodes come out of the step's budget first
+        assert sum(n for _, n in batch.prefills) == min(cap_seen, full), policy
+        eng.close()

@@ -52,7 +52,6 @@ def test_packed_kernel_matches_dequantized_path(mode):
     torch.manual_seed(0)
     w = torch.randn(192, 128, dtype=torch.bfloat16) * 0.05
     lin = quant.QuantLinear(w, mode)
-    assert lin.unpackable
     x = torch.randn(quant.PACKED_MAX_ROWS + 8, 128, dtype=torch.bfloat16)
     big = lin(x).float()  # dequantize + GEMM
     small = torch.cat([lin(x[i:i + 4]) for i in range(0, x.shape[0], 4)]).float()  # packed kernel

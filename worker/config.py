@@ -22,6 +22,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     cache_aware_order: bool = False
     fairness: str = "vtc"  # "vtc": fair share between fairness keys within a priority class | "fifo": arrival order
+    # VTC with more than one fairness key seen lately: prefill tokens per step are capped here, so a key that
+    # arrives waits behind a short step at most (TTFT tail for light tenants vs step efficiency; 0: no cap)
+    fair_step_tokens: int = 0
     # "auto" | "torch" (CPU: with the C++ decode kernel when it builds) | "torch_reference" | "flash_attn"
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
@@ -52,6 +55,8 @@ class EngineConfig:
             raise ValueError("spec_tokens must be in [0, 16] and spec_max_batch >= 0")
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max <= 8:
             raise ValueError("spec n-gram sizes must satisfy 1 <= spec_ngram_min <= spec_ngram_max <= 8")
+        if self.fair_step_tokens < 0:
+            raise ValueError("fair_step_tokens must be >= 0 (0: no cap)")
         if self.fairness not in ("vtc", "fifo"):
             raise ValueError(f"fairness must be 'vtc' or 'fifo', got {self.fairness!r}")
 

@@ -57,15 +57,17 @@ class QuantLinear(nn.Module):
             self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
             self.register_buffer("scales", scale.to(self.dtype))
         elif mode == "int4":
-            packed, sz = _pack_int4(w, group, self.dtype)
-            self.register_buffer("qweight", packed)
+            codes, sz = _quantize_int4(w, group, self.dtype)
+            self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
             self.register_buffer("scales", sz)  # [in/group, out, 2]: scale and zero (value at code 8)
+            # where this build's packing is not the one `_unpack_int4` reads (e.g. AVX2-only CPUs), keep the
+            # codes one per byte, so large row counts can still dequantize instead of running the slow kernel
+            self.codes = None if _int4_unpack_ok(self.out_features) else codes.to(torch.uint8)
         else:
             raise ValueError(f"QuantLinear mode must be int8 or int4, got {mode!r}")
-        self.unpackable = mode == "int8" or _int4_unpack_ok(self.out_features)
         self.max_rows = PACKED_MAX_ROWS  # set by `calibrate_max_rows` through `quantize_model`
         self.dense: torch.Tensor | None = None  # the dequantized weight, prepacked (None: dequantize per call)
-        if self.unpackable and can_pack(self.dtype, weight.device):
+        if can_pack(self.dtype, weight.device):
             self.dense = pack(self.dequantize())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +75,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] > self.max_rows and self.dense is not None:
             y = packed_linear(x2, self.dense)
-        elif x2.shape[0] > self.max_rows and self.unpackable:
+        elif x2.shape[0] > self.max_rows:
             y = F.linear(x2, self.dequantize())
         else:
             y = self.forward_quantized(x2)
@@ -89,7 +91,9 @@ class QuantLinear(nn.Module):
         """The weight as a dense [out, in] tensor of the model dtype (used transiently for large row counts)."""
         if self.mode == "int8":
             return self.qweight.to(self.dtype) * self.scales[:, None]
-        q = _unpack_int4(self.qweight, self.out_features, self.in_features).to(self.dtype)
+        codes = self.codes if self.codes is not None else _unpack_int4(self.qweight, self.out_features,
+                                                                       self.in_features)
+        q = codes.to(self.dtype)
         sz = self.scales.transpose(0, 1)  # [out, groups, 2]
         q = q.view(self.out_features, -1, self.group)
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
@@ -113,7 +117,8 @@ class QuantEmbedding(nn.Module):
         return h.qweight[ids].to(h.dtype) * h.scales[ids, None]
 
 
-def _pack_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group: codes [out, in] (int32, 0-15) and [in/group, out, 2] scale and zero."""
     n, k = w.shape
     if k % group:
         raise ValueError(f"int4 group {group} does not divide the input size {k}")
@@ -123,7 +128,7 @@ def _pack_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.T
     q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
     zero = lo + 8 * scale
     sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype)
-    return torch._convert_weight_to_int4pack_for_cpu(q, 1), sz
+    return q, sz
 
 
 def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -179,7 +184,7 @@ def calibrate_max_rows(lin: QuantLinear, candidates: tuple[int, ...] = (1, 2, 4,
     if env:
         return max(0, int(env))
     if lin.dense is None:
-        return PACKED_MAX_ROWS if lin.unpackable else 1 << 30
+        return PACKED_MAX_ROWS
     key = (lin.mode, lin.out_features, lin.in_features, lin.dtype, candidates)
     if key not in _CALIBRATED:  # once per process: two models loaded here choose the same kernels
         _CALIBRATED[key] = _measure_max_rows(lin, candidates)

@@ -92,6 +92,7 @@ class Scheduler:
         out = ScheduledBatch()
         self._fair_preempt(out)
         budget = self._schedule_decodes(out, self.config.max_num_batched_tokens)
+        budget = min(budget, self._shared_step_cap())
         budget = self._admit_light(out, budget)
         budget = self.drafts.plan(out, budget)
         budget = self._schedule_running_prefills(out, budget)
@@ -198,6 +199,12 @@ class Scheduler:
         victim = next((s for s in reversed(running) if s.fkey == key and s.priority >= head.priority), None)
         if victim is not None:
             self._preempt(victim, out)
+
+    def _shared_step_cap(self) -> int:
+        """Prefill tokens this step may carry: `fair_step_tokens` while the worker is shared (VTC tracks more
+        than one key, idle ones included), so a light key's request never waits behind a long step."""
+        cap = self.config.fair_step_tokens
+        return cap if cap and self.fair.fair and len(self.fair) > 1 else self.config.max_num_batched_tokens
 
     def _admit_light(self, out: ScheduledBatch, budget: int) -> int:
         """Before running prefill chunks: admit the fairest waiting requests of keys with nothing running
