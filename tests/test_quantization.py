@@ -47,12 +47,17 @@ def test_perplexity_gate(base, reference, mode):
     assert agree > 0.9
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_packed_kernel_matches_dequantized_path(mode):
+def test_packed_kernel_matches_dequantized_path(mode, dtype):
     torch.manual_seed(0)
-    w = torch.randn(192, 128, dtype=torch.bfloat16) * 0.05
+    w = torch.randn(192, 128, dtype=dtype) * 0.05
     lin = quant.QuantLinear(w, mode)
-    x = torch.randn(quant.PACKED_MAX_ROWS + 8, 128, dtype=torch.bfloat16)
+    quant.calibrate(lin)  # fp32: the kernel may take bf16 activations (the faster here), never changing the dtype out
+    assert lin.kernel_dtype in ((dtype,) if dtype == torch.bfloat16 else (torch.float32, torch.bfloat16))
+    lin.max_rows = quant.PACKED_MAX_ROWS
+    x = torch.randn(quant.PACKED_MAX_ROWS + 8, 128, dtype=dtype)
+    assert lin(x[:4]).dtype == dtype
     big = lin(x).float()  # dequantize + GEMM
     small = torch.cat([lin(x[i:i + 4]) for i in range(0, x.shape[0], 4)]).float()  # packed kernel
     assert ((big - small).norm() / big.norm()).item() < 0.01

@@ -1,7 +1,8 @@
 """Weight-only int8/int4 quantization of a loaded `LlamaModel` on CPU, with torch's packed matmul ops.
 
-Small row counts (decode) run the packed kernels directly; larger ones are faster through a bf16 copy of
-the dequantized weight, prepacked once for oneDNN (`worker.packed`). The row cutoff is measured at load.
+Small row counts (decode) run the packed kernels directly; larger ones are faster through a copy of the
+dequantized weight (bf16: prepacked once for oneDNN, `worker.packed`). Cutoff and kernel dtype are measured
+at load.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from worker.packed import PackedLinear, can_pack, pack, packed_linear
 
 __all__ = ["CHOICES", "INT4_GROUP", "PACKED_MAX_ROWS", "QuantEmbedding", "QuantLinear", "quantize_model",
-           "calibrate_max_rows", "resolve_mode", "weight_bytes"]
+           "calibrate", "calibrate_max_rows", "resolve_mode", "weight_bytes"]
 log = logging.getLogger(__name__)
 
 CHOICES = ("none", "int8", "int4", "auto")
@@ -66,26 +67,39 @@ class QuantLinear(nn.Module):
         else:
             raise ValueError(f"QuantLinear mode must be int8 or int4, got {mode!r}")
         self.max_rows = PACKED_MAX_ROWS  # set by `calibrate_max_rows` through `quantize_model`
-        self.dense: torch.Tensor | None = None  # the dequantized weight, prepacked (None: dequantize per call)
-        if can_pack(self.dtype, weight.device):
-            self.dense = pack(self.dequantize())
+        # the dequantized weight for large row counts: prepacked for oneDNN in bf16, a plain copy otherwise
+        self.packed = can_pack(self.dtype, weight.device)
+        self.dense = pack(self.dequantize()) if self.packed else self.dequantize()
+        self.kernel_scales = self.scales  # the scales in the kernel's activation dtype (`use_kernel_dtype`)
+
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        """Activation dtype of the int8/int4 kernel: the model's, or bf16 where fp32 activations are slow
+        (torch's CPU kernels on AVX2-only CPUs are vectorized for bf16 activations only)."""
+        return self.kernel_scales.dtype
+
+    def use_kernel_dtype(self, dtype: torch.dtype) -> None:
+        self.kernel_scales = self.scales if dtype == self.dtype else self.scales.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] > self.max_rows and self.dense is not None:
-            y = packed_linear(x2, self.dense)
-        elif x2.shape[0] > self.max_rows:
-            y = F.linear(x2, self.dequantize())
-        else:
+        if x2.shape[0] <= self.max_rows:
             y = self.forward_quantized(x2)
+        elif self.packed:
+            y = packed_linear(x2, self.dense)
+        else:
+            y = F.linear(x2, self.dense)
         return y.reshape(*shape[:-1], self.out_features)
 
     def forward_quantized(self, x2: torch.Tensor) -> torch.Tensor:
         """The int8/int4 kernel itself, whatever the row count."""
+        xk = x2.to(self.kernel_dtype)
         if self.mode == "int8":
-            return torch._weight_int8pack_mm(x2, self.qweight, self.scales)
-        return torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales)
+            y = torch._weight_int8pack_mm(xk, self.qweight, self.kernel_scales)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(xk, self.qweight, self.group, self.kernel_scales)
+        return y.to(x2.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as a dense [out, in] tensor of the model dtype (used transiently for large row counts)."""
@@ -167,31 +181,46 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
             model.lm_head = QuantLinear(model.lm_head.weight, head, group)
             if tied and head == "int8":
                 model.embed = QuantEmbedding(model.lm_head)
-        rows = calibrate_max_rows(model.layers[0].gate_up)
         for m in model.modules():
             if isinstance(m, QuantLinear):
-                m.max_rows = rows
-    log.info("quantized linear layers to %s (LM head: %s); %s kernel up to %d rows, packed bf16 above",
-             mode, head, mode, rows)
+                calibrate(m)
+    first, lm_head = model.layers[0].gate_up, model.lm_head
+    log.info("quantized linear layers to %s (LM head: %s); %s kernel (%s activations) up to %d rows (LM head: %s), "
+             "dequantized %s weights above", mode, head, mode, str(first.kernel_dtype).removeprefix("torch."),
+             first.max_rows, getattr(lm_head, "max_rows", "-"), "prepacked bf16" if first.packed else "dense")
+
+
+def calibrate(lin: QuantLinear) -> None:
+    """Set `lin`'s kernel activation dtype (fp32 models: the faster at one row, once per weight shape in a
+    process) and its row cutoff (`calibrate_max_rows`, measured with that dtype)."""
+    if lin.dtype == torch.float32:
+        key = ("dtype", lin.mode, lin.out_features, lin.in_features)
+        if key not in _CALIBRATED:
+            x = torch.randn(1, lin.in_features)
+            times = {}
+            for dtype in (torch.float32, torch.bfloat16):
+                lin.use_kernel_dtype(dtype)
+                times[dtype] = _best_time(lambda: lin.forward_quantized(x))
+            _CALIBRATED[key] = min(times, key=times.get)
+        lin.use_kernel_dtype(_CALIBRATED[key])
+    lin.max_rows = calibrate_max_rows(lin)
 
 
 def calibrate_max_rows(lin: QuantLinear, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)) -> int:
-    """The largest row count up to which `lin`'s int8/int4 kernel beats its packed bf16 copy (best of 5 runs).
+    """The largest row count up to which `lin`'s int8/int4 kernel beats its dequantized copy (best of 5 runs).
 
     `SWITCHYARD_QUANT_MAX_ROWS` fixes it instead. About 50 ms on the default model; the kernel's cost
     relative to bf16 depends on the CPU (the int8 one loses from ~8 rows on AMD Zen 4 without AMX)."""
     env = os.environ.get(MAX_ROWS_ENV)
     if env:
         return max(0, int(env))
-    if lin.dense is None:
-        return PACKED_MAX_ROWS
-    key = (lin.mode, lin.out_features, lin.in_features, lin.dtype, candidates)
+    key = (lin.mode, lin.out_features, lin.in_features, lin.dtype, lin.kernel_dtype, candidates)
     if key not in _CALIBRATED:  # once per process: two models loaded here choose the same kernels
         _CALIBRATED[key] = _measure_max_rows(lin, candidates)
     return _CALIBRATED[key]
 
 
-_CALIBRATED: dict[tuple, int] = {}
+_CALIBRATED: dict[tuple, int | torch.dtype] = {}  # per process: kernel dtypes and row cutoffs by shape
 
 
 def _measure_max_rows(lin: QuantLinear, candidates: tuple[int, ...]) -> int:
@@ -200,7 +229,7 @@ def _measure_max_rows(lin: QuantLinear, candidates: tuple[int, ...]) -> int:
         for rows in candidates:
             x = torch.randn(rows, lin.in_features, dtype=lin.dtype)
             t_q = _best_time(lambda x=x: lin.forward_quantized(x))
-            t_d = _best_time(lambda x=x: packed_linear(x, lin.dense))
+            t_d = _best_time(lambda x=x: packed_linear(x, lin.dense) if lin.packed else F.linear(x, lin.dense))
             if t_q > t_d:
                 break
             best = rows
