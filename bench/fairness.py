@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import re
@@ -41,7 +40,7 @@ if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
 from bench.loadgen import WORDS, RequestRecord, RequestSpec, api_base, discover_model, send_request  # noqa: E402
-from bench.machine import cpu_model  # noqa: E402
+from bench.machine import cpu_model, emit, machine_fields  # noqa: E402
 from bench.report import latency_stats_ms  # noqa: E402
 from config.launcher import Stack, StackConfig, free_port  # noqa: E402
 
@@ -287,7 +286,7 @@ def bench(args: argparse.Namespace, log_dir: Path) -> dict:
             "duration_s": args.duration, "heavy_load": args.heavy_load, "light_load": args.light_load,
             "gateway_capacity": args.gateway_capacity, "max_num_seqs": args.max_num_seqs,
             "max_batched_tokens": args.max_batched_tokens, "max_tokens": args.max_tokens,
-            "loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)], "cpus": os.cpu_count()}
+            **machine_fields(load_before)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,10 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the stacks
     with tempfile.TemporaryDirectory(prefix="sy-bench-fairness-") as tmp:
         result = bench(args, Path(tmp))
-    if not args.json:
-        print(json.dumps(result, indent=2), file=sys.stderr)
-    print(json.dumps(result))
-    return 0
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from what a loaded machine's gateway and client add. One JSON line:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -26,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
-from bench.fairness import cpu_model  # noqa: E402
+from bench.machine import cpu_model, emit, machine_fields  # noqa: E402
 from bench.report import latency_stats_ms  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import Engine  # noqa: E402
@@ -159,7 +158,7 @@ def bench(args: argparse.Namespace) -> dict:
             "model": args.model, "dtype": str(model.dtype).removeprefix("torch."), "threads": args.threads,
             "cpu": cpu_model(), "duration_s": args.duration, "max_num_seqs": args.max_num_seqs,
             "max_batched_tokens": args.max_batched_tokens, "fair_step_tokens": args.fair_step_tokens,
-            "loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)], "cpus": os.cpu_count()}
+            **machine_fields(load_before)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,10 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     a("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     result = bench(args)
-    if not args.json:
-        print(json.dumps(result, indent=2), file=sys.stderr)
-    print(json.dumps(result))
-    return 0
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""The CPU a benchmark ran on, for its JSON line (figures are only comparable on the same CPU)."""
+"""The CPU a benchmark ran on, for its JSON line (figures are only comparable on the same CPU), and the
+line's printing."""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import sys
 from pathlib import Path
 
 
@@ -15,3 +19,16 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_fields(load_before: tuple[float, ...]) -> dict:
+    """The load average before and after the run, and the CPU count (a busy machine explains odd figures)."""
+    return {"loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)], "cpus": os.cpu_count()}
+
+
+def emit(result: dict, as_json: bool) -> int:
+    """Print the one JSON line (stdout), and unless `as_json` an indented copy first (stderr); exit code 0."""
+    if not as_json:
+        print(json.dumps(result, indent=2), file=sys.stderr)
+    print(json.dumps(result))
+    return 0

@@ -88,17 +88,19 @@ def decode_step_ms(loaded: LoadedModel, batch: int, steps: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def matvec_gbps(nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Memory bandwidth of a bf16 matrix-vector product over `nbytes` of weights (the floor's yardstick)."""
-    w = torch.randn(nbytes // 2 // 4096, 4096).to(torch.bfloat16)
-    x = torch.randn(1, 4096, dtype=torch.bfloat16)
+def matvec_gbps(dtype: torch.dtype = torch.bfloat16, nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Memory bandwidth of a matrix-vector product over `nbytes` of weights of `dtype` (the floor's yardstick:
+    the model's dtype, so an fp32 model on a CPU without fast bf16 is not judged by a slow bf16 product)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    w = torch.randn(nbytes // size // 4096, 4096).to(dtype)
+    x = torch.randn(1, 4096, dtype=dtype)
     F.linear(x, w)
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
         F.linear(x, w)
         best = min(best, time.perf_counter() - t0)
-    return w.numel() * 2 / best / 1e9
+    return w.numel() * size / best / 1e9
 
 
 def run(modes: list[str], steps: int, chunk: int) -> dict:
@@ -106,7 +108,7 @@ def run(modes: list[str], steps: int, chunk: int) -> dict:
     base = load_model("default", quantization="none")
     ids = eval_ids(base)
     ref = score(base, ids, 4096)
-    gbps = matvec_gbps()
+    gbps = matvec_gbps(base.dtype)
     out: dict = {"model": base.model_id, "dtype": str(base.dtype).replace("torch.", ""), "eval_tokens": len(ids),
                  "threads": torch.get_num_threads(), "matvec_gbps": round(gbps, 2), "modes": {}}
     for mode in modes:

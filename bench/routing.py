@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import queue
 import random
@@ -24,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
-from bench.machine import cpu_model  # noqa: E402
+from bench.machine import cpu_model, emit  # noqa: E402
 from router import Membership, Router, RouteRequest, WorkerError, namespace_root  # noqa: E402
 from tests.worker_procs import WorkerProc  # noqa: E402
 from worker.protocol import Priority, SamplingParams  # noqa: E402
@@ -323,10 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--gateways must be a comma list of positive integers")
     with tempfile.TemporaryDirectory(prefix="sy-bench-routing-") as tmp:
         result = asyncio.run(bench(args, Path(tmp)))
-    if not args.json:
-        print(json.dumps(result, indent=2), file=sys.stderr)
-    print(json.dumps(result))
-    return 0
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config.launcher import Stack, StackConfig, free_port
+from tenancy.redis_client import sync_client
 
 _STACK: GatewayStack | None = None
 
@@ -64,3 +65,13 @@ def stop_shared_stack() -> None:
     if _STACK is not None:
         _STACK.stack.stop()
         _STACK = None
+
+
+def tenant_state(redis_url: str, name: str) -> dict:
+    """A dump of every Redis key of tenant `name` but its config: equal before and after means nothing was
+    charged, reserved or leased."""
+    r = sync_client(redis_url)
+    try:
+        return {k: r.dump(k) for k in sorted(r.scan_iter(match=f"{{t:{name}}}:*")) if not k.endswith(b":config")}
+    finally:
+        r.close()

@@ -15,8 +15,7 @@ import openai
 import pytest
 
 from gateway.schemas import parse_chat, parse_completion
-from tenancy.redis_client import sync_client
-from tests.gateway_stack import GatewayStack, start_gateway_stack
+from tests.gateway_stack import GatewayStack, start_gateway_stack, tenant_state
 from worker.protocol import json_object_spec, json_schema_spec
 
 pytestmark = pytest.mark.timeout(120)
@@ -97,14 +96,6 @@ def test_max_tokens_first_ends_with_length(client):
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 3
 
 
-def _tenant_state(url: str, name: str) -> dict:
-    r = sync_client(url)
-    try:
-        return {k: r.dump(k) for k in sorted(r.scan_iter(match=f"{{t:{name}}}:*")) if not k.endswith(b":config")}
-    finally:
-        r.close()
-
-
 @pytest.mark.parametrize(("schema", "param", "words"), [
     ({"type": "object", "properties": {"a": {"type": "nope"}}}, "response_format.json_schema.schema", "invalid"),
     ({"type": "array", "uniqueItems": True}, "response_format.json_schema.schema", "uniqueItems"),
@@ -115,13 +106,13 @@ def test_unusable_schema_is_400_and_charges_nothing(stack, schema, param, words)
     name = "rf-" + hashlib.sha256(json.dumps(schema).encode()).hexdigest()[:10]
     key = stack.stack.create_tenant(name)
     sdk = openai.OpenAI(api_key=key, base_url=stack.base_url + "/v1", max_retries=0, timeout=60)
-    before = _tenant_state(stack.stack.redis_url, name)
+    before = tenant_state(stack.stack.redis_url, name)
     with pytest.raises(openai.BadRequestError) as err:
         sdk.chat.completions.create(model="default", messages=ASK, max_tokens=10, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     assert err.value.body["param"] == param
     assert words in err.value.body["message"]
-    assert _tenant_state(stack.stack.redis_url, name) == before  # no tokens, request or lease written
+    assert tenant_state(stack.stack.redis_url, name) == before  # no tokens, request or lease written
 
 
 @pytest.mark.parametrize(("fmt", "param"), [

@@ -18,8 +18,7 @@ import pytest
 
 from config.launcher import free_port
 from gateway.tool_output import ToolCallStream
-from tenancy.redis_client import sync_client
-from tests.gateway_stack import GatewayStack, start_gateway_stack
+from tests.gateway_stack import GatewayStack, start_gateway_stack, tenant_state
 from worker.chat_template import hermes_messages
 from worker.grammar import grammar_tokenizer
 from worker.protocol import tool_call_spec
@@ -202,14 +201,6 @@ def test_models_retrieve(client):
     assert err.value.body["param"] == "model"
 
 
-def _tenant_state(url: str, name: str) -> dict:
-    r = sync_client(url)
-    try:
-        return {k: r.dump(k) for k in sorted(r.scan_iter(match=f"{{t:{name}}}:*")) if not k.endswith(b":config")}
-    finally:
-        r.close()
-
-
 BAD = [
     ({"n": 9}, "n"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
@@ -229,11 +220,11 @@ def test_bad_input_is_400_and_charges_nothing(stack, extra, param):
     name = "bad-" + re.sub(r"[^a-z0-9]", "", param)
     key = gs.stack.create_tenant(name)
     sdk = openai.OpenAI(api_key=key, base_url=gs.base_url + "/v1", max_retries=0, timeout=60)
-    before = _tenant_state(gs.stack.redis_url, name)
+    before = tenant_state(gs.stack.redis_url, name)
     with pytest.raises(openai.BadRequestError) as err:
         sdk.chat.completions.create(model="default", messages=ASK, max_tokens=5, extra_body=extra)
     assert err.value.body["param"] == param, err.value.body
-    assert _tenant_state(gs.stack.redis_url, name) == before
+    assert tenant_state(gs.stack.redis_url, name) == before
 
 
 @pytest.mark.parametrize(("extra", "param"), [({"best_of": 9}, "best_of"), ({"n": 2, "best_of": 2}, "best_of"),
