@@ -38,6 +38,18 @@ async def served_after(http: httpx.AsyncClient, gw: GatewayProc, key: str, since
         await asyncio.sleep(0.1)
 
 
+async def joined_all(gw: GatewayProc, workers: int, limit: float = 30.0) -> None:
+    """Wait until `gw` has logged a join for `workers` distinct workers (its registry poll found them all)."""
+    deadline = time.monotonic() + limit
+    while True:
+        records, _ = gateway_log_records(gw)
+        seen = {str(r.get("msg")).split()[1] for r in records if " joined at " in str(r.get("msg"))}
+        if len(seen) >= workers:
+            return
+        assert time.monotonic() < deadline, f"{gw.base_url} saw {sorted(seen)} of {workers} workers"
+        await asyncio.sleep(0.1)
+
+
 def left_lines(gw: GatewayProc) -> list[str]:
     records, _ = gateway_log_records(gw)
     return [r["msg"] for r in records if " left (" in str(r.get("msg"))]
@@ -53,7 +65,8 @@ async def test_redis_outage_under_registry_discovery_cuts_no_stream() -> None:
         cluster.wait_ready(120)
         key = cluster.create_tenant(TENANT, tpm=0, rpm=0, max_concurrent=100)
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=20)) as http:
-            for gw in (gw_open, gw_closed):  # both gateways have discovered the workers and serve
+            for gw in (gw_open, gw_closed):  # both gateways have discovered both workers and serve
+                await joined_all(gw, 2)  # else a gateway knowing one worker queues behind its own streams
                 await served_after(http, gw, key, time.monotonic(), 30)
             await run_outage(cluster, http, key, gw_open, gw_closed)
         for gw in (gw_open, gw_closed):
