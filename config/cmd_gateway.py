@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", dest="body_timeout", type=float,
                         help="seconds for a request's headers, then for its whole body, to arrive "
                         "(late headers: connection closed; late body: 408; default 10)")
+    parser.add_argument("--keep-alive-timeout", dest="keep_alive_timeout", type=float,
+                        help="seconds an idle keep-alive connection stays open (default 75)")
     parser.add_argument("--stream-write-timeout", dest="stream_write_timeout", type=float,
                         help="seconds a streaming client may take no data before it is cut and its request "
                              "ends (default 30)")
@@ -57,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
-    names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "worker_timeout", "log_level",
+    names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "keep_alive_timeout", "worker_timeout",
+             "log_level",
              "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
              "route_prefix_tokens")
     values = {k: getattr(args, k, None) for k in names}
@@ -170,5 +173,5 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM: lame-duck for drain_timeout (gateway.drain), then a short window before stragglers are cancelled
     return serve(app, app.state.drain, gw.drain_timeout, host=gw.host, port=gw.port, loop="uvloop",
                  http=header_deadline_protocol(gw.body_timeout), log_level=settings.log_level.lower(),
-                 access_log=False, log_config=None,
+                 access_log=False, log_config=None, timeout_keep_alive=gw.keep_alive_timeout,
                  timeout_graceful_shutdown=2)

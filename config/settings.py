@@ -60,6 +60,10 @@ class GatewaySettings(BaseModel):
     model: str = "default"  # tokenizer/model spec the gateway serves (same as the workers')
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger request bodies get 413
     body_timeout: float = Field(10.0, gt=0)  # seconds for a request's headers, then its body, to arrive
+    # an idle keep-alive connection stays open this long: longer than clients' pool expiry (httpx, so the
+    # OpenAI SDK: 5 s) and load balancers' idle timeouts (often 60 s), so a reused connection never races the
+    # server's close (uvicorn's own default, 5 s, equals httpx's and lost requests to that race)
+    keep_alive_timeout: float = Field(75.0, gt=0)
     request_timeout: float = Field(600.0, gt=0)  # whole-request deadline sent to the worker
     stream_write_timeout: float = Field(30.0, gt=0)  # an SSE client that takes no chunk for this long is cut
     hash_secret: str = "switchyard-dev-secret"  # per-deployment key of prefix hashes; set it in production
