@@ -59,9 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
-    names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "keep_alive_timeout", "worker_timeout",
-             "log_level",
-             "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
+    names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "keep_alive_timeout",
+             "worker_timeout", "log_level", "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
              "route_prefix_tokens")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:

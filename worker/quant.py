@@ -84,13 +84,12 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= self.max_rows:
-            y = self.forward_quantized(x2)
-        elif self.packed:
-            y = packed_linear(x2, self.dense)
-        else:
-            y = F.linear(x2, self.dense)
+        y = self.forward_quantized(x2) if x2.shape[0] <= self.max_rows else self.forward_dense(x2)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def forward_dense(self, x2: torch.Tensor) -> torch.Tensor:
+        """The product with the dequantized copy, whatever the row count."""
+        return packed_linear(x2, self.dense) if self.packed else F.linear(x2, self.dense)
 
     def forward_quantized(self, x2: torch.Tensor) -> torch.Tensor:
         """The int8/int4 kernel itself, whatever the row count."""
@@ -102,7 +101,7 @@ class QuantLinear(nn.Module):
         return y.to(x2.dtype)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight as a dense [out, in] tensor of the model dtype (used transiently for large row counts)."""
+        """The weight as a dense [out, in] tensor of the model dtype (builds `dense`; a reference in tests)."""
         if self.mode == "int8":
             return self.qweight.to(self.dtype) * self.scales[:, None]
         codes = self.codes if self.codes is not None else _unpack_int4(self.qweight, self.out_features,
@@ -194,15 +193,15 @@ def calibrate(lin: QuantLinear) -> None:
     """Set `lin`'s kernel activation dtype (fp32 models: the faster at one row, once per weight shape in a
     process) and its row cutoff (`calibrate_max_rows`, measured with that dtype)."""
     if lin.dtype == torch.float32:
-        key = ("dtype", lin.mode, lin.out_features, lin.in_features)
-        if key not in _CALIBRATED:
+        key = (lin.mode, lin.out_features, lin.in_features)
+        if key not in _KERNEL_DTYPES:
             x = torch.randn(1, lin.in_features)
             times = {}
             for dtype in (torch.float32, torch.bfloat16):
                 lin.use_kernel_dtype(dtype)
                 times[dtype] = _best_time(lambda: lin.forward_quantized(x))
-            _CALIBRATED[key] = min(times, key=times.get)
-        lin.use_kernel_dtype(_CALIBRATED[key])
+            _KERNEL_DTYPES[key] = min(times, key=times.get)
+        lin.use_kernel_dtype(_KERNEL_DTYPES[key])
     lin.max_rows = calibrate_max_rows(lin)
 
 
@@ -220,7 +219,8 @@ def calibrate_max_rows(lin: QuantLinear, candidates: tuple[int, ...] = (1, 2, 4,
     return _CALIBRATED[key]
 
 
-_CALIBRATED: dict[tuple, int | torch.dtype] = {}  # per process: kernel dtypes and row cutoffs by shape
+_KERNEL_DTYPES: dict[tuple, torch.dtype] = {}  # per process: the kernel's activation dtype by mode and shape
+_CALIBRATED: dict[tuple, int] = {}  # per process: row cutoffs by mode, shape and dtypes
 
 
 def _measure_max_rows(lin: QuantLinear, candidates: tuple[int, ...]) -> int:
@@ -229,7 +229,7 @@ def _measure_max_rows(lin: QuantLinear, candidates: tuple[int, ...]) -> int:
         for rows in candidates:
             x = torch.randn(rows, lin.in_features, dtype=lin.dtype)
             t_q = _best_time(lambda x=x: lin.forward_quantized(x))
-            t_d = _best_time(lambda x=x: packed_linear(x, lin.dense) if lin.packed else F.linear(x, lin.dense))
+            t_d = _best_time(lambda x=x: lin.forward_dense(x))
             if t_q > t_d:
                 break
             best = rows
