@@ -34,4 +34,4 @@ def test_fresh_lock_is_waited_for_with_a_deadline(tmp_path, monkeypatch):
 
 
 def test_kernel_name_follows_source_and_flags():
-    assert cpu_kernels._NAME.startswith("switchyard_cpu_attn_") and len(cpu_kernels._NAME) == 32
+    assert cpu_kernels._NAME.startswith("switchyard_cpu_") and len(cpu_kernels._NAME) == 27

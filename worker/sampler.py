@@ -1,6 +1,7 @@
 """Vectorized token sampling for a batch of logit rows (greedy, temperature, top-k, top-p, logprobs).
 
 Randomness is a hash of (seed, step, token id): a seeded request samples the same whatever shares its batch.
+On CPU the draw runs in one fused C++ pass (`csrc/race_sample.cpp`); the torch path is its reference.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from worker.grammar import apply_bitmask
 from worker.logit_adjust import LogitAdjust
 
 _M32 = 0xFFFFFFFF
+NUCLEUS_CANDIDATES = (256, 4096)  # top-k / top-p look at this many likeliest tokens before the whole vocabulary
 
 
 @dataclass(slots=True)
@@ -77,17 +79,34 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int,
 
 
 def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k set and top-p nucleus; returns a new tensor."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    """Mask (to -inf) tokens outside each row's top-k set and top-p nucleus; returns a new tensor.
+
+    A row is first restricted among its NUCLEUS_CANDIDATES likeliest tokens, and only where its kept set could
+    reach past them is it redone with more: a full sort of the vocabulary is rare. Each row's result depends
+    on that row alone."""
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-    drop_sorted = ranks[None, :] >= k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(drop_sorted, float("-inf")), dim=-1)
-    # keep a token while the mass before it is < top_p (the top token always stays)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop_sorted |= mass_before >= top_p[:, None]
-    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    drop = torch.ones_like(logits, dtype=torch.bool)
+    free = (k >= vocab) & (top_p >= 1)
+    drop[free] = False
+    rows = torch.nonzero(~free)[:, 0]
+    for c in [c for c in NUCLEUS_CANDIDATES if c < vocab] + [vocab]:
+        if rows.numel() == 0:
+            break
+        sub, kr = logits[rows], k[rows]
+        vals, order = torch.topk(sub, c, dim=-1)  # descending; at c == vocab, a sort
+        drop_sorted = torch.arange(c, device=logits.device)[None, :] >= kr[:, None]
+        masked = vals.masked_fill(drop_sorted, float("-inf"))
+        norm = torch.logsumexp(masked, dim=-1, keepdim=True)
+        if c < vocab:  # rows without top-k normalize over the whole vocabulary
+            norm = torch.where((kr >= vocab)[:, None], torch.logsumexp(sub, dim=-1, keepdim=True), norm)
+        probs = torch.exp(masked - norm)
+        # keep a token while the mass before it is < top_p (the top token always stays; top_p 1 keeps all)
+        pr = top_p[rows][:, None]
+        drop_sorted |= ((torch.cumsum(probs, dim=-1) - probs) >= pr) & (pr < 1)
+        covered = (kr <= c) | ((kr >= vocab) & drop_sorted[:, -1]) if c < vocab else torch.ones_like(kr).bool()
+        drop[rows[covered][:, None], order[covered]] = drop_sorted[covered]
+        rows = rows[~covered]
     return logits.masked_fill(drop, float("-inf"))
 
 
@@ -97,10 +116,33 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tenso
         scaled = restrict_logits(scaled, batch.top_k, batch.top_p)
     probs = torch.softmax(scaled, dim=-1)
     del scaled
-    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i
-    race = uniform_noise(batch.seed, batch.step, logits.shape[-1], batch.seed_hi).log_().neg_()
-    drawn = torch.argmax(probs.div_(race), dim=-1)
+    kernel = race_kernel() if probs.device.type == "cpu" else None
+    if kernel is None:
+        drawn = race_draw(probs, batch)
+    else:
+        hi = batch.seed_hi if batch.seed_hi is not None else _NO_SEED_HI
+        drawn = kernel(probs, batch.seed, batch.step, hi)
     return torch.where(batch.temperature > 0, drawn, greedy_tokens)
+
+
+def race_draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The exponential race in torch (the reference for the CPU kernel): argmax p / E with E ~ Exp(1) draws
+    token i with probability p_i. Consumes `probs`."""
+    race = uniform_noise(batch.seed, batch.step, probs.shape[-1], batch.seed_hi).log_().neg_()
+    return torch.argmax(probs.div_(race), dim=-1)
+
+
+_NO_SEED_HI = torch.empty(0, dtype=torch.int64)
+_race_kernel: list = []
+
+
+def race_kernel():
+    """The C++ race sampler (`worker.cpu_kernels`), or None without one; looked up once per process."""
+    if not _race_kernel:
+        from worker.cpu_kernels import race_sample_kernel
+
+        _race_kernel.append(race_sample_kernel())
+    return _race_kernel[0]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
