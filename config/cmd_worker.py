@@ -13,7 +13,7 @@ from config.settings import Settings, WorkerSettings, flags_to_overrides, load_s
 
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
 _ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness",
-                 "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch")
+                 "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch", "fused_ops")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--quantization", choices=["none", "int8", "int4", "auto"],
       help="weight-only quantization (auto: the fastest mode passing the quality gate here; see README)")
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
+    a("--fused-ops", choices=["on", "off"],
+      help="a layer's norms, SiLU-mul and RoPE as fused C++ passes on CPU (default on; off: eager torch reference)")
     a("--fairness", choices=["vtc", "fifo"], help="order between tenants in a priority class (default vtc)")
     a("--fair-step-tokens", type=int,
       help="VTC: cap a step's prefill tokens while the worker serves several tenants (0: no cap)")

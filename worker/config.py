@@ -28,6 +28,7 @@ class EngineConfig:
     # "auto" | "torch" (CPU: with the C++ decode kernel when it builds) | "torch_reference" | "flash_attn"
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
+    fused_ops: str = "on"  # "on": a layer's elementwise ops as fused C++ passes (CPU) | "off": eager torch reference
     quantization: str = "none"  # weights: "none" | "int8" | "int4" | "auto" (applied by the loader; worker.quant)
     default_cpu_kv_bytes: int = 1 << 30
     # n-gram speculative decoding (worker.speculative): up to spec_tokens proposals per decoding sequence,
@@ -51,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
         if self.quantization not in ("none", "int8", "int4", "auto"):
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of none, int8, int4, auto")
+        if self.fused_ops not in ("on", "off"):
+            raise ValueError(f"fused_ops must be 'on' or 'off', got {self.fused_ops!r}")
         if not 0 <= self.spec_tokens <= 16 or self.spec_max_batch < 0:
             raise ValueError("spec_tokens must be in [0, 16] and spec_max_batch >= 0")
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max <= 8:

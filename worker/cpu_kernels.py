@@ -1,7 +1,8 @@
 """Optional C++ kernels for CPU (`csrc/`), compiled once by `make install` or on first use; None without a compiler.
 
 Paged decode attention reads K/V straight from the pages where the torch path gathers a padded copy; the race
-sampler draws a token per row in one pass where the torch path makes [rows, vocab] temporaries.
+sampler draws a token per row in one pass where the torch path makes [rows, vocab] temporaries; the fused ops
+(`worker.fused`) do a layer's norms, SiLU-mul and RoPE in one pass each.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("paged_decode.cpp", "race_sample.cpp")
-_FUNCTIONS = ["paged_decode", "race_sample"]
+_SOURCES = ("paged_decode.cpp", "race_sample.cpp", "fused_ops.cpp")
+_FUNCTIONS = ["paged_decode", "race_sample", "add_rms_norm", "silu_mul", "rope_"]
 _SRC = "\n".join((_CSRC / name).read_text() for name in _SOURCES)
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -54,7 +55,7 @@ def _wait_for_build_lock(name: str) -> None:
         time.sleep(0.5)
 
 
-def _extension():
+def extension():
     """The compiled extension module, or None if unavailable (built at most once per process)."""
     global _module, _tried
     if _tried:
@@ -76,20 +77,20 @@ def _extension():
 
 def paged_decode_kernel():
     """The compiled `paged_decode(q, kc, vc, tables, lens, block_size, scale)`, or None if unavailable."""
-    mod = _extension()
+    mod = extension()
     return mod.paged_decode if mod is not None else None
 
 
 def race_sample_kernel():
     """The compiled `race_sample(probs, seed, step, seed_hi) -> tokens`, or None if unavailable."""
-    mod = _extension()
+    mod = extension()
     return mod.race_sample if mod is not None else None
 
 
 def available() -> bool:
-    return _extension() is not None and torch.backends.openmp.is_available()
+    return extension() is not None and torch.backends.openmp.is_available()
 
 
 if __name__ == "__main__":
     # `make install` builds the kernels once, so no worker pays the compile on its first request.
-    print("CPU kernels (paged attention, race sampler):", "ready" if available() else "unavailable (torch paths)")
+    print("CPU kernels (paged attention, race sampler, fused ops):", "ready" if available() else "unavailable (torch paths)")

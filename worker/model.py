@@ -15,6 +15,7 @@ from torch import nn
 
 from worker.attention import FlashAttention, FlashMeta, TorchAttention, TorchMeta
 from worker.config import ModelConfig
+from worker.fused import EagerOps, Rope
 from worker.kv_cache import KVCache
 
 
@@ -27,6 +28,7 @@ class StepContext:
     attn: TorchAttention | FlashAttention
     meta: TorchMeta | FlashMeta  # the backend's metadata for this step
     kv: KVCache
+    ops: EagerOps  # the layer's elementwise ops: eager (reference) or fused (`worker.fused`)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -48,13 +50,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= old / high) & (wavelen <= old / low)
         return torch.where(medium, smoothed, scaled)
     raise ValueError(f"unsupported rope scaling {kind!r}")
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (the HF layout)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -82,14 +77,15 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.index = index
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        nh, kvh, hd = self.nh, self.kvh, self.hd
-        qkv = self.qkv(self.input_norm(x)).view(x.shape[0], nh + 2 * kvh, hd)
-        qk = apply_rope(qkv[:, : nh + kvh], cos, sin)
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: StepContext) -> torch.Tensor:
+        """x [T, hidden] is updated in place (the residual stream) and returned."""
+        nh, kvh, hd, ops = self.nh, self.kvh, self.hd, ctx.ops
+        h = ops.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+        qkv = self.qkv(h).view(x.shape[0], nh + 2 * kvh, hd)
+        qk = ops.rope(qkv, nh + kvh, rope)
         attn_out = ctx.attn.forward(self.index, qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:], ctx.kv, ctx.meta)
-        x = x + self.o(attn_out)
-        g, u = self.gate_up(self.post_attn_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
+        h = ops.add_rms_norm_(x, self.o(attn_out), self.post_attn_norm.weight, self.post_attn_norm.eps)
+        return x.add_(self.down(ops.silu_mul(self.gate_up(h))))
 
 
 class LlamaModel(nn.Module):
@@ -119,11 +115,9 @@ class LlamaModel(nn.Module):
         if self._rope_cos is None:
             self.build_rope()
         x = self.embed(input_ids)
-        dt = x.dtype
-        cos = self._rope_cos[ctx.positions].to(dt)[:, None, :]
-        sin = self._rope_sin[ctx.positions].to(dt)[:, None, :]
+        rope = ctx.ops.prepare_rope(Rope(ctx.positions, self._rope_cos, self._rope_sin), x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+            x = layer(x, rope, ctx)
         rows = ctx.logits_rows
         if rows is None or rows.numel() == 0:
             return None

@@ -11,6 +11,7 @@ import torch
 
 from worker.attention import BatchLayout, make_backend
 from worker.config import EngineConfig
+from worker.fused import make_ops
 from worker.grammar import BatchMasker
 from worker.kv_cache import KVCache
 from worker.loader import LoadedModel
@@ -43,6 +44,7 @@ class ModelRunner:
         self.kv = KVCache(cfg, num_pages, config.block_size, loaded.dtype, loaded.device,
                           pages_first=self.attn.pages_first)
         self.masker: BatchMasker | None = None  # set by the engine with its first grammar request
+        self.ops = make_ops(config.fused_ops == "on" and loaded.device.type == "cpu")
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         input_ids, ctx, sampled = self.prepare(batch)
@@ -118,7 +120,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
         pos_t = torch.cat(positions).to(dev)
         rows_t = torch.tensor(rows, dtype=torch.int64).to(dev)
-        return input_ids, StepContext(pos_t, rows_t, self.attn, meta, self.kv), sampled
+        return input_ids, StepContext(pos_t, rows_t, self.attn, meta, self.kv, self.ops), sampled
 
     @staticmethod
     def _sampling_batch(seqs: list[Sequence], steps: list[int] | None, dev: torch.device,
