@@ -170,6 +170,9 @@ async def _stream_gaps(base_url: str, key: str, streams: int, max_tokens: int) -
     return gaps
 
 
+BASELINE_FLOOR_S = 0.010
+
+
 def test_huge_token_list_bodies_do_not_stall_other_streams(gw: FaultCluster):
     key = gw.create_tenant("streams", tpm=0, rpm=0, max_concurrent=0, max_tokens=8000)
     url = gw.gateways[0].base_url
@@ -187,8 +190,10 @@ def test_huge_token_list_bodies_do_not_stall_other_streams(gw: FaultCluster):
     answers = [json.loads(line) for line in out.splitlines() if line.strip()]
     assert answers and all(a["status"] == 400 and a["param"] == "prompt" for a in answers), answers
     assert all(a["bytes"] > 4_000_000 for a in answers)
-    ratio = p99(loaded) / p99(base)
+    # 2x the baseline, the baseline taken as at least 10 ms: with the tiny model a token gap is ~3 ms, and on
+    # 2 cores the poster process alone moves it by that much; the stall this guards against was ~900 ms
+    ratio = p99(loaded) / max(p99(base), BASELINE_FLOOR_S)
     print(f"{len(answers)} bodies of {answers[0]['bytes'] / 1e6:.1f} MB refused in "
           f"{max(a['seconds'] for a in answers) * 1000:.0f} ms at most; inter-token p99 "
-          f"{p99(base) * 1000:.1f} ms -> {p99(loaded) * 1000:.1f} ms (x{ratio:.2f})")
+          f"{p99(base) * 1000:.1f} ms -> {p99(loaded) * 1000:.1f} ms (x{ratio:.2f} of the floored baseline)")
     assert ratio <= 2.0
