@@ -18,9 +18,16 @@ from worker.protocol import SamplingParams
 
 @pytest.fixture(scope="module")
 def fused() -> FusedOps:
-    ops = make_ops(True)
+    ops = make_ops(True, torch.device("cpu"), torch.float32)
     assert isinstance(ops, FusedOps), "C++ extension failed to build (compiler missing?)"
     return ops
+
+
+def test_fused_only_where_the_kernels_run():
+    cpu = torch.device("cpu")
+    assert isinstance(make_ops(True, cpu, torch.bfloat16), FusedOps)
+    assert type(make_ops(True, cpu, torch.float16)) is EagerOps  # fp16 on CPU: eager (gathered RoPE tables)
+    assert type(make_ops(False, cpu, torch.float32)) is EagerOps
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])

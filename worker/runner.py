@@ -44,7 +44,7 @@ class ModelRunner:
         self.kv = KVCache(cfg, num_pages, config.block_size, loaded.dtype, loaded.device,
                           pages_first=self.attn.pages_first)
         self.masker: BatchMasker | None = None  # set by the engine with its first grammar request
-        self.ops = make_ops(config.fused_ops == "on" and loaded.device.type == "cpu")
+        self.ops = make_ops(config.fused_ops == "on", loaded.device, loaded.dtype)
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         input_ids, ctx, sampled = self.prepare(batch)
