@@ -15,10 +15,10 @@ import torch
 from bench.machine import cpu_model, emit, machine_fields
 from worker.attention import BatchLayout, TorchAttention
 from worker.config import ModelConfig
-from worker.cpu_kernels import paged_decode_kernel
+from worker.cpu_kernels import paged_decode_kernel, race_sample_kernel
 from worker.kv_cache import KVCache
 from worker.loader import pick_dtype
-from worker.sampler import SamplingBatch, race_draw, race_kernel, restrict_logits
+from worker.sampler import SamplingBatch, race_draw, restrict_logits
 
 VOCAB = 49152  # the default model's
 
@@ -42,7 +42,7 @@ def _batch(n: int) -> SamplingBatch:
 
 def sampler(rows: int, reps: int) -> dict:
     """Drawing from softmax probabilities of peaked random logits: the torch race vs the C++ one."""
-    kernel = race_kernel()
+    kernel = race_sample_kernel()
     probs = torch.softmax(torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0)) * 6, dim=-1)
     b = _batch(rows)
     torch_ms = median_ms(lambda: race_draw(probs.clone(), b), reps)
@@ -54,18 +54,22 @@ def sampler(rows: int, reps: int) -> dict:
     return out
 
 
-def full_sort_restrict(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The baseline: sort every row of the vocabulary, keep the nucleus."""
+def full_sort_restrict(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The definition, and the baseline: sort every row of the vocabulary, keep its top k, then keep while the
+    mass before a token (renormalized over those k) is < top_p."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-    return logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+    keep = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    keep[:, :top_k or logits.shape[-1]] = True
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    if top_p < 1:
+        keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p
+    return logits.masked_fill(~torch.zeros_like(keep).scatter_(-1, order, keep), float("-inf"))
 
 
 def restriction(rows: int, reps: int) -> dict:
     logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(1)) * 6
     top_k, top_p = torch.zeros(rows, dtype=torch.int64), torch.full((rows,), 0.95)
-    sort_ms = median_ms(lambda: full_sort_restrict(logits, 0.95), reps)
+    sort_ms = median_ms(lambda: full_sort_restrict(logits, 0, 0.95), reps)
     ms = median_ms(lambda: restrict_logits(logits, top_k, top_p), reps)
     return {"rows": rows, "top_p": 0.95, "full_sort_ms": round(sort_ms, 2), "candidates_ms": round(ms, 2),
             "speedup": round(sort_ms / ms, 2)}

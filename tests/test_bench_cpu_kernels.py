@@ -20,7 +20,7 @@ def test_sections_report_both_sides_and_the_ratio():
 
 def test_full_sort_baseline_keeps_the_same_nucleus():
     logits = torch.randn(3, cpu_kernels.VOCAB, generator=torch.Generator().manual_seed(5)) * 6
-    base = torch.isfinite(cpu_kernels.full_sort_restrict(logits, 0.95))
+    base = torch.isfinite(cpu_kernels.full_sort_restrict(logits, 0, 0.95))
     ours = torch.isfinite(cpu_kernels.restrict_logits(logits, torch.zeros(3, dtype=torch.int64),
                                                       torch.full((3,), 0.95)))
     assert (base != ours).sum().item() <= 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.cpu_kernels import full_sort_restrict
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.errors import RequestError
@@ -37,18 +38,6 @@ def test_top_p_restricts_support():
     assert set(tokens.tolist()) == {0, 1}
 
 
-def _restrict_by_full_sort(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The definition: sort the row, keep the top k, then keep while the mass before a token is < top_p."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    keep = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    k = top_k or logits.shape[-1]
-    keep[:, :k] = True
-    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
-    if top_p < 1:
-        keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p
-    return torch.zeros_like(keep).scatter_(-1, order, keep)
-
-
 @pytest.mark.parametrize("scale", [2.0, 6.0, 12.0])
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (50, 1.0), (40, 0.8), (1000, 0.95), (5000, 0.99), (0, 0.999)])
 def test_restriction_matches_the_full_sort_definition(scale, top_k, top_p):
@@ -56,7 +45,7 @@ def test_restriction_matches_the_full_sort_definition(scale, top_k, top_p):
     candidate size) and peaked rows alike."""
     logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(int(scale))) * scale
     got = torch.isfinite(restrict_logits(logits, torch.full((6,), top_k), torch.full((6,), top_p)))
-    want = _restrict_by_full_sort(logits, top_k, top_p)
+    want = torch.isfinite(full_sort_restrict(logits, top_k, top_p))
     differ = (got != want).sum(dim=1)
     # tokens at the nucleus edge may round either way (float32 sums over up to the whole vocabulary)
     assert torch.all(differ <= 3 + want.sum(dim=1) // 1000), differ
@@ -139,9 +128,10 @@ def test_params_from_dict_and_validate():
 
 def test_cpu_race_kernel_draws_what_the_torch_path_draws():
     """The fused C++ sampler against its torch reference: 64-bit seeds, flat and peaked rows, masked tokens."""
-    from worker.sampler import race_draw, race_kernel
+    from worker.cpu_kernels import race_sample_kernel
+    from worker.sampler import race_draw
 
-    kernel = race_kernel()
+    kernel = race_sample_kernel()
     if kernel is None:
         pytest.skip("no C++ compiler: the torch path is the only one")
     gen = torch.Generator().manual_seed(3)

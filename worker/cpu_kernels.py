@@ -18,7 +18,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("paged_decode.cpp", "race_sample.cpp", "fused_ops.cpp")
+_SOURCES = ("bf16.h", "paged_decode.cpp", "race_sample.cpp", "fused_ops.cpp")  # bf16.h first: all use it
 _FUNCTIONS = ["paged_decode", "race_sample", "add_rms_norm", "silu_mul", "rope_"]
 _SRC = "\n".join((_CSRC / name).read_text() for name in _SOURCES)
 

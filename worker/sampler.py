@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.cpu_kernels import race_sample_kernel
 from worker.grammar import apply_bitmask
 from worker.logit_adjust import LogitAdjust
 
@@ -116,7 +117,7 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tenso
         scaled = restrict_logits(scaled, batch.top_k, batch.top_p)
     probs = torch.softmax(scaled, dim=-1)
     del scaled
-    kernel = race_kernel() if probs.device.type == "cpu" else None
+    kernel = race_sample_kernel() if probs.device.type == "cpu" else None
     if kernel is None:
         drawn = race_draw(probs, batch)
     else:
@@ -133,18 +134,6 @@ def race_draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 _NO_SEED_HI = torch.empty(0, dtype=torch.int64)
-_race_kernel: list = []
-
-
-def race_kernel():
-    """The C++ race sampler (`worker.cpu_kernels`), or None without one; looked up once per process."""
-    if not _race_kernel:
-        from worker.cpu_kernels import race_sample_kernel
-
-        _race_kernel.append(race_sample_kernel())
-    return _race_kernel[0]
-
-
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     """Draw one token per row. logits: [n, vocab] float32, the model's (logprobs are computed from them)."""
     adjusted = logits if batch.adjust is None else batch.adjust.apply(logits)

@@ -1,29 +1,13 @@
 // Fused elementwise ops of a decoder layer for CPU: each is one pass (and one torch call) where the eager
-// path (worker/fused.py, EagerOps) makes three to ten. Math in fp32, rounded once to the tensor's dtype;
-// products and sums are not contracted into FMAs, so fp32 results match the eager ops' roundings.
+// path (worker/fused.py, EagerOps) makes three to ten. Math in fp32, rounded once to the tensor's dtype
+// (`to_f` / `from_f`, bf16.h); RoPE's products are not contracted into FMAs, so in fp32 it matches the eager
+// formula bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-
-static inline float to_f(float v) { return v; }
-static inline float to_f(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-template <typename T> static inline T from_f(float v);
-template <> inline float from_f<float>(float v) { return v; }
-template <> inline at::BFloat16 from_f<at::BFloat16>(float v) {  // round to nearest even (finite values)
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return at::BFloat16(static_cast<uint16_t>(bits >> 16), at::BFloat16::from_bits());
-}
 
 template <typename T>
 static void rms_rows(T* x, const T* r, T* out, const T* w, int64_t rows, int64_t n, float eps) {

@@ -12,17 +12,10 @@
 static constexpr int64_t kMaxHead = 256;
 static constexpr int64_t kMaxGroupFloats = 4096;  // query group x head size
 
-static inline void row_to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-static inline void row_to_float(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+template <typename T>
+static inline void row_to_float(const T* src, float* dst, int64_t n) {
   #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) {
-    const uint32_t bits = static_cast<uint32_t>(s[d]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    dst[d] = f;
-  }
+  for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d]);
 }
 
 struct Shape {
