@@ -85,7 +85,10 @@ class FusedOps(EagerOps):
 
 def make_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> EagerOps:
     """FusedOps when asked for, on a CPU model in bf16 or fp32, with the C++ extension built; EagerOps otherwise."""
-    if not fused or device.type != "cpu" or dtype not in _KERNEL_DTYPES:
+    if not fused:
+        return EagerOps()
+    if device.type != "cpu" or dtype not in _KERNEL_DTYPES:
+        log.info("fused ops run on CPU in bf16 or fp32 only: eager ops on %s, %s", device, dtype)
         return EagerOps()
     from worker.cpu_kernels import extension
 
