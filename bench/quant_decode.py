@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker import quant
+from worker import quant, smooth
 from worker.config import EngineConfig
 from worker.debug import DebugEngine
 from worker.engine import Engine
@@ -64,7 +64,8 @@ def quantized(base: LoadedModel, mode: str) -> LoadedModel:
     if mode == "none":
         return base
     model = copy.deepcopy(base.model)
-    quant.quantize_model(model, mode)
+    ids = smooth.calibration_ids(base.tokenizer) if mode == "w8a8" else None
+    quant.quantize_model(model, mode, calibration_ids=ids)
     out = copy.copy(base)
     out.model, out.quantization = model, mode
     return out
@@ -127,7 +128,7 @@ def run(modes: list[str], steps: int, chunk: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--modes", default="none,int8,int4")
+    p.add_argument("--modes", default="none,int8,int4,w8a8")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--chunk", type=int, default=4096, help="prefill tokens per step when scoring (<= 24: packed kernels)")
     p.add_argument("--json", action="store_true", help="print one JSON line")

@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="on/off pairs per batch size (medians)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workload", default="repetitive", choices=["repetitive", "free"])
-    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "auto"])
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "w8a8", "auto"])
     ap.add_argument("--dtype", default=None)
     args = ap.parse_args()
     loaded = load_model("default", dtype=args.dtype, quantization=args.quantization)

@@ -187,7 +187,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peer-ready-timeout", type=float, default=600.0)
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    ap.add_argument("--quantization", default="auto", choices=["none", "int8", "int4", "auto"])
+    ap.add_argument("--quantization", default="auto", choices=["none", "int8", "int4", "w8a8", "auto"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the worker's torch threads")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="small n per workload (a smoke test, not a figure)")

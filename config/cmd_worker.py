@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-threads", type=int, help="torch intra-op threads")
     a("--dtype", choices=["auto", "bfloat16", "float32", "float16"])
     a("--device", help="auto, cpu, cuda or cuda:N")
-    a("--quantization", choices=["none", "int8", "int4", "auto"],
-      help="weight-only quantization (auto: the fastest mode passing the quality gate here; see README)")
+    a("--quantization", choices=["none", "int8", "int4", "w8a8", "auto"],
+      help="weight quantization; w8a8 also quantizes prefill activations (auto: the fastest mode passing the quality gate here; see README)")
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
     a("--fused-ops", choices=["on", "off"],
       help="a layer's norms, SiLU-mul and RoPE as fused C++ passes on CPU (default on; off: eager torch reference)")

@@ -38,7 +38,7 @@ class WorkerSettings(BaseModel):
     fairness: Literal["vtc", "fifo"] = "vtc"  # between tenants within a priority class: VTC fair share or arrival
     fair_step_tokens: int | None = Field(None, ge=0)  # VTC, worker shared: prefill tokens per step cap (0: none)
     num_threads: int | None = None
-    quantization: Literal["none", "int8", "int4", "auto"] = "none"  # weights; auto: see worker.quant.resolve_mode
+    quantization: Literal["none", "int8", "int4", "w8a8", "auto"] = "none"  # weights; auto: see worker.quant.resolve_mode
     fused_ops: Literal["on", "off"] | None = None  # worker.fused; None keeps the engine's default (on)
     # n-gram speculative decoding (worker.speculative); None keeps the engine's default
     spec_tokens: int | None = Field(None, ge=0, le=16)

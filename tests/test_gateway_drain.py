@@ -144,10 +144,12 @@ async def test_grace_period_over_cuts_stream_aborts_it_and_exits_0(stack: Stack,
 async def test_sigterm_finishes_open_streams_refuses_new_and_exits_0(stack: Stack) -> None:
     key = stack.create_tenant("acme")
     gateway = stack.procs["gateway"]
-    n, max_tokens = 4, 64
+    # sized in engine steps, not seconds: 1,000 non-speculative tokens outlast the drain's first exchanges on a
+    # fast machine (64 speculative ones did not) and end well inside the 30 s grace on a slow one
+    n, max_tokens = 4, 1000
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         events = [asyncio.Event() for _ in range(n)]
-        streams = [asyncio.create_task(open_stream(client, key, max_tokens, e)) for e in events]
+        streams = [asyncio.create_task(open_stream(client, key, max_tokens, e, speculative=False)) for e in events]
         async with asyncio.timeout(60):
             await asyncio.gather(*(e.wait() for e in events))
         gateway.send_signal(signal.SIGTERM)

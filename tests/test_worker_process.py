@@ -126,7 +126,7 @@ async def test_garbage_frames_get_err_or_drop_and_worker_keeps_serving(tiny_work
         "unknown-t": bad("unknown-t", t="launch"),
         "missing": bad("missing", tokens=None),
         "wrong-type": bad("wrong-type", tokens=[1, 2, 3]),
-        "huge": bad("huge", tokens=p.pack_tokens(range(5000))),
+        "huge": bad("huge", tokens=p.pack_tokens([5] * 20_000)),  # past the 8192-token context
         "neg-max": bad("neg-max", sampling={"max_tokens": -3}),
         "bad-sampling-key": bad("bad-sampling-key", sampling={"nonsense": 1}),
         "bad-token-id": bad("bad-token-id", tokens=p.pack_tokens([1, 10_000_000])),

@@ -47,19 +47,22 @@ class TorchMeta:
     chunks: list[_Chunk]
     decode_tables: torch.Tensor | None = None  # [B, max_pages] int64 (C++ kernel path)
     decode_lens: torch.Tensor | None = None  # [B] int64 (C++ kernel path)
+    prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # tables, q_lens, ctx_lens (C++ path)
 
 
 class TorchAttention:
-    """Pure-torch paged attention: batched gather + matmuls for decode, SDPA per prefill chunk."""
+    """Paged attention on torch tensors: the C++ CPU kernels where given (`worker.cpu_kernels`), else the
+    pure-torch reference (batched gather + matmuls for decode, SDPA per prefill chunk)."""
 
     name = "torch"
     pages_first = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernel=None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernel=None, prefill_kernel=None) -> None:
         self.nh, self.kvh, self.hd = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
         self.kernel = kernel  # cpu_kernels.paged_decode or None
+        self.prefill_kernel = prefill_kernel  # cpu_kernels.paged_prefill or None
 
     def prepare(self, lay: BatchLayout, device: torch.device) -> TorchMeta:
         bs = lay.block_size
@@ -78,6 +81,11 @@ class TorchAttention:
             beyond = torch.arange(length)[None, :] >= ctx[:, None]
             mask = torch.zeros(beyond.shape, dtype=torch.float32).masked_fill_(beyond, float("-inf"))
             mask = mask[:, None, :].to(device, non_blocking=True)
+        if lay.prefill_q and self.prefill_kernel is not None:
+            width = max(len(t) for t in lay.prefill_tables)
+            prefill = (torch.tensor([t + [0] * (width - len(t)) for t in lay.prefill_tables], dtype=torch.int64),
+                       torch.tensor(lay.prefill_q, dtype=torch.int64), torch.tensor(lay.prefill_ctx, dtype=torch.int64))
+            return TorchMeta(lay.slot_mapping, lay.num_decode, pages, mask, length, [], tables, lens, prefill)
         chunks = []
         row = lay.num_decode
         offs = torch.arange(bs)
@@ -103,6 +111,8 @@ class TorchAttention:
         b = meta.num_decode
         if b:
             out[:b] = self._decode(q[:b], kc, vc, kv.block_size, meta)
+        if meta.prefill is not None:
+            out[b:] = self.prefill_kernel(q[b:].contiguous(), kc, vc, *meta.prefill, kv.block_size, self.scale)
         for ch in meta.chunks:
             rows = slice(ch.start, ch.start + ch.q_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kc, vc, ch)
@@ -217,9 +227,10 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, bl
                  device: torch.device) -> TorchAttention | FlashAttention:
     if name == "flash_attn" or (name == "auto" and device.type == "cuda" and FlashAttention.usable(block_size)):
         return FlashAttention(num_heads, num_kv_heads, head_dim)
-    kernel = None
+    kernel = prefill_kernel = None
     if device.type == "cpu" and name != "torch_reference":
-        from worker.cpu_kernels import paged_decode_kernel
+        from worker.cpu_kernels import paged_decode_kernel, paged_prefill_kernel
 
         kernel = paged_decode_kernel()
-    return TorchAttention(num_heads, num_kv_heads, head_dim, kernel)
+        prefill_kernel = paged_prefill_kernel(num_heads, num_kv_heads, head_dim)
+    return TorchAttention(num_heads, num_kv_heads, head_dim, kernel, prefill_kernel)

@@ -25,7 +25,7 @@ class EngineConfig:
     # VTC with more than one fairness key seen lately: prefill tokens per step are capped here, so a key that
     # arrives waits behind a short step at most (TTFT tail for light tenants vs step efficiency; 0: no cap)
     fair_step_tokens: int = 0
-    # "auto" | "torch" (CPU: with the C++ decode kernel when it builds) | "torch_reference" | "flash_attn"
+    # "auto" | "torch" (CPU: with the C++ decode and prefill kernels when they build) | "torch_reference" | "flash_attn"
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
     fused_ops: str = "on"  # "on": a layer's elementwise ops as fused C++ passes (CPU) | "off": eager torch reference
@@ -50,8 +50,8 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "torch_reference", "flash_attn"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
-        if self.quantization not in ("none", "int8", "int4", "auto"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of none, int8, int4, auto")
+        if self.quantization not in ("none", "int8", "int4", "w8a8", "auto"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of none, int8, int4, w8a8, auto")
         if self.fused_ops not in ("on", "off"):
             raise ValueError(f"fused_ops must be 'on' or 'off', got {self.fused_ops!r}")
         if not 0 <= self.spec_tokens <= 16 or self.spec_max_batch < 0:

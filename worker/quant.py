@@ -1,8 +1,9 @@
-"""Weight-only int8/int4 quantization of a loaded `LlamaModel` on CPU, with torch's packed matmul ops.
+"""int8/int4 quantization of a loaded `LlamaModel` on CPU, with torch's packed matmul ops.
 
-Small row counts (decode) run the packed kernels directly; larger ones are faster through a copy of the
-dequantized weight (bf16: prepacked once for oneDNN, `worker.packed`). Cutoff and kernel dtype are measured
-at load.
+Small row counts (decode) run the weight-only kernels directly. Larger ones run through a copy of the
+dequantized weight (bf16: prepacked once for oneDNN, `worker.packed`), or, in `w8a8` mode, as int8 x int8
+products with SmoothQuant-smoothed per-row activation scales (`worker.smooth`). Cutoff and kernel dtype are
+measured at load.
 """
 
 from __future__ import annotations
@@ -10,18 +11,20 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker import smooth
 from worker.packed import PackedLinear, can_pack, pack, packed_linear
 
 __all__ = ["CHOICES", "INT4_GROUP", "PACKED_MAX_ROWS", "QuantEmbedding", "QuantLinear", "quantize_model",
            "calibrate", "calibrate_max_rows", "resolve_mode", "weight_bytes"]
 log = logging.getLogger(__name__)
 
-CHOICES = ("none", "int8", "int4", "auto")
+CHOICES = ("none", "int8", "int4", "w8a8", "auto")
 INT4_GROUP = 32  # int4 group size along the input dimension (576 = 18 x 32; 128 does not divide it)
 PACKED_MAX_ROWS = 4  # default: above this many rows the int8/int4 kernels lose to the packed bf16 GEMM
 MAX_ROWS_ENV = "SWITCHYARD_QUANT_MAX_ROWS"  # an integer fixes the cutoff; unset: calibrated at load
@@ -29,16 +32,31 @@ _BLOCK_N = 64  # output rows per block in torch's CPU int4 packing (checked at r
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
-    """The mode actually used; `auto` is int8 on CPU (the fastest mode passing the quality gate on the CPUs
-    measured, served end to end: README, Quantization), none elsewhere."""
+    """The mode actually used. `auto` is the fastest mode passing the quality gate, served end to end (README,
+    Quantization): on CPU w8a8 where it has int8 dot-product instructions (VNNI, AMX) and the C++ kernels
+    built, int8 otherwise; none elsewhere."""
     if mode not in CHOICES:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(CHOICES)}")
     if mode == "auto":
-        return "int8" if device.type == "cpu" and _has_ops() else "none"
+        if device.type != "cpu" or not _has_ops():
+            return "none"
+        return "w8a8" if cpu_has_int8_dot() and smooth.available() else "int8"
     if mode != "none" and (device.type != "cpu" or not _has_ops()):
         raise ValueError(f"quantization {mode!r} needs torch's packed CPU matmul ops on a CPU device "
                          f"(device {device}); choose 'none' or 'auto' here")
+    if mode == "w8a8" and not smooth.available():
+        raise ValueError("quantization 'w8a8' needs torch._int_mm and the C++ CPU kernels (worker.cpu_kernels); "
+                         "choose 'int8' here")
     return mode
+
+
+def cpu_has_int8_dot() -> bool:
+    """int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX), where int8 x int8 products beat bf16."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def _has_ops() -> bool:
@@ -46,15 +64,17 @@ def _has_ops() -> bool:
 
 
 class QuantLinear(nn.Module):
-    """A bias-free linear layer whose weight is int8 per output channel or int4 per group (asymmetric)."""
+    """A bias-free linear layer whose weight is int8 per output channel or int4 per group (asymmetric); `w8a8`
+    is int8 with int8 activations above the decode cutoff (`act_max`: its input's calibrated channel maxima)."""
 
-    def __init__(self, weight: torch.Tensor, mode: str, group: int = INT4_GROUP) -> None:
+    def __init__(self, weight: torch.Tensor, mode: str, group: int = INT4_GROUP,
+                 act_max: torch.Tensor | None = None) -> None:
         super().__init__()
         self.mode, self.group = mode, group
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         w = weight.detach().float()
-        if mode == "int8":
+        if mode in ("int8", "w8a8"):
             scale = w.abs().amax(1).clamp(min=1e-8) / 127
             self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
             self.register_buffer("scales", scale.to(self.dtype))
@@ -66,11 +86,12 @@ class QuantLinear(nn.Module):
             # codes one per byte, so large row counts can still dequantize instead of running the slow kernel
             self.codes = None if _int4_unpack_ok(self.out_features) else codes.to(torch.uint8)
         else:
-            raise ValueError(f"QuantLinear mode must be int8 or int4, got {mode!r}")
+            raise ValueError(f"QuantLinear mode must be int8, int4 or w8a8, got {mode!r}")
         self.max_rows = PACKED_MAX_ROWS  # set by `calibrate_max_rows` through `quantize_model`
-        # the dequantized weight for large row counts: prepacked for oneDNN in bf16, a plain copy otherwise
-        self.packed = can_pack(self.dtype, weight.device)
-        self.dense = pack(self.dequantize()) if self.packed else self.dequantize()
+        # large row counts: W8A8 products, or the dequantized weight (prepacked for oneDNN in bf16, else plain)
+        self.w8a8 = smooth.W8A8Weight.build(weight, act_max) if mode == "w8a8" else None
+        self.packed = self.w8a8 is None and can_pack(self.dtype, weight.device)
+        self.dense = None if self.w8a8 is not None else pack(self.dequantize()) if self.packed else self.dequantize()
         self.kernel_scales = self.scales  # the scales in the kernel's activation dtype (`use_kernel_dtype`)
 
     @property
@@ -89,13 +110,15 @@ class QuantLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def forward_dense(self, x2: torch.Tensor) -> torch.Tensor:
-        """The product with the dequantized copy, whatever the row count."""
+        """The large-row product (W8A8, or with the dequantized copy), whatever the row count."""
+        if self.w8a8 is not None:
+            return self.w8a8(x2.contiguous())
         return packed_linear(x2, self.dense) if self.packed else F.linear(x2, self.dense)
 
     def forward_quantized(self, x2: torch.Tensor) -> torch.Tensor:
         """The int8/int4 kernel itself, whatever the row count."""
         xk = x2.to(self.kernel_dtype)
-        if self.mode == "int8":
+        if self.mode != "int4":
             y = torch._weight_int8pack_mm(xk, self.qweight, self.kernel_scales)
         else:
             y = torch._weight_int4pack_mm_for_cpu(xk, self.qweight, self.group, self.kernel_scales)
@@ -103,7 +126,7 @@ class QuantLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The weight as a dense [out, in] tensor of the model dtype (builds `dense`; a reference in tests)."""
-        if self.mode == "int8":
+        if self.mode != "int4":
             return self.qweight.to(self.dtype) * self.scales[:, None]
         codes = self.codes if self.codes is not None else _unpack_int4(self.qweight, self.out_features,
                                                                        self.in_features)
@@ -122,7 +145,7 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, head: QuantLinear) -> None:
         super().__init__()
-        if head.mode != "int8":
+        if head.mode == "int4":
             raise ValueError("QuantEmbedding needs an int8 table")
         self.head = [head]  # a list, so the head's buffers are not registered twice
 
@@ -166,28 +189,35 @@ def _int4_unpack_ok(n: int) -> bool:
     return _UNPACK_OK[n]
 
 
-def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head: str = "int8") -> None:
-    """Swap the decoder's linear layers (and the LM head, as `head` says) for `QuantLinear`s in place."""
+def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head: str = "int8",
+                   calibration_ids: list[int] | None = None) -> None:
+    """Swap the decoder's linear layers (and the LM head, as `head` says) for `QuantLinear`s in place.
+
+    `w8a8` smooths with activation maxima measured on `calibration_ids` (`worker.smooth`; none: unsmoothed)."""
     if mode == "none":
         return
+    maxima = smooth.activation_maxima(model, calibration_ids) if mode == "w8a8" and calibration_ids else {}
     with torch.inference_mode(False), torch.no_grad():
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(layer, name, QuantLinear(getattr(layer, name).weight, mode, group))
+                lin = QuantLinear(getattr(layer, name).weight, mode, group, maxima.get((i, name)))
+                setattr(layer, name, lin)
         if head != "none":
             # a prepacked head (worker.packed) no longer shares the embedding's tensor: ask the config
             tied = model.lm_head.weight is model.embed.weight or (
                 isinstance(model.lm_head, PackedLinear) and model.cfg.tie_word_embeddings)
             model.lm_head = QuantLinear(model.lm_head.weight, head, group)
-            if tied and head == "int8":
+            if tied and head != "int4":
                 model.embed = QuantEmbedding(model.lm_head)
         for m in model.modules():
             if isinstance(m, QuantLinear):
                 calibrate(m)
     first, lm_head = model.layers[0].gate_up, model.lm_head
-    log.info("quantized linear layers to %s (LM head: %s); %s kernel (%s activations) up to %d rows (LM head: %s), "
-             "dequantized %s weights above", mode, head, mode, str(first.kernel_dtype).removeprefix("torch."),
-             first.max_rows, getattr(lm_head, "max_rows", "-"), "prepacked bf16" if first.packed else "dense")
+    above = ("int8 x int8 products (SmoothQuant, per-row activation scales)" if first.w8a8 is not None
+             else "dequantized prepacked bf16 weights" if first.packed else "dequantized dense weights")
+    log.info("quantized linear layers to %s (LM head: %s); weight-only kernel (%s activations) up to %d rows "
+             "(LM head: %s), %s above", mode, head, str(first.kernel_dtype).removeprefix("torch."),
+             first.max_rows, getattr(lm_head, "max_rows", "-"), above)
 
 
 def calibrate(lin: QuantLinear) -> None:

@@ -17,7 +17,7 @@ TINY_SEED = 1234
 
 def tiny_config(vocab_size: int, eos_token_id: int | None, bos_token_id: int | None) -> ModelConfig:
     return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16, max_position=2048, tie_word_embeddings=True,
+                       num_kv_heads=2, head_dim=16, max_position=8192, tie_word_embeddings=True,
                        eos_token_id=eos_token_id, bos_token_id=bos_token_id)
 
 

@@ -24,7 +24,8 @@ from tests.faults.cluster import FaultCluster, gateway_log_records
 
 pytestmark = pytest.mark.timeout(240)
 TENANT = "ro-tenant"
-OUTAGE_S, STREAMS_PER_GATEWAY, LONG_TOKENS, SERVED_WITHIN_S = 7.0, 4, 1900, 2.0
+# LONG_TOKENS: engine steps, not seconds; at ~1 ms a tiny-model step 6,000 tokens still outlast the 7 s outage
+OUTAGE_S, STREAMS_PER_GATEWAY, LONG_TOKENS, SERVED_WITHIN_S = 7.0, 4, 6000, 2.0
 
 
 async def served_after(http: httpx.AsyncClient, gw: GatewayProc, key: str, since: float,
@@ -63,7 +64,7 @@ async def test_redis_outage_under_registry_discovery_cuts_no_stream() -> None:
         gw_open = cluster.add_gateway({**common, "fail_open": True})
         gw_closed = cluster.add_gateway(common)
         cluster.wait_ready(120)
-        key = cluster.create_tenant(TENANT, tpm=0, rpm=0, max_concurrent=100)
+        key = cluster.create_tenant(TENANT, tpm=0, rpm=0, max_concurrent=100, max_tokens=LONG_TOKENS)
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=20)) as http:
             for gw in (gw_open, gw_closed):  # both gateways have discovered both workers and serve
                 await joined_all(gw, 2)  # else a gateway knowing one worker queues behind its own streams
@@ -85,7 +86,8 @@ async def run_outage(cluster: FaultCluster, http: httpx.AsyncClient, key: str, g
 
     async def one(gw: GatewayProc, i: int) -> None:
         prompt = [2000 + (37 * i + j) % 30_000 for j in range(20)]
-        res = await stream_completion(http, gw.base_url, key, completion_body(prompt, LONG_TOKENS), started)
+        body = completion_body(prompt, LONG_TOKENS, speculative=False)  # one token a step: the streams span the outage
+        res = await stream_completion(http, gw.base_url, key, body, started)
         ended.append((time.monotonic(), res))
 
     streams = [asyncio.create_task(one(gw, i)) for i, gw in enumerate([gw_open, gw_closed] * STREAMS_PER_GATEWAY)]

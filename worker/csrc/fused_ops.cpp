@@ -47,25 +47,6 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   return out;
 }
 
-// exp(x) for the SiLU, written so that the compiler vectorizes the loop (std::exp is a scalar call): Cody-Waite
-// range reduction and a degree-6 polynomial (Cephes' expf), within 2 ulp of expf over the range that matters.
-static inline float vec_exp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(x / ln 2)
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = (p * r * r + r) + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 template <typename T>
 static void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {

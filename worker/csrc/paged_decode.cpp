@@ -7,7 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 static constexpr int64_t kMaxHead = 256;
 static constexpr int64_t kMaxGroupFloats = 4096;  // query group x head size
@@ -17,6 +21,45 @@ static inline void row_to_float(const T* src, float* dst, int64_t n) {
   #pragma omp simd
   for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d]);
 }
+
+#if defined(__AVX512BF16__)
+// The 16 sums of 16 vectors, in order: pairs within 128-bit lanes, then quads, then across lanes (45 ops where
+// 16 separate reductions take ~130).
+static inline __m512 sum16(__m512 v[16]) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+// scores of g query heads (q: g rows of HD bf16) against n <= 16 consecutive key rows (bf16) by vdpbf16ps:
+// products of bf16 pairs summed in fp32, one 16-lane partial per key, then sum16; out[j * L + i] = scale * q_j.k_i
+template <int64_t HD>
+static inline void scores16_bf16(const at::BFloat16* q, int64_t g, const at::BFloat16* k, int64_t n, float* out,
+                                 int64_t L, float scale) {
+  constexpr int64_t C = HD / 32;  // 32 bf16 per register
+  alignas(64) float res[16];
+  for (int64_t j = 0; j < g; ++j) {
+    __m512bh qv[C];
+    for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + j * HD + c * 32);
+    __m512 acc[16];
+    for (int64_t i = 0; i < 16; ++i) {  // keys past n stay zero (the rows may lie outside the page)
+      acc[i] = _mm512_setzero_ps();
+      if (i < n)
+        for (int64_t c = 0; c < C; ++c)
+          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(k + i * HD + c * 32), qv[c]);
+    }
+    _mm512_store_ps(res, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    for (int64_t i = 0; i < n; ++i) out[j * L + i] = res[i];
+  }
+}
+#endif
 
 struct Shape {
   int64_t B, nh, kvh, slots, max_pages, bs;
@@ -44,6 +87,14 @@ static void decode_impl(const T* q, const T* kc, const T* vc, const int64_t* tab
       for (int64_t p = 0; p < npages; ++p) {  // scores = q . k, page by page
         const T* kp = kbase + table[p] * bs * hd;
         const int64_t n = std::min(bs, L - p * bs);
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, at::BFloat16> && HD != 0 && HD % 32 == 0) {
+          for (int64_t i0 = 0; i0 < n; i0 += 16)
+            scores16_bf16<HD>(q + (b * nh + h * g) * hd, g, kp + i0 * hd, std::min<int64_t>(16, n - i0),
+                              scores.data() + p * bs + i0, L, sh.scale);
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < n; ++i) {
           row_to_float(kp + i * hd, row, hd);
           for (int64_t j = 0; j < g; ++j) {
@@ -58,9 +109,11 @@ static void decode_impl(const T* q, const T* kc, const T* vc, const int64_t* tab
       for (int64_t j = 0; j < g; ++j) {  // softmax numerators and denominators
         float* sj = scores.data() + j * L;
         float m = -INFINITY;
+        #pragma omp simd reduction(max:m)
         for (int64_t t = 0; t < L; ++t) m = std::max(m, sj[t]);
         float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { const float e = std::exp(sj[t] - m); sj[t] = e; sum += e; }
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < L; ++t) { const float e = vec_exp(sj[t] - m); sj[t] = e; sum += e; }
         denom[j] = sum;
       }
       std::fill(acc, acc + g * hd, 0.f);

@@ -1,0 +1,66 @@
+"""W8A8 (`worker.smooth`): the C++ activation quantizer against its torch definition, the smoothed int8 product
+against the float one, and the mode end to end from the GGUF (its perplexity gate is in test_quantization.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker import quant, smooth
+from worker.cpu_kernels import extension
+from worker.loader import load_model
+
+
+def _reference_quantize(x: torch.Tensor, inv_smooth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    v = x.float() * inv_smooth
+    scale = v.abs().amax(-1).clamp(min=1e-6) / 127
+    return torch.round(v * (1.0 / scale)[:, None]).to(torch.int8), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_matches_its_definition(dtype):
+    """Per-row scale from the smoothed maximum, codes rounded half to even; 40 columns: vector body and tail."""
+    ext = extension()
+    assert ext is not None and smooth.available()
+    torch.manual_seed(0)
+    x = (torch.randn(37, 40) * torch.logspace(-2, 2, 40)).to(dtype)
+    x[5] = 0  # an all-zero row: finite scale, zero codes
+    inv = torch.rand(40) + 0.25
+    q, rs = ext.w8a8_quantize(x.contiguous(), inv)
+    want_q, want_rs = _reference_quantize(x, inv)
+    assert torch.equal(rs, want_rs)
+    assert (q.int() - want_q.int()).abs().max().item() <= 1  # the same fp32 products; a tie may round apart
+    assert (q != want_q).float().mean().item() < 1e-3
+    assert q.abs().max().item() == 127 and torch.equal(q[5], torch.zeros(40, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_smoothed_product_is_close_and_beats_unsmoothed_on_outlier_channels(dtype):
+    torch.manual_seed(1)
+    w = torch.randn(96, 128) * 0.05
+    x = torch.randn(64, 128)
+    x[:, [3, 70]] *= 40  # activation outlier channels, as after RMSNorm in real models
+    exact = x @ w.t()
+    act_max = x.abs().amax(0)
+    errs = {}
+    for name, am in (("smoothed", act_max), ("plain", None)):
+        lin = smooth.W8A8Weight.build(w.to(dtype), am)
+        got = lin(x.to(dtype).contiguous())
+        assert got.dtype == dtype and got.shape == (64, 96)
+        errs[name] = ((got.float() - exact).norm() / exact.norm()).item()
+    assert errs["smoothed"] < 0.02
+    assert errs["smoothed"] < errs["plain"]
+
+
+def test_w8a8_mode_from_the_gguf():
+    """Decode-sized inputs take the weight-only int8 kernel, prefill-sized ones the W8A8 product; no dense copy."""
+    loaded = load_model("default", device="cpu", quantization="w8a8")
+    assert loaded.quantization == "w8a8"
+    lin = loaded.model.layers[2].gate_up
+    assert isinstance(lin, quant.QuantLinear) and lin.w8a8 is not None and lin.dense is None
+    assert not torch.equal(lin.w8a8.inv_smooth, torch.ones_like(lin.w8a8.inv_smooth))  # calibrated
+    x = torch.randn(64, lin.in_features, dtype=loaded.dtype)
+    small = torch.cat([lin(x[i:i + 1]) for i in range(64)]).float()  # weight-only kernel, row by row
+    big = lin(x).float()
+    assert lin.max_rows < 64
+    assert ((big - small).norm() / small.norm()).item() < 0.05

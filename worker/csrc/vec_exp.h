@@ -1,0 +1,23 @@
+// exp(x) written so that loops over it vectorize (std::exp is a scalar call): Cody-Waite range reduction and a
+// degree-6 polynomial (Cephes' expf), within 2 ulp of expf over the range that matters. Concatenated after
+// bf16.h by worker/cpu_kernels.py; used by the SiLU (fused_ops.cpp) and the softmaxes of the attention kernels.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+static inline float vec_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(x / ln 2)
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * r * r + r) + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}

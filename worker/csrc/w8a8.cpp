@@ -1,0 +1,108 @@
+// The two passes around an int8 x int8 -> int32 matrix product (`torch._int_mm`, VNNI on CPUs that have it) for
+// activation-and-weight int8 linears (worker/quant.py, W8A8): quantize the activation rows with a per-channel
+// smoothing factor (SmoothQuant) and a per-row scale, then turn the int32 products back into the model dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace w8a8 {
+
+#if defined(__AVX512F__)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
+
+// one row: the largest |x * smooth|, then codes rounded half to even (AVX-512 by hand: GCC gathers and
+// scalarizes these loops)
+template <typename T>
+static float quantize_row(const T* x, const float* smooth, int8_t* q, int64_t K) {
+  int64_t k = 0;
+  float amax = 0.f;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16)
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_mul_ps(load16(x + k), _mm512_loadu_ps(smooth + k))));
+  amax = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(to_f(x[k]) * smooth[k]));
+  const float scale = std::max(amax, 1e-6f) / 127.f, inv = 1.f / scale;
+  k = 0;
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(load16(x + k), _mm512_loadu_ps(smooth + k)), vinv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+#endif
+  for (; k < K; ++k) q[k] = static_cast<int8_t>(std::nearbyint(to_f(x[k]) * smooth[k] * inv));
+  return scale;
+}
+
+template <typename T>
+static void quantize(const T* x, const float* smooth, int8_t* q, float* row_scale, int64_t M, int64_t K) {
+  // rows per task: ~16k elements, so decode-sized calls run inline instead of waking the thread team
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) row_scale[m] = quantize_row(x + m * K, smooth, q + m * K, K);
+  });
+}
+
+template <typename T>
+static void dequantize(const int32_t* y, const float* row_scale, const float* col_scale, T* out, int64_t M,
+                       int64_t N) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / N), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int32_t* ym = y + m * N;
+      T* om = out + m * N;
+      const float rs = row_scale[m];
+      #pragma omp simd
+      for (int64_t n = 0; n < N; ++n) om[n] = from_f<T>(static_cast<float>(ym[n]) * rs * col_scale[n]);
+    }
+  });
+}
+
+}  // namespace w8a8
+
+// x [M, K] bf16/fp32, smooth [K] fp32 (1 / SmoothQuant factor) -> (int8 [M, K], per-row scales [M] fp32)
+std::tuple<torch::Tensor, torch::Tensor> w8a8_quantize(torch::Tensor x, torch::Tensor smooth) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && smooth.scalar_type() == torch::kFloat32 &&
+              smooth.is_contiguous() && smooth.numel() == x.size(1), "w8a8_quantize: x [M, K], fp32 smooth [K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto rs = torch::empty({M}, x.options().dtype(torch::kFloat32));
+  if (x.scalar_type() == torch::kBFloat16) {
+    w8a8::quantize<at::BFloat16>(x.data_ptr<at::BFloat16>(), smooth.data_ptr<float>(), q.data_ptr<int8_t>(),
+                                 rs.data_ptr<float>(), M, K);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32, "w8a8_quantize: bfloat16 or float32");
+    w8a8::quantize<float>(x.data_ptr<float>(), smooth.data_ptr<float>(), q.data_ptr<int8_t>(), rs.data_ptr<float>(),
+                          M, K);
+  }
+  return {q, rs};
+}
+
+// y [M, N] int32 products, row_scale [M], col_scale [N] fp32 -> [M, N] of `like`'s dtype
+torch::Tensor w8a8_dequantize(torch::Tensor y, torch::Tensor row_scale, torch::Tensor col_scale, torch::Tensor like) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == torch::kInt32, "w8a8_dequantize: int32 [M, N]");
+  TORCH_CHECK(row_scale.numel() == y.size(0) && col_scale.numel() == y.size(1) &&
+              row_scale.scalar_type() == torch::kFloat32 && col_scale.scalar_type() == torch::kFloat32,
+              "w8a8_dequantize: fp32 scales [M], [N]");
+  const int64_t M = y.size(0), N = y.size(1);
+  auto out = torch::empty({M, N}, like.options());
+  if (like.scalar_type() == torch::kBFloat16) {
+    w8a8::dequantize<at::BFloat16>(y.data_ptr<int32_t>(), row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
+                                   out.data_ptr<at::BFloat16>(), M, N);
+  } else {
+    TORCH_CHECK(like.scalar_type() == torch::kFloat32, "w8a8_dequantize: bfloat16 or float32");
+    w8a8::dequantize<float>(y.data_ptr<int32_t>(), row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
+                            out.data_ptr<float>(), M, N);
+  }
+  return out;
+}

@@ -1,0 +1,97 @@
+"""W8A8 linears for prefill-sized products: int8 activations (per row) times int8 weights on the CPU's int8 dot
+units (`torch._int_mm`), with SmoothQuant's per-channel factors moving activation outliers into the weights.
+
+Factors come from the activation maxima of each linear's input over a shipped calibration text
+(`data/calibration.txt`, not the quality gate's text), measured once at load on the unquantized model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["ALPHA", "CALIBRATION_TEXT", "W8A8Weight", "activation_maxima", "available"]
+
+ALPHA = 0.5  # SmoothQuant migration strength: 0.5 balances activation and weight ranges
+CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
+CALIBRATION_TOKENS = 2048
+_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def available() -> bool:
+    """The C++ quantize/dequantize passes built and torch has the int8 product."""
+    from worker.cpu_kernels import extension
+
+    return hasattr(torch, "_int_mm") and extension() is not None
+
+
+@dataclass(slots=True)
+class W8A8Weight:
+    """A linear's weight for W8A8: int8 [in, out] of weight x smoothing factor, per output channel scales, and the
+    inverse factors applied to the activations while they are quantized."""
+
+    wt: torch.Tensor  # [in, out] int8
+    col_scale: torch.Tensor  # [out] fp32
+    inv_smooth: torch.Tensor  # [in] fp32
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, act_max: torch.Tensor | None, alpha: float = ALPHA) -> W8A8Weight:
+        w = weight.detach().float()
+        smooth = torch.ones(w.shape[1])
+        if act_max is not None:
+            smooth = act_max.float().clamp(min=1e-5) ** alpha / w.abs().amax(0).clamp(min=1e-5) ** (1 - alpha)
+            smooth = smooth.clamp(min=1e-5)
+        ws = w * smooth[None, :]
+        scale = ws.abs().amax(1).clamp(min=1e-8) / 127
+        wt = (ws / scale[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
+        return cls(wt, scale.contiguous(), (1.0 / smooth).contiguous())
+
+    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [rows, in] (bf16 or fp32, contiguous) -> [rows, out] of x2's dtype."""
+        from worker.cpu_kernels import extension
+
+        ext = extension()
+        xq, row_scale = ext.w8a8_quantize(x2, self.inv_smooth)
+        return ext.w8a8_dequantize(torch._int_mm(xq, self.wt), row_scale, self.col_scale, x2)
+
+    @property
+    def nbytes(self) -> int:
+        return self.wt.numel() + 4 * (self.col_scale.numel() + self.inv_smooth.numel())
+
+
+def calibration_ids(tokenizer) -> list[int]:
+    return tokenizer.encode(CALIBRATION_TEXT.read_text())[:CALIBRATION_TOKENS]
+
+
+@torch.inference_mode()
+def activation_maxima(model: nn.Module, ids: list[int]) -> dict[tuple[int, str], torch.Tensor]:
+    """Per input channel max |x| of every decoder linear (keyed by layer index and name) over one prefill of
+    `ids`, through the reference attention and eager ops on a scratch KV cache."""
+    from worker.attention import BatchLayout, TorchAttention
+    from worker.fused import EagerOps
+    from worker.kv_cache import KVCache
+    from worker.model import StepContext
+
+    cfg, dev = model.cfg, model.embed.weight.device
+    bs, n = 16, len(ids)
+    pages = -(-n // bs)
+    kv = KVCache(cfg, pages, bs, model.embed.weight.dtype, dev)
+    attn = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    lay = BatchLayout(bs, torch.arange(n, device=dev), [], [], [list(range(pages))], [n], [n])
+    ctx = StepContext(torch.arange(n, device=dev), None, attn, attn.prepare(lay, dev), kv, EagerOps())
+    maxima: dict[tuple[int, str], torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        for name in _LINEARS:
+            def record(_mod, args, key=(i, name)):
+                maxima[key] = args[0].reshape(-1, args[0].shape[-1]).abs().amax(0).float().cpu()
+            hooks.append(getattr(layer, name).register_forward_pre_hook(record))
+    try:
+        model(torch.tensor(ids, device=dev), ctx)
+    finally:
+        for h in hooks:
+            h.remove()
+    return maxima
