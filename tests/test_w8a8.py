@@ -52,8 +52,27 @@ def test_smoothed_product_is_close_and_beats_unsmoothed_on_outlier_channels(dtyp
     assert errs["smoothed"] < errs["plain"]
 
 
+@pytest.mark.skipif(not smooth.small_available(), reason="the few-row kernel needs AVX-512 VNNI")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(48, 40), (80, 576), (960, 576)])
+def test_few_row_kernel_is_bit_identical_to_int_mm(dtype, n, k):
+    """Same int32 sums and the same fp32 dequantization as the _int_mm path at every row count (1-4 row tiles with
+    their remainders, 4-block channel tiles with theirs); the packed layout is what vpdpbusd reads."""
+    torch.manual_seed(2)
+    w = torch.randn(n, k) * 0.05
+    lin = smooth.W8A8Weight.build(w.to(dtype), torch.rand(k) + 0.5)
+    assert lin.small is not None
+    packed, colsum = lin.small
+    assert packed.shape == (n // 16, k // 4, 64) and torch.equal(colsum, lin.wt.int().sum(0).int())
+    assert torch.equal(packed[1, 2].view(16, 4), lin.wt[8:12, 16:32].t())  # block 1, group 2: lanes x 4 bytes
+    for rows in (1, 2, 3, 4, 5, 7, 9, 17):
+        x = (torch.randn(rows, k) * torch.logspace(-1, 1, k)).to(dtype)
+        assert torch.equal(lin.forward_small(x), lin.forward_int_mm(x)), rows
+
+
 def test_w8a8_mode_from_the_gguf():
-    """Decode-sized inputs take the weight-only int8 kernel, prefill-sized ones the W8A8 product; no dense copy."""
+    """Decode-sized inputs take the few-row W8A8 kernel where built (else the weight-only int8 kernel),
+    prefill-sized ones `_int_mm`; no dense copy."""
     loaded = load_model("default", device="cpu", quantization="w8a8")
     assert loaded.quantization == "w8a8"
     lin = loaded.model.layers[2].gate_up
@@ -64,3 +83,6 @@ def test_w8a8_mode_from_the_gguf():
     big = lin(x).float()
     assert lin.max_rows < 64
     assert ((big - small).norm() / small.norm()).item() < 0.05
+    if smooth.small_available():  # W8A8 throughout: the product of a row does not depend on its batch
+        assert lin.max_rows == 0 and lin.w8a8.small_rows >= 1
+        assert torch.equal(big, small)

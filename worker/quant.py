@@ -21,7 +21,7 @@ from worker import smooth
 from worker.packed import PackedLinear, can_pack, pack, packed_linear
 
 __all__ = ["CHOICES", "INT4_GROUP", "PACKED_MAX_ROWS", "QuantEmbedding", "QuantLinear", "quantize_model",
-           "calibrate", "calibrate_max_rows", "resolve_mode", "weight_bytes"]
+           "best_time", "calibrate", "calibrate_max_rows", "resolve_mode", "weight_bytes"]
 log = logging.getLogger(__name__)
 
 CHOICES = ("none", "int8", "int4", "w8a8", "auto")
@@ -104,6 +104,8 @@ class QuantLinear(nn.Module):
         self.kernel_scales = self.scales if dtype == self.dtype else self.scales.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous():  # the model's [tokens, features] rows: no reshapes
+            return self.forward_quantized(x) if x.shape[0] <= self.max_rows else self.forward_dense(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         y = self.forward_quantized(x2) if x2.shape[0] <= self.max_rows else self.forward_dense(x2)
@@ -218,6 +220,9 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
     log.info("quantized linear layers to %s (LM head: %s); weight-only kernel (%s activations) up to %d rows "
              "(LM head: %s), %s above", mode, head, str(first.kernel_dtype).removeprefix("torch."),
              first.max_rows, getattr(lm_head, "max_rows", "-"), above)
+    if first.w8a8 is not None and first.w8a8.small is not None:
+        log.info("W8A8 few-row kernel (AVX-512 VNNI, prepacked) up to %d rows, torch._int_mm above",
+                 first.w8a8.small_rows)
 
 
 def calibrate(lin: QuantLinear) -> None:
@@ -230,10 +235,15 @@ def calibrate(lin: QuantLinear) -> None:
             times = {}
             for dtype in (torch.float32, torch.bfloat16):
                 lin.use_kernel_dtype(dtype)
-                times[dtype] = _best_time(lambda: lin.forward_quantized(x))
+                times[dtype] = best_time(lambda: lin.forward_quantized(x))
             _KERNEL_DTYPES[key] = min(times, key=times.get)
         lin.use_kernel_dtype(_KERNEL_DTYPES[key])
-    lin.max_rows = calibrate_max_rows(lin)
+    if lin.w8a8 is not None and lin.w8a8.small is not None and not os.environ.get(MAX_ROWS_ENV):
+        # the few-row W8A8 kernel beats the weight-only one at every row count: W8A8 throughout
+        lin.max_rows = 0
+        lin.w8a8.small_rows = smooth.calibrate_small_rows(lin.w8a8, lin.dtype)
+    else:
+        lin.max_rows = calibrate_max_rows(lin)
 
 
 def calibrate_max_rows(lin: QuantLinear, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)) -> int:
@@ -259,15 +269,15 @@ def _measure_max_rows(lin: QuantLinear, candidates: tuple[int, ...]) -> int:
     with torch.inference_mode():
         for rows in candidates:
             x = torch.randn(rows, lin.in_features, dtype=lin.dtype)
-            t_q = _best_time(lambda x=x: lin.forward_quantized(x))
-            t_d = _best_time(lambda x=x: lin.forward_dense(x))
+            t_q = best_time(lambda x=x: lin.forward_quantized(x))
+            t_d = best_time(lambda x=x: lin.forward_dense(x))
             if t_q > t_d:
                 break
             best = rows
     return best
 
 
-def _best_time(fn, runs: int = 5) -> float:
+def best_time(fn, runs: int = 5) -> float:
     fn()
     best = float("inf")
     for _ in range(runs):

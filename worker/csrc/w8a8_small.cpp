@@ -1,0 +1,138 @@
+// W8A8 linears for few rows (decode steps) on AVX-512 VNNI: the whole linear in one call, on weights packed once
+// at load. `torch._int_mm` re-lays the [K, N] weight for oneDNN on every call, which dominates at decode sizes;
+// here the weight is read once per call in the layout `vpdpbusd` consumes. The int32 sums equal _int_mm's exactly
+// (activations are offset by 128 to unsigned and the offset removed with the packed column sums), and the
+// dequantization is the same fp32 expression, so outputs are bit-identical to the _int_mm path.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace w8a8_small {
+
+constexpr int64_t kLanes = 16;  // output channels per block (one zmm of int32 sums)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kBuilt = true;
+
+// Rows [m0, m0 + MT) against the NB channel blocks starting at `w` (each block K * 16 bytes apart), then the
+// dequantization into out[m][n0 ...].
+template <typename T, int MT, int NB>
+static inline void tile(const uint8_t* xu, const int8_t* w, const int32_t* colsum, const float* row_scale,
+                        const float* col_scale, T* out, int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  __m512i acc[MT][NB];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
+  const int64_t groups = K / 4, block_bytes = K * kLanes;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * block_bytes + g * 64);
+    for (int i = 0; i < MT; ++i) {
+      int32_t four;
+      std::memcpy(&four, xu + (m0 + i) * K + 4 * g, 4);
+      const __m512i a = _mm512_set1_epi32(four);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], a, wv[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n = n0 + j * kLanes;
+    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n), 7);  // 128 * column sum
+    const __m512 cs = _mm512_loadu_ps(col_scale + n);
+    for (int i = 0; i < MT; ++i) {
+      const __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], offset));
+      alignas(64) float v[kLanes];
+      _mm512_store_ps(v, _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(row_scale[m0 + i])), cs));
+      T* o = out + (m0 + i) * N + n;
+      for (int64_t c = 0; c < kLanes; ++c) o[c] = from_f<T>(v[c]);
+    }
+  }
+}
+
+template <typename T, int MT>
+static void rows(const uint8_t* xu, const int8_t* packed, const int32_t* colsum, const float* rs, const float* cs,
+                 T* out, int64_t K, int64_t N, int64_t m0, int64_t b0, int64_t b1) {
+  int64_t b = b0;
+  for (; b + 4 <= b1; b += 4)
+    tile<T, MT, 4>(xu, packed + b * K * kLanes, colsum, rs, cs, out, K, N, m0, b * kLanes);
+  for (; b < b1; ++b) tile<T, MT, 1>(xu, packed + b * K * kLanes, colsum, rs, cs, out, K, N, m0, b * kLanes);
+}
+
+template <typename T>
+static void linear(const uint8_t* xu, const int8_t* packed, const int32_t* colsum, const float* rs, const float* cs,
+                   T* out, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = N / kLanes;
+  // split the channel blocks between threads; every thread runs all rows over its blocks (weights read once)
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) rows<T, 4>(xu, packed, colsum, rs, cs, out, K, N, m, b0, b1);
+    switch (M - m) {
+      case 3: rows<T, 3>(xu, packed, colsum, rs, cs, out, K, N, m, b0, b1); break;
+      case 2: rows<T, 2>(xu, packed, colsum, rs, cs, out, K, N, m, b0, b1); break;
+      case 1: rows<T, 1>(xu, packed, colsum, rs, cs, out, K, N, m, b0, b1); break;
+      default: break;
+    }
+  });
+}
+#else
+constexpr bool kBuilt = false;
+#endif
+
+}  // namespace w8a8_small
+
+bool w8a8_small_available() { return w8a8_small::kBuilt; }
+
+// wt [K, N] int8 (the _int_mm operand) -> (packed [N / 16, K / 4, 64] int8: block b, group g, lane c, byte j holds
+// wt[4g + j][16b + c]; column sums [N] int32)
+std::tuple<torch::Tensor, torch::Tensor> w8a8_small_pack(torch::Tensor wt) {
+  TORCH_CHECK(wt.dim() == 2 && wt.scalar_type() == torch::kInt8, "w8a8_small_pack: int8 [K, N]");
+  const int64_t K = wt.size(0), N = wt.size(1);
+  TORCH_CHECK(K % 4 == 0 && N % 16 == 0, "w8a8_small_pack: K % 4 == 0 and N % 16 == 0");
+  auto w = wt.view({K / 4, 4, N / 16, 16}).permute({2, 0, 3, 1}).contiguous().view({N / 16, K / 4, 64});
+  return {w, wt.to(torch::kInt32).sum(0, false, torch::kInt32).contiguous()};
+}
+
+// x [M, K] bf16/fp32 -> [M, N] of x's dtype: per-row int8 quantization of x * inv_smooth (as w8a8_quantize), then
+// the product with the packed weight and the per-row / per-column scales.
+torch::Tensor w8a8_small_linear(torch::Tensor x, torch::Tensor inv_smooth, torch::Tensor packed, torch::Tensor colsum,
+                                torch::Tensor col_scale) {
+  TORCH_CHECK(w8a8_small::kBuilt, "w8a8_small_linear: built without AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 3 && packed.size(2) == 64 &&
+              packed.size(1) * 4 == x.size(1), "w8a8_small_linear: x [M, K], packed [N / 16, K / 4, 64]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(colsum.numel() == N && col_scale.numel() == N && colsum.scalar_type() == torch::kInt32 &&
+              col_scale.scalar_type() == torch::kFloat32, "w8a8_small_linear: colsum int32 [N], col_scale fp32 [N]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              "w8a8_small_linear: bfloat16 or float32");
+  TORCH_CHECK(inv_smooth.scalar_type() == torch::kFloat32 && inv_smooth.numel() == K,
+              "w8a8_small_linear: fp32 inv_smooth [K]");
+  // codes as in w8a8_quantize, offset to unsigned for vpdpbusd (u8 x s8): q + 128 == q ^ 0x80 as a byte
+  thread_local std::vector<uint8_t> xu;
+  thread_local std::vector<float> rs;
+  xu.resize(M * K);
+  rs.resize(M);
+  int8_t* q = reinterpret_cast<int8_t*>(xu.data());
+  const float* smooth = inv_smooth.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    rs[m] = x.scalar_type() == torch::kBFloat16
+                ? w8a8::quantize_row(x.data_ptr<at::BFloat16>() + m * K, smooth, q + m * K, K)
+                : w8a8::quantize_row(x.data_ptr<float>() + m * K, smooth, q + m * K, K);
+  }
+  for (auto& b : xu) b ^= 0x80;
+  auto out = torch::empty({M, N}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const uint8_t* xp = xu.data();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  if (x.scalar_type() == torch::kBFloat16) {
+    w8a8_small::linear<at::BFloat16>(xp, wp, colsum.data_ptr<int32_t>(), rs.data(),
+                                     col_scale.data_ptr<float>(), out.data_ptr<at::BFloat16>(), M, K, N);
+  } else {
+    w8a8_small::linear<float>(xp, wp, colsum.data_ptr<int32_t>(), rs.data(), col_scale.data_ptr<float>(),
+                              out.data_ptr<float>(), M, K, N);
+  }
+#endif
+  return out;
+}
