@@ -66,16 +66,43 @@ struct Shape {
   float scale;
 };
 
+// Longest-first assignment of the B * kvh tasks to `threads` buckets of about equal total context; `order` lists
+// the tasks bucket by bucket, bucket c being order[bounds[c] .. bounds[c + 1]).
+static void balance_tasks(const int64_t* lens, int64_t B, int64_t kvh, int64_t threads, std::vector<int64_t>& order,
+                          std::vector<int64_t>& bounds) {
+  const int64_t n = B * kvh, nb = std::max<int64_t>(1, std::min(threads, n));
+  std::vector<int64_t> tasks(n), load(nb, 0), owner(n);
+  for (int64_t t = 0; t < n; ++t) tasks[t] = t;
+  std::stable_sort(tasks.begin(), tasks.end(), [&](int64_t a, int64_t b) { return lens[a / kvh] > lens[b / kvh]; });
+  for (int64_t t : tasks) {
+    const int64_t c = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[t] = c;
+    load[c] += lens[t / kvh] + 16;  // + a fixed cost per task
+  }
+  bounds.assign(nb + 1, 0);
+  for (int64_t t = 0; t < n; ++t) ++bounds[owner[t] + 1];
+  for (int64_t c = 0; c < nb; ++c) bounds[c + 1] += bounds[c];
+  order.resize(n);
+  std::vector<int64_t> next(bounds.begin(), bounds.end() - 1);
+  for (int64_t t = 0; t < n; ++t) order[next[owner[t]]++] = t;
+}
+
 // HD, G: head size and query heads per kv head, or 0 to read them from `hd_rt`, `g_rt`
 template <typename T, int64_t HD, int64_t G>
 static void decode_impl(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
                         const Shape sh, int64_t hd_rt, int64_t g_rt) {
   const int64_t hd = HD ? HD : hd_rt, g = G ? G : g_rt;
   const int64_t nh = sh.nh, kvh = sh.kvh, bs = sh.bs;
-  at::parallel_for(0, sh.B * kvh, 1, [&](int64_t begin, int64_t end) {
+  // one bucket of (sequence, kv head) tasks per thread, balanced by context length: a static split of the
+  // task range leaves one thread with the long sequences and the other waiting
+  std::vector<int64_t> order, bounds;
+  balance_tasks(lens, sh.B, kvh, at::get_num_threads(), order, bounds);
+  const int64_t buckets = static_cast<int64_t>(bounds.size()) - 1;
+  at::parallel_for(0, buckets, 1, [&](int64_t c0, int64_t c1) {
     alignas(64) float qf[kMaxGroupFloats], acc[kMaxGroupFloats], row[kMaxHead];
     std::vector<float> scores, denom(g);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t ti = bounds[c0]; ti < bounds[c1]; ++ti) {
+      const int64_t task = order[ti];
       const int64_t b = task / kvh, h = task % kvh;
       const int64_t L = lens[b], npages = (L + bs - 1) / bs;
       if (static_cast<int64_t>(scores.size()) < g * L) scores.resize(g * L);
