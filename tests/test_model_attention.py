@@ -9,7 +9,7 @@ import torch
 
 from worker.attention import BatchLayout, TorchAttention
 from worker.config import ModelConfig
-from worker.cpu_kernels import paged_decode_kernel, paged_prefill_kernel
+from worker.cpu_kernels import paged_decode_kernel, paged_kv_write_kernel, paged_prefill_kernel
 from worker.kv_cache import KVCache
 
 
@@ -47,6 +47,37 @@ def test_cpu_decode_kernel_matches_reference(dtype, tol, heads, kv_heads, head_d
         meta = attn.prepare(lay, torch.device("cpu"))
         outs.append(attn.forward(0, q, k_new, k_new, kv, meta).float())
     assert (outs[0] - outs[1]).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_and_strided_queries_equal_the_copying_path(dtype):
+    """One `paged_kv_write` call stores what two index_copy_ calls store, and the decode kernel reads q, k, v as
+    views into a fused QKV output (no contiguous copies) with the same result, bit for bit; a bad slot raises."""
+    kernel, kv_write = paged_decode_kernel(), paged_kv_write_kernel()
+    assert kernel is not None and kv_write is not None
+    torch.manual_seed(3)
+    heads, kv_heads, hd, bs, pages = 9, 3, 64, 16, 32
+    ctx = [3, 16, 33, 70, 5, 120]
+    tables = [list(range(sum(-(-n // bs) for n in ctx[:i]), sum(-(-n // bs) for n in ctx[:i + 1])))
+              for i in range(len(ctx))]
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, ctx, strict=True)])
+    qkv = torch.randn(len(ctx), heads + 2 * kv_heads, hd).to(dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    lay = BatchLayout(bs, slots, tables, ctx, [], [], [])
+    caches, outs = [], []
+    for attn in (TorchAttention(heads, kv_heads, hd, kernel),
+                 TorchAttention(heads, kv_heads, hd, kernel, kv_write=kv_write)):
+        kv = _random_cache(heads, kv_heads, hd, pages, dtype)  # same seed state: reset below
+        torch.manual_seed(4)
+        kv.k[0].copy_(torch.randn_like(kv.k[0], dtype=torch.float32))
+        kv.v[0].copy_(torch.randn_like(kv.v[0], dtype=torch.float32))
+        outs.append(attn.forward(0, q, k, v, kv, attn.prepare(lay, torch.device("cpu"))))
+        caches.append(kv)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
+    assert torch.equal(caches[1].k[0][:, slots], k.transpose(0, 1))
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kv_write(k, v, caches[1].k[0], caches[1].v[0], torch.full_like(slots, pages * bs))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-5), (torch.bfloat16, 2e-2)])

@@ -57,12 +57,15 @@ class TorchAttention:
     name = "torch"
     pages_first = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernel=None, prefill_kernel=None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernel=None, prefill_kernel=None,
+                 kv_write=None) -> None:
         self.nh, self.kvh, self.hd = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
         self.kernel = kernel  # cpu_kernels.paged_decode or None
         self.prefill_kernel = prefill_kernel  # cpu_kernels.paged_prefill or None
+        # cpu_kernels.paged_kv_write with the decode kernel (one call for a layer's new K/V rows), else index_copy_
+        self.kv_write = kv_write if kernel is not None else None
 
     def prepare(self, lay: BatchLayout, device: torch.device) -> TorchMeta:
         bs = lay.block_size
@@ -105,10 +108,16 @@ class TorchAttention:
                 kv: KVCache, meta: TorchMeta) -> torch.Tensor:
         """q: [T, nh, hd]; k, v: [T, kvh, hd] -> [T, nh * hd]."""
         kc, vc = kv.k[layer], kv.v[layer]
-        kc.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        vc.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        out = torch.empty_like(q)
         b = meta.num_decode
+        if self.kv_write is not None:
+            self.kv_write(k, v, kc, vc, meta.slot_mapping)
+            if b == q.shape[0]:  # a decode-only step: the kernel's output is the whole result
+                return self.kernel(q, kc, vc, meta.decode_tables, meta.decode_lens, kv.block_size,
+                                   self.scale).view(b, -1)
+        else:
+            kc.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            vc.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        out = torch.empty_like(q)
         if b:
             out[:b] = self._decode(q[:b], kc, vc, kv.block_size, meta)
         if meta.prefill is not None:
@@ -121,7 +130,7 @@ class TorchAttention:
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bs: int,
                 meta: TorchMeta) -> torch.Tensor:
         if meta.decode_tables is not None:
-            return self.kernel(q.contiguous(), kc, vc, meta.decode_tables, meta.decode_lens, bs, self.scale)
+            return self.kernel(q, kc, vc, meta.decode_tables, meta.decode_lens, bs, self.scale)
         b, kvh, hd, length = q.shape[0], self.kvh, self.hd, meta.decode_len
         keys = kc.view(kvh, -1, bs * hd).index_select(1, meta.decode_pages).view(kvh, b, length, hd)
         vals = vc.view(kvh, -1, bs * hd).index_select(1, meta.decode_pages).view(kvh, b, length, hd)
@@ -227,10 +236,11 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, bl
                  device: torch.device) -> TorchAttention | FlashAttention:
     if name == "flash_attn" or (name == "auto" and device.type == "cuda" and FlashAttention.usable(block_size)):
         return FlashAttention(num_heads, num_kv_heads, head_dim)
-    kernel = prefill_kernel = None
+    kernel = prefill_kernel = kv_write = None
     if device.type == "cpu" and name != "torch_reference":
-        from worker.cpu_kernels import paged_decode_kernel, paged_prefill_kernel
+        from worker.cpu_kernels import paged_decode_kernel, paged_kv_write_kernel, paged_prefill_kernel
 
         kernel = paged_decode_kernel()
         prefill_kernel = paged_prefill_kernel(num_heads, num_kv_heads, head_dim)
-    return TorchAttention(num_heads, num_kv_heads, head_dim, kernel, prefill_kernel)
+        kv_write = paged_kv_write_kernel()
+    return TorchAttention(num_heads, num_kv_heads, head_dim, kernel, prefill_kernel, kv_write)

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("bf16.h", "vec_exp.h", "paged_decode.cpp", "paged_prefill.cpp", "race_sample.cpp", "fused_ops.cpp",
             "w8a8.cpp", "w8a8_small.cpp")
-_FUNCTIONS = ["paged_decode", "paged_prefill", "race_sample", "add_rms_norm", "silu_mul", "rope_", "w8a8_quantize",
+_FUNCTIONS = ["paged_decode", "paged_kv_write", "paged_prefill", "race_sample", "add_rms_norm", "silu_mul", "rope_", "w8a8_quantize",
               "w8a8_dequantize", "w8a8_small_available", "w8a8_small_pack", "w8a8_small_linear"]
 _SRC = "\n".join((_CSRC / name).read_text() for name in _SOURCES)
 
@@ -82,6 +82,12 @@ def paged_decode_kernel():
     """The compiled `paged_decode(q, kc, vc, tables, lens, block_size, scale)`, or None if unavailable."""
     mod = extension()
     return mod.paged_decode if mod is not None else None
+
+
+def paged_kv_write_kernel():
+    """The compiled `paged_kv_write(k, v, kc, vc, slot_mapping)`, or None if unavailable."""
+    mod = extension()
+    return mod.paged_kv_write if mod is not None else None
 
 
 def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_dim: int):

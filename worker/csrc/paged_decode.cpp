@@ -64,6 +64,7 @@ static inline void scores16_bf16(const at::BFloat16* q, int64_t g, const at::BFl
 struct Shape {
   int64_t B, nh, kvh, slots, max_pages, bs;
   float scale;
+  int64_t q_stride;  // elements between two sequences' query rows (nh * hd when q is contiguous)
 };
 
 // Longest-first assignment of the B * kvh tasks to `threads` buckets of about equal total context; `order` lists
@@ -106,7 +107,7 @@ static void decode_impl(const T* q, const T* kc, const T* vc, const int64_t* tab
       const int64_t b = task / kvh, h = task % kvh;
       const int64_t L = lens[b], npages = (L + bs - 1) / bs;
       if (static_cast<int64_t>(scores.size()) < g * L) scores.resize(g * L);
-      row_to_float(q + (b * nh + h * g) * hd, qf, g * hd);
+      row_to_float(q + b * sh.q_stride + h * g * hd, qf, g * hd);
       for (int64_t i = 0; i < g * hd; ++i) qf[i] *= sh.scale;
       const T* kbase = kc + h * sh.slots * hd;
       const T* vbase = vc + h * sh.slots * hd;
@@ -117,7 +118,7 @@ static void decode_impl(const T* q, const T* kc, const T* vc, const int64_t* tab
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, at::BFloat16> && HD != 0 && HD % 32 == 0) {
           for (int64_t i0 = 0; i0 < n; i0 += 16)
-            scores16_bf16<HD>(q + (b * nh + h * g) * hd, g, kp + i0 * hd, std::min<int64_t>(16, n - i0),
+            scores16_bf16<HD>(q + b * sh.q_stride + h * g * hd, g, kp + i0 * hd, std::min<int64_t>(16, n - i0),
                               scores.data() + p * bs + i0, L, sh.scale);
           continue;
         }
@@ -177,16 +178,18 @@ static void decode_dispatch(const T* q, const T* kc, const T* vc, const int64_t*
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
                            torch::Tensor lens, int64_t bs, double scale) {
-  // q [B, nh, hd]; kc, vc [kvh, slots, hd]; tables [B, max_pages] int64; lens [B] int64
-  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "contiguous inputs required");
+  // q [B, nh, hd] (heads contiguous; rows may be strided, e.g. the q part of a fused QKV output);
+  // kc, vc [kvh, slots, hd]; tables [B, max_pages] int64; lens [B] int64 -> [B, nh, hd] contiguous
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && kc.is_contiguous() &&
+              vc.is_contiguous(), "paged_decode: q rows of contiguous heads, contiguous caches");
   TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64, "int64 tables and lens");
-  auto out = torch::empty_like(q);
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), kvh = kc.size(0), slots = kc.size(1);
+  auto out = torch::empty({B, nh, hd}, q.options());
   const int64_t g = nh / kvh;
   TORCH_CHECK(hd <= kMaxHead && g * hd <= kMaxGroupFloats, "paged_decode: head size or group too large");
   auto t = tables.contiguous();
   auto l = lens.contiguous();
-  const Shape sh{B, nh, kvh, slots, t.size(1), bs, static_cast<float>(scale)};
+  const Shape sh{B, nh, kvh, slots, t.size(1), bs, static_cast<float>(scale), q.stride(0)};
   if (q.scalar_type() == torch::kBFloat16) {
     decode_dispatch<at::BFloat16>(q.data_ptr<at::BFloat16>(), kc.data_ptr<at::BFloat16>(),
                                   vc.data_ptr<at::BFloat16>(), t.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
@@ -198,4 +201,33 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, 
     TORCH_CHECK(false, "paged_decode supports bfloat16 and float32");
   }
   return out;
+}
+
+// The step's new K/V rows into the paged caches in one call (two index_copy_ calls and their transposes before):
+// k, v [T, kvh, hd] with contiguous heads (rows may be strided: views into the fused QKV output);
+// kc, vc [kvh, slots, hd] contiguous; slot_mapping [T] int64.
+void paged_kv_write(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && kc.dim() == 3 && kc.sizes() == vc.sizes() &&
+              k.size(1) == kc.size(0) && k.size(2) == kc.size(2), "paged_kv_write: k, v [T, kvh, hd]; caches [kvh, slots, hd]");
+  TORCH_CHECK(k.scalar_type() == kc.scalar_type() && v.scalar_type() == kc.scalar_type() &&
+              vc.scalar_type() == kc.scalar_type(), "paged_kv_write: one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2) &&
+              kc.is_contiguous() && vc.is_contiguous(), "paged_kv_write: contiguous heads and caches");
+  TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.numel() == k.size(0) &&
+              slot_mapping.is_contiguous(), "paged_kv_write: int64 slot_mapping [T]");
+  const int64_t T = k.size(0), kvh = k.size(1), slots = kc.size(1), es = k.element_size();
+  const int64_t row = k.size(2) * es, ks = k.stride(0) * es, vs = v.stride(0) * es;
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kcp = static_cast<char*>(kc.data_ptr());
+  char* vcp = static_cast<char*>(vc.data_ptr());
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sm[t];
+    TORCH_CHECK(slot >= 0 && slot < slots, "paged_kv_write: slot out of range");
+    for (int64_t h = 0; h < kvh; ++h) {
+      std::memcpy(kcp + (h * slots + slot) * row, kp + t * ks + h * row, row);
+      std::memcpy(vcp + (h * slots + slot) * row, vp + t * vs + h * row, row);
+    }
+  }
 }
