@@ -105,7 +105,12 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.is_contiguous():  # the model's [tokens, features] rows: no reshapes
-            return self.forward_quantized(x) if x.shape[0] <= self.max_rows else self.forward_dense(x)
+            rows = x.shape[0]
+            if rows <= self.max_rows:
+                return self.forward_quantized(x)
+            if self.w8a8 is not None and rows <= self.w8a8.small_rows:  # decode steps: straight to the kernel
+                return self.w8a8.forward_small(x)
+            return self.forward_dense(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         y = self.forward_quantized(x2) if x2.shape[0] <= self.max_rows else self.forward_dense(x2)
