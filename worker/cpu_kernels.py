@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("bf16.h", "vec_exp.h", "paged_decode.cpp", "paged_prefill.cpp", "race_sample.cpp", "fused_ops.cpp",
             "w8a8.cpp", "w8a8_small.cpp")
-_FUNCTIONS = ["paged_decode", "paged_kv_write", "paged_prefill", "race_sample", "add_rms_norm", "silu_mul", "rope_", "w8a8_quantize",
-              "w8a8_dequantize", "w8a8_small_available", "w8a8_small_pack", "w8a8_small_linear"]
+_FUNCTIONS = ["paged_decode", "paged_kv_write", "paged_prefill", "race_sample", "add_rms_norm", "silu_mul", "rope_",
+              "w8a8_quantize", "w8a8_dequantize", "w8a8_small_available", "w8a8_small_pack", "w8a8_small_linear"]
 _SRC = "\n".join((_CSRC / name).read_text() for name in _SOURCES)
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -21,7 +21,7 @@ from worker import smooth
 from worker.packed import PackedLinear, can_pack, pack, packed_linear
 
 __all__ = ["CHOICES", "INT4_GROUP", "PACKED_MAX_ROWS", "QuantEmbedding", "QuantLinear", "quantize_model",
-           "best_time", "calibrate", "calibrate_max_rows", "resolve_mode", "weight_bytes"]
+           "calibrate", "calibrate_max_rows", "calibrate_small_rows", "resolve_mode", "weight_bytes"]
 log = logging.getLogger(__name__)
 
 CHOICES = ("none", "int8", "int4", "w8a8", "auto")
@@ -105,12 +105,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.is_contiguous():  # the model's [tokens, features] rows: no reshapes
-            rows = x.shape[0]
-            if rows <= self.max_rows:
-                return self.forward_quantized(x)
-            if self.w8a8 is not None and rows <= self.w8a8.small_rows:  # decode steps: straight to the kernel
-                return self.w8a8.forward_small(x)
-            return self.forward_dense(x)
+            return self.forward_quantized(x) if x.shape[0] <= self.max_rows else self.forward_dense(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         y = self.forward_quantized(x2) if x2.shape[0] <= self.max_rows else self.forward_dense(x2)
@@ -240,14 +235,14 @@ def calibrate(lin: QuantLinear) -> None:
             times = {}
             for dtype in (torch.float32, torch.bfloat16):
                 lin.use_kernel_dtype(dtype)
-                times[dtype] = best_time(lambda: lin.forward_quantized(x))
+                times[dtype] = _best_time(lambda: lin.forward_quantized(x))
             _KERNEL_DTYPES[key] = min(times, key=times.get)
         lin.use_kernel_dtype(_KERNEL_DTYPES[key])
     if lin.w8a8 is not None and lin.w8a8.small is not None and not os.environ.get(MAX_ROWS_ENV):
         # the few-row W8A8 kernel beats the weight-only one at every row count: W8A8 throughout, and the
         # weight-only int8 copy is not kept (one int8 copy fewer: ~107 MB for the default model)
         lin.max_rows = 0
-        lin.w8a8.small_rows = smooth.calibrate_small_rows(lin.w8a8, lin.dtype)
+        lin.w8a8.small_rows = calibrate_small_rows(lin.w8a8, lin.dtype)
         lin.qweight = None
     else:
         lin.max_rows = calibrate_max_rows(lin)
@@ -267,8 +262,28 @@ def calibrate_max_rows(lin: QuantLinear, candidates: tuple[int, ...] = (1, 2, 4,
     return _CALIBRATED[key]
 
 
+def calibrate_small_rows(w: smooth.W8A8Weight, dtype: torch.dtype,
+                         candidates: tuple[int, ...] = (1, 4, 8, 16, 24, 32, 48, 64)) -> int:
+    """The largest row count up to which the few-row W8A8 kernel beats `_int_mm` (best of 5; once per weight
+    shape in a process). Where both read the weight from memory the few-row kernel wins at decode sizes;
+    `_int_mm` catches up once the products are compute-bound (16-32 rows on AMD Zen 4)."""
+    if w.small is None:
+        return 0
+    key = ("small", *w.wt.shape, dtype, candidates)
+    if key not in _CALIBRATED:
+        best = 0
+        with torch.inference_mode():
+            for rows in candidates:
+                x = torch.randn(rows, w.wt.shape[0], dtype=dtype)
+                if _best_time(lambda x=x: w.forward_small(x)) > _best_time(lambda x=x: w.forward_int_mm(x)):
+                    break
+                best = rows
+        _CALIBRATED[key] = best
+    return _CALIBRATED[key]
+
+
 _KERNEL_DTYPES: dict[tuple, torch.dtype] = {}  # per process: the kernel's activation dtype by mode and shape
-_CALIBRATED: dict[tuple, int] = {}  # per process: row cutoffs by mode, shape and dtypes
+_CALIBRATED: dict[tuple, int] = {}  # per process: row cutoffs by mode (or "small"), shape and dtypes
 
 
 def _measure_max_rows(lin: QuantLinear, candidates: tuple[int, ...]) -> int:
@@ -276,15 +291,15 @@ def _measure_max_rows(lin: QuantLinear, candidates: tuple[int, ...]) -> int:
     with torch.inference_mode():
         for rows in candidates:
             x = torch.randn(rows, lin.in_features, dtype=lin.dtype)
-            t_q = best_time(lambda x=x: lin.forward_quantized(x))
-            t_d = best_time(lambda x=x: lin.forward_dense(x))
+            t_q = _best_time(lambda x=x: lin.forward_quantized(x))
+            t_d = _best_time(lambda x=x: lin.forward_dense(x))
             if t_q > t_d:
                 break
             best = rows
     return best
 
 
-def best_time(fn, runs: int = 5) -> float:
+def _best_time(fn, runs: int = 5) -> float:
     fn()
     best = float("inf")
     for _ in range(runs):
@@ -307,6 +322,6 @@ def weight_bytes(model: nn.Module) -> int:
         seen.add(id(t))
         total += t.numel() * t.element_size()
     packed = sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
-    few_row = sum(m.w8a8.small[0].numel() + 4 * m.w8a8.small[1].numel() for m in model.modules()
-                  if isinstance(m, QuantLinear) and m.qweight is None)  # W8A8 decodes read the packed copy
+    few_row = sum(m.w8a8.small_nbytes for m in model.modules()  # W8A8 decodes read the packed copy
+                  if isinstance(m, QuantLinear) and m.qweight is None)
     return total + packed + few_row

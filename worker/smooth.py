@@ -13,19 +13,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["ALPHA", "CALIBRATION_TEXT", "W8A8Weight", "activation_maxima", "available", "calibrate_small_rows",
+from worker.cpu_kernels import extension
+
+__all__ = ["ALPHA", "CALIBRATION_TEXT", "SMALL_ROWS", "W8A8Weight", "activation_maxima", "available",
            "small_available"]
 
 ALPHA = 0.5  # SmoothQuant migration strength: 0.5 balances activation and weight ranges
 CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 CALIBRATION_TOKENS = 2048
+SMALL_ROWS = 16  # few-row kernel cutoff until `quant.calibrate` measures it
 _LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 def available() -> bool:
     """The C++ quantize/dequantize passes built and torch has the int8 product."""
-    from worker.cpu_kernels import extension
-
     return hasattr(torch, "_int_mm") and extension() is not None
 
 
@@ -39,7 +40,7 @@ class W8A8Weight:
     inv_smooth: torch.Tensor  # [in] fp32
     # the same weight packed for the few-row kernel (AVX-512 VNNI, csrc/w8a8_small.cpp) and its column sums
     small: tuple[torch.Tensor, torch.Tensor] | None = None
-    small_rows: int = 0  # calls of up to this many rows take the few-row kernel (`calibrate_small_rows`)
+    small_rows: int = 0  # calls of up to this many rows take the few-row kernel (`quant.calibrate_small_rows`)
 
     @classmethod
     def build(cls, weight: torch.Tensor, act_max: torch.Tensor | None, alpha: float = ALPHA) -> W8A8Weight:
@@ -53,7 +54,7 @@ class W8A8Weight:
         wt = (ws / scale[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
         lin = cls(wt, scale.contiguous(), (1.0 / smooth).contiguous())
         if small_available() and wt.shape[0] % 4 == 0 and wt.shape[1] % 16 == 0:
-            lin.small = _ext().w8a8_small_pack(wt)
+            lin.small = extension().w8a8_small_pack(wt)
             lin.small_rows = SMALL_ROWS
         return lin
 
@@ -64,61 +65,29 @@ class W8A8Weight:
         return self.forward_int_mm(x2)
 
     def forward_int_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        ext = _ext()
+        ext = extension()
         xq, row_scale = ext.w8a8_quantize(x2, self.inv_smooth)
         return ext.w8a8_dequantize(torch._int_mm(xq, self.wt), row_scale, self.col_scale, x2)
 
     def forward_small(self, x2: torch.Tensor) -> torch.Tensor:
         """The few-row kernel: bit-identical to `forward_int_mm`, without its per-call weight re-layout."""
         packed, colsum = self.small
-        return _ext().w8a8_small_linear(x2, self.inv_smooth, packed, colsum, self.col_scale)
+        return extension().w8a8_small_linear(x2, self.inv_smooth, packed, colsum, self.col_scale)
 
     @property
     def nbytes(self) -> int:
-        small = 0 if self.small is None else self.small[0].numel() + 4 * self.small[1].numel()
-        return self.wt.numel() + 4 * (self.col_scale.numel() + self.inv_smooth.numel()) + small
+        return self.wt.numel() + 4 * (self.col_scale.numel() + self.inv_smooth.numel())
 
-
-_EXT: list = []  # the extension module, fetched once (the few-row path runs 120 times a decode step)
-
-
-def _ext():
-    if not _EXT:
-        from worker.cpu_kernels import extension
-
-        _EXT.append(extension())
-    return _EXT[0]
+    @property
+    def small_nbytes(self) -> int:
+        """Bytes of the few-row kernel's packed weight and column sums (0 without them)."""
+        return 0 if self.small is None else self.small[0].numel() + 4 * self.small[1].numel()
 
 
 def small_available() -> bool:
     """The few-row W8A8 kernel was built (AVX-512 VNNI)."""
-    ext = _ext()
+    ext = extension()
     return ext is not None and ext.w8a8_small_available()
-
-
-def calibrate_small_rows(lin: W8A8Weight, dtype: torch.dtype, candidates: tuple[int, ...] = (1, 4, 8, 16, 24, 32, 48, 64)) -> int:
-    """The largest row count up to which the few-row kernel beats `_int_mm` (best of 5; once per weight shape in a
-    process). Where both read the weight from memory the few-row kernel wins at decode sizes; `_int_mm` catches up
-    once the products are compute-bound (16-32 rows on AMD Zen 4)."""
-    if lin.small is None:
-        return 0
-    key = (*lin.wt.shape, dtype, candidates)
-    if key not in _SMALL_ROWS:
-        from worker.quant import best_time
-
-        best = 0
-        with torch.inference_mode():
-            for rows in candidates:
-                x = torch.randn(rows, lin.wt.shape[0], dtype=dtype)
-                if best_time(lambda x=x: lin.forward_small(x)) > best_time(lambda x=x: lin.forward_int_mm(x)):
-                    break
-                best = rows
-        _SMALL_ROWS[key] = best
-    return _SMALL_ROWS[key]
-
-
-SMALL_ROWS = 16  # before calibration
-_SMALL_ROWS: dict[tuple, int] = {}
 
 
 def calibration_ids(tokenizer) -> list[int]:
