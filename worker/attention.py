@@ -64,8 +64,7 @@ class TorchAttention:
         self.scale = 1.0 / math.sqrt(head_dim)
         self.kernel = kernel  # cpu_kernels.paged_decode or None
         self.prefill_kernel = prefill_kernel  # cpu_kernels.paged_prefill or None
-        # cpu_kernels.paged_kv_write with the decode kernel (one call for a layer's new K/V rows), else index_copy_
-        self.kv_write = kv_write if kernel is not None else None
+        self.kv_write = kv_write  # cpu_kernels.paged_kv_write (one call for a layer's new K/V rows) or None
 
     def prepare(self, lay: BatchLayout, device: torch.device) -> TorchMeta:
         bs = lay.block_size
@@ -108,15 +107,14 @@ class TorchAttention:
                 kv: KVCache, meta: TorchMeta) -> torch.Tensor:
         """q: [T, nh, hd]; k, v: [T, kvh, hd] -> [T, nh * hd]."""
         kc, vc = kv.k[layer], kv.v[layer]
-        b = meta.num_decode
         if self.kv_write is not None:
             self.kv_write(k, v, kc, vc, meta.slot_mapping)
-            if b == q.shape[0]:  # a decode-only step: the kernel's output is the whole result
-                return self.kernel(q, kc, vc, meta.decode_tables, meta.decode_lens, kv.block_size,
-                                   self.scale).view(b, -1)
         else:
             kc.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
             vc.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        b = meta.num_decode
+        if b == q.shape[0]:  # a decode-only step: the decode output is the whole result
+            return self._decode(q, kc, vc, kv.block_size, meta).view(b, -1)
         out = torch.empty_like(q)
         if b:
             out[:b] = self._decode(q[:b], kc, vc, kv.block_size, meta)
