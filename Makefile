@@ -29,8 +29,9 @@ tools: redis-bin
 	  echo "installing docker-compose (apt-get)"; \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null || true; fi
 
+# --durations: a slow or failing run names its slowest tests (.ci/run prints the CPU and its flags first)
 test: install tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # Long-running tests (the CI soak and the 10-minute soak; SWITCHYARD_SOAK_S sets the latter's length).
 test-slow: install tools

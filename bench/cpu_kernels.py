@@ -56,14 +56,19 @@ def sampler(rows: int, reps: int) -> dict:
 
 def full_sort_restrict(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """The definition, and the baseline: sort every row of the vocabulary, keep its top k, then keep while the
-    mass before a token (renormalized over those k) is < top_p."""
+    mass before a token (renormalized over those k, in float64) is < top_p."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     keep = torch.zeros_like(sorted_logits, dtype=torch.bool)
     keep[:, :top_k or logits.shape[-1]] = True
-    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
     if top_p < 1:
-        keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p
+        keep &= prefix_mass(sorted_logits, keep) < top_p
     return logits.masked_fill(~torch.zeros_like(keep).scatter_(-1, order, keep), float("-inf"))
+
+
+def prefix_mass(sorted_logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """float64: the mass before each sorted token, renormalized over the kept ones (softmax, then cumsum)."""
+    probs = torch.softmax(sorted_logits.double().masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.cumsum(probs, dim=-1) - probs
 
 
 def restriction(rows: int, reps: int) -> dict:

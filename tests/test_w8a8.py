@@ -70,6 +70,19 @@ def test_few_row_kernel_is_bit_identical_to_int_mm(dtype, n, k):
         assert torch.equal(lin.forward_small(x), lin.forward_int_mm(x)), rows
 
 
+@pytest.mark.parametrize("k", [40, 576, 1032, 1536, 2100])
+def test_fp32_int8_product_is_bit_identical_to_int_mm(k):
+    """The product AVX2-only CPUs use (fp32 GEMMs over K slices of at most 1,032) equals torch._int_mm exactly,
+    at the extremes too (-128 activations x -127 weights in every term), on every CPU."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randint(-128, 128, (19, k), dtype=torch.int8, generator=gen)
+    w = torch.randint(-127, 128, (k, 24), dtype=torch.int8, generator=gen)
+    x[0], w[:, 0] = -128, -127
+    got = smooth.int8_matmul_fp32(x, w)
+    assert got.dtype == torch.int32 and torch.equal(got, torch._int_mm(x, w))
+    assert got[0, 0].item() == 128 * 127 * k
+
+
 def test_w8a8_mode_from_the_gguf():
     """Decode-sized inputs take the few-row W8A8 kernel where built (else the weight-only int8 kernel),
     prefill-sized ones `_int_mm`; no dense copy."""

@@ -15,6 +15,7 @@ import torch
 
 from worker import quant, smooth
 from worker.config import ModelConfig
+from worker.cpu_features import has_fast_bf16
 from worker.model import LlamaModel
 from worker.model_source import ModelSource, default_model_path, gguf_metadata, hf_config, resolve
 from worker.packed import pack_model
@@ -39,14 +40,6 @@ class LoadedModel:
     quantization: str = "none"  # the mode actually applied (see `worker.quant`)
 
 
-def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " amx_bf16" in flags or " avx512_bf16" in flags
-
-
 def pick_device(device: str | torch.device | None) -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,7 +50,7 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        if device.type == "cuda" or cpu_has_fast_bf16():
+        if device.type == "cuda" or has_fast_bf16():
             return torch.bfloat16
         return torch.float32
     if dtype not in _DTYPES:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker import smooth
+from worker.cpu_features import has_int8_dot
 from worker.packed import PackedLinear, can_pack, pack, packed_linear
 
 __all__ = ["CHOICES", "INT4_GROUP", "PACKED_MAX_ROWS", "QuantEmbedding", "QuantLinear", "quantize_model",
@@ -40,7 +40,7 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     if mode == "auto":
         if device.type != "cpu" or not _has_ops():
             return "none"
-        return "w8a8" if cpu_has_int8_dot() and smooth.available() else "int8"
+        return "w8a8" if has_int8_dot() and smooth.available() else "int8"
     if mode != "none" and (device.type != "cpu" or not _has_ops()):
         raise ValueError(f"quantization {mode!r} needs torch's packed CPU matmul ops on a CPU device "
                          f"(device {device}); choose 'none' or 'auto' here")
@@ -48,15 +48,6 @@ def resolve_mode(mode: str, device: torch.device) -> str:
         raise ValueError("quantization 'w8a8' needs torch._int_mm and the C++ CPU kernels (worker.cpu_kernels); "
                          "choose 'int8' here")
     return mode
-
-
-def cpu_has_int8_dot() -> bool:
-    """int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX), where int8 x int8 products beat bf16."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def _has_ops() -> bool:

@@ -84,7 +84,8 @@ def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
     A row is first restricted among its NUCLEUS_CANDIDATES likeliest tokens, and only where its kept set could
     reach past them is it redone with more: a full sort of the vocabulary is rare. Each row's result depends
-    on that row alone."""
+    on that row alone. The nucleus edge is decided in float64 (see `nucleus_masses`), so the kept set does not
+    depend on the CPU's float32 summation order."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
     drop = torch.ones_like(logits, dtype=torch.bool)
@@ -97,18 +98,29 @@ def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         sub, kr = logits[rows], k[rows]
         vals, order = torch.topk(sub, c, dim=-1)  # descending; at c == vocab, a sort
         drop_sorted = torch.arange(c, device=logits.device)[None, :] >= kr[:, None]
-        masked = vals.masked_fill(drop_sorted, float("-inf"))
-        norm = torch.logsumexp(masked, dim=-1, keepdim=True)
-        if c < vocab:  # rows without top-k normalize over the whole vocabulary
-            norm = torch.where((kr >= vocab)[:, None], torch.logsumexp(sub, dim=-1, keepdim=True), norm)
-        probs = torch.exp(masked - norm)
+        whole = None if c == vocab else torch.where((kr >= vocab)[:, None], sub, float("-inf"))
+        before = nucleus_masses(vals.masked_fill(drop_sorted, float("-inf")), whole)
         # keep a token while the mass before it is < top_p (the top token always stays; top_p 1 keeps all)
-        pr = top_p[rows][:, None]
-        drop_sorted |= ((torch.cumsum(probs, dim=-1) - probs) >= pr) & (pr < 1)
+        pr = top_p[rows][:, None].double()
+        drop_sorted |= (before >= pr) & (pr < 1)
         covered = (kr <= c) | ((kr >= vocab) & drop_sorted[:, -1]) if c < vocab else torch.ones_like(kr).bool()
         drop[rows[covered][:, None], order[covered]] = drop_sorted[covered]
         rows = rows[~covered]
     return logits.masked_fill(drop, float("-inf"))
+
+
+def nucleus_masses(kept_sorted: torch.Tensor, whole: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 [rows, c]: the probability mass before each of a row's descending logits (-inf = dropped),
+    normalized over the row itself, or over the finite entries of `whole` (the full vocabulary row) where
+    `whole` has any. In float64 the sums over <= 2^17 terms are off by < 2^17 * 2^-53 ~ 1.5e-11, so a kept
+    set can differ between CPUs only for a token whose mass sits that close to top_p."""
+    kept = kept_sorted.double()
+    norm = torch.logsumexp(kept, dim=-1, keepdim=True)
+    if whole is not None:
+        full = torch.logsumexp(whole.double(), dim=-1, keepdim=True)
+        norm = torch.where(torch.isfinite(full), full, norm)
+    probs = torch.exp(kept - norm)
+    return torch.cumsum(probs, dim=-1) - probs
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from worker.cpu_features import has_int8_dot
 from worker.cpu_kernels import extension
 
 __all__ = ["ALPHA", "CALIBRATION_TEXT", "SMALL_ROWS", "W8A8Weight", "activation_maxima", "available",
@@ -23,6 +24,7 @@ CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 CALIBRATION_TOKENS = 2048
 SMALL_ROWS = 16  # few-row kernel cutoff until `quant.calibrate` measures it
 _LINEARS = ("qkv", "o", "gate_up", "down")
+EXACT_FP32_K = (1 << 24) // (127 * 128)  # 1032: that many int8 x int8 products sum exactly in fp32
 
 
 def available() -> bool:
@@ -67,7 +69,7 @@ class W8A8Weight:
     def forward_int_mm(self, x2: torch.Tensor) -> torch.Tensor:
         ext = extension()
         xq, row_scale = ext.w8a8_quantize(x2, self.inv_smooth)
-        return ext.w8a8_dequantize(torch._int_mm(xq, self.wt), row_scale, self.col_scale, x2)
+        return ext.w8a8_dequantize(int8_matmul(xq, self.wt), row_scale, self.col_scale, x2)
 
     def forward_small(self, x2: torch.Tensor) -> torch.Tensor:
         """The few-row kernel: bit-identical to `forward_int_mm`, without its per-call weight re-layout."""
@@ -82,6 +84,22 @@ class W8A8Weight:
     def small_nbytes(self) -> int:
         """Bytes of the few-row kernel's packed weight and column sums (0 without them)."""
         return 0 if self.small is None else self.small[0].numel() + 4 * self.small[1].numel()
+
+
+def int8_matmul(xq: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """[m, k] int8 @ [k, n] int8 -> [m, n] int32, exactly. `torch._int_mm` where the CPU has int8 dot products;
+    elsewhere (AVX2 only, where `_int_mm` runs ~50x slower than an fp32 GEMM) fp32 GEMMs over slices of K
+    short enough that every partial sum is an integer below 2^24, so exact in any order: the same bits."""
+    return torch._int_mm(xq, wt) if has_int8_dot() else int8_matmul_fp32(xq, wt)
+
+
+def int8_matmul_fp32(xq: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """`int8_matmul` on fp32 GEMMs (see there), on any CPU."""
+    x, out = xq.float(), None
+    for k0 in range(0, wt.shape[0], EXACT_FP32_K):
+        part = (x[:, k0:k0 + EXACT_FP32_K] @ wt[k0:k0 + EXACT_FP32_K].float()).to(torch.int32)
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def small_available() -> bool:
