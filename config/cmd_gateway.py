@@ -37,7 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a streaming client may take no data before it is cut and its request "
                              "ends (default 30)")
     parser.add_argument("--worker-timeout", dest="worker_timeout", type=float,
-                        help="seconds without worker stats before it counts as lost (default 1)")
+                        help="seconds without worker stats before it counts as lost once its link is down "
+                             "(default 1)")
+    parser.add_argument("--worker-stall-timeout", dest="worker_stall_timeout", type=float,
+                        help="seconds without worker stats before it counts as lost while its link still "
+                             "answers pings (default 10)")
     parser.add_argument("--route-epsilon", dest="route_epsilon", type=float,
                         help="bounded-load slack: a worker takes new requests below (1 + eps) x mean load "
                              "(default 0.25)")
@@ -60,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
     names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "keep_alive_timeout",
-             "worker_timeout", "log_level", "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
+             "worker_timeout", "worker_stall_timeout", "log_level", "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
              "route_prefix_tokens")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:
@@ -97,7 +101,8 @@ def build_app(settings: Settings):
                         "which workers allow on loopback addresses only")
         membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers,
                                 redis_url=None if gw.workers else settings.redis_url,
-                                dead_after=gw.worker_timeout, client_factory=clients)
+                                dead_after=gw.worker_timeout, stall_after=gw.worker_stall_timeout,
+                                client_factory=clients)
         router = Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens,
                         epsilon=gw.route_epsilon, footprint_epsilon=gw.route_footprint_epsilon,
                         block_size=gw.block_size, tokenizer_version=model.version)

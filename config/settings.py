@@ -57,7 +57,9 @@ class GatewaySettings(BaseModel):
     workers: list[str] = Field(default_factory=list)  # static worker endpoints; empty => Redis registry
     gateway_id: str | None = None  # default: <hostname>-<pid>
     inter_token_timeout: float = Field(30.0, gt=0)
-    worker_timeout: float = Field(1.0, gt=0)  # no stats for this long => worker lost
+    worker_timeout: float = Field(1.0, gt=0)  # no stats for this long, link down => worker lost
+    # no stats for this long while the link still answers ZMTP pings (a busy worker loop) => worker lost
+    worker_stall_timeout: float = Field(10.0, gt=0)
     model: str = "default"  # tokenizer/model spec the gateway serves (same as the workers')
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger request bodies get 413
     body_timeout: float = Field(10.0, gt=0)  # seconds for a request's headers, then its body, to arrive

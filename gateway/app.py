@@ -31,7 +31,7 @@ from gateway.sse import DONE, SSEResponse, event, install_log_filter
 
 log = logging.getLogger("switchyard.gateway")
 
-THREAD_TOKENIZE_BYTES = 16 * 1024
+THREAD_TOKENIZE_BYTES = 16 * 1024  # bodies from this size parse and tokenize on a thread
 BODY_NUMBER_SLACK = 64  # numbers a body may hold beside its prompt's token ids (max_tokens, seed, ...)
 # nginx's convention for "client closed the request"; never seen by the client
 CLIENT_CLOSED = 499
@@ -58,10 +58,11 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
     # a token-id prompt longer than the context is refused while the body is decoded
     body, size = await read_json(request, config.max_body_bytes, config.body_timeout_s,
                                  max_numbers=svc.model.max_context + BODY_NUMBER_SLACK)
-    req = parse(body)
     if size < THREAD_TOKENIZE_BYTES:
+        req = parse(body)
         prepared = svc.prepare(tenant, req, rid)
-    else:  # long prompts tokenize off the event loop (the tokenizer releases the GIL)
+    else:  # large bodies (long prompts, big JSON schemas to validate) are handled off the event loop
+        req = await run_in_threadpool(parse, body)
         prepared = await run_in_threadpool(svc.prepare, tenant, req, rid)
     trace = metrics.current().trace(prepared.priority.label, tenant.name, arrived)
     if prepared.grouped:

@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from worker.protocol import (
     PROTOCOL_VERSION,
@@ -37,13 +38,15 @@ from worker.protocol import (
 log = logging.getLogger(__name__)
 
 MAX_FRAMES_PER_DRAIN = 1024  # frames taken in one go before the receive task yields to the loop
+HEARTBEAT_IVL_S = 0.25  # ZMTP pings on the link, answered by the worker's ZeroMQ I/O thread (not its loop)
+LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 class LinkError(StrEnum):
     """Codes of errors raised by this client rather than sent by the worker."""
 
     TIMEOUT = "timeout"  # no tokens (or no first stats) within the deadline
-    WORKER_LOST = "worker_lost"  # no stats for worker_timeout
+    WORKER_LOST = "worker_lost"  # no stats for worker_timeout (link down) or stall_timeout (link up)
     INCOMPATIBLE = "incompatible"  # the worker speaks another protocol version
     CLOSED = "closed"  # this client was closed
     PROTOCOL = "protocol"  # the worker sent a frame about this request that could not be decoded
@@ -63,11 +66,13 @@ class WorkerClient:
     def __init__(self, endpoint: str, *, gateway_id: str, context: zmq.asyncio.Context | None = None,
                  inter_token_timeout: float = 30.0, worker_timeout: float = 1.0,
                  heartbeat_interval: float = 1.0, cluster_key: str | None = None,
-                 on_stats: Callable[[WorkerClient, WorkerStats], None] | None = None) -> None:
+                 on_stats: Callable[[WorkerClient, WorkerStats], None] | None = None,
+                 stall_timeout: float = 10.0) -> None:
         self.endpoint = endpoint
         self.gateway_id = gateway_id
         self.inter_token_timeout = inter_token_timeout
-        self.worker_timeout = worker_timeout
+        self.worker_timeout = worker_timeout  # stats silence that means loss while the link is down
+        self.stall_timeout = stall_timeout  # ... while the link still answers ZMTP pings (a busy worker loop)
         self.heartbeat_interval = heartbeat_interval
         self.on_stats = on_stats
         self.stats: WorkerStats | None = None  # latest; .received_at is time.monotonic()
@@ -77,6 +82,11 @@ class WorkerClient:
         self._quiet_at = 0.0  # time.monotonic() when the socket was last seen empty, after draining it
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        # up: stats arrived over a connection that has not dropped (or missed its pings) since; a worker
+        # restarted on the same endpoint is down until its first stats, so it counts as back from the dead
+        self.link_up = False
+        self._connected = False
         self._streams: dict[str, asyncio.Queue[OutItem | WorkerError]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
@@ -95,6 +105,10 @@ class WorkerClient:
         sock.setsockopt(zmq.LINGER, 200)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        # a worker whose process stops answering (frozen, host gone) is disconnected after worker_timeout
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(1000 * min(HEARTBEAT_IVL_S, self.worker_timeout / 2)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * self.worker_timeout))
+        self._monitor = sock.get_monitor_socket(LINK_EVENTS)
         sock.connect(self.endpoint)
         self._sock = sock
         self._send_soon(encode_hello(self.gateway_id))
@@ -124,6 +138,9 @@ class WorkerClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._sock is not None:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
             self._sock.close()
 
     def silent_for(self) -> float:
@@ -135,9 +152,16 @@ class WorkerClient:
         return max(0.0, self._quiet_at - self._heard_at)
 
     @property
+    def silence_limit(self) -> float:
+        """How long stats may be missing before the worker counts as lost: worker_timeout once the link is
+        down (a dead process closes it at once, a frozen one stops answering pings), stall_timeout while
+        the worker's ZeroMQ I/O thread still answers (its loop is busy, not dead)."""
+        return max(self.stall_timeout, self.worker_timeout) if self.link_up else self.worker_timeout
+
+    @property
     def alive(self) -> bool:
-        """Stats arrived and the link has not been silent for worker_timeout (see `usable` for the version)."""
-        return self.stats is not None and self.silent_for() <= self.worker_timeout
+        """Stats arrived and the link has not been silent past `silence_limit` (see `usable` for the version)."""
+        return self.stats is not None and self.silent_for() <= self.silence_limit
 
     @property
     def usable(self) -> bool:
@@ -218,12 +242,27 @@ class WorkerClient:
         poll_ms = int(1000 * max(0.02, min(0.1, self.worker_timeout / 4, self.heartbeat_interval / 2)))
         while True:
             await self._sock.poll(timeout=poll_ms)
+            await self._link_events()
             if await self._drain():
                 self._quiet_at = time.monotonic()
             if self._streams and self.stats is not None and not self.alive and not self._lost_reported:
                 self._lost_reported = True  # once per outage; the next stats frame re-arms it
+                link = "up" if self.link_up else "down"
                 self._fail_all(WorkerError(LinkError.WORKER_LOST, f"no stats from {self.endpoint} "
-                                           f"for {self.worker_timeout}s", True))
+                                           f"for {self.silence_limit}s (link {link})", True))
+
+    async def _link_events(self) -> None:
+        """Follow the link's state from the socket monitor (handshakes up, disconnects down)."""
+        if self._monitor is None:
+            return
+        while True:
+            try:
+                raw = await self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._connected = parse_monitor_message(raw)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            if not self._connected:
+                self.link_up = False
 
     async def _drain(self) -> bool:
         """Take every waiting frame, up to MAX_FRAMES_PER_DRAIN; True when the socket was left empty."""
@@ -276,6 +315,7 @@ class WorkerClient:
                 self.on_stats(self, stats)
             except Exception:
                 log.exception("on_stats callback failed")
+        self.link_up = self._connected  # after the listener: it judged the silence this frame ended
 
     def _malformed(self, data: bytes, exc: ProtocolError) -> None:
         """End the requests a bad frame names (their output is lost) with a retryable error; log the rest."""

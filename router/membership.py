@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_POLL_INTERVAL_S = 0.5
 DEFAULT_DEAD_AFTER_S = 0.5  # 3 stats intervals of 100 ms plus slack for a busy host
+DEFAULT_STALL_AFTER_S = 10.0  # stats silence allowed while the worker's link still answers pings
 REDIS_TIMEOUT_S = 1.0
 
 ClientFactory = Callable[..., WorkerClient]
@@ -89,6 +90,7 @@ class Membership:
         model: str | None = None,
         poll_interval: float = DEFAULT_POLL_INTERVAL_S,
         dead_after: float = DEFAULT_DEAD_AFTER_S,
+        stall_after: float = DEFAULT_STALL_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
         client_factory: ClientFactory = WorkerClient,
     ) -> None:
@@ -100,6 +102,7 @@ class Membership:
         self.model = model
         self.poll_interval = poll_interval
         self.dead_after = dead_after
+        self.stall_after = stall_after
         self.clock = clock
         self._client_factory = client_factory
         self._members: dict[str, Member] = {}
@@ -214,7 +217,7 @@ class Membership:
         claimed = {w.endpoint for w in wanted.values()}
         for mid, member in self._members.items():
             if (mid not in wanted and not member.static and member.endpoint not in claimed
-                    and self._silence(member) <= self.dead_after):
+                    and self._silence(member) <= member.client.silence_limit):
                 wanted[mid] = _Wanted(member.endpoint, False, member.started_at)
                 claimed.add(member.endpoint)
         for ep in self.static_endpoints:
@@ -233,7 +236,8 @@ class Membership:
 
     async def _add(self, mid: str, want: _Wanted) -> None:
         client = self._client_factory(want.endpoint, gateway_id=self.gateway_id,
-                                      worker_timeout=self.dead_after, on_stats=self._stats_callback(mid))
+                                      worker_timeout=self.dead_after, stall_timeout=self.stall_after,
+                                      on_stats=self._stats_callback(mid))
         try:
             await client.start()
         except Exception as exc:  # e.g. a malformed endpoint: skip this worker, keep the others
@@ -285,7 +289,7 @@ class Membership:
         member = self._members.get(mid)
         if member is None or member.stats is None or member.stats_at is None:
             return FALLBACK_DEAD
-        if self._silence(member) > self.dead_after:
+        if self._silence(member) > member.client.silence_limit:
             return FALLBACK_DEAD
         stats = member.stats
         if stats.version != PROTOCOL_VERSION or (self.model is not None and stats.model != self.model):

@@ -74,9 +74,20 @@ def test_ignore_eos_still_stops_and_max_tokens_first_is_length(engine, tiny):
 
 
 def test_bad_grammar_maps_are_bad_requests(engine):
-    with pytest.raises(RequestError) as err:
-        engine.add_request("a", [1, 2], SamplingParams(grammar={"kind": "json_schema", "body": '{"not": {}}'}))
+    bad = SamplingParams(grammar={"kind": "json_schema", "body": '{"not": {}}'})
+    engine.add_request("a", [1, 2], bad)  # checked off the caller's thread: the error comes from a step
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    [out] = outs
+    assert out.finish_reason == "error" and out.error.code == "bad_request"
+    assert out.error.param == "response_format"
+    with pytest.raises(RequestError) as err:  # the failure is cached: the same map fails at once
+        engine.add_request("b", [1, 2], bad)
     assert err.value.code == "bad_request" and err.value.param == "response_format"
+    with pytest.raises(RequestError) as err:
+        engine.add_request("c", [1, 2], SamplingParams(grammar={"kind": "regex", "body": "x"}))
+    assert err.value.param == "response_format"
     with pytest.raises(RequestError) as err:
         SamplingParams.from_dict({"max_tokens": 4, "grammar": "x"})
     assert err.value.param == "response_format"

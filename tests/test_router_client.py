@@ -168,20 +168,49 @@ async def test_inter_token_timeout(link: tuple[Peer, WorkerClient]) -> None:
 
 
 async def test_worker_loss_ends_streams(link: tuple[Peer, WorkerClient]) -> None:
+    """A dead worker (its socket closed: the link goes down) is lost after worker_timeout of silence."""
     peer, client = link
     client.inter_token_timeout = 10.0
     loop = asyncio.get_running_loop()
-    start = loop.time()
 
     async def consume() -> None:
         async for _ in client.generate("r6", b"", [1], p.SamplingParams()):
             pass
 
+    task = asyncio.create_task(consume())
+    await peer.recv("gen")
+    assert client.link_up
+    peer.sock.close(linger=0)
+    start = loop.time()
     with pytest.raises(WorkerError) as info:
-        await asyncio.wait_for(consume(), 5)
-    assert info.value.code == "worker_lost" and info.value.retryable
-    assert loop.time() - start < 3.0
-    assert not client.alive
+        await asyncio.wait_for(task, 5)
+    assert info.value.code == "worker_lost" and info.value.retryable and "link down" in info.value.message
+    assert loop.time() - start < 2.0
+    assert not client.alive and not client.link_up
+
+
+async def test_silent_worker_with_a_live_link_is_lost_only_after_the_stall_timeout(
+        link: tuple[Peer, WorkerClient]) -> None:
+    """Stats stop but the link answers pings (a busy worker loop): streams survive worker_timeout and end
+    with worker_lost once stall_timeout passes."""
+    peer, client = link
+    client.inter_token_timeout = 10.0
+    client.stall_timeout = 2.0
+    loop = asyncio.get_running_loop()
+
+    async def consume() -> None:
+        async for _ in client.generate("r6", b"", [1], p.SamplingParams()):
+            pass
+
+    task = asyncio.create_task(consume())
+    await peer.recv("gen")
+    start = loop.time()
+    await asyncio.sleep(1.2)  # more than twice worker_timeout (0.5 s)
+    assert client.link_up and client.alive and not task.done()
+    with pytest.raises(WorkerError) as info:
+        await asyncio.wait_for(task, 5)
+    assert info.value.code == "worker_lost" and "link up" in info.value.message
+    assert 1.9 <= loop.time() - start < 4.0
 
 
 async def test_incompatible_version_is_refused(link: tuple[Peer, WorkerClient]) -> None:

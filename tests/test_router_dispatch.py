@@ -51,11 +51,16 @@ class ScriptedWorker:
         self._peers: set[bytes] = set()
         self._tasks = [asyncio.create_task(self._recv()), asyncio.create_task(self._stats())]
 
+    def die(self) -> None:
+        """Stop answering and close the socket, as a dead process does (the gateway sees the link go down)."""
+        self.dead = True
+        asyncio.get_running_loop().call_soon(self._sock.close, 0)
+
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
                 await t
         self._sock.close()
         self._ctx.term()
@@ -66,14 +71,14 @@ class ScriptedWorker:
             draining=self.draining, model="m", version=proto.PROTOCOL_VERSION))
 
     async def _stats(self) -> None:
-        while True:
+        while not self.dead:
             await asyncio.sleep(0.05)
             if not self.dead:
                 for peer in self._peers:
                     await self._sock.send_multipart([peer, self._stats_frame()])
 
     async def _recv(self) -> None:
-        while True:
+        while not self.dead:
             ident, data = await self._sock.recv_multipart()
             self._peers.add(ident)
             if self.dead:
@@ -97,12 +102,12 @@ class ScriptedWorker:
         elif self.script == "fatal":
             await self._sock.send_multipart([ident, proto.encode_err(rid, "bad_request", "nope", False)])
         elif self.script == "die_before_first":
-            self.dead = True
+            self.die()
         elif self.script == "stall_after_first":
             await self._sock.send_multipart([ident, out([1], None)])
         elif self.script == "die_after_first":
             await self._sock.send_multipart([ident, out([1], None)])
-            self.dead = True
+            self.die()
 
 
 @contextlib.asynccontextmanager
@@ -223,7 +228,7 @@ async def test_draining_and_dead_workers_take_nothing() -> None:
         await router.membership.wait_until(lambda m: m.status(a.endpoint) == "draining", timeout=5)
         assert await asyncio.wait_for(collect(router, req), 10) == [1, 2, 3]
         assert a.gens == [] and b.gens == [req.rid]
-        b.dead = True
+        b.die()
         await router.membership.wait_until(lambda m: m.live() == [], timeout=5)
         req.rid = "another"
         with pytest.raises(NoWorkerAvailable):

@@ -104,6 +104,8 @@ class FakeClient:
     async def close(self) -> None:
         pass
 
+    silence_limit = 1.0
+
     def silent_for(self) -> float:
         return 0.0
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, fields
 from enum import IntEnum, StrEnum
 
-from worker.grammar_spec import GrammarError, GrammarSpec
+from worker.grammar_spec import GrammarError, GrammarSpec, wire_key
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
@@ -132,8 +132,11 @@ class SamplingParams:
                     or not _is_number(entry[1]) or not -100.0 <= entry[1] <= 100.0):
                 raise bad_request(f"logit_bias must map token ids in [0, {vocab_size}) to values in "
                                   "[-100, 100]", "logit_bias")
-        if self.grammar is not None:
-            self.grammar_spec()
+        if self.grammar is not None:  # shape only: the schema itself is checked where it compiles, off the loop
+            try:
+                wire_key(self.grammar)
+            except GrammarError as e:
+                raise bad_request(e.message, e.param) from None
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The checked grammar, None without one; RequestError("bad_request", param=...) if it is unusable."""

@@ -38,6 +38,11 @@ class EngineConfig:
     spec_ngram_max: int = 3
     spec_ngram_min: int = 1
     spec_max_batch: int = 4
+    # structured outputs: grammars compile on a thread pool while their requests wait (worker.grammar_wait);
+    # new compiles past these pending bounds are refused with a retryable error
+    grammar_max_pending: int = 16
+    grammar_max_pending_per_ns: int = 4
+    grammar_compile_timeout_s: float = 10.0
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -60,6 +65,8 @@ class EngineConfig:
             raise ValueError("spec n-gram sizes must satisfy 1 <= spec_ngram_min <= spec_ngram_max <= 8")
         if self.fair_step_tokens < 0:
             raise ValueError("fair_step_tokens must be >= 0 (0: no cap)")
+        if self.grammar_max_pending < 1 or self.grammar_max_pending_per_ns < 1 or self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar pending bounds must be >= 1 and the compile timeout > 0")
         if self.fairness not in ("vtc", "fifo"):
             raise ValueError(f"fairness must be 'vtc' or 'fifo', got {self.fairness!r}")
 

@@ -5,7 +5,6 @@ Requests are validated before any state changes; stop rules and page release hap
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import random
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from worker.config import EngineConfig
 from worker.errors import RequestError, bad_request
 from worker.fairness import check_fair_params
 from worker.grammar import BatchMasker, GrammarCache, GrammarState, grammar_tokenizer
-from worker.grammar_spec import GrammarError
+from worker.grammar_wait import CompileWait
 from worker.kv_cache import num_pages_for
 from worker.loader import LoadedModel
 from worker.page_pool import PagePool
@@ -30,7 +29,6 @@ from worker.speculative import NgramIndex, speculation_allowed
 __all__ = ["DEFAULT_NAMESPACE", "Engine", "EngineStats", "Priority", "StepOutput"]
 
 DEFAULT_NAMESPACE = b"default"  # cache namespace of requests that name none (in-process callers)
-GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # llguidance compiles a schema in about 1 ms; this bounds a pathological one
 log = logging.getLogger(__name__)
 
 
@@ -109,7 +107,7 @@ class Engine:
         self._generated = 0
         self._steps = 0
         self._spec = [0, 0, 0]  # proposed, accepted, verify steps
-        self._grammars: GrammarCache | None = None  # built with the first grammar request
+        self._grammars: CompileWait | None = None  # built with the first grammar request
     # ---- requests ----
 
     def add_request(self, rid: str, token_ids: list[int], sampling: SamplingParams,
@@ -127,41 +125,60 @@ class Engine:
         if pages_for(total, self.config.block_size) > self.pool.num_pages:
             raise RequestError("capacity", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
                                f"({self.pool.num_pages * self.config.block_size} tokens)", param="max_tokens")
-        grammar = self._grammar_state(sampling)
+        namespace = namespace or DEFAULT_NAMESPACE
+        key, compiling = (None, None) if sampling.grammar is None else \
+            self._compile_wait().submit(sampling.grammar, namespace)
+        grammar = _ready_state(compiling)
         stops = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos or grammar is not None:  # a grammar ends with EOS whatever ignore_eos says
+        if not sampling.ignore_eos or compiling is not None:  # a grammar ends with EOS whatever ignore_eos says
             stops.add(self.tokenizer.eos_token_id)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(rid, list(token_ids), len(token_ids), sampling, Priority(priority), self._arrivals,
-                       namespace or DEFAULT_NAMESPACE, seed & 0xFFFFFFFFFFFFFFFF, frozenset(stops),
-                       fkey=fkey or namespace or DEFAULT_NAMESPACE, weight=float(weight), grammar=grammar)
+                       namespace, seed & 0xFFFFFFFFFFFFFFFF, frozenset(stops),
+                       fkey=fkey or namespace, weight=float(weight), grammar=grammar)
         cfg = self.config
-        if cfg.spec_tokens and cfg.spec_max_batch and grammar is None and speculation_allowed(sampling):
+        if cfg.spec_tokens and cfg.spec_max_batch and compiling is None and speculation_allowed(sampling):
             seq.ngram = NgramIndex(cfg.spec_ngram_min, cfg.spec_ngram_max)
         self._arrivals += 1
         self._prompt_tokens += len(token_ids)
         self._seqs[rid] = seq
-        self.scheduler.add(seq)
+        if compiling is not None and grammar is None:
+            self._grammars.hold(seq, key, compiling)  # type: ignore[union-attr]  # scheduled once compiled
+        else:
+            self.scheduler.add(seq)
 
-    def _grammar_state(self, sampling: SamplingParams) -> GrammarState | None:
-        """The request's matcher, compiled (or found in the cache) before the request is queued."""
-        spec = sampling.grammar_spec()
-        if spec is None:
-            return None
+    def _compile_wait(self) -> CompileWait:
+        """The grammar cache and its waiting room, made with the first grammar request (its first compile job
+        builds llguidance's tokenizer)."""
         if self._grammars is None:
-            self._grammars = GrammarCache(grammar_tokenizer(self.tokenizer, vocab_size=self.vocab_size))
+            cfg = self.config
+            cache = GrammarCache(lambda: grammar_tokenizer(self.tokenizer, vocab_size=self.vocab_size),
+                                 max_pending=cfg.grammar_max_pending,
+                                 max_pending_per_ns=cfg.grammar_max_pending_per_ns)
+            self._grammars = CompileWait(cache, cfg.grammar_compile_timeout_s)
             self.runner.masker = BatchMasker(self.vocab_size)
-        try:
-            return self._grammars.get(spec).result(timeout=GRAMMAR_COMPILE_TIMEOUT_S).new_state()
-        except GrammarError as e:
-            raise bad_request(e.message, e.param) from None
-        except concurrent.futures.TimeoutError:
-            raise RequestError("capacity", "grammar compilation timed out", retryable=True) from None
+        return self._grammars
+
+    def prepare_grammars(self) -> None:
+        """Start building the grammar tokenizer in the background (servers call this at start)."""
+        self._compile_wait().cache.warm()
+
+    def _settle_grammars(self) -> list[StepOutput]:
+        """Schedule the requests whose grammar compiled; end those whose compile failed or timed out."""
+        ready, failed = self._grammars.settle()  # type: ignore[union-attr]
+        for seq in ready:
+            self.scheduler.add(seq)
+        outputs = []
+        for rid, error in failed:
+            seq = self._seqs.pop(rid)
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+            outputs.append(StepOutput(rid, [], "error", 0, None, error=error))
+        return outputs
 
     def close(self) -> None:
         """Stop the grammar compile threads (if any were started)."""
         if self._grammars is not None:
-            self._grammars.close()
+            self._grammars.cache.close()
 
     def _validate(self, rid: str, token_ids: list[int], sampling: SamplingParams, priority: int) -> None:
         if not isinstance(rid, str) or not rid:
@@ -187,19 +204,30 @@ class Engine:
         seq = self._seqs.pop(rid, None)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
+        if self._grammars is not None and self._grammars.remove(rid) is not None:
+            seq.status = SeqStatus.FINISHED  # it never reached the scheduler
+        else:
+            self.scheduler.remove(seq)
         seq.finish_reason = "abort"
         self._aborted.append(rid)
         return True
 
     def has_work(self) -> bool:
-        return bool(self._aborted) or self.scheduler.has_work()
+        """Anything in flight, compiles included (see `ready` for what a step would act on now)."""
+        return self.ready() or bool(self._grammars)
+
+    def ready(self) -> bool:
+        """A step would do something now: abort outputs, scheduled work, or a compile done or expired."""
+        return bool(self._aborted) or self.scheduler.has_work() or (
+            bool(self._grammars) and self._grammars.ready())  # type: ignore[union-attr]
 
     # ---- stepping ----
 
     def step(self) -> list[StepOutput]:
         outputs = [StepOutput(rid, [], "abort", 0, None) for rid in self._aborted]
         self._aborted.clear()
+        if self._grammars:
+            outputs += self._settle_grammars()
         batch = self.scheduler.schedule()
         if batch.empty:
             return outputs
@@ -288,7 +316,7 @@ class Engine:
         evictable = cache.evictable_pages if cache is not None else 0
         looked_up, hit = sched.admitted_prompt_tokens, sched.cached_prompt_tokens
         return EngineStats(
-            num_waiting=len(sched.waiting), num_running=len(sched.running),
+            num_waiting=len(sched.waiting) + len(self._grammars or ()), num_running=len(sched.running),
             kv_free_tokens=(free + evictable) * bs, kv_total_tokens=self.pool.num_pages * bs,
             prefix_hit_rate=hit / looked_up if looked_up else 0.0,
             preemptions=sched.preemptions, prompt_tokens=self._prompt_tokens,
@@ -330,6 +358,8 @@ class Engine:
             results: dict[str, list[int]] = {rid: [] for rid in rids}
             pending = set(rids)
             while pending:
+                if not self.ready() and self._grammars:
+                    self._grammars.wait(0.05)
                 for out in self.step():
                     if out.rid in results:
                         results[out.rid].extend(out.new_tokens)
@@ -344,3 +374,10 @@ class Engine:
     def is_running(self, rid: str) -> bool:
         seq = self._seqs.get(rid)
         return seq is not None and seq.status != SeqStatus.FINISHED
+
+
+def _ready_state(future) -> GrammarState | None:
+    """A new matcher when the compile is already done and good (a cache hit); None otherwise."""
+    if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+        return None
+    return future.result().new_state()

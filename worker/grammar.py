@@ -7,14 +7,14 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
 import torch
 
-from worker.grammar_spec import SCHEMA_PARAM, GrammarError, GrammarSpec, grammar_text
+from worker.grammar_spec import SCHEMA_PARAM, GrammarError, GrammarSpec, grammar_text, wire_key
 from worker.tokenizer import Tokenizer
 
 _PARAM = {"json_object": "response_format", "json_schema": SCHEMA_PARAM, "tool_call": "tools"}
@@ -96,47 +96,125 @@ def compile_grammar(tokenizer: llguidance.LLTokenizer, spec: GrammarSpec) -> Com
     return compiled
 
 
+CacheKey = str | tuple[str, str]  # a checked spec's digest, or a wire map's (kind, body)
+
+
+class GrammarBusy(Exception):
+    """Too many compiles pending (`scope`: "worker" or "tenant"); the request may be retried."""
+
+    def __init__(self, scope: str, limit: int) -> None:
+        super().__init__(f"too many grammars compiling on this {scope} (limit {limit}); retry shortly")
+        self.scope = scope
+
+
+def compile_wire(tokenizer: llguidance.LLTokenizer, wire: dict) -> CompiledGrammar:
+    """Validate a wire map (the worker trusts no frame) and compile it: one job on the pool thread."""
+    return compile_grammar(tokenizer, GrammarSpec.from_dict(wire, param="response_format"))
+
+
 class GrammarCache:
     """Compiled grammars by spec digest, least recently used dropped past `capacity`.
 
-    `get` never blocks: it returns a future completed by a small thread pool (llguidance releases the
-    GIL while it compiles); a sequence waits for `future.done()` before its first decode step.
-    Failed compiles stay cached too, so a repeated bad schema fails at once.
+    `get` and `request` never block: they return a future completed by a small thread pool (llguidance
+    releases the GIL while it compiles); a sequence waits for `future.done()` before it is scheduled.
+    Failed compiles stay cached too, so a repeated bad schema fails at once. Compiles not yet done are
+    bounded per cache (`max_pending`) and per tenant namespace (`max_pending_per_ns`) for `request`.
     """
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, capacity: int = 64, threads: int = 2) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be >= 1")
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: llguidance.LLTokenizer | Callable[[], llguidance.LLTokenizer],
+                 capacity: int = 64, threads: int = 2, max_pending: int = 16, max_pending_per_ns: int = 4) -> None:
+        """`tokenizer` may be a factory: it is then built (about 0.3 s) by the first compile job."""
+        if capacity < 1 or max_pending < 1 or max_pending_per_ns < 1:
+            raise ValueError("capacity and the pending bounds must be >= 1")
+        self._tokenizer = tokenizer if isinstance(tokenizer, llguidance.LLTokenizer) else None
+        self._make_tokenizer = tokenizer
         self.capacity = capacity
+        self.max_pending = max_pending
+        self.max_pending_per_ns = max_pending_per_ns
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._entries: OrderedDict[CacheKey, Future[CompiledGrammar]] = OrderedDict()
+        self._pending: dict[CacheKey, bytes] = {}  # key -> namespace of the compiles not done yet
+        self._lock = threading.RLock()  # re-entered by the done callback that `cancel` runs inside `abandon`
+        self._tokenizer_lock = threading.Lock()  # held while a compile job builds the tokenizer (not _lock)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
 
     def get(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        """A checked spec's compile (in-process callers; no pending bound)."""
+        return self._lookup(spec.digest, b"", lambda: self._pool.submit(lambda: compile_grammar(self.tokenizer, spec)))
+
+    def request(self, wire: dict, namespace: bytes) -> tuple[CacheKey, Future[CompiledGrammar]]:
+        """A wire map's validation and compile, both off the caller's thread: (its key, the future). Raises
+        GrammarError for a map of the wrong shape and GrammarBusy when a new compile would pass a bound."""
+        key = wire_key(wire)
+        return key, self._lookup(key, namespace, lambda: self._pool.submit(lambda: compile_wire(self.tokenizer, wire)))
+
+    def warm(self) -> Future[llguidance.LLTokenizer]:
+        """Build the tokenizer on the pool now. Its construction holds the GIL for about 0.5 s, so a server
+        does this at start rather than inside its first constrained request."""
+        return self._pool.submit(lambda: self.tokenizer)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            with self._tokenizer_lock:
+                if self._tokenizer is None:
+                    self._tokenizer = self._make_tokenizer()  # type: ignore[operator]
+        return self._tokenizer
+
+    def _lookup(self, key: CacheKey, namespace: bytes,
+                submit: Callable[[], Future[CompiledGrammar]]) -> Future[CompiledGrammar]:
         with self._lock:
-            future = self._entries.get(spec.digest)
+            future = self._entries.get(key)
             if future is not None:
-                self._entries.move_to_end(spec.digest)
+                self._entries.move_to_end(key)
                 self.hits += 1
                 return future
+            if namespace:
+                self._check_bounds(namespace)
             self.misses += 1
-            future = self._pool.submit(compile_grammar, self.tokenizer, spec)
-            self._entries[spec.digest] = future
+            future = submit()
+            self._entries[key] = future
+            self._pending[key] = namespace
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
-            return future
+        future.add_done_callback(lambda _: self._settled(key))
+        return future
+
+    def _check_bounds(self, namespace: bytes) -> None:
+        if len(self._pending) >= self.max_pending:
+            raise GrammarBusy("worker", self.max_pending)
+        if sum(ns == namespace for ns in self._pending.values()) >= self.max_pending_per_ns:
+            raise GrammarBusy("tenant", self.max_pending_per_ns)
+
+    def _settled(self, key: CacheKey) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def abandon(self, key: CacheKey) -> bool:
+        """Nobody waits for this compile any more: cancel it if it has not started (True). A running one is
+        left to finish (llguidance's parser limits bound it) and its result stays cached for a retry."""
+        with self._lock:
+            future = self._entries.get(key)
+            if future is None or not future.cancel():
+                return False
+            del self._entries[key]
+            self._pending.pop(key, None)
+            return True
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, digest: str) -> bool:
-        return digest in self._entries
+    def __contains__(self, key: CacheKey) -> bool:
+        return key in self._entries
 
-    def digests(self) -> list[str]:
-        """Cached digests, least recently used first."""
+    def digests(self) -> list[CacheKey]:
+        """Cached keys, least recently used first."""
         with self._lock:
             return list(self._entries)
 

@@ -69,6 +69,21 @@ class GrammarSpec:
         raise GrammarError(f"unknown grammar kind {d['kind']!r}", param)
 
 
+MAX_WIRE_BODY_BYTES = 4 * MAX_SCHEMA_BYTES  # a spec body on the wire: JSON escapes may grow the schema's text
+GRAMMAR_KINDS = ("json_object", "json_schema", "tool_call")
+
+
+def wire_key(d: object, param: str = "response_format") -> tuple[str, str]:
+    """(kind, body) of a wire map after a shape check only (no JSON parse, no llguidance, no hash of the body):
+    cheap enough for the worker loop, and exact as a cache key (dict lookups compare the whole body)."""
+    if not isinstance(d, dict) or set(d) != {"kind", "body"} or not isinstance(d["body"], str) \
+            or d["kind"] not in GRAMMAR_KINDS:
+        raise GrammarError("grammar must be a map with a known 'kind' and a string 'body'", param)
+    if len(d["body"]) > MAX_WIRE_BODY_BYTES:
+        raise GrammarError(f"grammar body exceeds {MAX_WIRE_BODY_BYTES} bytes", param)
+    return d["kind"], d["body"]
+
+
 def canonical_json(value: object) -> str:
     """Compact JSON that keeps key order (property order decides the output order)."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL_S = 0.05
 MAX_FRAME_BYTES = 16 << 20
 MAX_FRAMES_PER_DRAIN = 4096  # bound one drain so that a flood cannot starve the running streams
+DRAIN_BUDGET_S = 0.05  # ... and its time: the loop gets back to steps and stats at least this often
+COMPILE_POLL_S = 0.005  # idle wait while only grammar compiles are pending
 
 
 @dataclass(slots=True)
@@ -108,6 +110,7 @@ class WorkerServer:
         self.drain.install_signal_handlers()
         self.register()
         self._pulse = StatsPulse(self.sock, self.config.stats_interval)
+        self.engine.prepare_grammars()  # not inside a tenant's first constrained request: see GrammarCache.warm
         try:
             self._loop()
         finally:
@@ -133,10 +136,12 @@ class WorkerServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while True:
-            if engine.has_work():
+            if engine.ready():
                 self._drain_socket(poller, 0)
             else:
                 wait_s = max(0.0, min(self._next_stats, self._next_housekeeping) - time.monotonic())
+                if engine.has_work():  # only compiles pending: look again soon
+                    wait_s = min(wait_s, COMPILE_POLL_S)
                 self._drain_socket(poller, int(wait_s * 1000) + 1)
             now = time.monotonic()
             if now >= self._next_housekeeping:
@@ -144,7 +149,7 @@ class WorkerServer:
                 if self.drain.active and (len(self.table) == 0 or self.drain.expired(now)):
                     self._end_all(ErrorCode.CAPACITY, DRAIN_EXPIRED_MESSAGE, retryable=True)
                     return
-            if engine.has_work():
+            if engine.ready():
                 self._step()
             if time.monotonic() >= self._next_stats:
                 self._send_stats()
@@ -153,7 +158,10 @@ class WorkerServer:
         if not poller.poll(timeout_ms):
             return
         recv = self.sock.recv_multipart
+        until = time.monotonic() + DRAIN_BUDGET_S
         for _ in range(MAX_FRAMES_PER_DRAIN):
+            if time.monotonic() >= until:
+                return  # the rest waits in the socket while the loop steps and reports
             try:
                 parts = recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -243,7 +251,8 @@ class WorkerServer:
                 continue  # ended here already (deadline, gateway gone)
             if out.error is not None:
                 table.remove(out.rid)
-                self._send(entry.ident, proto.encode_err(entry.rid, out.error.code, out.error.message, False))
+                error = out.error
+                self._send(entry.ident, proto.encode_err(entry.rid, error.code, error.message, error.retryable))
                 continue
             if out.finish_reason is not None:
                 table.remove(out.rid)
