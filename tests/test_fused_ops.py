@@ -57,6 +57,7 @@ def test_each_op_matches_the_eager_reference(fused, dtype, tol):
         assert torch.equal(got, want)  # the same roundings as the eager formula
 
 
+@pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
 def test_greedy_outputs_identical_fused_and_eager_in_fp32():
     lm = load_model("default", dtype="float32", quantization="none")
     prompts = [lm.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):",

@@ -20,6 +20,7 @@ from worker.loader import load_model
 from worker.model_source import default_model_path
 from worker.protocol import SamplingParams
 
+pytestmark = pytest.mark.heavy  # two full models in fp32: `make test-heavy`, its own CI step
 NEW_TOKENS = 32
 LENGTHS = [3, 17, 33, 48, 70, 95, 130, 161]
 

@@ -67,6 +67,7 @@ def assert_no_leaks(engine: Engine) -> None:
     assert engine.pool.all_free()
 
 
+@pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
 def test_greedy_outputs_equal_cache_on_and_off_with_far_less_prefill():
     torch.set_num_threads(1)
     model = load_model("default", dtype="float32", device="cpu")

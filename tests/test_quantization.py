@@ -34,6 +34,7 @@ def reference(base):
     return ids, score(base, ids, 4096)
 
 
+@pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
 @pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
 def test_perplexity_gate(base, reference, mode):
     ids, ref = reference
@@ -75,6 +76,7 @@ def _first_logits(loaded, prompt: list[int]) -> torch.Tensor:
     return torch.cat([lg for _, _, lg in capture])
 
 
+@pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
 def test_gguf_loads_quantized(base):
     loaded = load_model("default", device="cpu", quantization="int4")
     assert loaded.quantization == "int4"

@@ -85,6 +85,7 @@ def home_prefixes(router: Router, worker_id: str, n: int, start: int = 0) -> lis
     raise AssertionError(f"no prefixes found for {worker_id}")
 
 
+@pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
 @pytest.mark.timeout(600)
 async def test_sigkill_during_60_streams_then_rejoin(tmp_path: Path, redis_url: str) -> None:
     ids = ["rw0", "rw1", "rw2"]

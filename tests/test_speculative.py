@@ -283,6 +283,7 @@ def test_bad_spec_config_is_refused():
         EngineConfig(spec_tokens=17).validate()
 
 
+@pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
 def test_default_model_copies_a_passage_exactly_with_fewer_steps():
     """SmolLM2 (the serving dtype) on a copy task: same greedy text on and off, most drafts accepted."""
     from bench.spec_decode import prompts

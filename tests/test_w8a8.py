@@ -83,6 +83,7 @@ def test_fp32_int8_product_is_bit_identical_to_int_mm(k):
     assert got[0, 0].item() == 128 * 127 * k
 
 
+@pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
 def test_w8a8_mode_from_the_gguf():
     """Decode-sized inputs take the few-row W8A8 kernel where built (else the weight-only int8 kernel),
     prefill-sized ones `_int_mm`; no dense copy."""

@@ -291,6 +291,7 @@ def _reference_tokens(prompts: list[list[int]], max_tokens: int) -> list[list[in
     return engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
 
 
+@pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
 async def test_32_concurrent_default_model_match_in_process_engine(tmp_path: Path) -> None:
     from worker.tokenizer import load_tokenizer
 

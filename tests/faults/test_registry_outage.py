@@ -22,7 +22,7 @@ from tests.admission_stack import GatewayProc
 from tests.faults.client import StreamResult, completion_body, stream_completion
 from tests.faults.cluster import FaultCluster, gateway_log_records
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.heavy]  # a 7 s outage under 8 long streams
 TENANT = "ro-tenant"
 # LONG_TOKENS: engine steps, not seconds; at ~1 ms a tiny-model step 6,000 tokens still outlast the 7 s outage
 OUTAGE_S, STREAMS_PER_GATEWAY, LONG_TOKENS, SERVED_WITHIN_S = 7.0, 4, 6000, 2.0
