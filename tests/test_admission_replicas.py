@@ -21,7 +21,8 @@ from tenancy.redis_client import sync_client
 from tenancy.schema import leases_key
 from tests.admission_stack import AdmissionStack
 
-pytestmark = pytest.mark.timeout(120)
+# a stack of its own and a long scenario: `make test-heavy`, its own CI step
+pytestmark = [pytest.mark.timeout(120), pytest.mark.heavy]
 REPLICAS = 4
 REQUESTS = 200
 

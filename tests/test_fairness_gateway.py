@@ -18,7 +18,8 @@ import pytest
 from config.launcher import Stack, StackConfig, free_port
 from router import fairness_key
 
-pytestmark = pytest.mark.timeout(90)
+# a stack of its own and a long scenario: `make test-heavy`, its own CI step
+pytestmark = [pytest.mark.timeout(90), pytest.mark.heavy]
 SECRET = b"switchyard-dev-secret"  # the gateway's default hash_secret
 UNLIMITED = {"tpm": 0, "rpm": 0, "max_concurrent": 0}
 IN_FLIGHT = 8  # per tenant, twice the worker's max_num_seqs: both stay backlogged

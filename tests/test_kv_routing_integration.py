@@ -44,6 +44,7 @@ async def until(predicate, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.heavy  # a long multi-process scenario: `make test-heavy`, its own CI step
 @pytest.mark.timeout(600)
 async def test_reports_predictions_refusal_and_resync(tmp_path: Path) -> None:
     good = WorkerProc(tmp_path, extra=["--stats-interval", "0.05"])

@@ -142,6 +142,7 @@ async def test_sigkill_during_60_streams_then_rejoin(tmp_path: Path, redis_url: 
         assert requests_to(victim) - before == 3
 
 
+@pytest.mark.heavy  # a long multi-process scenario: `make test-heavy`, its own CI step
 @pytest.mark.timeout(480)
 async def test_draining_worker_gets_no_new_requests(tmp_path: Path, redis_url: str) -> None:
     ids = ["dw0", "dw1", "dw2"]

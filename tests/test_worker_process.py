@@ -215,6 +215,7 @@ async def test_lost_gateway_leaves_no_running_work(tiny_worker: WorkerProc, tiny
         gw.stdout.close()
 
 
+@pytest.mark.heavy  # a long multi-process scenario: `make test-heavy`, its own CI step
 async def test_sigterm_drains_running_streams(tmp_path: Path, redis_url: str) -> None:
     worker = WorkerProc(tmp_path, redis_url=redis_url, worker_id="drainer", extra=["--drain-timeout", "60"])
     r = redis.Redis.from_url(redis_url)
@@ -254,6 +255,7 @@ async def test_sigterm_drains_running_streams(tmp_path: Path, redis_url: str) ->
         r.close()
 
 
+@pytest.mark.heavy  # a long multi-process scenario: `make test-heavy`, its own CI step
 def test_registration_expires_after_sigkill(tmp_path: Path, redis_url: str) -> None:
     worker = WorkerProc(tmp_path, redis_url=redis_url, worker_id="victim")
     r = redis.Redis.from_url(redis_url)

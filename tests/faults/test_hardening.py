@@ -120,6 +120,7 @@ async def _valid_latencies(base_url: str, key: str, seconds: float, clients: int
     return latencies, statuses
 
 
+@pytest.mark.heavy  # a long multi-process scenario: `make test-heavy`, its own CI step
 def test_unknown_key_flood_spares_a_valid_tenant(gw: FaultCluster):
     key = gw.create_tenant("valid", tpm=0, rpm=0, max_concurrent=0)
     g = gw.gateways[0]
