@@ -128,6 +128,8 @@ class Engine:
         namespace = namespace or DEFAULT_NAMESPACE
         key, compiling = (None, None) if sampling.grammar is None else \
             self._compile_wait().submit(sampling.grammar, namespace)
+        if compiling is not None and self.runner.masker is None:
+            self.runner.masker = BatchMasker(self.vocab_size)  # steps without grammar rows never build masks
         grammar = _ready_state(compiling)
         stops = set(sampling.stop_token_ids)
         if not sampling.ignore_eos or compiling is not None:  # a grammar ends with EOS whatever ignore_eos says
@@ -156,7 +158,6 @@ class Engine:
                                  max_pending=cfg.grammar_max_pending,
                                  max_pending_per_ns=cfg.grammar_max_pending_per_ns)
             self._grammars = CompileWait(cache, cfg.grammar_compile_timeout_s)
-            self.runner.masker = BatchMasker(self.vocab_size)
         return self._grammars
 
     def prepare_grammars(self) -> None:
