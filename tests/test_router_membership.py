@@ -12,7 +12,7 @@ import redis
 from router import FALLBACK_DEAD, FALLBACK_DRAINING, Membership, Router
 from router.holders import PrefixHolders
 from router.load import LoadTracker
-from tests.test_router_client import ThreadWorker
+from tests.test_worker_liveness import ThreadWorker
 from worker.protocol import PROTOCOL_VERSION, REGISTRY_SET_KEY, Registration, WorkerStats, registration_key
 from worker.registry import heartbeat
 

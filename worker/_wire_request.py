@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, fields
 from enum import IntEnum, StrEnum
 
-from worker.grammar_spec import GrammarError, GrammarSpec, wire_key
+from worker.grammar_spec import GrammarError, wire_key
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
@@ -137,15 +137,6 @@ class SamplingParams:
                 wire_key(self.grammar)
             except GrammarError as e:
                 raise bad_request(e.message, e.param) from None
-
-    def grammar_spec(self) -> GrammarSpec | None:
-        """The checked grammar, None without one; RequestError("bad_request", param=...) if it is unusable."""
-        if self.grammar is None:
-            return None
-        try:
-            return GrammarSpec.from_dict(self.grammar, param="response_format")
-        except GrammarError as e:
-            raise bad_request(e.message, e.param) from None
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from worker.config import EngineConfig
 from worker.errors import RequestError, bad_request
 from worker.fairness import check_fair_params
-from worker.grammar import BatchMasker, GrammarCache, GrammarState, grammar_tokenizer
+from worker.grammar import BatchMasker, CompiledGrammar, GrammarCache, GrammarState, grammar_tokenizer
 from worker.grammar_wait import CompileWait
 from worker.kv_cache import num_pages_for
 from worker.loader import LoadedModel
@@ -377,7 +378,7 @@ class Engine:
         return seq is not None and seq.status != SeqStatus.FINISHED
 
 
-def _ready_state(future) -> GrammarState | None:
+def _ready_state(future: Future[CompiledGrammar] | None) -> GrammarState | None:
     """A new matcher when the compile is already done and good (a cache hit); None otherwise."""
     if future is None or not future.done() or future.cancelled() or future.exception() is not None:
         return None
