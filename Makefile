@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-heavy test-faults test-slow test-soak run lint redis-bin tools clean
+.PHONY: install test test-heavy test-faults test-slow test-soak test-gpu run lint redis-bin tools clean
 
 install: $(STAMP)
 
@@ -45,6 +45,13 @@ test-slow: install tools
 # The CI-sized soak (about 3 minutes: zero errors, settled leases and pages, bounded RSS growth per request).
 test-soak: install tools
 	$(PY) -m pytest -q -m slow tests/faults/test_soak.py::test_soak_ci_bounded_growth_per_request
+
+# GPU-only tests, and the Triton kernel tests run natively (they skip without CUDA). Self-contained (--noconftest:
+# no Redis, no model package), so a lent GPU machine runs them with its own python3 when there is no venv (docs/gpu.md).
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+test-gpu:
+	$(GPU_PY) -m pytest -q --noconftest -p no:cacheprovider -o addopts="" -m "gpu or triton_kernels" \
+	  tests/test_gpu.py tests/test_triton_kernels.py tests/test_fp8.py
 
 test-faults: install tools
 	$(PY) -m pytest -q tests/faults

@@ -14,7 +14,8 @@ from config.settings import Settings, WorkerSettings, flags_to_overrides, load_s
 
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
 _ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness",
-                 "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch", "fused_ops")
+                 "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch", "fused_ops",
+                 "attention", "cuda_graphs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,8 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-threads", type=int, help="torch intra-op threads")
     a("--dtype", choices=["auto", "bfloat16", "float32", "float16"])
     a("--device", help="auto, cpu, cuda or cuda:N")
-    a("--quantization", choices=["none", "int8", "int4", "w8a8", "auto"],
-      help="weight quantization; w8a8 also quantizes prefill activations (auto: the fastest mode passing the quality gate here; see README)")
+    a("--quantization", choices=["none", "int8", "int4", "w8a8", "fp8", "auto"],
+      help="weight quantization; w8a8 also quantizes prefill activations; fp8 needs CUDA compute capability 8.9+ (auto: the fastest mode passing the quality gate here; see README)")
+    a("--attention", choices=["auto", "triton", "flash_attn", "torch", "torch_reference"],
+      help="attention backend (auto: flash_attn on CUDA where installed and the page size fits, else triton on CUDA; torch on CPU)")
+    a("--cuda-graphs", choices=["on", "off"], help="replay decode steps as CUDA graphs (CUDA only; default on)")
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
     a("--fused-ops", choices=["on", "off"],
       help="a layer's norms, SiLU-mul and RoPE as fused C++ passes on CPU (default on; off: eager torch reference)")
@@ -62,6 +66,8 @@ def engine_config(ws: WorkerSettings) -> Any:
     from worker.config import EngineConfig
 
     kwargs: dict[str, Any] = {k: getattr(ws, k) for k in _ENGINE_FIELDS if getattr(ws, k) is not None}
+    if "attention" in kwargs:
+        kwargs["attention_backend"] = kwargs.pop("attention")
     cfg = EngineConfig(dtype=ws.dtype, device=ws.device, enable_prefix_cache=ws.enable_prefix_cache,
                        quantization=ws.quantization, **kwargs)
     cfg.validate()

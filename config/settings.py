@@ -38,7 +38,10 @@ class WorkerSettings(BaseModel):
     fairness: Literal["vtc", "fifo"] = "vtc"  # between tenants within a priority class: VTC fair share or arrival
     fair_step_tokens: int | None = Field(None, ge=0)  # VTC, worker shared: prefill tokens per step cap (0: none)
     num_threads: int | None = None
-    quantization: Literal["none", "int8", "int4", "w8a8", "auto"] = "none"  # weights; auto: see worker.quant.resolve_mode
+    quantization: Literal["none", "int8", "int4", "w8a8", "fp8", "auto"] = "none"  # weights; auto: worker.quant.resolve_mode
+    # attention backend (worker.attention.choose_backend); None keeps the engine's default (auto)
+    attention: Literal["auto", "triton", "flash_attn", "torch", "torch_reference"] | None = None
+    cuda_graphs: Literal["on", "off"] | None = None  # decode CUDA graphs (CUDA only); None keeps the default (on)
     fused_ops: Literal["on", "off"] | None = None  # worker.fused; None keeps the engine's default (on)
     # n-gram speculative decoding (worker.speculative); None keeps the engine's default
     spec_tokens: int | None = Field(None, ge=0, le=16)

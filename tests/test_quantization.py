@@ -1,7 +1,8 @@
 """Weight-only int8/int4 quantization: the quality gate on a fixed 2,600-token text, loading, bad modes.
 
 The gate scores every next token of `tests/data/quant_eval.txt` through the engine's paged prefill
-(one chunk) with the default model in bf16 (fp32 on CPUs without fast bf16) and its int8/int4 copies.
+(one chunk) with the default model in bf16 (fp32 on CPUs without fast bf16) and its int8/int4/w8a8/fp8 copies
+(fp8 through its CPU emulation, `worker.fp8`: the numerics of the CUDA path).
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import pytest
 import torch
 
 from bench.quant_decode import eval_ids, quantized, score
-from worker import quant
+from worker import fp8, quant
 from worker.config import EngineConfig
 from worker.debug import DebugEngine
 from worker.loader import load_any, load_model
 from worker.protocol import SamplingParams
 
-GATE = {"int8": 1.01, "int4": 1.05, "w8a8": 1.01}  # w8a8: int8 weights, so int8's gate
+GATE = {"int8": 1.01, "int4": 1.05, "w8a8": 1.01, "fp8": 1.035}  # w8a8: int8 weights, so int8's gate
+# fp8 (e4m3: 3 mantissa bits) measured x1.027 and 89.9% top-1 (its weights alone x1.015, its per-token
+# activations alone x1.007): int8's gate is out of its reach on this 135M model
+AGREE = {"fp8": 0.88}  # top-1 agreement with the unquantized model; others 0.9
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +39,17 @@ def reference(base):
 
 
 @pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
-@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8", "fp8"])
 def test_perplexity_gate(base, reference, mode):
     ids, ref = reference
-    lm = quantized(base, mode)
-    assert isinstance(lm.model.layers[0].gate_up, quant.QuantLinear)
+    lm = quantized(base, mode)  # quantize_model directly: fp8 runs emulated here (resolve_mode refuses CPUs)
+    assert isinstance(lm.model.layers[0].gate_up, fp8.Fp8Linear if mode == "fp8" else quant.QuantLinear)
     got = score(lm, ids, 4096)
     ratio = got.perplexity / ref.perplexity
     agree = (got.top1 == ref.top1).float().mean().item()
     print(f"{mode}: ppl {got.perplexity:.3f} vs {ref.perplexity:.3f} (x{ratio:.4f}), top-1 agreement {agree:.3f}")
     assert ratio <= GATE[mode], f"{mode} perplexity x{ratio:.4f} exceeds the gate x{GATE[mode]}"
-    assert agree > 0.9
+    assert agree > AGREE.get(mode, 0.9)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -112,17 +116,19 @@ def test_hf_folder_loads_quantized(tmp_path):
 
 
 def test_unknown_mode_is_a_startup_error():
-    with pytest.raises(ValueError, match="none, int8, int4, w8a8, auto"):
+    with pytest.raises(ValueError, match="none, int8, int4, w8a8, fp8, auto"):
         load_any("tiny-random", quantization="int3")
-    with pytest.raises(ValueError, match="none, int8, int4, w8a8, auto"):
+    with pytest.raises(ValueError, match="none, int8, int4, w8a8, fp8, auto"):
         EngineConfig(quantization="fp4").validate()
+    with pytest.raises(ValueError, match="fp8 needs a CUDA device"):  # a startup error on CPU too
+        load_any("tiny-random", quantization="fp8")
     with pytest.raises(ValueError, match="'none' or 'auto'"):
         quant.resolve_mode("int8", torch.device("meta"))
     assert load_any("tiny-random", quantization="auto").quantization == "none"
     proc = subprocess.run([sys.executable, "-m", "config.cli", "worker", "--model", "tiny-random",
                            "--quantization", "int3"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
-    assert "int3" in proc.stderr and "'none', 'int8', 'int4', 'w8a8', 'auto'" in proc.stderr
+    assert "int3" in proc.stderr and "'none', 'int8', 'int4', 'w8a8', 'fp8', 'auto'" in proc.stderr
 
 
 def test_mode_from_env_and_toml(monkeypatch, tmp_path):

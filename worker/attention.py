@@ -1,17 +1,23 @@
 """Paged attention backends behind one interface: `prepare` per step, `forward` per layer.
 
-`TorchAttention` is the reference and CPU path; `FlashAttention` (flash-attn 2) is used on CUDA when it fits.
+`TorchAttention` is the reference and CPU path; on CUDA `FlashAttention` (flash-attn 2) where it fits, else
+`worker.triton_attention.TritonAttention`. `choose_backend` holds the rule.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from worker.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -114,7 +120,7 @@ class TorchAttention:
             vc.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         b = meta.num_decode
         if b == q.shape[0]:  # a decode-only step: the decode output is the whole result
-            return self._decode(q, kc, vc, kv.block_size, meta).view(b, -1)
+            return self._decode(q, kc, vc, kv.block_size, meta).reshape(b, -1)
         out = torch.empty_like(q)
         if b:
             out[:b] = self._decode(q[:b], kc, vc, kv.block_size, meta)
@@ -181,11 +187,7 @@ class FlashAttention:
     def usable(block_size: int) -> bool:
         if not torch.cuda.is_available() or block_size % 256:
             return False  # flash-attn 2 paged kernels need pages of a multiple of 256 tokens
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        return importlib.util.find_spec("flash_attn") is not None
 
     def prepare(self, lay: BatchLayout, device: torch.device) -> FlashMeta:
         def table(rows: list[list[int]]) -> torch.Tensor:
@@ -230,12 +232,50 @@ def _cumsum(xs: list[int]) -> list[int]:
     return out
 
 
+BACKENDS = ("auto", "triton", "flash_attn", "torch", "torch_reference")
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton kernels run on CUDA, or on CPU tensors under its interpreter (TRITON_INTERPRET=1, the tests)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def choose_backend(name: str, device: torch.device, block_size: int) -> str:
+    """The backend `name` resolves to here; an explicit choice that cannot run raises, naming why.
+
+    auto: flash-attn 2 on CUDA when installed and the page size fits it, else Triton on CUDA; on CPU torch
+    (its C++ kernels)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "flash_attn" and not FlashAttention.usable(block_size):
+        raise ValueError("attention 'flash_attn' needs CUDA, the flash-attn package and a block size that is a "
+                         f"multiple of 256 (block size {block_size})")
+    if name == "triton" and not triton_usable(device):
+        raise ValueError(f"attention 'triton' needs the triton package and a CUDA device (device {device})")
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "torch"
+    if FlashAttention.usable(block_size):
+        return "flash_attn"
+    return "triton" if triton_usable(device) else "torch"
+
+
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 device: torch.device) -> TorchAttention | FlashAttention:
-    if name == "flash_attn" or (name == "auto" and device.type == "cuda" and FlashAttention.usable(block_size)):
+                 device: torch.device):
+    """The attention backend for `name` (see `choose_backend`), logged once."""
+    chosen = choose_backend(name, device, block_size)
+    log.info("attention backend %s (asked: %s, device %s, block size %d)", chosen, name, device, block_size)
+    if chosen == "flash_attn":
         return FlashAttention(num_heads, num_kv_heads, head_dim)
+    if chosen == "triton":
+        from worker.triton_attention import TritonAttention
+
+        return TritonAttention(num_heads, num_kv_heads, head_dim)
     kernel = prefill_kernel = kv_write = None
-    if device.type == "cpu" and name != "torch_reference":
+    if device.type == "cpu" and chosen != "torch_reference":
         from worker.cpu_kernels import paged_decode_kernel, paged_kv_write_kernel, paged_prefill_kernel
 
         kernel = paged_decode_kernel()

@@ -25,11 +25,17 @@ class EngineConfig:
     # VTC with more than one fairness key seen lately: prefill tokens per step are capped here, so a key that
     # arrives waits behind a short step at most (TTFT tail for light tenants vs step efficiency; 0: no cap)
     fair_step_tokens: int = 0
-    # "auto" | "torch" (CPU: with the C++ decode and prefill kernels when they build) | "torch_reference" | "flash_attn"
+    # "auto" | "triton" (CUDA) | "flash_attn" (CUDA, pages a multiple of 256 tokens) | "torch" (CPU: with the C++ decode and
+    # prefill kernels when they build) | "torch_reference"; auto's rule: worker.attention.choose_backend
     attention_backend: str = "auto"
+    # decode-only steps replay CUDA graphs captured per batch-size bucket (worker.cuda_graphs); CUDA only, no
+    # effect on CPU
+    cuda_graphs: str = "on"
     num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
-    fused_ops: str = "on"  # "on": a layer's elementwise ops as fused C++ passes (CPU) | "off": eager torch reference
-    quantization: str = "none"  # weights: "none" | "int8" | "int4" | "auto" (applied by the loader; worker.quant)
+    # "on": a layer's elementwise ops fused (C++ passes on CPU, Triton kernels on CUDA) | "off": eager torch reference
+    fused_ops: str = "on"
+    # weights: "none" | "int8" | "int4" | "w8a8" | "fp8" (CUDA 8.9+) | "auto" (applied by the loader; worker.quant)
+    quantization: str = "none"
     default_cpu_kv_bytes: int = 1 << 30
     # n-gram speculative decoding (worker.speculative): up to spec_tokens proposals per decoding sequence,
     # from matches of its last spec_ngram_max..spec_ngram_min tokens; only while the step's decode batch
@@ -53,10 +59,13 @@ class EngineConfig:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "torch_reference", "flash_attn"):
+        if self.attention_backend not in ("auto", "triton", "flash_attn", "torch", "torch_reference"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
-        if self.quantization not in ("none", "int8", "int4", "w8a8", "auto"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of none, int8, int4, w8a8, auto")
+        if self.cuda_graphs not in ("on", "off"):
+            raise ValueError(f"cuda_graphs must be 'on' or 'off', got {self.cuda_graphs!r}")
+        if self.quantization not in ("none", "int8", "int4", "w8a8", "fp8", "auto"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of none, int8, int4, w8a8, fp8, "
+                             "auto")
         if self.fused_ops not in ("on", "off"):
             raise ValueError(f"fused_ops must be 'on' or 'off', got {self.fused_ops!r}")
         if not 0 <= self.spec_tokens <= 16 or self.spec_max_batch < 0:

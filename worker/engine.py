@@ -64,6 +64,8 @@ class EngineStats:
     locked_pages: int = 0
     evicted_pages: int = 0
     quantization: str = "none"  # weight mode actually in use (worker.quant)
+    attention_backend: str = "torch"  # the backend chosen (worker.attention.choose_backend)
+    cuda_graphs: bool = False  # decode steps replay CUDA graphs (worker.cuda_graphs)
     spec_proposed_tokens: int = 0  # n-gram drafts verified
     spec_accepted_tokens: int = 0  # drafts the target agreed with
     spec_verify_steps: int = 0  # sequence-steps that verified drafts
@@ -327,7 +329,8 @@ class Engine:
             cached_pages=cache.cached_pages if cache is not None else 0,
             locked_pages=cache.locked_pages if cache is not None else 0,
             evicted_pages=cache.evicted_pages if cache is not None else 0,
-            quantization=self.loaded.quantization,
+            quantization=self.loaded.quantization, attention_backend=self.runner.attn.name,
+            cuda_graphs=self.runner.graphs is not None,
             spec_proposed_tokens=self._spec[0], spec_accepted_tokens=self._spec[1], spec_verify_steps=self._spec[2],
         )
 

@@ -1,5 +1,5 @@
-"""A decoder layer's elementwise ops, two ways: `EagerOps` (torch, the reference) and `FusedOps` (one C++ pass
-each, `csrc/fused_ops.cpp`). The runner picks one when it is built (`EngineConfig.fused_ops`); both have one face.
+"""A decoder layer's elementwise ops: `EagerOps` (torch, the reference), `FusedOps` (one C++ pass each on CPU,
+`csrc/fused_ops.cpp`) and `worker.triton_ops.TritonOps` (CUDA). The runner picks one (`EngineConfig.fused_ops`).
 """
 
 from __future__ import annotations
@@ -84,11 +84,21 @@ class FusedOps(EagerOps):
 
 
 def make_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> EagerOps:
-    """FusedOps when asked for, on a CPU model in bf16 or fp32, with the C++ extension built; EagerOps otherwise."""
+    """Fused ops when asked for: Triton kernels on CUDA (`worker.triton_ops`), the C++ passes on a CPU model in bf16
+    or fp32 with the extension built; EagerOps otherwise."""
     if not fused:
         return EagerOps()
+    if device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            log.info("fused ops on CUDA need triton: eager ops")
+            return EagerOps()
+        from worker.triton_ops import TritonOps
+
+        return TritonOps()
     if device.type != "cpu" or dtype not in _KERNEL_DTYPES:
-        log.info("fused ops run on CPU in bf16 or fp32 only: eager ops on %s, %s", device, dtype)
+        log.info("fused ops run on CUDA, or on CPU in bf16 or fp32: eager ops on %s, %s", device, dtype)
         return EagerOps()
     from worker.cpu_kernels import extension
 

@@ -1,4 +1,5 @@
-"""int8/int4 quantization of a loaded `LlamaModel` on CPU, with torch's packed matmul ops.
+"""int8/int4 quantization of a loaded `LlamaModel` on CPU, with torch's packed matmul ops; fp8 (e4m3) on
+Ada/Hopper GPUs with `torch._scaled_mm` (`worker.fp8`, emulated elsewhere for tests and the quality gate).
 
 Small row counts (decode) run the weight-only kernels directly. Larger ones run through a copy of the
 dequantized weight (bf16: prepacked once for oneDNN, `worker.packed`), or, in `w8a8` mode, as int8 x int8
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker import smooth
+from worker import fp8, smooth
 from worker.cpu_features import has_int8_dot
 from worker.packed import PackedLinear, can_pack, pack, packed_linear
 
@@ -24,7 +25,7 @@ __all__ = ["CHOICES", "INT4_GROUP", "PACKED_MAX_ROWS", "QuantEmbedding", "QuantL
            "calibrate", "calibrate_max_rows", "calibrate_small_rows", "resolve_mode", "weight_bytes"]
 log = logging.getLogger(__name__)
 
-CHOICES = ("none", "int8", "int4", "w8a8", "auto")
+CHOICES = ("none", "int8", "int4", "w8a8", "fp8", "auto")
 INT4_GROUP = 32  # int4 group size along the input dimension (576 = 18 x 32; 128 does not divide it)
 PACKED_MAX_ROWS = 4  # default: above this many rows the int8/int4 kernels lose to the packed bf16 GEMM
 MAX_ROWS_ENV = "SWITCHYARD_QUANT_MAX_ROWS"  # an integer fixes the cutoff; unset: calibrated at load
@@ -34,9 +35,14 @@ _BLOCK_N = 64  # output rows per block in torch's CPU int4 packing (checked at r
 def resolve_mode(mode: str, device: torch.device) -> str:
     """The mode actually used. `auto` is the fastest mode passing the quality gate, served end to end (README,
     Quantization): on CPU w8a8 where it has int8 dot-product instructions (VNNI, AMX) and the C++ kernels
-    built, int8 otherwise; none elsewhere."""
+    built, int8 otherwise; none elsewhere (fp8 is chosen explicitly, on CUDA devices of capability 8.9+)."""
     if mode not in CHOICES:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(CHOICES)}")
+    if mode == "fp8":
+        if not fp8.device_supported(device):
+            raise ValueError(f"quantization 'fp8': fp8 needs a CUDA device of compute capability 8.9 or newer "
+                             f"(Ada, Hopper) and torch._scaled_mm (device {device}); choose 'none' or 'auto' here")
+        return mode
     if mode == "auto":
         if device.type != "cpu" or not _has_ops():
             return "none"
@@ -186,8 +192,12 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
                    calibration_ids: list[int] | None = None) -> None:
     """Swap the decoder's linear layers (and the LM head, as `head` says) for `QuantLinear`s in place.
 
-    `w8a8` smooths with activation maxima measured on `calibration_ids` (`worker.smooth`; none: unsmoothed)."""
+    `w8a8` smooths with activation maxima measured on `calibration_ids` (`worker.smooth`; none: unsmoothed).
+    `fp8` swaps them for `fp8.Fp8Linear`s instead (any device: off Ada/Hopper GPUs they run an emulation)."""
     if mode == "none":
+        return
+    if mode == "fp8":
+        _quantize_fp8(model)
         return
     maxima = smooth.activation_maxima(model, calibration_ids) if mode == "w8a8" and calibration_ids else {}
     with torch.inference_mode(False), torch.no_grad():
@@ -214,6 +224,18 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
     if first.w8a8 is not None and first.w8a8.small is not None:
         log.info("W8A8 few-row kernel (AVX-512 VNNI, prepacked) up to %d rows, torch._int_mm above",
                  first.w8a8.small_rows)
+
+
+def _quantize_fp8(model: nn.Module) -> None:
+    # the embedding and the LM head stay in the model dtype: the table is gathered by row (no product to
+    # speed up) and the head (tied to it in the default model) decides the logits themselves
+    with torch.inference_mode(False), torch.no_grad():
+        for layer in model.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, fp8.Fp8Linear(getattr(layer, name).weight))
+    dev = model.embed.weight.device
+    log.info("quantized linear layers to fp8 (e4m3, per-channel weight and per-token activation scales; %s); "
+             "embedding and LM head unquantized", "torch._scaled_mm" if fp8.device_supported(dev) else "emulated")
 
 
 def calibrate(lin: QuantLinear) -> None:
@@ -301,7 +323,8 @@ def _best_time(fn, runs: int = 5) -> float:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes a decode step reads: every parameter and buffer except the embedding table (gathered by row)."""
+    """Bytes a decode step reads: every parameter and buffer except the embedding table (gathered by row).
+    `Fp8Linear`s hold only buffers: 1 byte per weight plus 4 per output channel (scales)."""
     seen: set[int] = set()
     total = 0
     embed = getattr(model, "embed", None)

@@ -5,12 +5,14 @@ Preparing a step costs O(sequences) Python work plus a few vectorized tensor ops
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from worker.attention import BatchLayout, make_backend
 from worker.config import EngineConfig
+from worker.cuda_graphs import DecodeGraphs, DecodeInputs
 from worker.fused import make_ops
 from worker.grammar import BatchMasker
 from worker.kv_cache import KVCache
@@ -20,6 +22,8 @@ from worker.model import StepContext
 from worker.sampler import SamplingBatch, sample
 from worker.scheduler import ScheduledBatch
 from worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -45,13 +49,25 @@ class ModelRunner:
                           pages_first=self.attn.pages_first)
         self.masker: BatchMasker | None = None  # set by the engine with its first grammar request
         self.ops = make_ops(config.fused_ops == "on", loaded.device, loaded.dtype)
+        self.graphs = self._capture_graphs(loaded, config)
+
+    def _capture_graphs(self, loaded: LoadedModel, config: EngineConfig) -> DecodeGraphs | None:
+        """Decode CUDA graphs (`worker.cuda_graphs`) on CUDA with the Triton backend, unless turned off."""
+        if config.cuda_graphs != "on" or self.device.type != "cuda":
+            return None
+        if self.attn.name != "triton":
+            log.info("CUDA graphs need the triton attention backend (have %s): decode runs eagerly", self.attn.name)
+            return None
+        graphs = DecodeGraphs(self.model, self.attn, self.kv, self.ops, config.max_num_seqs,
+                              -(-loaded.max_context // self.bs), self.device)
+        graphs.capture()
+        return graphs
 
     def run(self, batch: ScheduledBatch) -> StepResult:
-        input_ids, ctx, sampled = self.prepare(batch)
-        n = len(sampled)
-        rows, steps = spec_rows(sampled, batch.verifies)
         with torch.inference_mode():
-            logits = self.logits(input_ids, ctx)
+            logits, sampled = self._forward(batch)
+            n = len(sampled)
+            rows, steps = spec_rows(sampled, batch.verifies)
             if not rows:
                 return StepResult([], [], None)
             sb = self._sampling_batch(rows, steps, self.device, logits.shape[-1])
@@ -64,6 +80,15 @@ class ModelRunner:
         if out.top_ids is None:
             return StepResult(sampled, tokens[:n], lp, verified=verified)
         return StepResult(sampled, tokens[:n], lp, out.top_ids[:n].tolist(), out.top_logprobs[:n].tolist(), verified)
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Logits of the step and the sequences that sample: a graph replay for a decode-only step that fits one."""
+        if self.graphs is not None and batch.decodes and not batch.prefills and not batch.verifies:
+            inputs = decode_inputs(batch.decodes, self.bs)
+            if self.graphs.fits(inputs):
+                return self.graphs.run(inputs), list(batch.decodes)
+        input_ids, ctx, sampled = self.prepare(batch)
+        return self.logits(input_ids, ctx), sampled
 
     def logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
         """fp32 logits of the rows that sample, None when none does."""
@@ -143,6 +168,17 @@ class ModelRunner:
         step = torch.tensor(steps if steps is not None else [s.num_output for s in seqs], dtype=torch.int64)
         return SamplingBatch(temp.to(dev), top_k.to(dev), top_p.to(dev), seed.to(dev), step.to(dev), False,
                              bool((top_k > 0).any()), bool((top_p < 1).any()), want_lp, top, adjust, seed_hi)
+
+
+def decode_inputs(decodes: list[Sequence], bs: int) -> DecodeInputs:
+    ids, pos, slots, lens = [], [], [], []
+    for seq in decodes:
+        p = seq.num_computed
+        ids.append(seq.tokens[p])
+        pos.append(p)
+        slots.append(seq.pages[p // bs] * bs + p % bs)
+        lens.append(p + 1)
+    return DecodeInputs(ids, pos, slots, [s.pages for s in decodes], lens)
 
 
 def spec_rows(sampled: list[Sequence], verifies: list[tuple[Sequence, list[int]]]

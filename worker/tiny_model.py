@@ -9,7 +9,8 @@ import torch
 
 from worker.config import ModelConfig
 from worker.loader import LoadedModel, _build, pick_device, pick_dtype
-from worker.tokenizer import load_tokenizer
+from worker.model import LlamaModel
+from worker.tokenizer import Tokenizer, load_tokenizer
 
 TINY_SPEC = "tiny-random"
 TINY_SEED = 1234
@@ -45,11 +46,43 @@ def _random_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def load_tiny_model(*, dtype: str | torch.dtype | None = "float32", device: str | torch.device | None = None,
-                    seed: int = TINY_SEED) -> LoadedModel:
-    tok = load_tokenizer("default")
+                    seed: int = TINY_SEED, tokenizer: str = "default") -> LoadedModel:
+    tok = load_tokenizer(tokenizer)
+    cfg = tiny_config(tok.vocab_size, tok.eos_token_id, tok.bos_token_id)
+    return random_model(cfg, dtype=dtype, device=device, seed=seed, tokenizer=tok)
+
+
+def random_model(cfg: ModelConfig, *, dtype: str | torch.dtype | None = "float32",
+                 device: str | torch.device | None = None, seed: int = TINY_SEED,
+                 tokenizer: str | Tokenizer = "default", on_device: bool = False) -> LoadedModel:
+    """A model of any Llama shape with seeded random weights (0.2 scale: peaked logits, so greedy tokens are stable).
+
+    The weights are drawn on the CPU, so every device gets the same model; `on_device` draws them on the device
+    instead (large shapes for benchmarks: fast, but other numbers than the CPU's)."""
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    cfg = tiny_config(tok.vocab_size, tok.eos_token_id, tok.bos_token_id)
-    model = _build(cfg, _random_tensors(cfg, seed), dt, dev)
-    return LoadedModel(cfg, model, tok, TINY_SPEC, tok.version, min(cfg.max_position, tok.max_context), dt, dev)
+    if not on_device:
+        model = _build(cfg, _random_tensors(cfg, seed), dt, dev)
+    else:
+        model = _build_on_device(cfg, dt, dev, seed)
+    spec = TINY_SPEC if cfg.hidden_size == 64 else f"random-{cfg.num_layers}x{cfg.hidden_size}"
+    return LoadedModel(cfg, model, tok, spec, tok.version, min(cfg.max_position, tok.max_context), dt, dev)
+
+
+def _build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:  # std 1/sqrt(fan_in): activations keep their scale through any depth
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+    model.eval()
+    model.build_rope()
+    return model
 

@@ -1,0 +1,186 @@
+"""GPU decode benchmark: step time at batch 1/16/64 against its HBM floor, CUDA-graph gain, prefill tokens/s.
+
+The floor is (weight bytes + K/V bytes read) / the device-to-device copy bandwidth measured in the same run. Models
+are random-weight Llama shapes (no download): the default model's (SmolLM2-135M) and an 8B one. One JSON line.
+Run: `python -m bench.gpu_decode [--shapes smollm2-135m,llama-8b] [--fp8]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+import traceback
+
+import torch
+
+from worker.attention import BatchLayout
+from worker.config import EngineConfig, ModelConfig
+from worker.cuda_graphs import DecodeInputs
+from worker.kv_cache import bytes_per_token
+from worker.model import StepContext
+from worker.runner import ModelRunner
+from worker.tiny_model import random_model
+
+SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                         head_dim=64, tie_word_embeddings=True, vocab_size=49152),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 tie_word_embeddings=True, vocab_size=49152),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                     head_dim=64, tie_word_embeddings=True, vocab_size=128256),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                     head_dim=128, tie_word_embeddings=False, vocab_size=128256),
+}
+BATCHES = (1, 16, 64)
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * nbytes / _time(lambda: dst.copy_(src), 10)
+
+
+def _time(fn, iters: int) -> float:
+    """Seconds per call, by CUDA events around `iters` calls after two warm-ups (wall clock without CUDA)."""
+    fn()
+    fn()
+    if not torch.cuda.is_available():  # the CPU smoke run (tests/test_gpu_bench_smoke.py)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def read_bytes(model: torch.nn.Module, cfg: ModelConfig) -> int:
+    """Bytes a decode step reads of the weights: every parameter and buffer once, but of an untied embedding
+    table only the batch's rows (counted as none)."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.data_ptr() in seen or (name.startswith("embed") and not cfg.tie_word_embeddings):
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def decode_inputs(batch: int, ctx: int, page: int) -> DecodeInputs:
+    per = -(-(ctx + page) // page)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+    pos = ctx - 1
+    return DecodeInputs([1] * batch, [pos] * batch, [t[pos // page] * page + pos % page for t in tables], tables,
+                        [ctx] * batch)
+
+
+def eager_step(runner: ModelRunner, inp: DecodeInputs) -> torch.Tensor:
+    dev = runner.device
+    lay = BatchLayout(runner.bs, torch.tensor(inp.slots, device=dev), inp.tables, inp.lens, [], [], [])
+    n = len(inp.ids)
+    ctx = StepContext(torch.tensor(inp.positions, device=dev), torch.arange(n, device=dev), runner.attn,
+                      runner.attn.prepare(lay, dev), runner.kv, runner.ops)
+    return runner.model(torch.tensor(inp.ids, device=dev), ctx).argmax(-1)
+
+
+def prefill_tok_s(runner: ModelRunner, chunks: int, length: int) -> float:
+    dev, page = runner.device, runner.bs
+    per = -(-length // page)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(chunks)]
+    slots = [t[p // page] * page + p % page for t in tables for p in range(length)]
+    lay = BatchLayout(page, torch.tensor(slots, device=dev), [], [], tables, [length] * chunks, [length] * chunks)
+    ids = torch.ones(chunks * length, dtype=torch.int64, device=dev)
+    pos = torch.arange(length, device=dev).repeat(chunks)
+    rows = torch.arange(1, chunks + 1, device=dev) * length - 1
+
+    def step() -> torch.Tensor:
+        ctx = StepContext(pos, rows, runner.attn, runner.attn.prepare(lay, dev), runner.kv, runner.ops)
+        return runner.model(ids, ctx)
+
+    return chunks * length / _time(step, 5)
+
+
+def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches: tuple[int, ...],
+                prefill_len: int, dev: torch.device, iters: int = 50) -> dict:
+    cfg = ModelConfig(max_position=8192, **SHAPES[name])
+    tok = os.environ.get("SWITCHYARD_TOKENIZER", "default")
+    loaded = random_model(cfg, dtype="bfloat16", device=dev, tokenizer=tok, on_device=True)
+    if quantization != "none":
+        from worker import quant
+
+        quant.quantize_model(loaded.model, quantization)
+        loaded.quantization = quantization
+    backend = "triton" if dev.type == "cpu" else "auto"  # CPU: the smoke run, under Triton's interpreter
+    ecfg = EngineConfig(max_num_seqs=max(BATCHES), cuda_graphs="on", attention_backend=backend)
+    per_seq = -(-(ctx + ecfg.block_size) // ecfg.block_size)
+    num_pages = max(BATCHES) * per_seq + 8 * (-(-prefill_len // ecfg.block_size))
+    runner = ModelRunner(loaded, ecfg, num_pages)
+    weights = read_bytes(loaded.model, cfg)
+    out = {"shape": name, "dtype": "bfloat16", "quantization": quantization, "attention_backend": runner.attn.name,
+           "cuda_graphs": runner.graphs is not None, "weight_bytes": weights, "ctx": ctx, "decode": {}}
+    with torch.inference_mode():
+        for b in BATCHES:
+            inp = decode_inputs(b, ctx, ecfg.block_size)
+            floor = (weights + b * ctx * bytes_per_token(cfg, loaded.dtype)) / bw
+            row = {"floor_ms": round(floor * 1e3, 4)}
+            if runner.graphs is not None:
+                step = _time(lambda inp=inp: runner.graphs.run(inp).argmax(-1), iters)
+                row.update(step_ms=round(step * 1e3, 4), x_floor=round(step / floor, 3))
+            if b in eager_batches:
+                eager = _time(lambda inp=inp: eager_step(runner, inp), max(1, iters // 2))
+                row["eager_ms"] = round(eager * 1e3, 4)
+                if "step_ms" in row:
+                    row["graph_speedup"] = round(eager / step, 2)
+            out["decode"][str(b)] = row
+        out["prefill_tok_s"] = round(prefill_tok_s(runner, 8, prefill_len))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="smollm2-135m,llama-8b")
+    ap.add_argument("--ctx", type=int, default=512, help="context length of every decoding sequence")
+    ap.add_argument("--prefill-len", type=int, default=1024, help="tokens of each of the 8 prefill chunks")
+    ap.add_argument("--fp8", action="store_true", help="also each shape with fp8 weights (Hopper)")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--cpu-smoke", action="store_true", help="run on CPU under Triton's interpreter (checks the "
+                    "bench itself; its times mean nothing)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        print(json.dumps({"bench": "gpu_decode", "error": "no CUDA device"}))
+        return 1
+    import triton
+
+    t0 = time.monotonic()
+    dev = torch.device("cpu" if args.cpu_smoke else "cuda")
+    bw = copy_bandwidth(dev, 64 << 20 if args.cpu_smoke else 2 << 30)
+    results = []
+    for name in args.shapes.split(","):
+        for mode in ("none", "fp8") if args.fp8 else ("none",):
+            try:
+                results.append(bench_shape(name, bw, args.ctx, mode, (1, 64), args.prefill_len, dev, args.iters))
+            except Exception as e:  # one failing variant still reports the others
+                traceback.print_exc()
+                results.append({"shape": name, "quantization": mode, "error": f"{type(e).__name__}: {e}"[:300]})
+            gc.collect()  # the shape's weights, KV cache and graphs go before the next one is built
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter smoke run)"
+    print(json.dumps({"bench": "gpu_decode", "device": device, "torch": torch.__version__,
+                      "triton": triton.__version__, "copy_bw_GBps": round(bw / 1e9, 1), "results": results,
+                      "wall_s": round(time.monotonic() - t0, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
