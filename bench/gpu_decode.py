@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 import traceback
 
@@ -64,6 +65,19 @@ def _time(fn, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def _profile(fn, title: str) -> None:
+    """Where a step's device time goes: the kernels of 10 steps, by total time (to stderr)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    print(f"== {title}: kernels of 10 steps", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
+          file=sys.stderr)
+
+
 def read_bytes(model: torch.nn.Module, cfg: ModelConfig) -> int:
     """Bytes a decode step reads of the weights: every parameter and buffer once, but of an untied embedding
     table only the batch's rows (counted as none)."""
@@ -111,7 +125,7 @@ def prefill_tok_s(runner: ModelRunner, chunks: int, length: int) -> float:
 
 
 def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches: tuple[int, ...],
-                prefill_len: int, dev: torch.device, iters: int = 50) -> dict:
+                prefill_len: int, dev: torch.device, iters: int = 50, profile: bool = False) -> dict:
     cfg = ModelConfig(max_position=8192, **SHAPES[name])
     tok = os.environ.get("SWITCHYARD_TOKENIZER", "default")
     loaded = random_model(cfg, dtype="bfloat16", device=dev, tokenizer=tok, on_device=True)
@@ -135,6 +149,8 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
             row = {"floor_ms": round(floor * 1e3, 4)}
             if runner.graphs is not None:
                 step = _time(lambda inp=inp: runner.graphs.run(inp).argmax(-1), iters)
+                if profile and b == 1:
+                    _profile(lambda inp=inp: runner.graphs.run(inp).argmax(-1), f"{name} {quantization} batch 1")
                 row.update(step_ms=round(step * 1e3, 4), x_floor=round(step / floor, 3))
             if b in eager_batches:
                 eager = _time(lambda inp=inp: eager_step(runner, inp), max(1, iters // 2))
@@ -153,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-len", type=int, default=1024, help="tokens of each of the 8 prefill chunks")
     ap.add_argument("--fp8", action="store_true", help="also each shape with fp8 weights (Hopper)")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--profile", action="store_true", help="print the kernels of batch-1 graph steps (stderr)")
     ap.add_argument("--cpu-smoke", action="store_true", help="run on CPU under Triton's interpreter (checks the "
                     "bench itself; its times mean nothing)")
     args = ap.parse_args(argv)
@@ -168,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes.split(","):
         for mode in ("none", "fp8") if args.fp8 else ("none",):
             try:
-                results.append(bench_shape(name, bw, args.ctx, mode, (1, 64), args.prefill_len, dev, args.iters))
+                results.append(bench_shape(name, bw, args.ctx, mode, (1, 64), args.prefill_len, dev, args.iters,
+                                           args.profile))
             except Exception as e:  # one failing variant still reports the others
                 traceback.print_exc()
                 results.append({"shape": name, "quantization": mode, "error": f"{type(e).__name__}: {e}"[:300]})
