@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("worker", "router", "gateway", "admission", "tenancy", "config", "bench", "tests")
-WORKER_FACES = ("worker.protocol", "worker.tokenizer")
+WORKER_FACES = ("worker.protocol", "worker.text")  # the light modules other packages may import
+LIGHT = WORKER_FACES  # import no torch, and of the worker only each other
 FACED = ("router", "admission", "tenancy")  # the gateway imports these only through `__init__`
 RING = "router.ring"
 RING_OWNER = "router.policy"
@@ -86,7 +87,69 @@ def check(sources: Iterable[Source], is_module: Callable[[str], bool]) -> list[s
                 found.append(f"{where}: gateway imports {target} (use the face: from {_top(target)} import ...)")
             if owner != "tests" and _under(target, RING) and src.module != RING_OWNER and src.module != RING:
                 found.append(f"{where}: imports {target} (only {RING_OWNER} may use the ring)")
+            if any(_under(src.module, light) for light in LIGHT) and (
+                    _top(target) == "torch" or (_top(target) == "worker" and not any(_under(target, x) for x in LIGHT))):
+                found.append(f"{where}: light module imports {target} ({' and '.join(LIGHT)} import no torch and "
+                             "no other worker module)")
+            if owner == "bench" and _top(target) == "tests":
+                found.append(f"{where}: bench imports {target} (tests are not installed with the package)")
     return found
+
+
+def import_cycles(sources: Iterable[Source], is_module: Callable[[str], bool]) -> list[str]:
+    """Every cycle between modules (strongly connected groups), counting annotation-only and function-local
+    imports; an import of a name inside a module counts as an import of that module."""
+    sources = list(sources)
+    graph: dict[str, set[str]] = {src.module: set() for src in sources}
+    for src in sources:
+        for imp in imports_of(src, is_module):
+            target = imp.target
+            while target and target not in graph:
+                target = target.rpartition(".")[0]
+            if target and target != src.module:
+                graph[src.module].add(target)
+    return [" <-> ".join(sorted(group)) for group in _strongly_connected(graph) if len(group) > 1]
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative (a deep import chain must not hit the recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                groups.append(group)
+    return groups
 
 
 def _module_name(path: Path) -> tuple[str, bool]:
@@ -116,10 +179,45 @@ def test_repository_follows_the_layering() -> None:
     assert not violations, "layering violations:\n" + "\n".join(violations)
 
 
+def test_repository_has_no_import_cycles() -> None:
+    cycles = import_cycles(repo_sources(), _repo_is_module)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_cycle_check_counts_annotation_only_and_function_local_imports() -> None:
+    known = {"pkg.a", "pkg.b", "pkg.c", "pkg.d"}.__contains__
+    planted = [
+        Source("pkg.a", False, "from pkg.b import B\n"),
+        Source("pkg.b", False, "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n"),
+        Source("pkg.c", False, "def f():\n    from pkg.d import g\n    return g\n"),
+        Source("pkg.d", False, "from pkg import c\n"),
+    ]
+    assert sorted(import_cycles(planted, known)) == ["pkg.a <-> pkg.b", "pkg.c <-> pkg.d"]
+    assert import_cycles(planted[:1] + planted[2:3], known) == []
+
+
+def test_checker_catches_light_and_bench_rules() -> None:
+    known = {"worker.protocol", "worker.protocol.frames", "worker.text", "worker.text.tokenizer", "worker.engine",
+             "worker.engine.core", "tests.worker_procs", "bench.routing"}.__contains__
+    bad = [
+        Source("worker.protocol.frames", False, "import torch\n"),
+        Source("worker.text.tokenizer", False, "from worker.engine.core import Engine\n"),
+        Source("bench.routing", False, "from tests.worker_procs import start\n"),
+    ]
+    found = check(bad, known)
+    for prefix in ("worker.protocol.frames:1: light module imports torch",
+                   "worker.text.tokenizer:1: light module imports worker.engine.core",
+                   "bench.routing:1: bench imports tests.worker_procs"):
+        assert any(v.startswith(prefix) for v in found), f"missed {prefix!r} in {found}"
+    good = [Source("worker.text.tokenizer", False, "import tokenizers\nfrom worker.text.model_source import x\n"),
+            Source("bench.routing", False, "from config.launcher import Stack\n")]
+    assert check(good, known) == []
+
+
 def test_checker_catches_violations() -> None:
     """The checker flags each kind of violation on synthetic modules, and passes the allowed forms."""
     known = {"router.ring", "router.policy", "router.client", "tenancy.store", "worker.engine",
-             "worker.protocol", "worker.tokenizer", "gateway.sse"}
+             "worker.protocol", "worker.text", "worker.text.tokenizer", "gateway.sse"}
     bad = [
         Source("worker.engine", False, "import gateway.app\nfrom tenancy import Tenant\n"),
         Source("router.client", False, "from worker.engine import Engine\n"),
@@ -149,7 +247,7 @@ def test_checker_catches_violations() -> None:
         Source("worker.server", False, "from worker.protocol import Frame\nfrom . import engine\nimport zmq\n"),
         Source("gateway.service", False, "import router\nfrom router import Router\nfrom admission import Admission\n"
                                          "from tenancy import Tenant\nfrom worker.protocol import Priority\n"
-                                         "from .sse import event\nfrom worker import tokenizer\n"),
+                                         "from .sse import event\nfrom worker.text import tokenizer\n"),
         Source("router.policy", False, "from router.ring import HashRing\n"),
         Source("tests.test_router_ring", False, "from router.ring import HashRing\n"),
     ]
