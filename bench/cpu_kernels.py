@@ -13,12 +13,12 @@ from collections.abc import Callable
 import torch
 
 from bench.machine import cpu_model, emit, machine_fields
-from worker.attention import BatchLayout, TorchAttention
 from worker.config import ModelConfig
-from worker.cpu_kernels import paged_decode_kernel, race_sample_kernel
-from worker.kv_cache import KVCache
-from worker.loader import pick_dtype
-from worker.sampler import SamplingBatch, race_draw, restrict_logits
+from worker.kernels.cpu import paged_decode_kernel, race_sample_kernel
+from worker.kvcache.tensors import KVCache
+from worker.model.attention import BatchLayout, TorchAttention
+from worker.model.loader import pick_dtype
+from worker.sample.sampler import SamplingBatch, race_draw, restrict_logits
 
 VOCAB = 49152  # the default model's
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from worker.config import EngineConfig
-from worker.debug import DebugEngine
-from worker.loader import load_model
-from worker.model_source import default_model_path
+from worker.engine.debug import DebugEngine
+from worker.model.loader import load_model
 from worker.protocol import SamplingParams
+from worker.text.model_source import default_model_path
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:

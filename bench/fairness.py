@@ -16,7 +16,7 @@ requests. `--weights` (default) adds a phase under vtc: tenants of weight 2 and 
 Targets: ratio_fair <= 1.5, throughput_ratio_vs_fifo >= 0.95, weighted_service_ratio 2 +- 10%.
 About 5 minutes with the defaults on an idle 2-core machine.
 
-    .venv/bin/python bench/fairness.py --json
+    .venv/bin/python -m bench.fairness --json
 """
 
 from __future__ import annotations
@@ -35,14 +35,10 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script
-    sys.path.insert(0, str(REPO))
-
-from bench.loadgen import WORDS, RequestRecord, RequestSpec, api_base, discover_model, send_request  # noqa: E402
-from bench.machine import cpu_model, emit, machine_fields  # noqa: E402
-from bench.report import latency_stats_ms  # noqa: E402
-from config.launcher import Stack, StackConfig, free_port  # noqa: E402
+from bench.loadgen import WORDS, RequestRecord, RequestSpec, api_base, discover_model, send_request
+from bench.machine import cpu_model, emit, machine_fields
+from bench.report import latency_stats_ms
+from config.launcher import Stack, StackConfig, free_port
 
 UNLIMITED = {"tpm": 0, "rpm": 0, "max_concurrent": 0}
 

@@ -9,7 +9,7 @@ from what a loaded machine's gateway and client add. One JSON line:
     {"light_ttft_p99_ratio_fair", "light_ttft_p99_ratio_fifo", "throughput_ratio_vs_fifo",
      "weighted_service_ratio", ...details}
 
-    .venv/bin/python bench/fairness_engine.py --json
+    .venv/bin/python -m bench.fairness_engine --json
 """
 
 from __future__ import annotations
@@ -17,19 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script
-    sys.path.insert(0, str(REPO))
-
-from bench.machine import cpu_model, emit, machine_fields  # noqa: E402
-from bench.report import latency_stats_ms  # noqa: E402
-from worker.config import EngineConfig  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker.protocol import SamplingParams  # noqa: E402
+from bench.machine import cpu_model, emit, machine_fields
+from bench.report import latency_stats_ms
+from worker.config import EngineConfig
+from worker.engine.core import Engine
+from worker.protocol import SamplingParams
 
 HEAVY, LIGHT = b"heavy", b"light"
 
@@ -138,7 +132,7 @@ def weighted(model, args: argparse.Namespace) -> dict:
 def bench(args: argparse.Namespace) -> dict:
     import torch
 
-    from worker.loader import load_any
+    from worker.model.loader import load_any
 
     torch.set_num_threads(args.threads)
     model = load_any(args.model, dtype=args.dtype)

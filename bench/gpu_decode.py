@@ -17,13 +17,13 @@ import traceback
 
 import torch
 
-from worker.attention import BatchLayout
 from worker.config import EngineConfig, ModelConfig
-from worker.cuda_graphs import DecodeInputs
-from worker.kv_cache import bytes_per_token
-from worker.model import StepContext
-from worker.runner import ModelRunner
-from worker.tiny_model import random_model
+from worker.engine.runner import ModelRunner
+from worker.kvcache.tensors import bytes_per_token
+from worker.model.attention import BatchLayout
+from worker.model.cuda_graphs import DecodeInputs
+from worker.model.llama import StepContext
+from worker.model.tiny_model import random_model
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
@@ -130,7 +130,7 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
     tok = os.environ.get("SWITCHYARD_TOKENIZER", "default")
     loaded = random_model(cfg, dtype="bfloat16", device=dev, tokenizer=tok, on_device=True)
     if quantization != "none":
-        from worker import quant
+        from worker.quant import weights as quant
 
         quant.quantize_model(loaded.model, quantization)
         loaded.quantization = quantization

@@ -10,18 +10,13 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script
-    sys.path.insert(0, str(REPO))
-
-from worker.config import EngineConfig  # noqa: E402
-from worker.engine import Engine, EngineStats  # noqa: E402
-from worker.loader import LoadedModel, load_model  # noqa: E402
-from worker.protocol import SamplingParams  # noqa: E402
+from worker.config import EngineConfig
+from worker.engine.core import Engine, EngineStats
+from worker.model.loader import LoadedModel, load_model
+from worker.protocol import SamplingParams
 
 TOPICS = ("refunds", "shipping", "warranty", "privacy", "accounts", "payments", "returns", "discounts",
           "invoices", "deliveries", "repairs", "subscriptions", "gift cards", "loyalty points", "complaints",

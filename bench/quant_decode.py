@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker import quant, smooth
 from worker.config import EngineConfig
-from worker.debug import DebugEngine
-from worker.engine import Engine
-from worker.loader import LoadedModel, load_model
+from worker.engine.core import Engine
+from worker.engine.debug import DebugEngine
+from worker.model.loader import LoadedModel, load_model
 from worker.protocol import SamplingParams
+from worker.quant import w8a8 as smooth
+from worker.quant import weights as quant
 
 EVAL_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quant_eval.txt"
 

@@ -19,14 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script
-    sys.path.insert(0, str(REPO))
-
-from bench.machine import cpu_model, emit  # noqa: E402
-from router import Membership, Router, RouteRequest, WorkerError, namespace_root  # noqa: E402
-from tests.worker_procs import WorkerProc  # noqa: E402
-from worker.protocol import Priority, SamplingParams  # noqa: E402
+from bench.machine import cpu_model, emit
+from config.launcher import WorkerProc
+from router import Membership, Router, RouteRequest, WorkerError, namespace_root
+from worker.protocol import Priority, SamplingParams
 
 SECRET = b"bench-routing"
 MODES = ("router", "round_robin", "oracle")
@@ -36,10 +32,10 @@ def kv_bytes_per_token(model: str, dtype: str | None) -> int:
     """KV bytes per token of the workers' model in the dtype they will pick (so caches hold `--kv-tokens`)."""
     import torch
 
-    from worker.kv_cache import bytes_per_token
-    from worker.loader import gguf_config, pick_dtype
-    from worker.model_source import gguf_metadata, resolve
-    from worker.tiny_model import TINY_SPEC, tiny_config
+    from worker.kvcache.tensors import bytes_per_token
+    from worker.model.loader import gguf_config, pick_dtype
+    from worker.model.tiny_model import TINY_SPEC, tiny_config
+    from worker.text.model_source import gguf_metadata, resolve
 
     if model == TINY_SPEC:
         return bytes_per_token(tiny_config(1, None, None), pick_dtype(dtype or "float32", torch.device("cpu")))

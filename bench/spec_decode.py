@@ -15,8 +15,8 @@ import torch
 
 from bench.machine import cpu_model
 from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.loader import LoadedModel, load_model
+from worker.engine.core import Engine
+from worker.model.loader import LoadedModel, load_model
 from worker.protocol import SamplingParams
 
 PASSAGES = [

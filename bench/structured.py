@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script
-    sys.path.insert(0, str(REPO))
-
-from worker.config import EngineConfig  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker.loader import LoadedModel, load_model  # noqa: E402
-from worker.protocol import SamplingParams, json_schema_spec  # noqa: E402
+from worker.config import EngineConfig
+from worker.engine.core import Engine
+from worker.model.loader import LoadedModel, load_model
+from worker.protocol import SamplingParams, json_schema_spec
 
 SCHEMA = {
     "type": "object",

@@ -21,11 +21,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script
-    sys.path.insert(0, str(REPO))
+from bench.machine import cpu_model
 
-from bench.machine import cpu_model  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 PEERS = Path(os.environ.get("PEERS", Path.home() / ".cache" / "peers"))
 # ../shared/peers/loadgen.py next to the checkout (or next to its worktrees' folder)
@@ -149,8 +147,8 @@ def resolved(args: argparse.Namespace) -> tuple[str, str]:
     """(dtype, quantization) the worker will actually use on this machine for `auto`."""
     import torch
 
-    from worker.loader import pick_device, pick_dtype
-    from worker.quant import resolve_mode
+    from worker.model.loader import pick_device, pick_dtype
+    from worker.quant.weights import resolve_mode
 
     dev = pick_device(None)
     dt = pick_dtype(None if args.dtype == "auto" else args.dtype, dev)

@@ -16,11 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script
-    sys.path.insert(0, str(REPO))
+from bench.machine import cpu_model
 
-from bench.machine import cpu_model  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:
@@ -44,8 +42,8 @@ def run_in_process(args: argparse.Namespace) -> tuple[list[tuple[list[int], int]
 
     from bench.engine_throughput import workload as make_workload  # the engine benchmark owns the workload
     from worker.config import EngineConfig
-    from worker.engine import Engine
-    from worker.loader import load_any
+    from worker.engine.core import Engine
+    from worker.model.loader import load_any
     from worker.protocol import SamplingParams
 
     torch.set_num_threads(args.threads)

@@ -81,7 +81,7 @@ def build_app(settings: Settings):
     from gateway.app import AppConfig, create_app
     from gateway.capacity import RouterCapacity
     from gateway.metrics import configure as configure_metrics
-    from gateway.model import ServedModel
+    from gateway.served_model import ServedModel
     from gateway.service import GatewayService, ServiceConfig
     from router import Membership, Router, WorkerClient
     from tenancy.directory import TenantDirectory

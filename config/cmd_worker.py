@@ -80,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
     ws = settings.worker
-    from worker.memory import bound_native_memory
+    from worker.server.memory import bound_native_memory
 
     bound_native_memory()  # before torch runs its first matmul
-    from worker.link_auth import InsecureBind, LinkAuth
+    from worker.server.link_auth import InsecureBind, LinkAuth
 
     try:  # before the model loads: an open port without a cluster key is refused at once
         LinkAuth.check(settings.cluster_key(), ws.bind)
@@ -94,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(ws.num_threads)
-    from worker.engine import Engine
-    from worker.loader import load_any
-    from worker.server import ServerConfig, WorkerServer
+    from worker.engine.core import Engine
+    from worker.model.loader import load_any
+    from worker.server.serve import ServerConfig, WorkerServer
 
     server_cfg = ServerConfig(bind=ws.bind, advertise=ws.advertise, worker_id=ws.worker_id,
                               redis_url=settings.redis_url, drain_timeout=ws.drain_timeout,
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                       device=None if ws.device == "auto" else ws.device, quantization=ws.quantization)
     engine = Engine(loaded, engine_config(ws))
     if ws.metrics_port:
-        from worker.metrics import start_metrics_server
+        from worker.server.metrics import start_metrics_server
 
         start_metrics_server(ws.metrics_port, ws.metrics_host)
     # The ~300k objects of the loaded model and tokenizers live as long as the process: out of the collector's

@@ -1,7 +1,9 @@
 """`make run`: a private Switchyard stack on this machine, stopped with Ctrl-C.
 
 Redis (unless given), one worker and one gateway, plus a demo tenant's key; the worker link is secured
-by the configured cluster key or a fresh one per run. `Stack` runs the same processes for the end-to-end tests.
+by the configured cluster key or a fresh one per run. `Stack` runs the same processes for the end-to-end tests and
+the benchmarks; `WorkerProc` and `GatewayProc` start one worker or gateway on its own (router, admission and fault
+tests, bench/routing.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+_REPO = Path(__file__).resolve().parent.parent
 DEMO_TENANT = "demo"
 CLUSTER_KEY_ENV = "SWITCHYARD_CLUSTER_SECRET_KEY"
 
@@ -147,6 +150,95 @@ class Stack:
                 proc.kill()
                 proc.wait(timeout=5)
         self.procs.clear()
+
+
+class WorkerProc:
+    """One `switchyard worker` process on a free loopback port, stopped for sure (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, log_dir: Path, *, model: str = "tiny-random", extra: list[str] | None = None,
+                 redis_url: str | None = None, worker_id: str | None = None, threads: int = 1,
+                 port: int | None = None) -> None:
+        self.port = port or free_port()  # a restarted worker may take its old port back
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"worker-{self.port}.log"
+        cmd = [sys.executable, "-m", "config.cli", "worker", "--model", model, "--bind", self.endpoint,
+               "--num-threads", str(threads), "--kv-cache-bytes", str(64 << 20), *(extra or [])]
+        if redis_url:
+            cmd += ["--redis-url", redis_url]
+        if worker_id:
+            cmd += ["--worker-id", worker_id]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self, grace: float = 5.0) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout=5)
+        finally:
+            self._log.close()
+
+
+@dataclass(slots=True)
+class GatewayProc:
+    """One `switchyard gateway` process on a free loopback port (tests and benchmarks)."""
+
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @classmethod
+    def spawn(cls, log_dir: Path, args: list[str], port: int | None = None) -> GatewayProc:
+        port = port or free_port()
+        log_path = log_dir / f"gateway-{port}.log"
+        cmd = [sys.executable, "-m", "config.cli", "gateway", "--port", str(port), *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return cls(port, proc, log_path)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/ready", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=5)
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
 
 
 def curl_line(base_url: str, key: str, model: str) -> str:

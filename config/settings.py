@@ -39,11 +39,11 @@ class WorkerSettings(BaseModel):
     fair_step_tokens: int | None = Field(None, ge=0)  # VTC, worker shared: prefill tokens per step cap (0: none)
     num_threads: int | None = None
     quantization: Literal["none", "int8", "int4", "w8a8", "fp8", "auto"] = "none"  # weights; auto: worker.quant.resolve_mode
-    # attention backend (worker.attention.choose_backend); None keeps the engine's default (auto)
+    # attention backend (worker.model.backends.choose_backend); None keeps the engine's default (auto)
     attention: Literal["auto", "triton", "flash_attn", "torch", "torch_reference"] | None = None
     cuda_graphs: Literal["on", "off"] | None = None  # decode CUDA graphs (CUDA only); None keeps the default (on)
-    fused_ops: Literal["on", "off"] | None = None  # worker.fused; None keeps the engine's default (on)
-    # n-gram speculative decoding (worker.speculative); None keeps the engine's default
+    fused_ops: Literal["on", "off"] | None = None  # worker.model.fused; None keeps the engine's default (on)
+    # n-gram speculative decoding (worker.engine.speculative); None keeps the engine's default
     spec_tokens: int | None = Field(None, ge=0, le=16)
     spec_max_batch: int | None = Field(None, ge=0)
     spec_ngram_max: int | None = Field(None, ge=1, le=8)

@@ -23,10 +23,11 @@ from gateway import errors, metrics
 from gateway.choices import GenerationGroup
 from gateway.drain import DrainMiddleware, DrainState
 from gateway.errors import ApiError, install_handlers
+from gateway.generation import Delta, Generation, Prepared
 from gateway.http import ClientGone, RequestIdMiddleware, read_json, until_disconnect
 from gateway.openapi import openapi_endpoint
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion
-from gateway.service import Delta, GatewayService, Generation, Prepared
+from gateway.service import GatewayService
 from gateway.sse import DONE, SSEResponse, event, install_log_filter
 
 log = logging.getLogger("switchyard.gateway")

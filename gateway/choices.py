@@ -9,28 +9,12 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from gateway.generation import Delta, Generation, Prepared, close_stack
 from gateway.responses import TokenLogprob, Usage, _chat_logprobs, _completion_logprobs
 from gateway.tool_output import ToolCallStream
 
-if TYPE_CHECKING:
-    from gateway.service import Delta, Generation, Prepared
-
 log = logging.getLogger("switchyard.gateway")
-
-
-async def close_stack(stack: AsyncExitStack, request_id: str) -> None:
-    """Run a request's exit stack (abort, settle admission) to the end even if the caller is cancelled."""
-    task = asyncio.ensure_future(stack.aclose())
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await task
-        raise
-    except Exception:
-        log.exception("error while closing request", extra={"request_id": request_id})
 
 
 @dataclass(slots=True)

@@ -4,31 +4,27 @@ then turn the worker's token stream into text deltas (`Generation`) and settle a
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from admission import Admission, AdmissionTicket, error_response
 from gateway import errors, metrics
-from gateway.choices import GenerationGroup, close_stack
-from gateway.detokenize import IncrementalDetokenizer, StopMatcher
+from gateway.choices import GenerationGroup
 from gateway.errors import ApiError, invalid
-from gateway.model import ServedModel
-from gateway.responses import ResponseShape, TokenLogprob, Usage
+from gateway.generation import Generation, Prepared
+from gateway.responses import ResponseShape, Usage
 from gateway.schemas import GenerationRequest
-from router import NoWorkerAvailable, Router, RouteRequest, WorkerError, fairness_key, namespace_root
+from gateway.served_model import ServedModel
+from router import Router, RouteRequest, fairness_key, namespace_root
 from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory
-from worker.protocol import ErrorCode, OutItem, Priority, SamplingParams
+from worker.protocol import OutItem, SamplingParams
 
 log = logging.getLogger("switchyard.gateway")
-TENANT_RECHECK_S = 0.25  # plus the directory's 0.5 s cache: a disabled tenant's streams end within 1 s
-TENANT_OUTAGE_BACKOFF_S = 5.0
 
 
 @dataclass(slots=True)
@@ -37,71 +33,11 @@ class ServiceConfig:
     first_token_timeout_s: float = 120.0
 
 
-@dataclass(slots=True)
-class Prepared:
-    request_id: str  # the HTTP request id (x-request-id), for logs
-    req: GenerationRequest
-    tenant: Tenant
-    prompt_ids: list[int]
-    stable_len: int | None
-    max_tokens: int
-    priority: Priority
-    ns: bytes
-    shape: ResponseShape
-    batch: list[list[int]] = field(default_factory=list)  # every prompt's ids (prompt_ids first); [] = just that
-
-    @property
-    def prompts(self) -> list[list[int]]:
-        return self.batch or [self.prompt_ids]
-
-    @property
-    def choices(self) -> int:
-        return len(self.prompts) * self.req.n
-
-    @property
-    def grouped(self) -> bool:
-        """Served by `gateway.choices` (several choices, tool calls or echo) rather than one plain stream."""
-        tools = self.req.tools
-        return self.choices > 1 or self.req.echo or (tools is not None and tools.active)
-
-
-@dataclass(slots=True)
-class Delta:
-    text: str
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None
-
-
 def _bearer(header: str | None) -> str | None:
     if not header:
         return None
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-_LINK_TEXT = {
-    "timeout": "The model worker stopped sending tokens.",
-    "worker_lost": "The model worker serving this request was lost.",
-    "incompatible": "The model worker runs an incompatible version.",
-    "closed": "The connection to the model worker closed.",
-    "protocol": "The model worker sent a malformed reply.",
-}
-_ADDRESS = re.compile(r"\b(?:tcp|ipc|inproc)://\S+")
-
-
-def _worker_error(exc: WorkerError) -> ApiError:
-    """The client-facing error for a failed worker stream; link details (addresses, worker ids) stay in the log."""
-    code = str(exc.code)
-    log.warning("worker stream failed (%s): %s", code, exc.message)
-    message = _ADDRESS.sub("<worker>", exc.message)
-    if exc.code == ErrorCode.BAD_REQUEST:
-        return invalid(f"The worker rejected the request: {message}")
-    if exc.code == ErrorCode.CAPACITY and not exc.retryable:
-        return invalid(f"The request can never fit on a worker: {message}", code="context_length_exceeded")
-    if exc.code == ErrorCode.CAPACITY:
-        return errors.upstream_failed(f"Generation failed ({code}): {message}", exc.retryable)
-    return errors.upstream_failed(f"Generation failed ({code}): {_LINK_TEXT.get(code, 'internal error.')}",
-                                  exc.retryable)
 
 
 class GatewayService:
@@ -267,116 +203,3 @@ async def _aclose(chunks: AsyncIterator[OutItem]) -> None:
     closer: Callable[[], Any] | None = getattr(chunks, "aclose", None)
     if closer is not None:
         await closer()
-
-
-@dataclass(slots=True)
-class Generation:
-    """One running request: worker chunks in, text deltas out. Close exactly once."""
-
-    model: ServedModel
-    prepared: Prepared
-    chunks: AsyncIterator[OutItem]
-    stack: AsyncExitStack
-    usage: Usage
-    headers: dict[str, str]
-    first_token_timeout_s: float
-    ticket: AdmissionTicket | None = None
-    tenants: TenantDirectory | None = None  # re-checked while running (see the module docstring)
-    finish_reason: str | None = None
-    _recheck_at: float = 0.0
-    _detok: IncrementalDetokenizer = field(init=False)
-    _stops: StopMatcher = field(init=False)
-    _closed: bool = False
-
-    def __post_init__(self) -> None:
-        self._detok = IncrementalDetokenizer(self.model.byte_table)
-        self._stops = StopMatcher(self.prepared.req.stop)
-        self._recheck_at = time.monotonic() + TENANT_RECHECK_S
-
-    async def next(self) -> Delta | None:
-        """The next non-empty delta, the final one carrying finish_reason; None after the end."""
-        while self.finish_reason is None:
-            if self.ticket is not None and self.ticket.reservation.lease_lost:
-                raise errors.lease_lost()
-            if self.tenants is not None and time.monotonic() >= self._recheck_at:
-                await self._check_tenant(self.tenants)
-            chunk = await self._next_chunk()
-            delta = self._consume(chunk)
-            if delta is not None:
-                return delta
-        return None
-
-    async def _check_tenant(self, tenants: TenantDirectory) -> None:
-        self._recheck_at = time.monotonic() + TENANT_RECHECK_S
-        try:
-            tenant = await tenants.tenant(self.prepared.tenant.name)
-        except QuotaServiceUnavailable:
-            # A Redis outage does not cut running streams (admission refuses new ones); a hung Redis
-            # costs a stream one read timeout per TENANT_OUTAGE_BACKOFF_S, not per recheck.
-            self._recheck_at = time.monotonic() + TENANT_OUTAGE_BACKOFF_S
-            return
-        if tenant is None or not tenant.active:
-            raise errors.tenant_disabled()
-
-    async def _next_chunk(self) -> OutItem:
-        try:
-            if self.usage.completion_tokens == 0:
-                async with asyncio.timeout(self.first_token_timeout_s):
-                    return await anext(self.chunks)
-            return await anext(self.chunks)
-        except WorkerError as exc:
-            self._unserved_if_nothing_sent()
-            raise _worker_error(exc) from None
-        except NoWorkerAvailable:
-            self._unserved_if_nothing_sent()
-            metrics.current().count_shed("no_worker")
-            raise errors.no_live_worker() from None
-        except TimeoutError:
-            self._unserved_if_nothing_sent()
-            raise errors.upstream_failed("Timed out waiting for the first token.", True) from None
-        except StopAsyncIteration:
-            raise errors.upstream_failed("The worker stream ended without a finish reason.", True) from None
-
-    def _unserved_if_nothing_sent(self) -> None:
-        # A request that failed before producing anything costs the tenant nothing.
-        if self.ticket is not None and self.usage.completion_tokens == 0:
-            self.ticket.unserved()
-
-    def _consume(self, chunk: OutItem) -> Delta | None:
-        toks = chunk.tokens
-        self.usage.completion_tokens += len(toks)
-        self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.cached_tokens)
-        stops = self._stops
-        text = stops.feed(self._detok.feed(toks))
-        logprobs = None
-        if self.prepared.req.logprobs:
-            logprobs = self.model.token_logprobs(toks, chunk.logprobs or [], chunk.top_ids, chunk.top_logprobs)
-        finish = chunk.finish_reason
-        if stops.stopped:
-            self.finish_reason = "stop"
-        elif finish is not None:
-            if finish not in ("stop", "length"):
-                raise errors.upstream_failed(f"The worker ended the request ({finish}).", True)
-            text += stops.feed(self._detok.flush())
-            text += stops.flush()
-            self.finish_reason = "stop" if stops.stopped else finish
-        if self.finish_reason is None and not text and not logprobs:
-            return None
-        return Delta(text, logprobs, self.finish_reason)
-
-    async def collect(self) -> tuple[str, list[TokenLogprob] | None]:
-        """Run to the end: the whole text and logprobs (non-streaming responses)."""
-        parts: list[str] = []
-        logprobs: list[TokenLogprob] | None = [] if self.prepared.req.logprobs else None
-        while (delta := await self.next()) is not None:
-            parts.append(delta.text)
-            if logprobs is not None and delta.logprobs:
-                logprobs.extend(delta.logprobs)
-        return "".join(parts), logprobs
-
-    async def close(self) -> None:
-        """Abort the worker request if still running and settle admission; idempotent, cancel-safe."""
-        if self._closed:
-            return
-        self._closed = True
-        await close_stack(self.stack, self.prepared.request_id)

@@ -1,6 +1,6 @@
 """Response side of tool calling: a choice's text split, as it streams, into content and OpenAI tool calls.
 
-The call grammar (worker.grammar_spec, Hermes style) makes a reply either plain text or calls only, each
+The call grammar (worker.protocol.grammar_spec, Hermes style) makes a reply either plain text or calls only, each
 `<tool_call>\\n{"name": "...", "arguments": {...}}\\n</tool_call>`, calls separated by a newline; compact
 JSON holds no raw newline, so the first `}\\n</tool_call>` ends the arguments.
 """

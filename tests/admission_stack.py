@@ -5,51 +5,13 @@ Used by the HTTP-level admission tests; Redis keeps a dump file, so tenants surv
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import RedisServer, free_port
-from tests.worker_procs import REPO, WorkerProc
-
-
-@dataclass(slots=True)
-class GatewayProc:
-    port: int
-    proc: subprocess.Popen
-    log_path: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/ready", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=5)
-
-    def stop(self, grace: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+from config.launcher import GatewayProc, WorkerProc
+from tests.conftest import RedisServer
 
 
 @dataclass(slots=True)
@@ -81,15 +43,9 @@ class AdmissionStack:
 
     def _spawn_gateway(self, config: Path) -> GatewayProc:
         assert self.worker is not None
-        port = free_port()
-        log_path = self.log_dir / f"gateway-{port}.log"
-        cmd = [sys.executable, "-m", "config.cli", "gateway", "--config", str(config), "--port", str(port),
-               "--redis-url", self.redis.url, "--workers", self.worker.endpoint, "--worker-timeout", "10",
-               "--log-level", "WARNING"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        return GatewayProc(port, proc, log_path)
+        return GatewayProc.spawn(self.log_dir, ["--config", str(config), "--redis-url", self.redis.url, "--workers",
+                                                self.worker.endpoint, "--worker-timeout", "10",
+                                                "--log-level", "WARNING"])
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -197,8 +197,8 @@ def test_cycle_check_counts_annotation_only_and_function_local_imports() -> None
 
 
 def test_checker_catches_light_and_bench_rules() -> None:
-    known = {"worker.protocol", "worker.protocol.frames", "worker.text", "worker.text.tokenizer", "worker.engine",
-             "worker.engine.core", "tests.worker_procs", "bench.routing"}.__contains__
+    known = {"worker.protocol", "worker.protocol.frames", "worker.text", "worker.text.tokenizer", "worker.engine.core",
+             "tests.worker_procs", "bench.routing"}.__contains__
     bad = [
         Source("worker.protocol.frames", False, "import torch\n"),
         Source("worker.text.tokenizer", False, "from worker.engine.core import Engine\n"),
@@ -216,11 +216,11 @@ def test_checker_catches_light_and_bench_rules() -> None:
 
 def test_checker_catches_violations() -> None:
     """The checker flags each kind of violation on synthetic modules, and passes the allowed forms."""
-    known = {"router.ring", "router.policy", "router.client", "tenancy.store", "worker.engine",
+    known = {"router.ring", "router.policy", "router.client", "tenancy.store", "worker.engine.core",
              "worker.protocol", "worker.text", "worker.text.tokenizer", "gateway.sse"}
     bad = [
-        Source("worker.engine", False, "import gateway.app\nfrom tenancy import Tenant\n"),
-        Source("router.client", False, "from worker.engine import Engine\n"),
+        Source("worker.engine.core", False, "import gateway.app\nfrom tenancy import Tenant\n"),
+        Source("router.client", False, "from worker.engine.core import Engine\n"),
         Source("gateway.service", False, "from router.client import WorkerClient\nfrom tenancy import store\n"),
         Source("gateway.app", False, "import admission.gate\n"),
         Source("config.cmd_gateway", False, "from router.ring import HashRing\n"),
@@ -229,9 +229,9 @@ def test_checker_catches_violations() -> None:
     ]
     found = check(bad, known.__contains__)
     expected = [
-        "worker.engine:1: worker imports gateway.app",
-        "worker.engine:2: worker imports tenancy",
-        "router.client:1: router imports worker.engine",
+        "worker.engine.core:1: worker imports gateway.app",
+        "worker.engine.core:2: worker imports tenancy",
+        "router.client:1: router imports worker.engine.core",
         "gateway.service:1: gateway imports router.client",
         "gateway.service:2: gateway imports tenancy.store",
         "gateway.app:1: gateway imports admission.gate",
@@ -244,11 +244,11 @@ def test_checker_catches_violations() -> None:
     assert len(found) == len(expected), found
 
     good = [
-        Source("worker.server", False, "from worker.protocol import Frame\nfrom . import engine\nimport zmq\n"),
+        Source("worker.server.serve", False, "from worker.protocol import Frame\nfrom . import engine\nimport zmq\n"),
         Source("gateway.service", False, "import router\nfrom router import Router\nfrom admission import Admission\n"
                                          "from tenancy import Tenant\nfrom worker.protocol import Priority\n"
                                          "from .sse import event\nfrom worker.text import tokenizer\n"),
         Source("router.policy", False, "from router.ring import HashRing\n"),
-        Source("tests.test_router_ring", False, "from router.ring import HashRing\n"),
+        Source("tests.router.test_router_ring", False, "from router.ring import HashRing\n"),
     ]
     assert check(good, known.__contains__) == []

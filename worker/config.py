@@ -26,25 +26,25 @@ class EngineConfig:
     # arrives waits behind a short step at most (TTFT tail for light tenants vs step efficiency; 0: no cap)
     fair_step_tokens: int = 0
     # "auto" | "triton" (CUDA) | "flash_attn" (CUDA, pages a multiple of 256 tokens) | "torch" (CPU: with the C++ decode and
-    # prefill kernels when they build) | "torch_reference"; auto's rule: worker.attention.choose_backend
+    # prefill kernels when they build) | "torch_reference"; auto's rule: worker.model.backends.choose_backend
     attention_backend: str = "auto"
-    # decode-only steps replay CUDA graphs captured per batch-size bucket (worker.cuda_graphs); CUDA only, no
+    # decode-only steps replay CUDA graphs captured per batch-size bucket (worker.model.cuda_graphs); CUDA only, no
     # effect on CPU
     cuda_graphs: str = "on"
     num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
     # "on": a layer's elementwise ops fused (C++ passes on CPU, Triton kernels on CUDA) | "off": eager torch reference
     fused_ops: str = "on"
-    # weights: "none" | "int8" | "int4" | "w8a8" | "fp8" (CUDA 8.9+) | "auto" (applied by the loader; worker.quant)
+    # weights: "none" | "int8" | "int4" | "w8a8" | "fp8" (CUDA 8.9+) | "auto" (applied by the loader; worker.quant.weights)
     quantization: str = "none"
     default_cpu_kv_bytes: int = 1 << 30
-    # n-gram speculative decoding (worker.speculative): up to spec_tokens proposals per decoding sequence,
+    # n-gram speculative decoding (worker.engine.speculative): up to spec_tokens proposals per decoding sequence,
     # from matches of its last spec_ngram_max..spec_ngram_min tokens; only while the step's decode batch
     # is at most spec_max_batch sequences (0 turns it off)
     spec_tokens: int = 4
     spec_ngram_max: int = 3
     spec_ngram_min: int = 1
     spec_max_batch: int = 4
-    # structured outputs: grammars compile on a thread pool while their requests wait (worker.grammar_wait);
+    # structured outputs: grammars compile on a thread pool while their requests wait (worker.engine.grammar_wait);
     # new compiles past these pending bounds are refused with a retryable error
     grammar_max_pending: int = 16
     grammar_max_pending_per_ns: int = 4

@@ -9,8 +9,8 @@ import argparse
 import sys
 
 from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.loader import load_model
+from worker.engine.core import Engine
+from worker.model.loader import load_model
 from worker.protocol import SamplingParams
 
 

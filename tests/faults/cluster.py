@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.admission_stack import GatewayProc, _toml, log_tails
-from tests.conftest import RedisServer, free_port
-from tests.worker_procs import REPO, WorkerProc
+from config.launcher import GatewayProc, WorkerProc
+from tests.admission_stack import _toml, log_tails
+from tests.conftest import RedisServer
 
 GATEWAY_SEES_WORKER_S = 2.0  # a gateway's client hears a restarted worker within one hello interval (1 s)
 
@@ -90,15 +87,9 @@ class FaultCluster:
         return gw
 
     def spawn_gateway(self, config_path: Path | None = None) -> GatewayProc:
-        port = free_port()
-        log_path = self.log_dir / f"gateway-{port}.log"
         config = str(config_path or self.config_path)
-        cmd = [sys.executable, "-m", "config.cli", "gateway", "--config", config, "--port",
-               str(port), "--redis-url", self.redis.url, "--log-level", "INFO", "--log-format", "json"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        return GatewayProc(port, proc, log_path)
+        return GatewayProc.spawn(self.log_dir, ["--config", config, "--redis-url", self.redis.url,
+                                                "--log-level", "INFO", "--log-format", "json"])
 
     def wait_ready(self, timeout: float, gateways: Sequence[GatewayProc] | None = None) -> None:
         deadline = time.monotonic() + timeout

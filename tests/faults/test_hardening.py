@@ -11,7 +11,7 @@
   (measured on the loaded 2-core VM; one Redis look-up each, as every key is new) and the generator
   75-140 us, so one gateway process tops out near 2,000 rejections a second and 20,000 would take about
   8 cores for the gateway alone. The cache bound and look-up cap are checked with small caches in
-  tests/test_tenancy_store.py.
+  tests/tenancy/test_tenancy_store.py.
 - 4 MB token-list bodies (one every 0.2 s) leave the inter-token p99 of other open streams within 2x
   its baseline.
 """

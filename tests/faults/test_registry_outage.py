@@ -18,7 +18,7 @@ import httpx
 import pytest
 import zmq
 
-from tests.admission_stack import GatewayProc
+from config.launcher import GatewayProc
 from tests.faults.client import StreamResult, completion_body, stream_completion
 from tests.faults.cluster import FaultCluster, gateway_log_records
 

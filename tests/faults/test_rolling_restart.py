@@ -18,9 +18,9 @@ import time
 import httpx
 import pytest
 
+from config.launcher import WorkerProc
 from tests.faults.client import StreamResult, completion_body, metric, stream_completion
 from tests.faults.cluster import FaultCluster, unattributed_errors
-from tests.worker_procs import WorkerProc
 
 pytestmark = pytest.mark.timeout(480)  # includes the shared cluster start-up
 # Streams long enough to outlive the drain checks on a quiet box (tiny-random decodes a step in ~ms;

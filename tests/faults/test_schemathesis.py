@@ -26,8 +26,8 @@ import pytest
 from gateway.errors import ApiError
 from gateway.openapi import build_document
 from gateway.schemas import parse_chat, parse_completion
+from tests import REPO
 from tests.faults.conftest import assert_served_cleanly
-from tests.worker_procs import REPO
 
 # generous: the first test also pays for starting the session stack (bounded by its 240 s ready timeout)
 pytestmark = pytest.mark.timeout(330)

@@ -30,10 +30,10 @@ from tenancy.apikeys import digest
 from tenancy.redis_client import sync_client
 from tenancy.schema import api_key_key, config_key
 from tenancy.store import get_tenant, set_status
+from tests import REPO
 from tests.faults.client import metric
 from tests.faults.conftest import expect_error, gateway_log, post
 from tests.gateway_stack import GatewayStack
-from tests.worker_procs import REPO
 
 # generous: the first test also pays for starting the session stack (bounded by its 240 s ready timeout)
 pytestmark = pytest.mark.timeout(330)

@@ -1,0 +1,77 @@
+"""`make run`'s launcher from this checkout: it prints a curl line, and that line gets an answer.
+
+Runs `python -m config.launcher` on a free port with its own private redis-server
+(SWITCHYARD_REDIS_URL unset), executes the printed curl command, then stops the
+launcher with SIGTERM and checks that every process it started is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from config.launcher import free_port
+from tests import REPO
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_launcher_prints_a_working_curl_line():
+    env = {k: v for k, v in os.environ.items() if k != "SWITCHYARD_REDIS_URL"}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["SWITCHYARD_WORKER__DTYPE"] = "float32"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "config.launcher", "--port", str(port), "--ready-timeout", "240",
+                             "--log-dir", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"sy-make-run-{port}")],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        curl = None
+        lines = []
+        while curl is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("curl "):
+                curl = line.strip()
+        assert curl is not None, "launcher printed no curl line:\n" + "".join(lines)
+        assert f"127.0.0.1:{port}" in curl and re.search(r"Bearer sy-[A-Za-z0-9_-]+", curl)
+        started = children_of(proc.pid)
+        assert len(started) == 3  # redis-server, worker, gateway
+        out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=180)
+        body = json.loads(out.stdout)
+        assert body["object"] == "chat.completion"
+        assert "Paris" in body["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+    assert not [pid for pid in started if alive(pid)]

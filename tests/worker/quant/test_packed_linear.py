@@ -1,0 +1,76 @@
+"""Prepacked oneDNN bf16 linear layers: bit-identical to `F.linear`, and the int8 row cutoff is honoured."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.config import EngineConfig
+from worker.engine.debug import DebugEngine
+from worker.model.loader import load_any
+from worker.protocol import SamplingParams
+from worker.quant import weights as quant
+from worker.quant.packed import PackedLinear, can_pack, pack_model
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
+                                reason="this CPU build has no oneDNN bf16 path")
+
+
+def test_packed_linear_is_bit_identical_to_f_linear():
+    torch.manual_seed(0)
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    lin = PackedLinear(w)
+    assert torch.equal(lin.weight, w)
+    for rows in (1, 3, 16, 130):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        assert torch.equal(lin(x), F.linear(x, w))
+    x3 = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    assert torch.equal(lin(x3), F.linear(x3, w))
+    assert torch.equal(copy.deepcopy(lin)(x3), F.linear(x3, w))
+
+
+def test_packed_tiny_model_generates_the_same_greedy_tokens():
+    prompts = [[5, 9, 11, 3, 7, 2, 8] * 3, [4, 4, 6, 1]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = []
+    for packed in (False, True):
+        loaded = load_any("tiny-random", dtype="bfloat16")
+        if not packed:  # load_any packed it: rebuild the plain layers from the dense weights
+            for layer in loaded.model.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    lin = getattr(layer, name)
+                    plain = torch.nn.Linear(lin.in_features, lin.out_features, bias=False, dtype=torch.bfloat16)
+                    plain.weight.data.copy_(lin.weight)
+                    setattr(layer, name, plain.requires_grad_(False))
+        else:
+            assert isinstance(loaded.model.layers[0].qkv, PackedLinear)
+            assert pack_model(loaded.model) == 0  # nothing left to pack
+        engine = DebugEngine(loaded, EngineConfig(dtype="bfloat16", kv_cache_bytes=16 << 20))
+        outs.append(engine.generate(prompts, params))
+    assert outs[0] == outs[1]
+
+
+def test_int8_cutoff_from_environment(monkeypatch):
+    monkeypatch.setenv(quant.MAX_ROWS_ENV, "3")
+    loaded = load_any("tiny-random", dtype="bfloat16", quantization="int8")
+    lin = loaded.model.layers[0].gate_up
+    assert isinstance(lin, quant.QuantLinear) and lin.max_rows == 3 and lin.dense is not None
+    calls = []
+    monkeypatch.setattr(lin, "forward_quantized", lambda x2: calls.append(x2.shape[0]) or
+                        torch.zeros(x2.shape[0], lin.out_features, dtype=x2.dtype))
+    lin(torch.randn(3, lin.in_features, dtype=torch.bfloat16))
+    big = lin(torch.randn(4, lin.in_features, dtype=torch.bfloat16))  # packed bf16 copy of the dequantized weight
+    assert calls == [3]
+    x = torch.randn(4, lin.in_features, dtype=torch.bfloat16)
+    assert big.shape == (4, lin.out_features)
+    assert torch.equal(lin(x), F.linear(x, lin.dequantize()))
+
+
+def test_int8_cutoff_calibrates_without_environment(monkeypatch):
+    monkeypatch.delenv(quant.MAX_ROWS_ENV, raising=False)
+    lin = quant.QuantLinear(torch.randn(256, 128, dtype=torch.bfloat16) * 0.05, "int8")
+    rows = quant.calibrate_max_rows(lin, candidates=(1, 2, 4))
+    assert rows in (0, 1, 2, 4)

@@ -1,0 +1,106 @@
+"""W8A8 (`worker.quant.w8a8`): the C++ activation quantizer against its torch definition, the smoothed int8 product
+against the float one, and the mode end to end from the GGUF (its perplexity gate is in test_quantization.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.kernels.cpu import extension
+from worker.model.loader import load_model
+from worker.quant import w8a8 as smooth
+from worker.quant import weights as quant
+
+
+def _reference_quantize(x: torch.Tensor, inv_smooth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    v = x.float() * inv_smooth
+    scale = v.abs().amax(-1).clamp(min=1e-6) / 127
+    return torch.round(v * (1.0 / scale)[:, None]).to(torch.int8), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_matches_its_definition(dtype):
+    """Per-row scale from the smoothed maximum, codes rounded half to even; 40 columns: vector body and tail."""
+    ext = extension()
+    assert ext is not None and smooth.available()
+    torch.manual_seed(0)
+    x = (torch.randn(37, 40) * torch.logspace(-2, 2, 40)).to(dtype)
+    x[5] = 0  # an all-zero row: finite scale, zero codes
+    inv = torch.rand(40) + 0.25
+    q, rs = ext.w8a8_quantize(x.contiguous(), inv)
+    want_q, want_rs = _reference_quantize(x, inv)
+    assert torch.equal(rs, want_rs)
+    assert (q.int() - want_q.int()).abs().max().item() <= 1  # the same fp32 products; a tie may round apart
+    assert (q != want_q).float().mean().item() < 1e-3
+    assert q.abs().max().item() == 127 and torch.equal(q[5], torch.zeros(40, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_smoothed_product_is_close_and_beats_unsmoothed_on_outlier_channels(dtype):
+    torch.manual_seed(1)
+    w = torch.randn(96, 128) * 0.05
+    x = torch.randn(64, 128)
+    x[:, [3, 70]] *= 40  # activation outlier channels, as after RMSNorm in real models
+    exact = x @ w.t()
+    act_max = x.abs().amax(0)
+    errs = {}
+    for name, am in (("smoothed", act_max), ("plain", None)):
+        lin = smooth.W8A8Weight.build(w.to(dtype), am)
+        got = lin(x.to(dtype).contiguous())
+        assert got.dtype == dtype and got.shape == (64, 96)
+        errs[name] = ((got.float() - exact).norm() / exact.norm()).item()
+    assert errs["smoothed"] < 0.02
+    assert errs["smoothed"] < errs["plain"]
+
+
+@pytest.mark.skipif(not smooth.small_available(), reason="the few-row kernel needs AVX-512 VNNI")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(48, 40), (80, 576), (960, 576)])
+def test_few_row_kernel_is_bit_identical_to_int_mm(dtype, n, k):
+    """Same int32 sums and the same fp32 dequantization as the _int_mm path at every row count (1-4 row tiles with
+    their remainders, 4-block channel tiles with theirs); the packed layout is what vpdpbusd reads."""
+    torch.manual_seed(2)
+    w = torch.randn(n, k) * 0.05
+    lin = smooth.W8A8Weight.build(w.to(dtype), torch.rand(k) + 0.5)
+    assert lin.small is not None
+    packed, colsum = lin.small
+    assert packed.shape == (n // 16, k // 4, 64) and torch.equal(colsum, lin.wt.int().sum(0).int())
+    assert torch.equal(packed[1, 2].view(16, 4), lin.wt[8:12, 16:32].t())  # block 1, group 2: lanes x 4 bytes
+    for rows in (1, 2, 3, 4, 5, 7, 9, 17):
+        x = (torch.randn(rows, k) * torch.logspace(-1, 1, k)).to(dtype)
+        assert torch.equal(lin.forward_small(x), lin.forward_int_mm(x)), rows
+
+
+@pytest.mark.parametrize("k", [40, 576, 1032, 1536, 2100])
+def test_fp32_int8_product_is_bit_identical_to_int_mm(k):
+    """The product AVX2-only CPUs use (fp32 GEMMs over K slices of at most 1,032) equals torch._int_mm exactly,
+    at the extremes too (-128 activations x -127 weights in every term), on every CPU."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randint(-128, 128, (19, k), dtype=torch.int8, generator=gen)
+    w = torch.randint(-127, 128, (k, 24), dtype=torch.int8, generator=gen)
+    x[0], w[:, 0] = -128, -127
+    got = smooth.int8_matmul_fp32(x, w)
+    assert got.dtype == torch.int32 and torch.equal(got, torch._int_mm(x, w))
+    assert got[0, 0].item() == 128 * 127 * k
+
+
+@pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
+def test_w8a8_mode_from_the_gguf():
+    """Decode-sized inputs take the few-row W8A8 kernel where built (else the weight-only int8 kernel),
+    prefill-sized ones `_int_mm`; no dense copy."""
+    loaded = load_model("default", device="cpu", quantization="w8a8")
+    assert loaded.quantization == "w8a8"
+    lin = loaded.model.layers[2].gate_up
+    assert isinstance(lin, quant.QuantLinear) and lin.w8a8 is not None and lin.dense is None
+    assert not torch.equal(lin.w8a8.inv_smooth, torch.ones_like(lin.w8a8.inv_smooth))  # calibrated
+    x = torch.randn(64, lin.in_features, dtype=loaded.dtype)
+    small = torch.cat([lin(x[i:i + 1]) for i in range(64)]).float()  # weight-only kernel, row by row
+    big = lin(x).float()
+    assert lin.max_rows < 64
+    assert ((big - small).norm() / small.norm()).item() < 0.05
+    if smooth.small_available():  # W8A8 throughout: the product of a row does not depend on its batch
+        assert lin.max_rows == 0 and lin.w8a8.small_rows >= 1
+        assert torch.equal(big, small)
+        assert lin.qweight is None  # the weight-only copy is dropped; the floor counts the packed one
+        int8 = load_model("default", quantization="int8")
+        assert quant.weight_bytes(loaded.model) > 0.9 * quant.weight_bytes(int8.model)

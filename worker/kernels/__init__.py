@@ -1,0 +1,2 @@
+"""Native kernels: the C++ CPU extension and its loader, CPU feature detection, and the Triton GPU kernels.
+"""

@@ -1,0 +1,116 @@
+"""Optional C++ kernels for CPU (`csrc/`), compiled once by `make install` or on first use; None without a compiler.
+
+Paged decode attention reads K/V straight from the pages where the torch path gathers a padded copy; paged
+prefill attention does a step's prompt chunks in one call, 2-3x faster than torch's SDPA on them; the race
+sampler draws a token per row in one pass where the torch path makes [rows, vocab] temporaries; the fused ops
+(`worker.model.fused`) do a layer's norms, SiLU-mul and RoPE in one pass each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("bf16.h", "vec_exp.h", "paged_decode.cpp", "paged_prefill.cpp", "race_sample.cpp", "fused_ops.cpp",
+            "w8a8.cpp", "w8a8_small.cpp")
+_FUNCTIONS = ["paged_decode", "paged_kv_write", "paged_prefill", "race_sample", "add_rms_norm", "silu_mul", "rope_",
+              "w8a8_quantize", "w8a8_dequantize", "w8a8_small_available", "w8a8_small_pack", "w8a8_small_linear"]
+_SRC = "\n".join((_CSRC / name).read_text() for name in _SOURCES)
+
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# Named by the source and flags: checkouts with different kernel versions never rebuild each other's
+# copy in the shared torch extensions folder.
+_NAME = "switchyard_cpu_" + hashlib.sha256((_SRC + " ".join(_CFLAGS)).encode()).hexdigest()[:12]
+STALE_LOCK_S = 600.0  # a build lock this old belongs to a compile that was killed: remove it
+
+_module: object | None = None
+_tried = False
+
+
+def _wait_for_build_lock(name: str) -> None:
+    """Wait (bounded) for another process's build of `name`; a lock older than STALE_LOCK_S is removed.
+
+    torch waits on the lock file without a deadline, so a compile killed mid-way would hang every worker."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    except Exception:  # noqa: BLE001 - a private helper; without it, torch's own wait applies
+        return
+    deadline = time.monotonic() + STALE_LOCK_S
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S or time.monotonic() > deadline:
+            log.warning("removing a stale kernel build lock (%.0fs old): %s", age, lock)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
+
+
+def extension():
+    """The compiled extension module, or None if unavailable (built at most once per process)."""
+    global _module, _tried
+    if _tried:
+        return _module
+    _tried = True
+    if os.environ.get("SWITCHYARD_NO_CPU_KERNELS"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        _wait_for_build_lock(_NAME)
+        _module = load_inline(name=_NAME, cpp_sources=[_SRC], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
+                              extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - no compiler / headers: fall back to pure torch
+        log.warning("CPU kernels unavailable, using the torch paths: %s", exc)
+        _module = None
+    return _module
+
+
+def paged_decode_kernel():
+    """The compiled `paged_decode(q, kc, vc, tables, lens, block_size, scale)`, or None if unavailable."""
+    mod = extension()
+    return mod.paged_decode if mod is not None else None
+
+
+def paged_kv_write_kernel():
+    """The compiled `paged_kv_write(k, v, kc, vc, slot_mapping)`, or None if unavailable."""
+    mod = extension()
+    return mod.paged_kv_write if mod is not None else None
+
+
+def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
+    """The compiled `paged_prefill(q, kc, vc, tables, q_lens, ctx_lens, block_size, scale)` where it handles the
+    shape (head size 64 or 128; query groups whose whole tokens fill 4, 6 or 8 rows), else None."""
+    mod = extension()
+    group = num_heads // num_kv_heads
+    rows = (8 // group) * group
+    if mod is None or head_dim not in (64, 128) or rows not in (4, 6, 8):
+        return None
+    return mod.paged_prefill
+
+
+def race_sample_kernel():
+    """The compiled `race_sample(probs, seed, step, seed_hi) -> tokens`, or None if unavailable."""
+    mod = extension()
+    return mod.race_sample if mod is not None else None
+
+
+def available() -> bool:
+    return extension() is not None and torch.backends.openmp.is_available()
+
+
+if __name__ == "__main__":
+    # `make install` builds the kernels once, so no worker pays the compile on its first request.
+    print("CPU kernels (paged decode and prefill attention, race sampler, fused ops):", "ready" if available() else "unavailable (torch paths)")

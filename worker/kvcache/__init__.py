@@ -1,0 +1,2 @@
+"""KV memory: page accounting, the cache tensors, the radix prefix cache and its block-event log.
+"""

@@ -1,0 +1,228 @@
+"""Paged attention backends behind one interface: `prepare` per step, `forward` per layer.
+
+`TorchAttention` is the reference and CPU path; on CUDA `FlashAttention` (flash-attn 2) where it fits, else
+`worker.model.triton_backend.TritonAttention`. `worker.model.backends` picks one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.kvcache.tensors import KVCache
+
+
+@dataclass(slots=True)
+class BatchLayout:
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of every token of the step
+    decode_tables: list[list[int]]  # per decode sequence: its pages
+    decode_ctx: list[int]  # per decode sequence: context length incl. the new token
+    prefill_tables: list[list[int]]
+    prefill_q: list[int]  # tokens of the chunk
+    prefill_ctx: list[int]  # context length after the chunk (cached prefix + earlier chunks + chunk)
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode_ctx)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    start: int  # first token row in the step
+    q_len: int
+    ctx_slots: torch.Tensor | None  # None => fresh prompt: attend to the chunk itself, causal
+    mask: torch.Tensor | None  # [q, ctx] bool, True = may attend
+
+
+@dataclass(slots=True)
+class TorchMeta:
+    slot_mapping: torch.Tensor
+    num_decode: int
+    decode_pages: torch.Tensor | None  # [B * max_pages] flattened page ids
+    decode_mask: torch.Tensor | None  # [B, 1, L] additive float mask
+    decode_len: int
+    chunks: list[_Chunk]
+    decode_tables: torch.Tensor | None = None  # [B, max_pages] int64 (C++ kernel path)
+    decode_lens: torch.Tensor | None = None  # [B] int64 (C++ kernel path)
+    prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # tables, q_lens, ctx_lens (C++ path)
+
+
+class TorchAttention:
+    """Paged attention on torch tensors: the C++ CPU kernels where given (`worker.kernels.cpu`), else the
+    pure-torch reference (batched gather + matmuls for decode, SDPA per prefill chunk)."""
+
+    name = "torch"
+    pages_first = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernel=None, prefill_kernel=None,
+                 kv_write=None) -> None:
+        self.nh, self.kvh, self.hd = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.kernel = kernel  # cpu_kernels.paged_decode or None
+        self.prefill_kernel = prefill_kernel  # cpu_kernels.paged_prefill or None
+        self.kv_write = kv_write  # cpu_kernels.paged_kv_write (one call for a layer's new K/V rows) or None
+
+    def prepare(self, lay: BatchLayout, device: torch.device) -> TorchMeta:
+        bs = lay.block_size
+        pages = mask = tables = lens = None
+        length = 0
+        if lay.decode_ctx and self.kernel is not None:
+            max_pages = max(len(t) for t in lay.decode_tables)
+            tables = torch.tensor([t + [0] * (max_pages - len(t)) for t in lay.decode_tables], dtype=torch.int64)
+            lens = torch.tensor(lay.decode_ctx, dtype=torch.int64)
+        elif lay.decode_ctx:
+            max_pages = max(len(t) for t in lay.decode_tables)
+            padded = [t + [0] * (max_pages - len(t)) for t in lay.decode_tables]
+            pages = torch.tensor(padded, dtype=torch.int64).view(-1).to(device, non_blocking=True)
+            length = max_pages * bs
+            ctx = torch.tensor(lay.decode_ctx, dtype=torch.int64)
+            beyond = torch.arange(length)[None, :] >= ctx[:, None]
+            mask = torch.zeros(beyond.shape, dtype=torch.float32).masked_fill_(beyond, float("-inf"))
+            mask = mask[:, None, :].to(device, non_blocking=True)
+        if lay.prefill_q and self.prefill_kernel is not None:
+            width = max(len(t) for t in lay.prefill_tables)
+            prefill = (torch.tensor([t + [0] * (width - len(t)) for t in lay.prefill_tables], dtype=torch.int64),
+                       torch.tensor(lay.prefill_q, dtype=torch.int64), torch.tensor(lay.prefill_ctx, dtype=torch.int64))
+            return TorchMeta(lay.slot_mapping, lay.num_decode, pages, mask, length, [], tables, lens, prefill)
+        chunks = []
+        row = lay.num_decode
+        offs = torch.arange(bs)
+        for table, q_len, ctx_len in zip(lay.prefill_tables, lay.prefill_q, lay.prefill_ctx, strict=True):
+            ctx_slots = cmask = None
+            if ctx_len != q_len:
+                n_pages = -(-ctx_len // bs)
+                pt = torch.tensor(table[:n_pages], dtype=torch.int64)
+                ctx_slots = (pt[:, None] * bs + offs[None, :]).view(-1)[:ctx_len].to(device)
+                past = ctx_len - q_len
+                cmask = (torch.arange(ctx_len)[None, :] <= past + torch.arange(q_len)[:, None]).to(device)
+            chunks.append(_Chunk(row, q_len, ctx_slots, cmask))
+            row += q_len
+        return TorchMeta(lay.slot_mapping, lay.num_decode, pages, mask, length, chunks, tables, lens)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: KVCache, meta: TorchMeta) -> torch.Tensor:
+        """q: [T, nh, hd]; k, v: [T, kvh, hd] -> [T, nh * hd]."""
+        kc, vc = kv.k[layer], kv.v[layer]
+        if self.kv_write is not None:
+            self.kv_write(k, v, kc, vc, meta.slot_mapping)
+        else:
+            kc.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            vc.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        b = meta.num_decode
+        if b == q.shape[0]:  # a decode-only step: the decode output is the whole result
+            return self._decode(q, kc, vc, kv.block_size, meta).reshape(b, -1)
+        out = torch.empty_like(q)
+        if b:
+            out[:b] = self._decode(q[:b], kc, vc, kv.block_size, meta)
+        if meta.prefill is not None:
+            out[b:] = self.prefill_kernel(q[b:].contiguous(), kc, vc, *meta.prefill, kv.block_size, self.scale)
+        for ch in meta.chunks:
+            rows = slice(ch.start, ch.start + ch.q_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kc, vc, ch)
+        return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bs: int,
+                meta: TorchMeta) -> torch.Tensor:
+        if meta.decode_tables is not None:
+            return self.kernel(q, kc, vc, meta.decode_tables, meta.decode_lens, bs, self.scale)
+        b, kvh, hd, length = q.shape[0], self.kvh, self.hd, meta.decode_len
+        keys = kc.view(kvh, -1, bs * hd).index_select(1, meta.decode_pages).view(kvh, b, length, hd)
+        vals = vc.view(kvh, -1, bs * hd).index_select(1, meta.decode_pages).view(kvh, b, length, hd)
+        qg = q.view(b, kvh, self.group, hd).transpose(0, 1)  # [kvh, B, g, hd]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float()
+        scores.mul_(self.scale).add_(meta.decode_mask)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = torch.matmul(probs, vals)  # [kvh, B, g, hd]
+        return o.transpose(0, 1).reshape(b, self.nh, hd)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
+                 vc: torch.Tensor, ch: _Chunk) -> torch.Tensor:
+        qh = q.transpose(0, 1)[None]  # [1, nh, q, hd]
+        if ch.ctx_slots is None:
+            kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            kh = kc.index_select(1, ch.ctx_slots)[None]
+            vh = vc.index_select(1, ch.ctx_slots)[None]
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=ch.mask, scale=self.scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+
+@dataclass(slots=True)
+class FlashMeta:
+    slot_mapping: torch.Tensor
+    num_decode: int
+    decode_table: torch.Tensor | None  # [B, max_pages] int32
+    decode_lens: torch.Tensor | None  # [B] int32
+    prefill_table: torch.Tensor | None
+    cu_q: torch.Tensor | None
+    cu_k: torch.Tensor | None
+    max_q: int
+    max_k: int
+
+
+class FlashAttention:
+    """flash-attn 2: varlen prefill (with the cached prefix through block_table) and paged decode."""
+
+    name = "flash_attn"
+    pages_first = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        import flash_attn  # noqa: F401 - fail early when missing
+
+        self.nh, self.kvh, self.hd = num_heads, num_kv_heads, head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    @staticmethod
+    def usable(block_size: int) -> bool:
+        if not torch.cuda.is_available() or block_size % 256:
+            return False  # flash-attn 2 paged kernels need pages of a multiple of 256 tokens
+        return importlib.util.find_spec("flash_attn") is not None
+
+    def prepare(self, lay: BatchLayout, device: torch.device) -> FlashMeta:
+        def table(rows: list[list[int]]) -> torch.Tensor:
+            width = max(len(r) for r in rows)
+            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).to(device)
+
+        dt = dl = pt = cu_q = cu_k = None
+        if lay.decode_ctx:
+            dt = table(lay.decode_tables)
+            dl = torch.tensor(lay.decode_ctx, dtype=torch.int32).to(device)
+        if lay.prefill_q:
+            pt = table(lay.prefill_tables)
+            cu_q = torch.tensor([0, *_cumsum(lay.prefill_q)], dtype=torch.int32).to(device)
+            cu_k = torch.tensor([0, *_cumsum(lay.prefill_ctx)], dtype=torch.int32).to(device)
+        return FlashMeta(lay.slot_mapping, lay.num_decode, dt, dl, pt, cu_q, cu_k,
+                         max(lay.prefill_q, default=0), max(lay.prefill_ctx, default=0))
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: KVCache, meta: FlashMeta) -> torch.Tensor:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        kc, vc = kv.k[layer], kv.v[layer]
+        kc.view(-1, self.kvh, self.hd).index_copy_(0, meta.slot_mapping, k)
+        vc.view(-1, self.kvh, self.hd).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        b = meta.num_decode
+        if b:
+            o = flash_attn_with_kvcache(q[:b, None], kc, vc, cache_seqlens=meta.decode_lens,
+                                        block_table=meta.decode_table, softmax_scale=self.scale, causal=True)
+            out[:b] = o[:, 0]
+        if meta.cu_q is not None:
+            out[b:] = flash_attn_varlen_func(q[b:], kc, vc, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k,
+                                             softmax_scale=self.scale, causal=True, block_table=meta.prefill_table)
+        return out.view(q.shape[0], -1)
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    out, total = [], 0
+    for x in xs:
+        total += x
+        out.append(total)
+    return out

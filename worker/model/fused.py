@@ -1,0 +1,83 @@
+"""A decoder layer's elementwise ops: `EagerOps` (torch, the reference), `FusedOps` (one C++ pass each on CPU,
+`csrc/fused_ops.cpp`) and `worker.triton_ops.TritonOps` (CUDA). `worker.model.backends` picks one (`EngineConfig.fused_ops`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["EagerOps", "FusedOps", "Rope"]
+log = logging.getLogger(__name__)
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+_NO_RESIDUAL = {dt: torch.empty(0, dtype=dt) for dt in _KERNEL_DTYPES}
+
+
+@dataclass(slots=True)
+class Rope:
+    """One step's rotary inputs: positions and the model's fp32 cos/sin tables [max_position, head_dim / 2]."""
+
+    positions: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    cos: torch.Tensor | None = None  # gathered [T, 1, hd/2] in the model dtype (eager only)
+    sin: torch.Tensor | None = None
+
+
+class EagerOps:
+    """The reference: plain torch ops (the layer's original formulas)."""
+
+    def prepare_rope(self, rope: Rope, dtype: torch.dtype) -> Rope:
+        rope.cos = rope.cos_table[rope.positions].to(dtype)[:, None, :]
+        rope.sin = rope.sin_table[rope.positions].to(dtype)[:, None, :]
+        return rope
+
+    def rope(self, qkv: torch.Tensor, n_rot: int, rope: Rope) -> torch.Tensor:
+        """The first `n_rot` heads of qkv [T, heads, hd], rotated (a new tensor here; in place when fused)."""
+        x = qkv[:, :n_rot]
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        cos, sin = rope.cos, rope.sin
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """x += residual (in place), then rms_norm(x) * weight."""
+        x.add_(residual)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        g, u = gate_up.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+
+class FusedOps(EagerOps):
+    """The same ops, one C++ pass each; only for a CPU model in bf16 or fp32 (`worker.model.backends.make_ops` decides once). The
+    kernels check their inputs (contiguous, dtype) and raise rather than fall back."""
+
+    def __init__(self, ext) -> None:
+        self.ext = ext
+
+    def prepare_rope(self, rope: Rope, dtype: torch.dtype) -> Rope:
+        return rope  # the kernel reads the fp32 tables by position
+
+    def rope(self, qkv: torch.Tensor, n_rot: int, rope: Rope) -> torch.Tensor:
+        self.ext.rope_(qkv, rope.positions, rope.cos_table, rope.sin_table, n_rot)
+        return qkv[:, :n_rot]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ext.add_rms_norm(x, _NO_RESIDUAL[x.dtype], weight, eps)
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        return self.ext.add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ext.silu_mul(gate_up)

@@ -1,0 +1,125 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral) over the paged KV cache.
+
+One forward runs a whole engine step (decodes and prefill chunks flattened together),
+with fused Q/K/V and gate/up projections and logits only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.config import ModelConfig
+from worker.kvcache.tensors import KVCache
+from worker.model.attention import FlashAttention, FlashMeta, TorchAttention, TorchMeta
+from worker.model.fused import EagerOps, Rope
+
+
+@dataclass(slots=True)
+class StepContext:
+    """One step's inputs besides the token ids: positions, rows that need logits, the attention state."""
+
+    positions: torch.Tensor  # [T] int64
+    logits_rows: torch.Tensor | None  # [n] rows that need logits
+    attn: TorchAttention | FlashAttention
+    meta: TorchMeta | FlashMeta  # the backend's metadata for this step
+    kv: KVCache
+    ops: EagerOps  # the layer's elementwise ops: eager (reference) or fused (`worker.model.fused`)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind in (None, "default"):
+        return inv
+    if kind == "linear":
+        return inv / float(sc["factor"])
+    if kind == "llama3":
+        factor, low, high = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's fused kernel accumulates low precision in fp32 and rounds once: one pass instead of the
+        # seven of HF's formula (fp32 copy, pow, mean, rsqrt, mul, cast, weight mul), and closer to fp32
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.nh, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, hd
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(h, (self.nh + 2 * self.kvh) * hd, bias=False)
+        self.o = nn.Linear(self.nh * hd, h, bias=False)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.index = index
+
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: StepContext) -> torch.Tensor:
+        """x [T, hidden] is updated in place (the residual stream) and returned."""
+        nh, kvh, hd, ops = self.nh, self.kvh, self.hd, ctx.ops
+        h = ops.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+        qkv = self.qkv(h).view(x.shape[0], nh + 2 * kvh, hd)
+        qk = ops.rope(qkv, nh + kvh, rope)
+        attn_out = ctx.attn.forward(self.index, qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:], ctx.kv, ctx.meta)
+        h = ops.add_rms_norm_(x, self.o(attn_out), self.post_attn_norm.weight, self.post_attn_norm.eps)
+        return x.add_(self.down(ops.silu_mul(self.gate_up(h))))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.requires_grad_(False)
+        self._rope_cos: torch.Tensor | None = None
+        self._rope_sin: torch.Tensor | None = None
+
+    def build_rope(self) -> None:
+        """Precompute cos/sin [max_position, head_dim/2] in fp32 on the model's device (call after .to())."""
+        dev = self.embed.weight.device
+        inv = rope_inv_freq(self.cfg).to(dev)
+        pos = torch.arange(self.cfg.max_position, device=dev, dtype=torch.float32)
+        freqs = torch.outer(pos, inv)
+        self._rope_cos, self._rope_sin = freqs.cos(), freqs.sin()
+
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """input_ids: [T]. Returns fp32 logits [n, vocab] of `ctx.logits_rows`, None when there are none."""
+        if self._rope_cos is None:
+            self.build_rope()
+        x = self.embed(input_ids)
+        rope = ctx.ops.prepare_rope(Rope(ctx.positions, self._rope_cos, self._rope_sin), x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, ctx)
+        rows = ctx.logits_rows
+        if rows is None or rows.numel() == 0:
+            return None
+        x = self.norm(x[rows])
+        return self.lm_head(x).float()

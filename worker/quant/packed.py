@@ -1,0 +1,74 @@
+"""bf16 linear layers with weights prepacked once into oneDNN's blocked layout (CPU).
+
+`F.linear` on a plain bf16 weight reorders it on every call; at decode sizes that reorder costs as much
+as the product itself. The packed product is bit-identical to `F.linear` (tests/worker/quant/test_packed_linear.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+__all__ = ["PackedLinear", "can_pack", "pack", "pack_model", "packed_linear"]
+log = logging.getLogger(__name__)
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """oneDNN bf16 packing is available for this dtype and device (fp32 stays plain: it is the reference)."""
+    return (dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """An opaque oneDNN copy of a dense [out, in] bf16 weight."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def packed_linear(x2: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x2 [rows, in] @ packed.T -> [rows, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """A bias-free linear layer over a prepacked weight; `weight` unpacks a dense copy on demand."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack(weight)  # not a buffer: opaque tensors have no storage to save or copy
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed.to_dense()
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = packed_linear(x.reshape(-1, shape[-1]), self.packed)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def __deepcopy__(self, memo: dict) -> PackedLinear:
+        return PackedLinear(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, packed=onednn"
+
+
+def pack_model(model: nn.Module) -> int:
+    """Swap every plain bf16 CPU `nn.Linear` (no bias) of the decoder and its LM head for a `PackedLinear`."""
+    count = 0
+    with torch.inference_mode(False), torch.no_grad():
+        for parent in [*model.layers, model]:
+            for name, child in list(parent.named_children()):
+                if (type(child) is nn.Linear and child.bias is None
+                        and can_pack(child.weight.dtype, child.weight.device)):
+                    setattr(parent, name, PackedLinear(child.weight))
+                    count += 1
+    if count:
+        log.info("prepacked %d linear layers for oneDNN (bf16)", count)
+    return count

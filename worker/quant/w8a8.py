@@ -1,0 +1,143 @@
+"""W8A8 linears for prefill-sized products: int8 activations (per row) times int8 weights on the CPU's int8 dot
+units (`torch._int_mm`), with SmoothQuant's per-channel factors moving activation outliers into the weights.
+
+Factors come from the activation maxima of each linear's input over a shipped calibration text
+(`data/calibration.txt`, not the quality gate's text), measured once at load on the unquantized model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from worker.kernels.cpu import extension
+from worker.kernels.cpu_features import has_int8_dot
+
+__all__ = ["ALPHA", "CALIBRATION_TEXT", "SMALL_ROWS", "W8A8Weight", "activation_maxima", "available",
+           "small_available"]
+
+ALPHA = 0.5  # SmoothQuant migration strength: 0.5 balances activation and weight ranges
+CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
+CALIBRATION_TOKENS = 2048
+SMALL_ROWS = 16  # few-row kernel cutoff until `quant.calibrate` measures it
+_LINEARS = ("qkv", "o", "gate_up", "down")
+EXACT_FP32_K = (1 << 24) // (127 * 128)  # 1032: that many int8 x int8 products sum exactly in fp32
+
+
+def available() -> bool:
+    """The C++ quantize/dequantize passes built and torch has the int8 product."""
+    return hasattr(torch, "_int_mm") and extension() is not None
+
+
+@dataclass(slots=True)
+class W8A8Weight:
+    """A linear's weight for W8A8: int8 [in, out] of weight x smoothing factor, per output channel scales, and the
+    inverse factors applied to the activations while they are quantized."""
+
+    wt: torch.Tensor  # [in, out] int8
+    col_scale: torch.Tensor  # [out] fp32
+    inv_smooth: torch.Tensor  # [in] fp32
+    # the same weight packed for the few-row kernel (AVX-512 VNNI, csrc/w8a8_small.cpp) and its column sums
+    small: tuple[torch.Tensor, torch.Tensor] | None = None
+    small_rows: int = 0  # calls of up to this many rows take the few-row kernel (`quant.calibrate_small_rows`)
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, act_max: torch.Tensor | None, alpha: float = ALPHA) -> W8A8Weight:
+        w = weight.detach().float()
+        smooth = torch.ones(w.shape[1])
+        if act_max is not None:
+            smooth = act_max.float().clamp(min=1e-5) ** alpha / w.abs().amax(0).clamp(min=1e-5) ** (1 - alpha)
+            smooth = smooth.clamp(min=1e-5)
+        ws = w * smooth[None, :]
+        scale = ws.abs().amax(1).clamp(min=1e-8) / 127
+        wt = (ws / scale[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
+        lin = cls(wt, scale.contiguous(), (1.0 / smooth).contiguous())
+        if small_available() and wt.shape[0] % 4 == 0 and wt.shape[1] % 16 == 0:
+            lin.small = extension().w8a8_small_pack(wt)
+            lin.small_rows = SMALL_ROWS
+        return lin
+
+    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [rows, in] (bf16 or fp32, contiguous) -> [rows, out] of x2's dtype."""
+        if x2.shape[0] <= self.small_rows:
+            return self.forward_small(x2)
+        return self.forward_int_mm(x2)
+
+    def forward_int_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        ext = extension()
+        xq, row_scale = ext.w8a8_quantize(x2, self.inv_smooth)
+        return ext.w8a8_dequantize(int8_matmul(xq, self.wt), row_scale, self.col_scale, x2)
+
+    def forward_small(self, x2: torch.Tensor) -> torch.Tensor:
+        """The few-row kernel: bit-identical to `forward_int_mm`, without its per-call weight re-layout."""
+        packed, colsum = self.small
+        return extension().w8a8_small_linear(x2, self.inv_smooth, packed, colsum, self.col_scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.wt.numel() + 4 * (self.col_scale.numel() + self.inv_smooth.numel())
+
+    @property
+    def small_nbytes(self) -> int:
+        """Bytes of the few-row kernel's packed weight and column sums (0 without them)."""
+        return 0 if self.small is None else self.small[0].numel() + 4 * self.small[1].numel()
+
+
+def int8_matmul(xq: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """[m, k] int8 @ [k, n] int8 -> [m, n] int32, exactly. `torch._int_mm` where the CPU has int8 dot products;
+    elsewhere (AVX2 only, where `_int_mm` runs ~50x slower than an fp32 GEMM) fp32 GEMMs over slices of K
+    short enough that every partial sum is an integer below 2^24, so exact in any order: the same bits."""
+    return torch._int_mm(xq, wt) if has_int8_dot() else int8_matmul_fp32(xq, wt)
+
+
+def int8_matmul_fp32(xq: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """`int8_matmul` on fp32 GEMMs (see there), on any CPU."""
+    x, out = xq.float(), None
+    for k0 in range(0, wt.shape[0], EXACT_FP32_K):
+        part = (x[:, k0:k0 + EXACT_FP32_K] @ wt[k0:k0 + EXACT_FP32_K].float()).to(torch.int32)
+        out = part if out is None else out.add_(part)
+    return out
+
+
+def small_available() -> bool:
+    """The few-row W8A8 kernel was built (AVX-512 VNNI)."""
+    ext = extension()
+    return ext is not None and ext.w8a8_small_available()
+
+
+def calibration_ids(tokenizer) -> list[int]:
+    return tokenizer.encode(CALIBRATION_TEXT.read_text())[:CALIBRATION_TOKENS]
+
+
+@torch.inference_mode()
+def activation_maxima(model: nn.Module, ids: list[int]) -> dict[tuple[int, str], torch.Tensor]:
+    """Per input channel max |x| of every decoder linear (keyed by layer index and name) over one prefill of
+    `ids`, through the reference attention and eager ops on a scratch KV cache."""
+    from worker.kvcache.tensors import KVCache
+    from worker.model.attention import BatchLayout, TorchAttention
+    from worker.model.fused import EagerOps
+    from worker.model.llama import StepContext
+
+    cfg, dev = model.cfg, model.embed.weight.device
+    bs, n = 16, len(ids)
+    pages = -(-n // bs)
+    kv = KVCache(cfg, pages, bs, model.embed.weight.dtype, dev)
+    attn = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    lay = BatchLayout(bs, torch.arange(n, device=dev), [], [], [list(range(pages))], [n], [n])
+    ctx = StepContext(torch.arange(n, device=dev), None, attn, attn.prepare(lay, dev), kv, EagerOps())
+    maxima: dict[tuple[int, str], torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        for name in _LINEARS:
+            def record(_mod, args, key=(i, name)):
+                maxima[key] = args[0].reshape(-1, args[0].shape[-1]).abs().amax(0).float().cpu()
+            hooks.append(getattr(layer, name).register_forward_pre_hook(record))
+    try:
+        model(torch.tensor(ids, device=dev), ctx)
+    finally:
+        for h in hooks:
+            h.remove()
+    return maxima

@@ -1,0 +1,2 @@
+"""Sampling: the batched sampler, per-request logit adjustments and grammar-constrained decoding.
+"""
