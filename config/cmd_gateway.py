@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokens (default 0.1; 0 balances best with one gateway, replicas agree less)")
     parser.add_argument("--route-prefix-tokens", dest="route_prefix_tokens", type=int,
                         help="prompt-prefix tokens a routing key covers at most (default 256)")
+    parser.add_argument("--max-resumes", dest="max_resumes", type=int,
+                        help="times a stream that lost its worker carries on on another one (default 2; 0: never)")
     parser.add_argument("--log-level", dest="log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--log-format", dest="log_format", choices=["json", "text"],
                         help="log lines as JSON objects (default) or text")
@@ -66,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def overrides_from_args(args: argparse.Namespace) -> dict:
     names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "keep_alive_timeout",
              "worker_timeout", "worker_stall_timeout", "log_level", "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
-             "route_prefix_tokens")
+             "route_prefix_tokens", "max_resumes")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:
         values["metrics_tenant_labels"] = [t.strip() for t in args.metrics_tenant_labels.split(",") if t.strip()]
@@ -106,7 +108,7 @@ def build_app(settings: Settings):
                                 client_factory=clients)
         router = Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens,
                         epsilon=gw.route_epsilon, footprint_epsilon=gw.route_footprint_epsilon,
-                        block_size=gw.block_size, tokenizer_version=model.version)
+                        block_size=gw.block_size, tokenizer_version=model.version, max_resumes=gw.max_resumes)
         gate = None
         if gw.capacity_admission:
             gate = CapacityGate(RouterCapacity(router), admission_wait_ms=gw.admission_wait_ms,

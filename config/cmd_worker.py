@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--worker-id", help="registry id (default: <hostname>-<port>)")
     a("--redis-url", help="register in this Redis (env SWITCHYARD_REDIS_URL)")
     a("--drain-timeout", type=float, help="seconds to finish running requests after SIGTERM")
+    a("--drain-handoff", type=float,
+      help="seconds into a drain to hand running streams to other workers (default 1; negative: never)")
     a("--gateway-timeout", type=float, help="abort a gateway's requests after this many silent seconds")
     a("--stats-interval", type=float, help="seconds between stats frames")
     a("--block-size", type=int)
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     server_cfg = ServerConfig(bind=ws.bind, advertise=ws.advertise, worker_id=ws.worker_id,
                               redis_url=settings.redis_url, drain_timeout=ws.drain_timeout,
+                              drain_handoff=ws.drain_handoff if ws.drain_handoff >= 0 else None,
                               gateway_timeout=ws.gateway_timeout, stats_interval=ws.stats_interval,
                               cluster_key=settings.cluster_key())
     loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,

@@ -25,6 +25,9 @@ class WorkerSettings(BaseModel):
     advertise: str | None = None  # endpoint gateways connect to; default: the bound one
     worker_id: str | None = None  # default: <hostname>-<port>
     drain_timeout: float = Field(30.0, gt=0)
+    # SIGTERM: after this many seconds running streams are handed over (the gateways resume them on other
+    # workers); negative: never (a single-worker deployment: they finish here within drain_timeout)
+    drain_handoff: float = 1.0
     gateway_timeout: float = Field(5.0, gt=0)
     stats_interval: float = Field(0.1, gt=0)
     # engine knobs (worker.config.EngineConfig); None keeps the engine's default
@@ -77,6 +80,9 @@ class GatewaySettings(BaseModel):
     # a prefix no worker holds goes to a worker whose placed prefix tokens are below (1 + eps) x mean
     route_footprint_epsilon: float = Field(0.1, ge=0.0)
     route_prefix_tokens: int = Field(256, ge=0)  # stable-prefix tokens a routing key covers at most
+    # a stream whose worker is lost (or drains) after tokens were streamed carries on on another worker, with
+    # the prompt and the streamed tokens, at most this many times (router.dispatch; 0: never)
+    max_resumes: int = Field(2, ge=0, le=16)
     # the workers' KV block size: the unit of block hashes; a worker reporting another size is refused
     block_size: int = Field(16, gt=0)
     # capacity admission (admission.capacity.CapacityGate over the workers' KV stats)

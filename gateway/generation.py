@@ -83,6 +83,7 @@ _LINK_TEXT = {
     "incompatible": "The model worker runs an incompatible version.",
     "closed": "The connection to the model worker closed.",
     "protocol": "The model worker sent a malformed reply.",
+    "draining": "The model worker shut down and no other worker could carry the stream on.",
 }
 _ADDRESS = re.compile(r"\b(?:tcp|ipc|inproc)://\S+")
 

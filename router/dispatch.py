@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from router import metrics
-from router.client import WorkerError
+from router.client import LinkError, WorkerError
 from router.holders import InFlightPrefixes, PrefixHolders
 from router.kv_view import KvView
 from router.load import LoadTracker
@@ -30,9 +30,10 @@ from router.policy import (
     RoutingPolicy,
 )
 from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, cache_key_route, key_span, prefix_key
-from worker.protocol import OutItem, Priority, SamplingParams
+from worker.protocol import ErrorCode, OutItem, Priority, SamplingParams
 
 FALLBACK_FAILOVER = "failover"
+DEFAULT_MAX_RESUMES = 2
 PrecisionListener = Callable[[str, str, int, int], None]  # rid, worker, predicted, actual cached tokens
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_STREAM_S = 600.0
@@ -70,6 +71,7 @@ class Router:
         block_size: int = DEFAULT_BLOCK_SIZE,
         route_prefix_tokens: int = DEFAULT_ROUTE_PREFIX_TOKENS,
         max_stream_seconds: float = DEFAULT_MAX_STREAM_S,
+        max_resumes: int = DEFAULT_MAX_RESUMES,
         epsilon: float = DEFAULT_EPSILON,
         footprint_epsilon: float = DEFAULT_FOOTPRINT_EPSILON,
         rng: random.Random | None = None,
@@ -82,6 +84,7 @@ class Router:
         self.block_size = block_size
         self.route_prefix_tokens = route_prefix_tokens
         self.max_stream_seconds = max_stream_seconds
+        self.max_resumes = max_resumes  # times one stream may carry on elsewhere after tokens were streamed
         self.policy = RoutingPolicy(epsilon=epsilon, footprint_epsilon=footprint_epsilon, rng=rng)
         self.loads = LoadTracker()
         self.holders = PrefixHolders()
@@ -201,7 +204,9 @@ class Router:
         matched = self.kv.matched(req.ns, req.tokens, self.policy.members)
         exclude: frozenset[str] = frozenset()
         failed: WorkerError | None = None
-        for _ in range(2):
+        streamed: list[int] = []  # tokens the consumer has seen: a resumed attempt carries on after them
+        resumes, failed_at, first_cached = 0, 0.0, None
+        while True:
             try:
                 choice = self.pick(key, req.cost, exclude, span, matched)
             except NoWorkerAvailable:
@@ -209,24 +214,39 @@ class Router:
                     raise failed from None
                 raise
             started = False
-            attempt = self._attempt(choice.worker_id, req, key, span, matched.get(choice.worker_id))
+            attempt = self._attempt(choice.worker_id, req, key, span, matched.get(choice.worker_id), streamed)
             try:
                 # aclosing: a consumer that stops early closes us, and we close the attempt at once
                 async with contextlib.aclosing(attempt) as chunks:
                     async for chunk in chunks:
+                        if failed_at:
+                            metrics.RESUME_GAP.observe(time.monotonic() - failed_at)
+                            failed_at = 0.0
                         started = True
+                        if first_cached is None:
+                            first_cached = chunk.cached_tokens
+                        chunk.cached_tokens = first_cached  # usage as if the stream had not moved
+                        streamed.extend(chunk.tokens)
                         yield chunk
                 return
             except WorkerError as err:
                 overdue = req.deadline > 0 and time.time() >= req.deadline
-                if started or not err.retryable or failed is not None or overdue:
+                if started or streamed:
+                    reason = _resume_reason(err)
+                    if reason is None or resumes >= self.max_resumes or overdue:
+                        raise
+                    resumes += 1
+                    failed_at = time.monotonic()
+                    metrics.RESUMES.labels(reason).inc()
+                elif not err.retryable or failed is not None or overdue:
                     raise
-                failed = err
+                else:
+                    failed = err
+                    metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
                 exclude = exclude | {choice.worker_id}
-                metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
 
     async def _attempt(self, wid: str, req: RouteRequest, key: bytes | None, span: int,
-                       reported: int | None) -> AsyncIterator[OutItem]:
+                       reported: int | None, streamed: list[int]) -> AsyncIterator[OutItem]:
         m = self.membership
         client = m.client(wid)
         loads, holders = self.loads, self.holders
@@ -241,8 +261,9 @@ class Router:
         self.sending.add(key, wid, span)
         metrics.REQUESTS.labels(wid).inc()
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
-        stream = client.generate(req.rid, req.ns, req.tokens, req.sampling, req.priority, req.deadline,
-                                 fkey=req.fkey, weight=req.weight)
+        tokens = _with_streamed(req.tokens, streamed) if streamed else req.tokens
+        stream = client.generate(req.rid, req.ns, tokens, req.sampling, req.priority, req.deadline,
+                                 fkey=req.fkey, weight=req.weight, resumed=len(streamed))
         first = True
         cached = 0
         try:
@@ -289,6 +310,23 @@ class Router:
         if req.deadline <= 0:
             return self.max_stream_seconds
         return max(0.0, min(req.deadline - time.time() + DEADLINE_GRACE_S, self.max_stream_seconds))
+
+
+def _resume_reason(err: WorkerError) -> str | None:
+    """Why a stream that already produced tokens may carry on elsewhere (None: it may not)."""
+    if err.code == LinkError.WORKER_LOST:
+        return "worker_lost"
+    if err.code == ErrorCode.DRAINING:
+        return "drain"
+    if err.code in (LinkError.CLOSED, LinkError.PROTOCOL) and err.retryable:
+        return "link"
+    return None
+
+
+def _with_streamed(tokens: Sequence[int] | np.ndarray | bytes, streamed: list[int]) -> np.ndarray:
+    """The request's tokens followed by those already streamed (int32, as the wire packs them)."""
+    head = np.frombuffer(tokens, dtype="<i4") if isinstance(tokens, bytes) else np.asarray(tokens, dtype="<i4")
+    return np.concatenate([head, np.asarray(streamed, dtype="<i4")])
 
 
 def _distinct(matched: dict[str, int], members: Iterable[str]) -> dict[str, int]:

@@ -30,6 +30,17 @@ FALLBACKS = Counter(
     ["reason"],
 )
 
+RESUMES = Counter(
+    "switchyard_router_resumes",
+    "Streams carried on by another worker after tokens were streamed, by reason (worker_lost, drain, link)",
+    ["reason"],
+)
+RESUME_GAP = Histogram(
+    "switchyard_router_resume_gap_seconds",
+    "Seconds from a resumed stream's failure to its first chunk from the next worker",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0),
+)
+
 PREDICTED_TOKENS = Counter(
     "switchyard_router_predicted_cached_tokens",
     "Prompt tokens the router expected the chosen worker to have cached, at routing time", ["worker"],

@@ -41,6 +41,7 @@ class ScriptedWorker:
         self.script = script
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.gens: list[str] = []
+        self.requests: list[proto.GenRequest] = []
         self.aborts: list[str] = []
         self.dead = False
         self.draining = False
@@ -88,15 +89,18 @@ class ScriptedWorker:
                 self.aborts.append(msg.rid)
             elif isinstance(msg, proto.GenRequest):
                 self.gens.append(msg.rid)
-                await self._answer(ident, msg.rid)
+                self.requests.append(msg)
+                await self._answer(ident, msg.rid, msg.resumed)
 
-    async def _answer(self, ident: bytes, rid: str) -> None:
+    async def _answer(self, ident: bytes, rid: str, resumed: int = 0) -> None:
         def out(tokens: list[int], finish: str | None) -> bytes:
             return proto.encode_out([proto.OutItem(rid, tokens, finish, 16, None)])
 
-        if self.script == "ok":
-            await self._sock.send_multipart([ident, out([1, 2], None)])
-            await self._sock.send_multipart([ident, out([3], "length")])
+        if self.script == "ok":  # tokens 1, 2, 3; a resumed request carries on after the ones it was sent
+            rest = [1, 2, 3][resumed:]
+            if rest[:-1]:
+                await self._sock.send_multipart([ident, out(rest[:-1], None)])
+            await self._sock.send_multipart([ident, out(rest[-1:], "length")])
         elif self.script == "retryable":
             await self._sock.send_multipart([ident, proto.encode_err(rid, "capacity", "full", True)])
         elif self.script == "fatal":
@@ -207,8 +211,21 @@ async def test_non_retryable_error_is_not_retried() -> None:
         assert b.gens == []
 
 
-async def test_death_after_first_token_ends_with_retryable_error() -> None:
+async def test_death_after_first_token_resumes_on_another_worker() -> None:
     async with setup("die_after_first", "ok") as (router, req, a, b):
+        got: list[int] = []
+        async with contextlib.aclosing(router.stream(req)) as chunks:
+            async for chunk in chunks:
+                got += chunk.tokens
+        assert got == [1, 2, 3]  # one uninterrupted stream
+        (resumed,) = b.requests
+        assert resumed.resumed == 1 and resumed.tokens.tolist() == list(req.tokens) + [1]
+        assert no_inflight(router)
+
+
+async def test_death_after_first_token_without_resumes_ends_with_retryable_error() -> None:
+    async with setup("die_after_first", "ok") as (router, req, a, b):
+        router.max_resumes = 0
         got: list[int] = []
         t0 = time.monotonic()
         with pytest.raises(WorkerError) as err:
@@ -219,6 +236,18 @@ async def test_death_after_first_token_ends_with_retryable_error() -> None:
         assert err.value.retryable
         assert time.monotonic() - t0 < 5  # detected by missing stats, not a long timeout
         assert b.gens == []  # never re-sent after output
+        assert no_inflight(router)
+
+
+async def test_resumes_stop_at_the_limit() -> None:
+    async with setup("die_after_first", "die_after_first") as (router, req, a, b):
+        router.max_resumes = 1  # a dies after token 1; b gets it resumed, dies after its first token too
+        got: list[int] = []
+        with pytest.raises(WorkerError):
+            async with contextlib.aclosing(router.stream(req)) as chunks:
+                async for chunk in chunks:
+                    got += chunk.tokens
+        assert got == [1, 1] and b.requests[0].resumed == 1
         assert no_inflight(router)
 
 

@@ -67,15 +67,21 @@ class Engine:
 
     def add_request(self, rid: str, token_ids: list[int], sampling: SamplingParams,
                     priority: Priority = Priority.INTERACTIVE, namespace: bytes = b"", fkey: bytes = b"",
-                    weight: float = 1.0) -> None:
-        """`fkey`/`weight`: fairness key and share (worker.engine.fairness); no key => the cache namespace's."""
+                    weight: float = 1.0, resumed: int = 0) -> None:
+        """`fkey`/`weight`: fairness key and share (worker.engine.fairness); no key => the cache namespace's.
+
+        `resumed`: the last this many of `token_ids` were streamed already (by a worker that was lost): they are
+        output, so sampling positions, penalties, `max_tokens` and the grammar carry on after them."""
         self._validate(rid, token_ids, sampling, priority)
+        if not 0 <= resumed < len(token_ids) or resumed >= sampling.max_tokens:
+            raise bad_request("resumed must count fewer tokens than the prompt and max_tokens", "resumed")
         if not isinstance(namespace, bytes):
             raise bad_request("cache namespace must be bytes", "ns")
         check_fair_params(fkey, weight)
-        total = len(token_ids) + sampling.max_tokens
+        prompt_len = len(token_ids) - resumed
+        total = prompt_len + sampling.max_tokens  # resumed tokens count within max_tokens
         if total > self.max_context:
-            raise RequestError("capacity", f"prompt ({len(token_ids)}) + max_tokens ({sampling.max_tokens}) "
+            raise RequestError("capacity", f"prompt ({prompt_len}) + max_tokens ({sampling.max_tokens}) "
                                f"exceeds the model context of {self.max_context} tokens", param="max_tokens")
         if pages_for(total, self.config.block_size) > self.pool.num_pages:
             raise RequestError("capacity", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
@@ -90,12 +96,14 @@ class Engine:
         if not sampling.ignore_eos or compiling is not None:  # a grammar ends with EOS whatever ignore_eos says
             stops.add(self.tokenizer.eos_token_id)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
-        seq = Sequence(rid, list(token_ids), len(token_ids), sampling, Priority(priority), self._arrivals,
+        seq = Sequence(rid, list(token_ids), prompt_len, sampling, Priority(priority), self._arrivals,
                        namespace, seed & 0xFFFFFFFFFFFFFFFF, frozenset(stops),
                        fkey=fkey or namespace, weight=float(weight), grammar=grammar)
         cfg = self.config
         if cfg.spec_tokens and cfg.spec_max_batch and compiling is None and speculation_allowed(sampling):
             seq.ngram = NgramIndex(cfg.spec_ngram_min, cfg.spec_ngram_max)
+        if grammar is not None and not _replay_output(seq):
+            raise bad_request("the resumed tokens do not fit the request's grammar", "resumed")
         self._arrivals += 1
         self._prompt_tokens += len(token_ids)
         self._seqs[rid] = seq
@@ -123,7 +131,11 @@ class Engine:
         """Schedule the requests whose grammar compiled; end those whose compile failed or timed out."""
         ready, failed = self._grammars.settle()  # type: ignore[union-attr]
         for seq in ready:
-            self.scheduler.add(seq)
+            if _replay_output(seq):
+                self.scheduler.add(seq)
+            else:
+                failed.append((seq.rid, bad_request("the resumed tokens do not fit the request's grammar",
+                                                    "resumed")))
         outputs = []
         for rid, error in failed:
             seq = self._seqs.pop(rid)
@@ -351,3 +363,9 @@ def _ready_state(future: Future[CompiledGrammar] | None) -> GrammarState | None:
     if future is None or not future.done() or future.cancelled() or future.exception() is not None:
         return None
     return future.result().new_state()
+
+
+def _replay_output(seq: Sequence) -> bool:
+    """Advance a resumed request's grammar over the output it already has; False if the grammar refuses it."""
+    return all(seq.grammar.accept(tok) for tok in seq.tokens[seq.prompt_len:])  # type: ignore[union-attr]
+

@@ -15,7 +15,7 @@ from torch import nn
 
 from worker.config import ModelConfig
 from worker.kvcache.tensors import KVCache
-from worker.model.attention import FlashAttention, FlashMeta, TorchAttention, TorchMeta
+from worker.model.attention import BatchLayout, FlashAttention, FlashMeta, TorchAttention, TorchMeta
 from worker.model.fused import EagerOps, Rope
 
 
@@ -123,3 +123,16 @@ class LlamaModel(nn.Module):
             return None
         x = self.norm(x[rows])
         return self.lm_head(x).float()
+
+
+def reference_context(model: LlamaModel, n: int, logits_rows: torch.Tensor | None, block_size: int = 16
+                      ) -> StepContext:
+    """The context of one n-token prefill through the reference attention and eager ops, on a scratch KV cache
+    of its own (calibration and quality checks, outside any engine)."""
+    cfg, dev = model.cfg, model.embed.weight.device
+    pages = -(-n // block_size)
+    kv = KVCache(cfg, pages, block_size, model.embed.weight.dtype, dev)
+    attn = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    lay = BatchLayout(block_size, torch.arange(n, device=dev), [], [], [list(range(pages))], [n], [n])
+    return StepContext(torch.arange(n, device=dev), logits_rows, attn, attn.prepare(lay, dev), kv, EagerOps())
+

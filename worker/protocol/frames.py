@@ -78,6 +78,7 @@ class GenRequest:
     deadline: float  # unix seconds; 0.0 = no deadline
     fkey: bytes = b""  # fairness key (opaque); empty: the worker uses `ns`
     weight: float = 1.0  # fair-share weight
+    resumed: int = 0  # the last `resumed` tokens were already streamed by another worker: output, not prompt
 
 
 @dataclass(slots=True)
@@ -135,11 +136,13 @@ def encode_hello(gateway_id: str) -> bytes:
 
 
 def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: SamplingParams, priority: Priority = Priority.INTERACTIVE,
-               deadline: float = 0.0, fkey: bytes = b"", weight: float = 1.0) -> bytes:
+               deadline: float = 0.0, fkey: bytes = b"", weight: float = 1.0, resumed: int = 0) -> bytes:
     token_bytes = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
-    return _pack({"t": GEN, "rid": rid, "ns": bytes(ns), "tokens": token_bytes, "sampling": sampling.to_dict(),
-                  "priority": int(priority), "deadline": float(deadline), "fkey": bytes(fkey),
-                  "weight": float(weight)})
+    obj = {"t": GEN, "rid": rid, "ns": bytes(ns), "tokens": token_bytes, "sampling": sampling.to_dict(),
+           "priority": int(priority), "deadline": float(deadline), "fkey": bytes(fkey), "weight": float(weight)}
+    if resumed:  # only a resumed stream carries it: a fresh request's frame is unchanged
+        obj["resumed"] = int(resumed)
+    return _pack(obj)
 
 
 def _pack_top(item: OutItem) -> list:
@@ -252,8 +255,11 @@ def _decode_gen(obj: dict[str, Any], max_tokens: int) -> GenRequest:
     weight = float(_field(obj, "weight", (int, float), rid)) if "weight" in obj else 1.0
     if not 0 < weight <= MAX_WEIGHT:  # also refuses nan
         raise ProtocolError(f"weight must be a finite number in (0, {MAX_WEIGHT:g}]", rid=rid, param="weight")
+    resumed = _field(obj, "resumed", int, rid) if "resumed" in obj else 0
+    if not 0 <= resumed < n:
+        raise ProtocolError("resumed must count fewer tokens than the request carries", rid=rid, param="resumed")
     return GenRequest(rid=rid, ns=ns, tokens=tokens, sampling=sampling, priority=Priority(priority),
-                      deadline=deadline, fkey=fkey, weight=weight)
+                      deadline=deadline, fkey=fkey, weight=weight, resumed=resumed)
 
 
 def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | Abort | Sync:

@@ -21,6 +21,7 @@ class ErrorCode(StrEnum):
     CAPACITY = "capacity"
     BAD_REQUEST = "bad_request"
     INTERNAL = "internal"
+    DRAINING = "draining"  # the worker is draining: it hands the stream over (the gateway carries it on elsewhere)
 
 
 class Priority(IntEnum):

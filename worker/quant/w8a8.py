@@ -116,18 +116,10 @@ def calibration_ids(tokenizer) -> list[int]:
 def activation_maxima(model: nn.Module, ids: list[int]) -> dict[tuple[int, str], torch.Tensor]:
     """Per input channel max |x| of every decoder linear (keyed by layer index and name) over one prefill of
     `ids`, through the reference attention and eager ops on a scratch KV cache."""
-    from worker.kvcache.tensors import KVCache
-    from worker.model.attention import BatchLayout, TorchAttention
-    from worker.model.fused import EagerOps
-    from worker.model.llama import StepContext
+    from worker.model.llama import reference_context
 
-    cfg, dev = model.cfg, model.embed.weight.device
-    bs, n = 16, len(ids)
-    pages = -(-n // bs)
-    kv = KVCache(cfg, pages, bs, model.embed.weight.dtype, dev)
-    attn = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    lay = BatchLayout(bs, torch.arange(n, device=dev), [], [], [list(range(pages))], [n], [n])
-    ctx = StepContext(torch.arange(n, device=dev), None, attn, attn.prepare(lay, dev), kv, EagerOps())
+    dev = model.embed.weight.device
+    ctx = reference_context(model, len(ids), None)
     maxima: dict[tuple[int, str], torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(model.layers):

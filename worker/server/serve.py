@@ -15,7 +15,7 @@ from worker import protocol as proto
 from worker.engine.core import Engine
 from worker.kvcache.events import KvPromises, kv_report
 from worker.protocol import ErrorCode, OutItem, Registration, RequestError, SamplingParams
-from worker.server.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, Drain
+from worker.server.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, HANDOFF_MESSAGE, Drain
 from worker.server.inflight import InFlight, InFlightTable
 from worker.server.link_auth import LinkAuth
 from worker.server.memory import MemoryReport, TrimSchedule
@@ -39,6 +39,7 @@ class ServerConfig:
     worker_id: str | None = None
     redis_url: str | None = None
     drain_timeout: float = 30.0
+    drain_handoff: float | None = 1.0  # seconds into a drain to hand running streams over; None: never
     gateway_timeout: float = 5.0
     stats_interval: float = 0.1
     cluster_key: str | None = None  # z85 CURVE secret key; None: plain TCP, loopback binds only
@@ -58,7 +59,7 @@ class WorkerServer:
         self.config = config
         self.max_prompt_tokens = int(engine.max_context)
         self.table = InFlightTable()
-        self.drain = Drain(config.drain_timeout)
+        self.drain = Drain(config.drain_timeout, config.drain_handoff)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self._auth: LinkAuth | None = None
@@ -146,6 +147,9 @@ class WorkerServer:
             now = time.monotonic()
             if now >= self._next_housekeeping:
                 self._housekeeping(now)
+                if self.drain.active and len(self.table) and self.drain.handoff_due(now):
+                    self._end_all(ErrorCode.DRAINING, HANDOFF_MESSAGE, retryable=True)  # resumed elsewhere
+                    return
                 if self.drain.active and (len(self.table) == 0 or self.drain.expired(now)):
                     self._end_all(ErrorCode.CAPACITY, DRAIN_EXPIRED_MESSAGE, retryable=True)
                     return
@@ -216,7 +220,7 @@ class WorkerServer:
         entry = self.table.add(ident, req.rid, req.deadline, time.monotonic())
         try:  # the engine validates sampling against the vocabulary, token ids and the context length
             self.engine.add_request(entry.engine_rid, req.tokens.tolist(), sampling, priority=req.priority,
-                                    namespace=req.ns, fkey=req.fkey, weight=req.weight)
+                                    namespace=req.ns, fkey=req.fkey, weight=req.weight, resumed=req.resumed)
             self.metrics.admitted(entry.engine_rid, req.fkey or req.ns)
             if self._promises is not None:  # gateways learn the placement now, not after the prefill
                 self._promises.promise(entry.engine_rid, req.ns, req.tokens)

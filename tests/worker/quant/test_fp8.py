@@ -131,21 +131,11 @@ def _tiny(dtype: torch.dtype, device: str) -> LlamaModel:
 @torch.inference_mode()
 def _logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     """fp32 logits of every position of one prefill through the reference attention and eager ops."""
-    from worker.kvcache.tensors import KVCache
-    from worker.model.attention import BatchLayout, TorchAttention
-    from worker.model.fused import EagerOps
-    from worker.model.llama import StepContext
+    from worker.model.llama import reference_context
 
-    cfg, dev = model.cfg, model.embed.weight.device
-    bs, n = 16, len(ids)
-    pages = -(-n // bs)
-    kv = KVCache(cfg, pages, bs, model.embed.weight.dtype, dev)
-    attn = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    lay = BatchLayout(bs, torch.arange(n, device=dev), [], [], [list(range(pages))], [n], [n])
-    rows = torch.arange(n, device=dev)
-    ctx = StepContext(torch.arange(n, device=dev), rows, attn, attn.prepare(lay, dev), kv, EagerOps())
+    n, dev = len(ids), model.embed.weight.device
+    ctx = reference_context(model, n, torch.arange(n, device=dev))
     return model(torch.tensor(ids, device=dev), ctx).float().cpu()
-
 
 PROMPT = [(i * 7919) % VOCAB for i in range(48)]
 
