@@ -120,11 +120,15 @@ async def _generate_group(request: Request, svc: GatewayService, prepared: Prepa
 
 
 async def _group_sse(group: GenerationGroup, first: dict | None, events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    left = group.prepared.choices  # choices without a finish reason yet
     try:
-        if first is not None:
-            yield event(first)
-        async for chunk in events:
+        chunk = first
+        while chunk is not None:
+            left -= sum(c.get("finish_reason") is not None for c in chunk.get("choices", ()))
+            if left <= 0:
+                await group.close()  # settle (the lease goes) before the client can see the end and send again
             yield event(chunk)
+            chunk = await anext(events, None)
     except ApiError as exc:
         metrics.current().stream_errors.labels(str(exc.status)).inc()
         yield event(exc.body())
@@ -151,6 +155,8 @@ async def _sse_body(gen: Generation, first: Delta | None, trace: metrics.Request
     is_first = True
     try:
         while delta is not None:
+            if delta.finish_reason is not None:
+                await gen.close()  # settle (the lease goes) before the client can see the end and send again
             yield event(shape.chunk(delta.text, delta.finish_reason, delta.logprobs, first=is_first,
                                     text_offset=offset, with_usage_field=usage_field))
             offset += len(delta.text)

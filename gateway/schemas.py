@@ -234,7 +234,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         raise invalid(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries.", param="logit_bias")
     out: list[tuple[int, float]] = []
     for key, bias in value.items():
-        if not isinstance(key, str) or not key.isdigit() or len(key) > 10:
+        if not isinstance(key, str) or not (key.isascii() and key.isdigit()) or len(key) > 10:
             raise invalid(f"'logit_bias' keys must be token ids, got {str(key)[:20]!r}.", param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
             raise invalid("'logit_bias' values must be numbers between -100 and 100.", param="logit_bias")

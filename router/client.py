@@ -37,6 +37,7 @@ from worker.protocol import (
 
 log = logging.getLogger(__name__)
 
+MAX_WORKER_FRAME_BYTES = 64 << 20  # outs, errs and stats (a stats frame's two id lists: 32 MB at most)
 MAX_FRAMES_PER_DRAIN = 1024  # frames taken in one go before the receive task yields to the loop
 HEARTBEAT_IVL_S = 0.25  # ZMTP pings on the link, answered by the worker's ZeroMQ I/O thread (not its loop)
 LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -97,6 +98,7 @@ class WorkerClient:
 
     async def start(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_WORKER_FRAME_BYTES)  # a larger frame drops the link
         # An unguessable routing id: no other peer can take over this link's identity and its streams.
         sock.setsockopt(zmq.IDENTITY, f"{self.gateway_id[:64]}/{secrets.token_hex(16)}".encode())
         if self._cluster_key is not None:

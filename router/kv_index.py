@@ -111,14 +111,18 @@ class KvIndex:
     # ------------------------------------------------------------ internals
 
     def _add(self, w: _Blocks, stored: list[int], capacity_blocks: int) -> Applied:
-        before = len(w.ids)
-        w.ids.update(stored)
-        grown = len(w.ids) - before
-        self._total += grown
-        if len(w.ids) > capacity_blocks * _SLACK + 64 or self._total > self.max_blocks:
+        bound = capacity_blocks * _SLACK + 64
+        if len(stored) > bound or len(stored) > self.max_blocks:  # over a bound however many repeat: take nothing
             self._set(w, set())
             w.synced = False
             return Applied.OVERFLOW
+        new = set(stored).difference(w.ids)  # checked against both bounds before any of it is taken in
+        if len(w.ids) + len(new) > bound or self._total + len(new) > self.max_blocks:
+            self._set(w, set())
+            w.synced = False
+            return Applied.OVERFLOW
+        w.ids.update(new)
+        self._total += len(new)
         return Applied.APPLIED
 
     def _gap(self, w: _Blocks, stale: bool) -> Applied:

@@ -108,6 +108,9 @@ class Tenant:
         return INTERACTIVE
 
 
+AT_LEAST_ONE = frozenset({"max_tokens", "default_max_tokens"})  # token counts a request is capped at
+
+
 def parse_int_field(name: str, raw: str | bytes | None) -> int:
     """Parse a non-negative integer quota field; missing or malformed values give the default.
 
@@ -122,6 +125,9 @@ def parse_int_field(name: str, raw: str | bytes | None) -> int:
         log.warning("tenant config field %s is not a number; using default %d", name, default)
         return default
     if value != value or value < 0 or value == float("inf"):
+        return default
+    if name in AT_LEAST_ONE and value < 1:  # written past the CLI: every request would fail at the worker
+        log.warning("tenant config field %s is %s (below 1); using default %d", name, raw, default)
         return default
     return int(value)
 

@@ -15,6 +15,7 @@ from tenancy.errors import AmbiguousKeyPrefix, KeyNotFound, TenancyError, Tenant
 from tenancy.schema import (
     ACTIVE,
     API_KEY_PREFIX,
+    AT_LEAST_ONE,
     DISABLED,
     INT_DEFAULTS,
     PRIORITIES,
@@ -53,6 +54,8 @@ def validate_fields(fields: dict[str, object]) -> dict[str, str]:
         if name in INT_DEFAULTS:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise TenancyError(f"{name} must be a non-negative integer, got {value!r}")
+            if name in AT_LEAST_ONE and value < 1:
+                raise TenancyError(f"{name} must be at least 1 (a request may always ask for a token), got {value}")
             out[name] = str(value)
         elif name == "priority":
             label = value.label if isinstance(value, Priority) else value

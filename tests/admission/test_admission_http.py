@@ -9,6 +9,7 @@ token arithmetic is exact. The Redis outage test runs last: it stops and restart
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import textwrap
@@ -261,3 +262,26 @@ def test_redis_outage_fails_closed_then_recovers(stack, r):
     while (resp := complete(gw.base_url, key)).status_code != 200:
         assert time.monotonic() < deadline, f"not admitted again after Redis came back: {resp.text}"
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_lease_is_released_before_the_client_sees_the_end(stack, r, n):
+    """A client that sends its next request as soon as it reads the last finish_reason (the stream still open)
+    is never refused for concurrency: the lease goes before the final chunk does."""
+    key = stack.create_tenant(f"lease-race-{n}", tpm=0, rpm=0, max_concurrent=1)
+    base, auth = stack.gateways[0].base_url, {"authorization": f"Bearer {key}"}
+    with httpx.Client(timeout=30) as http, httpx.Client(timeout=30) as other:
+        for i in range(10):
+            body = {"model": "default", "prompt": [1, 2, 3, i], "max_tokens": 4, "ignore_eos": True, "n": n,
+                    "stream": True}
+            with http.stream("POST", base + "/v1/completions", json=body, headers=auth) as resp:
+                assert resp.status_code == 200
+                finished = 0
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        finished += sum(c.get("finish_reason") is not None for c in json.loads(line[6:])["choices"])
+                    if finished == n:
+                        break
+                nxt = other.post(base + "/v1/completions", headers=auth,
+                                 json={"model": "default", "prompt": [4, 5, i], "max_tokens": 1})
+                assert nxt.status_code == 200, nxt.text

@@ -143,6 +143,7 @@ def test_sampling_controls_parsed_and_bounded():
     assert req.top_logprobs == 20 and req.logprobs
     assert parse_completion({**COMP, "logprobs": 5}).top_logprobs == 5
     for patch, param in [({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
+                         ({"logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"logit_bias": {"\u0663": 1}}, "logit_bias"),
                          ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
                          ({"top_logprobs": 21}, "top_logprobs"), ({"presence_penalty": 2.5}, "presence_penalty"),
                          ({"repetition_penalty": 0}, "repetition_penalty"),

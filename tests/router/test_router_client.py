@@ -334,3 +334,19 @@ async def test_fuzzed_frames_leave_the_client_usable(link: tuple[Peer, WorkerCli
     await peer.recv("gen")
     await peer.send(ident, p.encode_out([p.OutItem("fz", [2, 3], "length", 0, None)]))
     assert await asyncio.wait_for(task, 5) == [2, 3]
+
+
+async def test_an_oversized_worker_frame_drops_the_link_not_the_gateway(link: tuple[Peer, WorkerClient]) -> None:
+    """The gateway's worker socket refuses frames past MAX_WORKER_FRAME_BYTES (it once took any size): the
+    link drops and comes back, and the client keeps working."""
+    from router.client import MAX_WORKER_FRAME_BYTES
+
+    peer, client = link
+    stream = client.generate("big", b"ns", [1, 2], p.SamplingParams(max_tokens=2))
+    first = asyncio.ensure_future(anext(stream))
+    ident, _ = await peer.recv("gen")
+    await peer.send(ident, b"\x00" * (MAX_WORKER_FRAME_BYTES + 1))
+    with pytest.raises(WorkerError):  # the stream on the dropped link ends with a link error
+        await asyncio.wait_for(first, 10)
+    await stream.aclose()
+    assert client._sock.getsockopt(zmq.MAXMSGSIZE) == MAX_WORKER_FRAME_BYTES

@@ -58,6 +58,21 @@ def test_a_restarted_worker_starts_empty_under_a_new_epoch() -> None:
     assert idx.blocks("w") == 0
 
 
+def test_an_oversized_report_is_refused_before_it_is_taken_in() -> None:
+    import tracemalloc
+
+    idx = KvIndex(max_blocks=1000)
+    big = report(0, range(1_000_000), snapshot=True)
+    tracemalloc.start()
+    try:
+        assert idx.apply("a", big, 100) is Applied.OVERFLOW
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated for a report that was refused"  # a 1M-id set: ~40 MB
+    assert idx.blocks("a") == 0 and idx.total_blocks == 0
+
+
 def test_bounds_per_worker_and_overall() -> None:
     idx = KvIndex(max_blocks=1000)
     # a worker of 100 pages cannot hold 300 blocks: the report is dropped and a snapshot asked for

@@ -49,6 +49,9 @@ def test_bad_input_is_refused(r):
         store.create_tenant(r, "acme", tpm=-1)
     with pytest.raises(TenancyError, match="priority"):
         store.create_tenant(r, "acme", priority="urgent")
+    for field in ("max_tokens", "default_max_tokens"):  # 0 would fail every request at the worker
+        with pytest.raises(TenancyError, match=f"{field} must be at least 1"):
+            store.create_tenant(r, "acme", **{field: 0})
     assert not r.exists(config_key("acme"))
 
 
@@ -261,3 +264,11 @@ async def test_keys_of_the_wrong_shape_never_reach_redis(r, redis_url):
         assert len(directory._unknown) == 0  # nor take a cache entry
     finally:
         await client.aclose()
+
+
+def test_a_zero_token_cap_written_past_the_cli_reads_as_the_default():
+    from tenancy.schema import INT_DEFAULTS, parse_int_field
+
+    assert parse_int_field("max_tokens", "0") == INT_DEFAULTS["max_tokens"]
+    assert parse_int_field("default_max_tokens", b"0") == INT_DEFAULTS["default_max_tokens"]
+    assert parse_int_field("tpm", "0") == 0  # elsewhere 0 keeps its meaning (no limit)

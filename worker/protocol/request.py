@@ -15,6 +15,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 
 
+MAX_TOP_K = 2**31 - 1  # int64 tensors in the sampler; any k >= the vocabulary keeps every token
+
+
 class ErrorCode(StrEnum):
     """The `code` of an `err` frame."""
 
@@ -105,8 +108,8 @@ class SamplingParams:
             raise bad_request("temperature must be a finite number >= 0", "temperature")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise bad_request("top_p must be in (0, 1]", "top_p")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad_request("top_k must be an integer >= 0 (0 disables it)", "top_k")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise bad_request(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it)", "top_k")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**64):
             raise bad_request("seed must be a 64-bit integer or null", "seed")

@@ -152,3 +152,21 @@ def test_top_logprobs_travel_packed_in_out_frames():
     assert frame.items[0].top_ids == [[1, 3, 4], [2, 5, 6]]
     assert frame.items[0].top_logprobs == [[-0.5, -1.5, -2.0], [-1.0, -1.25, -3.0]]
     assert frame.items[1].top_ids is None and frame.items[1].tokens == [7]
+
+
+def test_top_k_past_int64_is_refused_and_the_worker_keeps_serving():
+    """A top_k of 2^63 once threw inside the step and ended every request on the worker."""
+    from worker.config import EngineConfig
+    from worker.engine.core import Engine
+    from worker.engine.errors import RequestError
+    from worker.model.tiny_model import load_tiny_model
+
+    eng = Engine(load_tiny_model(dtype="float32", device="cpu"), EngineConfig(kv_cache_bytes=16 << 20))
+    try:
+        with pytest.raises(RequestError) as err:
+            eng.add_request("huge", [1, 2, 3], SamplingParams(max_tokens=4, temperature=1.0, top_k=2**63))
+        assert err.value.param == "top_k"
+        big = SamplingParams(max_tokens=4, temperature=1.0, top_k=2**31 - 1, seed=1, ignore_eos=True)
+        assert len(eng.generate([[1, 2, 3]], big)[0]) == 4  # the largest allowed k keeps every token
+    finally:
+        eng.close()
