@@ -143,7 +143,7 @@ def build_app(settings: Settings):
 
     return create_app(make_service, AppConfig(max_body_bytes=gw.max_body_bytes, body_timeout_s=gw.body_timeout,
                                                stream_write_timeout_s=gw.stream_write_timeout,
-                                               ready_check=redis_ok),
+                                               ready_check=redis_ok, metrics_token=gw.metrics_token),
                       on_close=close)
 
 

@@ -52,7 +52,7 @@ class WorkerSettings(BaseModel):
     spec_ngram_max: int | None = Field(None, ge=1, le=8)
     spec_ngram_min: int | None = Field(None, ge=1, le=8)
     metrics_port: int = Field(0, ge=0, le=65535)  # Prometheus /metrics HTTP port; 0 = disabled
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # an operator opens it wider on purpose (Kubernetes: 0.0.0.0 in workers.yaml)
 
 
 class GatewaySettings(BaseModel):
@@ -75,6 +75,9 @@ class GatewaySettings(BaseModel):
     keep_alive_timeout: float = Field(75.0, gt=0)
     request_timeout: float = Field(600.0, gt=0)  # whole-request deadline sent to the worker
     stream_write_timeout: float = Field(30.0, gt=0)  # an SSE client that takes no chunk for this long is cut
+    # /metrics on the public port answers loopback clients, and others only with `Authorization: Bearer <this>`
+    # (None: loopback only); it shows worker ids and, with tenant labels, per-tenant volumes
+    metrics_token: str | None = None
     hash_secret: str = "switchyard-dev-secret"  # per-deployment key of prefix hashes; set it in production
     route_epsilon: float = Field(0.25, ge=0.0)  # bounded loads: a worker takes new keys below (1 + eps) x mean
     # a prefix no worker holds goes to a worker whose placed prefix tokens are below (1 + eps) x mean

@@ -44,6 +44,7 @@ class AppConfig:
     body_timeout_s: float = 10.0  # the whole body must arrive within this (408 otherwise)
     stream_write_timeout_s: float = 30.0  # an SSE client that takes no chunk for this long is cut
     ready_check: Callable[[], Awaitable[bool]] | None = None  # e.g. a Redis ping
+    metrics_token: str | None = None  # /metrics off loopback needs it as a bearer token (gateway.metrics)
 
 
 def _service(request: Request) -> GatewayService:
@@ -242,7 +243,7 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics.metrics_endpoint, methods=["GET"]),
+        Route("/metrics", metrics.guarded_endpoint(config.metrics_token if config else None), methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -5,6 +5,8 @@ Tenant labels are limited to the configured tenants (the rest are "other"), so l
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import time
@@ -202,3 +204,24 @@ def exposition() -> tuple[bytes, str]:
 async def metrics_endpoint(request: Request) -> Response:
     body, content_type = exposition()
     return Response(body, media_type=None, headers={"content-type": content_type})
+
+
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+def guarded_endpoint(token: str | None):
+    """/metrics for loopback clients, and for others with `Authorization: Bearer <token>` (compared as SHA-256
+    digests in constant time); anyone else gets a plain 404, as for a path that does not exist."""
+    want = hashlib.sha256(token.encode()).digest() if token else None
+
+    async def endpoint(request: Request) -> Response:
+        client = request.client.host if request.client else ""
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        ok = client in _LOOPBACK or (want is not None and hmac.compare_digest(
+            hashlib.sha256(given.encode()).digest(), want))
+        if not ok:
+            return Response("Not Found", status_code=404, media_type="text/plain")
+        return await metrics_endpoint(request)
+
+    return endpoint

@@ -54,7 +54,7 @@ def test_the_deployment_shape() -> None:
     assert resources["requests"]["nvidia.com/gpu"] == 1 == resources["limits"]["nvidia.com/gpu"]
     assert {s["metadata"]["name"] for s in by_kind("Service")} == {"redis", "switchyard-gateway", "switchyard-worker"}
     (secret,) = by_kind("Secret")
-    assert set(secret["stringData"]) == {"cluster-secret-key", "hash-secret"}
+    assert set(secret["stringData"]) == {"cluster-secret-key", "hash-secret", "metrics-token"}
     assert all(v == "" for v in secret["stringData"].values())  # no key ships in the repository
 
 

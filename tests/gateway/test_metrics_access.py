@@ -1,0 +1,34 @@
+"""/metrics on the gateway's public port: loopback clients, or a bearer metrics token; anyone else gets a 404 (it
+once answered everyone, showing worker ids and per-tenant volumes). Worker metrics bind loopback by default."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from config.settings import WorkerSettings
+from gateway.metrics import guarded_endpoint
+
+
+def _client(token: str | None, host: str) -> TestClient:
+    app = Starlette(routes=[Route("/metrics", guarded_endpoint(token), methods=["GET"])])
+    return TestClient(app, client=(host, 50000))
+
+
+def test_off_loopback_needs_the_token():
+    assert _client(None, "10.1.2.3").get("/metrics").status_code == 404
+    client = _client("s3cret", "10.1.2.3")
+    assert client.get("/metrics").status_code == 404
+    assert client.get("/metrics", headers={"authorization": "Bearer wrong"}).status_code == 404
+    ok = client.get("/metrics", headers={"authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and "# TYPE" in ok.text
+
+
+def test_loopback_is_served_without_a_token():
+    for host in ("127.0.0.1", "::1"):
+        assert _client(None, host).get("/metrics").status_code == 200
+
+
+def test_worker_metrics_bind_loopback_unless_told():
+    assert WorkerSettings().metrics_host == "127.0.0.1"
