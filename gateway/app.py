@@ -26,14 +26,13 @@ from gateway.errors import ApiError, install_handlers
 from gateway.generation import Delta, Generation, Prepared
 from gateway.http import ClientGone, RequestIdMiddleware, read_json, until_disconnect
 from gateway.openapi import openapi_endpoint
-from gateway.schemas import GenerationRequest, parse_chat, parse_completion
+from gateway.schemas import GenerationRequest, body_number_cap, parse_chat, parse_completion
 from gateway.service import GatewayService
 from gateway.sse import DONE, SSEResponse, event, install_log_filter
 
 log = logging.getLogger("switchyard.gateway")
 
 THREAD_TOKENIZE_BYTES = 16 * 1024  # bodies from this size parse and tokenize on a thread
-BODY_NUMBER_SLACK = 64  # numbers a body may hold beside its prompt's token ids (max_tokens, seed, ...)
 # nginx's convention for "client closed the request"; never seen by the client
 CLIENT_CLOSED = 499
 
@@ -59,7 +58,7 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
     config = request.app.state.config
     # a token-id prompt longer than the context is refused while the body is decoded
     body, size = await read_json(request, config.max_body_bytes, config.body_timeout_s,
-                                 max_numbers=svc.model.max_context + BODY_NUMBER_SLACK)
+                                 max_numbers=body_number_cap(svc.model.max_context))
     if size < THREAD_TOKENIZE_BYTES:
         req = parse(body)
         prepared = svc.prepare(tenant, req, rid)

@@ -19,6 +19,7 @@ from worker.protocol import (
     json_object_spec,
     json_schema_spec,
 )
+from worker.protocol.grammar_spec import MAX_SCHEMA_BYTES
 
 MAX_STOP = 4
 PRIORITIES = PRIORITY_NAMES
@@ -27,6 +28,7 @@ MAX_N = 8  # choices per prompt (`n`, `best_of`)
 MAX_PROMPTS = 16  # prompts in one completions request
 MAX_CACHE_KEY = 256
 MAX_LOGIT_BIAS = 300
+BODY_NUMBER_SLACK = 64  # numbers a body may hold beside prompts, logit_bias and schemas (max_tokens, seed, ...)
 MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`
 MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`
 _MISSING = object()
@@ -363,3 +365,10 @@ def parse_completion(body: Any) -> GenerationRequest:
     if best_of not in (None, 1):
         raise invalid("'best_of' above 1 is not supported (candidates are not ranked); use 'n'.", param="best_of")
     return req
+
+
+def body_number_cap(max_context: int) -> int:
+    """The most numbers a valid body can hold: MAX_PROMPTS token-id prompts of up to the context each, the
+    logit_bias values, and as many as the largest tool and response schemas can spell; a body past it is
+    refused while it is decoded (each prompt's own length is checked once parsed)."""
+    return max_context * MAX_PROMPTS + MAX_LOGIT_BIAS + MAX_SCHEMA_BYTES // 2 + BODY_NUMBER_SLACK

@@ -52,3 +52,19 @@ async def test_a_client_that_stops_reading_is_cut_after_the_write_deadline():
     await asyncio.wait_for(response({"type": "http", "method": "GET"}, receive, send), 5)
     assert 0.2 <= time.monotonic() - start < 1.0
     assert closed.is_set() and len(sent) == 4
+
+
+def test_the_number_cap_counts_what_a_valid_body_can_hold():
+    """Two prompts of 4,500 ids each fit an 8,192-token context: the body's number cap once counted them together
+    (and logit_bias and schema numbers too) and refused them as context_length_exceeded."""
+    from gateway.schemas import MAX_LOGIT_BIAS, body_number_cap
+
+    cap = body_number_cap(8192)
+    body = {"model": "m", "prompt": [list(range(4500)), list(range(4500))], "max_tokens": 5,
+            "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS)},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+                "type": "object", "properties": {f"p{i}": {"type": "integer", "minimum": i, "maximum": i + 9}
+                                                 for i in range(500)}}}}}
+    assert _decode_json(bytearray(json.dumps(body).encode()), max_numbers=cap) == body
+    with pytest.raises(ApiError):  # a body no valid request could be still stops early
+        _decode_json(bytearray(json.dumps({"prompt": list(range(cap + 1))}).encode()), max_numbers=cap)
