@@ -28,6 +28,7 @@ MAX_N = 8  # choices per prompt (`n`, `best_of`)
 MAX_PROMPTS = 16  # prompts in one completions request
 MAX_CACHE_KEY = 256
 MAX_LOGIT_BIAS = 300
+MAX_MESSAGES = 2048
 BODY_NUMBER_SLACK = 64  # numbers a body may hold beside prompts, logit_bias and schemas (max_tokens, seed, ...)
 MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`
 MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`
@@ -284,6 +285,8 @@ def _messages(body: dict) -> list[dict[str, Any]]:
     raw = _get(body, "messages", (list,), "an array of messages")
     if not raw:
         raise invalid("'messages' must be a non-empty array.", param="messages")
+    if len(raw) > MAX_MESSAGES:  # each renders to a few tokens at least: more can never fit a context
+        raise invalid(f"'messages' may hold at most {MAX_MESSAGES} messages.", param="messages")
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(raw):
         param = f"messages[{i}]"

@@ -3,12 +3,14 @@ conversation, checked into plain records, and the call grammar the worker enforc
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import invalid
 from worker.protocol import GrammarError, GrammarSpec, tool_call_spec
+from worker.protocol.grammar_spec import MAX_SCHEMA_BYTES
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -59,6 +61,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
     if len(set(names)) != len(names):
         raise invalid("Tool names must be unique.", param="tools")
     req = ToolRequest(tools, _choice(choice, names), parallel is not False)
+    _check_total_size(tools)  # before any schema is compiled: a big set costs its sender one serialization
     for i, t in enumerate(tools):  # each schema must compile on its own, so the error names its tool
         try:
             tool_call_spec([{"name": t["name"], "parameters": t["parameters"]}], "hermes")
@@ -67,6 +70,16 @@ def parse_tools(body: dict) -> ToolRequest | None:
                 e.param.replace("tools[0]", f"tools[{i}]", 1)
             raise invalid(e.message, param=where) from None
     return req
+
+
+def _check_total_size(tools: list[dict[str, Any]]) -> None:
+    try:
+        size = sum(len(json.dumps(t["parameters"], separators=(",", ":"), ensure_ascii=False).encode())
+                   for t in tools)
+    except (TypeError, ValueError):
+        return  # not JSON: the per-tool check names the tool
+    if size > MAX_SCHEMA_BYTES:
+        raise invalid(f"Tool schemas exceed {MAX_SCHEMA_BYTES} bytes in all.", param="tools")
 
 
 def _tool(value: Any, param: str) -> dict[str, Any]:

@@ -150,3 +150,23 @@ def test_sampling_controls_parsed_and_bounded():
                          ({"min_tokens": 5, "max_tokens": 4}, "min_tokens")]:
         assert _error(parse_chat, {**CHAT, **patch}).param == param
     assert _error(parse_completion, {**COMP, "logprobs": 6}).param == "logprobs"
+
+
+def test_tools_over_the_size_limit_are_refused_before_any_schema_compiles(monkeypatch):
+    """Each schema used to be compiled before the combined 64 KB limit was checked (work before any charge)."""
+    from gateway import tools as tools_mod
+
+    compiled = []
+    monkeypatch.setattr(tools_mod, "tool_call_spec", lambda *a, **k: compiled.append(a))
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(60)}}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": big}} for i in range(20)]
+    assert _error(parse_chat, {**CHAT, "tools": tools}).param == "tools"
+    assert compiled == []
+
+
+def test_messages_are_capped():
+    from gateway.schemas import MAX_MESSAGES
+
+    many = [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)
+    assert _error(parse_chat, {**CHAT, "messages": many}).param == "messages"
+    assert parse_chat({**CHAT, "messages": many[:MAX_MESSAGES]}).messages is not None
