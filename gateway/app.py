@@ -65,6 +65,7 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
     else:  # large bodies (long prompts, big JSON schemas to validate) are handled off the event loop
         req = await run_in_threadpool(parse, body)
         prepared = await run_in_threadpool(svc.prepare, tenant, req, rid)
+    prepared.key_digest = svc.key_digest(request.headers.get("authorization"))
     trace = metrics.current().trace(prepared.priority.label, tenant.name, arrived)
     if prepared.grouped:
         return await _generate_group(request, svc, prepared, trace)

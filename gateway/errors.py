@@ -85,6 +85,11 @@ def tenant_disabled() -> ApiError:
     return ApiError(401, "The tenant of this API key was disabled.", INVALID_REQUEST, code="tenant_disabled")
 
 
+def key_revoked() -> ApiError:
+    """Ends the in-flight requests of a revoked API key (an SSE error event once streaming)."""
+    return ApiError(401, "The API key of this request was revoked.", INVALID_REQUEST, code="api_key_revoked")
+
+
 def lease_lost() -> ApiError:
     """Ends a request whose concurrency lease expired during a quota-store outage while the tenant's other
     requests filled its max_concurrent (an SSE error event once streaming)."""

@@ -41,6 +41,7 @@ class Prepared:
     ns: bytes
     shape: ResponseShape
     batch: list[list[int]] = field(default_factory=list)  # every prompt's ids (prompt_ids first); [] = just that
+    key_digest: str = ""  # SHA-256 of the request's API key: a revoked key ends its streams ("": not checked)
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -141,9 +142,12 @@ class Generation:
         return None
 
     async def _check_tenant(self, tenants: TenantDirectory) -> None:
+        """The tenant is still active and the request's API key still its own (not revoked)."""
         self._recheck_at = time.monotonic() + TENANT_RECHECK_S
+        name, digest = self.prepared.tenant.name, self.prepared.key_digest
         try:
-            tenant = await tenants.tenant(self.prepared.tenant.name)
+            tenant = await tenants.tenant(name)
+            owner = await tenants.key_owner(digest) if digest else name
         except QuotaServiceUnavailable:
             # A Redis outage does not cut running streams (admission refuses new ones); a hung Redis
             # costs a stream one read timeout per TENANT_OUTAGE_BACKOFF_S, not per recheck.
@@ -151,6 +155,8 @@ class Generation:
             return
         if tenant is None or not tenant.active:
             raise errors.tenant_disabled()
+        if owner != name:
+            raise errors.key_revoked()
 
     async def _next_chunk(self) -> OutItem:
         try:

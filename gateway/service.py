@@ -21,7 +21,7 @@ from gateway.responses import ResponseShape, Usage
 from gateway.schemas import GenerationRequest
 from gateway.served_model import ServedModel
 from router import Router, RouteRequest, fairness_key, namespace_root
-from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory
+from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory, key_digest
 from worker.protocol import OutItem, SamplingParams
 
 log = logging.getLogger("switchyard.gateway")
@@ -55,6 +55,12 @@ class GatewayService:
 
     async def close(self) -> None:
         await self.router.close()
+
+    @staticmethod
+    def key_digest(authorization: str | None) -> str:
+        """The SHA-256 digest of the request's bearer key ("" without one): streams re-check it is not revoked."""
+        key = _bearer(authorization)
+        return key_digest(key) if key else ""
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         key = _bearer(authorization)

@@ -3,6 +3,7 @@
 The package face: callers import from `tenancy`, not from its modules.
 """
 
+from tenancy.apikeys import digest as key_digest
 from tenancy.directory import TenantDirectory
 from tenancy.errors import (
     AmbiguousKeyPrefix,
@@ -41,6 +42,7 @@ from tenancy.store import (
 )
 
 __all__ = [
+    "key_digest",
     "ACTIVE",
     "BATCH",
     "DISABLED",

@@ -109,6 +109,10 @@ class TenantDirectory:
             return entry.value
         return await self._shared("t:" + name, lambda: self._load_tenant(name))
 
+    async def key_owner(self, digest: str) -> str | None:
+        """The tenant holding the key of this SHA-256 digest, or None once it is revoked (cached like look-ups)."""
+        return await self._key_owner(digest)
+
     def invalidate(self) -> None:
         self._keys.clear()
         self._unknown.clear()

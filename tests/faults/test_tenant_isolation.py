@@ -193,6 +193,24 @@ def test_disabled_tenant_streams_end_and_new_requests_401(fault_stack, rds, disa
     assert cut == 2 * len(results)
 
 
+def test_revoked_key_streams_end_and_new_requests_401(fault_stack, rds):
+    """Revoking a key ends its own in-flight streams within LIMIT_S (it once let them run to the end)."""
+    from tenancy import revoke_key
+
+    key = fault_stack.stack.create_tenant("iso-r")
+
+    async def revoke() -> float:
+        revoke_key(rds, key)
+        return time.monotonic()
+
+    t0, results, refused = asyncio.run(_disable_during_streams(fault_stack, key, revoke))
+    for chunks, error, ended in results:
+        assert error is not None and error["code"] == "api_key_revoked", error
+        assert chunks < 1900, "the stream ran to the end"
+        assert ended - t0 < LIMIT_S + 0.5, f"a stream ran {ended - t0:.2f}s after the revocation"
+    expect_error(refused[0], 401, "invalid_api_key", None)
+
+
 # After the disable test (file order), so its error events and 401s are in the logs scanned here.
 @pytest.fixture(scope="module")
 def all_keys(fault_stack: GatewayStack, disabled_key: str) -> list[str]:
