@@ -9,7 +9,14 @@ from gateway.detokenize import token_byte_table
 from gateway.errors import invalid
 from gateway.responses import TokenLogprob
 from gateway.schemas import GenerationRequest
-from worker.text.tokenizer import Tokenizer, hermes_messages, load_tokenizer, native_messages, special_texts
+from worker.text.tokenizer import (
+    PLACEHOLDER_CHARS,
+    Tokenizer,
+    hermes_messages,
+    load_tokenizer,
+    native_messages,
+    special_texts,
+)
 
 DEFAULT_ALIAS = "default"
 
@@ -45,12 +52,15 @@ class ServedModel:
             tools = req.tools.tools if req.tools is not None and req.tools.active else None
             if not self.tokenizer.renders_tools:
                 return self._encode_chat(hermes_messages(req.messages, tools))
-            # the template writes tools and calls as its own text: no special token may hide in them
+            # the template writes tools, calls and call ids as its own text: no special token may hide in
+            # them, checked in the form it renders (arguments parsed, so an escaped \u003c is caught too)
             listing = None if tools is None else [{"type": "function", "function": t} for t in tools]
             self._no_specials(listing, "tools")
-            for i, m in enumerate(req.messages):
+            messages = native_messages(req.messages)
+            for i, m in enumerate(messages):
                 self._no_specials(m.get("tool_calls"), f"messages[{i}].tool_calls")
-            return self._encode_chat(native_messages(req.messages), listing)
+                self._no_specials(m.get("tool_call_id"), f"messages[{i}].tool_call_id")
+            return self._encode_chat(messages, listing)
         assert req.prompt is not None
         return self.encode_prompt(req.prompt)
 
@@ -63,10 +73,13 @@ class ServedModel:
         return Encoded(list(prompt), None)
 
     def _no_specials(self, value: object, param: str) -> None:
-        if value is not None and self._specials:
-            text = json.dumps(value, ensure_ascii=False)
-            if any(s in text for s in self._specials):
-                raise invalid("Special-token text is not allowed here.", param=param)
+        if value is None:
+            return
+        text = json.dumps(value, ensure_ascii=False)
+        if any(s in text for s in self._specials):
+            raise invalid("Special-token text is not allowed here.", param=param)
+        if any(c in text for c in PLACEHOLDER_CHARS):  # the content markers of the template's rendering
+            raise invalid("Private-use characters U+E000 and U+E001 are not allowed here.", param=param)
 
     def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> Encoded:
         tok = self.tokenizer

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import tokenizers
 
 _PLACEHOLDER = "\ue000{}\ue001"  # private-use characters: never in a template's own text
+PLACEHOLDER_CHARS = ("\ue000", "\ue001")  # refused in what a template renders beside message content
 _PLACEHOLDER_RE = re.compile("\ue000(\\d+)\ue001")
 
 
@@ -34,7 +35,10 @@ def segments(render: Callable[[list[dict]], str], messages: list[dict]) -> list[
         pos = 0
         text = render(marked)
         for match in _PLACEHOLDER_RE.finditer(text):
-            content = messages[int(match.group(1))]["content"]
+            index = int(match.group(1))
+            if index >= len(messages) or not messages[index].get("content"):  # not one of ours
+                raise ValueError("the rendered prompt holds content markers the gateway did not place")
+            content = messages[index]["content"]
             runs += [(text[pos:match.start()], False), (content.strip() if strip else content, True)]
             pos = match.end()
         runs.append((text[pos:], False))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import tokenizers
 
+from worker.text.chat_template import PLACEHOLDER_CHARS as PLACEHOLDER_CHARS
 from worker.text.chat_template import ChatIds, SegmentEncoder, segments
 from worker.text.chat_template import (
     hermes_messages as hermes_messages,  # tools rendering: the gateway's face
