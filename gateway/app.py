@@ -24,7 +24,13 @@ from gateway.choices import GenerationGroup
 from gateway.drain import DrainMiddleware, DrainState
 from gateway.errors import ApiError, install_handlers
 from gateway.generation import Delta, Generation, Prepared
-from gateway.http import ClientGone, RequestIdMiddleware, read_json, until_disconnect
+from gateway.http import (
+    ClientGone,
+    CloseUnreadBodyMiddleware,
+    RequestIdMiddleware,
+    read_json,
+    until_disconnect,
+)
 from gateway.openapi import openapi_endpoint
 from gateway.schemas import GenerationRequest, body_number_cap, parse_chat, parse_completion
 from gateway.service import GatewayService
@@ -256,4 +262,5 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
     app.add_middleware(DrainMiddleware, state=app.state.drain)
     app.add_middleware(metrics.ObserveMiddleware)
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(CloseUnreadBodyMiddleware)
     return app

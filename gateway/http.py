@@ -81,6 +81,36 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class CloseUnreadBodyMiddleware:
+    """A response sent before its request's body was read whole (a 401, a 404) closes the connection: left open,
+    the server would wait on the unread body with no deadline, and a client trickling a byte now and then
+    could hold the connection, and a file descriptor, forever."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        read = headers.get(b"content-length", b"0") == b"0" and b"transfer-encoding" not in headers
+
+        async def receive_tracked() -> Message:
+            nonlocal read
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                read = True
+            return message
+
+        async def send_closing(message: Message) -> None:
+            if message["type"] == "http.response.start" and not read:
+                message["headers"] = [*message.get("headers", []), (b"connection", b"close")]
+            await send(message)
+
+        await self.app(scope, receive_tracked, send_closing)
+
+
 async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S,
                     max_numbers: int | None = None) -> tuple[Any, int]:
     """The decoded JSON body and its size in bytes; 413 past `limit`, 408 past `timeout_s`, 415/400 when not JSON,

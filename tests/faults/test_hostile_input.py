@@ -255,3 +255,28 @@ def test_silent_connection_is_closed(fault_stack):
 def test_gateway_survives_and_serves(fault_stack):
     """After all of the above (this module runs in file order): no 5xx but 503, still up, still serving."""
     assert_served_cleanly(fault_stack)
+
+
+def test_an_early_response_closes_the_connection(fault_stack):
+    """A 401 (or 404) sent before the body is read closes the connection: a keyless client trickling a body
+    byte now and then once held it open forever (the server waited on the unread body without a deadline)."""
+    port = int(fault_stack.base_url.rsplit(":", 1)[1])
+    for path in (COMPLETIONS, "/v1/nowhere"):
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: 1000\r\n\r\n{{").encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(head)
+            received, closed, start = b"", False, time.monotonic()
+            while not closed and time.monotonic() - start < 5:
+                readable, _, _ = select.select([sock], [], [], 0.2)
+                if readable:
+                    data = sock.recv(65536)
+                    received += data
+                    closed = not data
+                else:
+                    try:
+                        sock.sendall(b" ")  # a slow body, one byte at a time
+                    except OSError:
+                        closed = True
+            assert received.split(b" ", 2)[1] in (b"401", b"404"), received[:80]
+            assert closed, f"{path}: the connection stayed open {time.monotonic() - start:.1f}s after the answer"
