@@ -129,6 +129,9 @@ class CapacityGate:
         if waiter.future.done():
             return waiter.future.result()  # a ticket, or Overloaded when pushed out of a full queue
         self._abandon(waiter)
+        # the wait is charged like an admission: a key shed after holding the queue's head does not keep the
+        # lowest counter, so it cannot hold the head again and again at no cost
+        self._waiters.charge(key, cost)
         raise self._overloaded(cost, priority, f"no capacity within {self.admission_wait_s * 1000:.0f} ms")
 
     def release(self, ticket: CapacityTicket) -> None:

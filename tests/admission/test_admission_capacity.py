@@ -163,3 +163,16 @@ async def test_drain_history_stays_bounded_on_a_busy_gateway():
         now[0] += 0.005
     assert len(gate._drained) <= 64
     assert gate.drain_rate() == pytest.approx(200 * 50, rel=0.05)  # still the recent rate
+
+
+async def test_a_key_shed_after_waiting_is_charged_for_its_wait():
+    """A request shed after its wait used to leave its key's fair counter at the lowest, so the key could hold
+    the head of the queue with a maximum-cost request again and again at no cost."""
+    workers = Workers((0, 1000))
+    gate = CapacityGate(workers, admission_wait_ms=30)
+    gate._waiters.activate("other")  # a second key keeps counters of idle keys comparable
+    with pytest.raises(Overloaded):
+        await gate.acquire(900, INTERACTIVE, key="hog")
+    assert gate._waiters.counter("hog") >= 900
+    assert gate._waiters.counter("other") == 0
+
