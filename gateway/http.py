@@ -8,6 +8,7 @@ they hold, so a huge token-id list is refused after `max_numbers` of them instea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import uuid
@@ -25,7 +26,9 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # A JSON escape of a UTF-16 surrogate; only then can a parsed string hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 BODY_TIMEOUT_S = 10.0
-THREAD_DECODE_BYTES = 64 * 1024  # bodies larger than this are decoded in a thread
+THREAD_DECODE_BYTES = 64 * 1024
+EARLY_DRAIN_BYTES = 64 * 1024  # an unread body this small is read and dropped after an early response
+EARLY_DRAIN_S = 1.0  # ... if it all arrives within this; else the response closes the connection  # bodies larger than this are decoded in a thread
 
 
 class _NumberCap:
@@ -82,9 +85,10 @@ class RequestIdMiddleware:
 
 
 class CloseUnreadBodyMiddleware:
-    """A response sent before its request's body was read whole (a 401, a 404) closes the connection: left open,
-    the server would wait on the unread body with no deadline, and a client trickling a byte now and then
-    could hold the connection, and a file descriptor, forever."""
+    """A response sent before its request's body was read (a 401, a 404): a small body already on its way is
+    read and dropped first (at most EARLY_DRAIN_BYTES within EARLY_DRAIN_S), so the connection stays usable;
+    otherwise the response closes the connection. Left open, the server would wait on the unread body with no
+    deadline, and a client trickling a byte now and then could hold a connection, and a descriptor, forever."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -94,7 +98,9 @@ class CloseUnreadBodyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        read = headers.get(b"content-length", b"0") == b"0" and b"transfer-encoding" not in headers
+        declared = headers.get(b"content-length", b"0")
+        read = declared == b"0" and b"transfer-encoding" not in headers
+        small = declared.isdigit() and int(declared) <= EARLY_DRAIN_BYTES and b"transfer-encoding" not in headers
 
         async def receive_tracked() -> Message:
             nonlocal read
@@ -103,9 +109,18 @@ class CloseUnreadBodyMiddleware:
                 read = True
             return message
 
+        async def drain() -> None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(EARLY_DRAIN_S):
+                    while not read:
+                        await receive_tracked()
+
         async def send_closing(message: Message) -> None:
             if message["type"] == "http.response.start" and not read:
-                message["headers"] = [*message.get("headers", []), (b"connection", b"close")]
+                if small:
+                    await drain()
+                if not read:
+                    message["headers"] = [*message.get("headers", []), (b"connection", b"close")]
             await send(message)
 
         await self.app(scope, receive_tracked, send_closing)

@@ -33,6 +33,7 @@ import pytest
 import redis
 
 from tenancy.schema import leases_key, usage_key
+from tests import REPO
 from tests.faults.client import completion_body, p99
 from tests.faults.cluster import FaultCluster, unattributed_errors
 
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.timeout(300)  # includes the module's cluster start-up
 WRITE_TIMEOUT_S = 1.0
 FLOOD_S, FLOOD_RATE, FLOOD_CONNECTIONS, FLOOD_WINDOW = 10.0, 400.0, 4, 8
 BIG_BODY_EVERY_S = 0.2  # one 4 MB body every 0.2 s while the streams run: stalls would reach the p99
-FLOOD_SCRIPT = Path(__file__).with_name("flood.py")
+FLOOD_SCRIPT = REPO / "bench" / "flood_gen.py"
 BIG_BODY_SCRIPT = Path(__file__).with_name("big_bodies.py")
 
 

@@ -1,4 +1,4 @@
-"""An unknown-API-key flood for the hardening fault test, run as its own process: HTTP/1.1 keep-alive
+"""An unknown-API-key flood (bench/flood.py and the hardening fault test), run as its own process: HTTP/1.1 keep-alive
 connections, each pipelining up to `window` requests that each carry a new well-formed key, at up to
 `rate` requests/s in total for `seconds` (rate 0: as fast as the gateway answers).
 
