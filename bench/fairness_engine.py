@@ -7,7 +7,11 @@ steps (1: the first step after arrival), which no machine load changes. Separate
 from what a loaded machine's gateway and client add. One JSON line:
 
     {"light_ttft_p99_ratio_fair", "light_ttft_p99_ratio_fifo", "throughput_ratio_vs_fifo",
+     "light_ttft_p99_ms", "solo_ttft_p99_ms", "flood_step_ms_p99", "steps_waited_p99", "within_ttft_bound",
      "weighted_service_ratio", ...details}
+
+The bound (VTC): the light tenant's p99 TTFT under the flood is at most its solo p99 plus one flood step's
+p99 duration, and the p99 of the steps it waits is at most 2.
 
     .venv/bin/python -m bench.fairness_engine --json
 """
@@ -78,6 +82,7 @@ def phase(model, args: argparse.Namespace, policy: str, capacity: float, flood: 
     due_step: dict[str, int] = {}
     ttft: list[float] = []
     steps: list[int] = []  # steps started after arrival, up to the first token (1: the next step)
+    step_ms: list[float] = []  # each step's duration
     generated = n_steps = 0
     i, t0 = 0, time.perf_counter()
     light_left = sum(1 for _, key, _ in sched if key == LIGHT)
@@ -94,8 +99,10 @@ def phase(model, args: argparse.Namespace, policy: str, capacity: float, flood: 
         if not eng.has_work():
             time.sleep(max(0.0, min(sched[i][0] - now, 0.05)) if i < len(sched) else 0.0)
             continue
+        started = time.perf_counter()
         outs = eng.step()
         n_steps += 1
+        step_ms.append((time.perf_counter() - started) * 1e3)
         end = time.perf_counter() - t0
         for out in outs:
             if end < args.duration:
@@ -107,8 +114,11 @@ def phase(model, args: argparse.Namespace, policy: str, capacity: float, flood: 
                 light_left -= 1
     eng.close()
     steps.sort()
+    step_ms.sort()
     return {"light_ttft_ms": latency_stats_ms(ttft), "light_requests": len(ttft),
             "light_ttft_steps_p50_max": [steps[len(steps) // 2], steps[-1]] if steps else None,
+            "steps_waited_p99": steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else None,
+            "step_ms_p99": round(step_ms[min(len(step_ms) - 1, int(0.99 * len(step_ms)))], 2) if step_ms else None,
             "tokens_per_s": round(generated / args.duration, 2), "preemptions": eng.stats().preemptions}
 
 
@@ -146,6 +156,12 @@ def bench(args: argparse.Namespace) -> dict:
            for p, r in res.items()}
     fifo_tps = res["fifo"]["tokens_per_s"]
     out["throughput_ratio_vs_fifo"] = round(res["vtc"]["tokens_per_s"] / fifo_tps, 3) if fifo_tps else None
+    # the bound the engine allows a light tenant under a flood: its solo p99 plus one flood step, at most 2 steps
+    vtc = res["vtc"]
+    out.update(light_ttft_p99_ms=vtc["light_ttft_ms"]["p99"], solo_ttft_p99_ms=a99,
+               flood_step_ms_p99=vtc["step_ms_p99"], steps_waited_p99=vtc["steps_waited_p99"])
+    if a99 and vtc["step_ms_p99"] and vtc["light_ttft_ms"]["p99"]:
+        out["within_ttft_bound"] = vtc["light_ttft_ms"]["p99"] <= a99 + vtc["step_ms_p99"]
     w = weighted(model, args) if args.weights else {}
     out["weighted_service_ratio"] = w.get("weighted_service_ratio")
     return {**out, "capacity_rps": round(capacity, 3), "alone": alone, "flood": res, "weights": w,

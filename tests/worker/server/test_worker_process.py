@@ -218,7 +218,9 @@ async def test_lost_gateway_leaves_no_running_work(tiny_worker: WorkerProc, tiny
 
 @pytest.mark.heavy  # a long multi-process scenario: `make test-heavy`, its own CI step
 async def test_sigterm_drains_running_streams(tmp_path: Path, redis_url: str) -> None:
-    worker = WorkerProc(tmp_path, redis_url=redis_url, worker_id="drainer", extra=["--drain-timeout", "60"])
+    # streams finish in place (--drain-handoff -1); the hand-off to other workers: tests/faults/test_resume.py
+    worker = WorkerProc(tmp_path, redis_url=redis_url, worker_id="drainer",
+                        extra=["--drain-timeout", "60", "--drain-handoff", "-1"])
     r = redis.Redis.from_url(redis_url)
     client = None
     try:
