@@ -1,0 +1,29 @@
+"""Fixtures of the end-to-end tool-call and choices tests: one real gateway, Redis and tiny-model worker (prefix
+cache on, worker metrics on a local port) shared by the module, and an `openai` SDK client of a tenant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from config.launcher import free_port
+from tests.gateway_stack import GatewayStack, start_gateway_stack
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[GatewayStack, int]]:
+    port = free_port()
+    gs = start_gateway_stack(worker_model="tiny-random", prefix_cache=True,
+                             worker_args=["--metrics-port", str(port), "--metrics-host", "127.0.0.1"])
+    try:
+        yield gs, port
+    finally:
+        gs.stack.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    key = stack[0].stack.create_tenant("tools", max_concurrent=128)
+    return openai.OpenAI(api_key=key, base_url=stack[0].base_url + "/v1", max_retries=0, timeout=60)
