@@ -13,7 +13,7 @@ from tests.gateway_stack import GatewayStack, start_gateway_stack
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[tuple[GatewayStack, int]]:
+def tools_stack() -> Iterator[tuple[GatewayStack, int]]:
     port = free_port()
     gs = start_gateway_stack(worker_model="tiny-random", prefix_cache=True,
                              worker_args=["--metrics-port", str(port), "--metrics-host", "127.0.0.1"])
@@ -24,6 +24,6 @@ def stack() -> Iterator[tuple[GatewayStack, int]]:
 
 
 @pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    key = stack[0].stack.create_tenant("tools", max_concurrent=128)
-    return openai.OpenAI(api_key=key, base_url=stack[0].base_url + "/v1", max_retries=0, timeout=60)
+def tools_client(tools_stack) -> openai.OpenAI:
+    key = tools_stack[0].stack.create_tenant("tools", max_concurrent=128)
+    return openai.OpenAI(api_key=key, base_url=tools_stack[0].base_url + "/v1", max_retries=0, timeout=60)

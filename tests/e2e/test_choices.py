@@ -10,7 +10,7 @@ import urllib.request
 import openai
 import pytest
 
-pytestmark = pytest.mark.timeout(240)  # the first test also starts the stack
+pytestmark = pytest.mark.timeout(240)  # the first test also starts the tools_stack
 BLOCK = 16  # the worker's page size (EngineConfig.block_size)
 
 
@@ -25,15 +25,15 @@ def _settled(port: int) -> float:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_n_siblings_prefill_the_prompt_once(stack, client, stream):
-    port = stack[1]
+def test_n_siblings_prefill_the_prompt_once(tools_stack, tools_client, stream):
+    port = tools_stack[1]
     # a prompt that shares no page with any earlier request (a chat prompt would share the system turn's)
     prompt_text = f"{'Streamed' if stream else 'Whole'} " + " ".join(f"word{i}" for i in range(60))
     kw = {"model": "default", "prompt": prompt_text, "n": 4, "max_tokens": 6, "temperature": 1.0, "seed": 7,
           "extra_body": {"ignore_eos": True}}
     before = _settled(port)
     if stream:
-        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        chunks = list(tools_client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
         texts, finishes = {}, {}
         for ch in chunks:
             for c in ch.choices:
@@ -42,7 +42,7 @@ def test_n_siblings_prefill_the_prompt_once(stack, client, stream):
         usage = chunks[-1].usage
         assert sorted(texts) == [0, 1, 2, 3] and set(finishes.values()) == {"length"}
     else:
-        resp = client.completions.create(**kw)
+        resp = tools_client.completions.create(**kw)
         usage = resp.usage
         assert [c.index for c in resp.choices] == [0, 1, 2, 3]
         assert {c.finish_reason for c in resp.choices} == {"length"}
@@ -56,30 +56,30 @@ def test_n_siblings_prefill_the_prompt_once(stack, client, stream):
     assert computed < 2 * prompt  # without sharing it would be 4 x prompt
 
 
-def test_prompt_batch_with_n_and_echo(client):
+def test_prompt_batch_with_n_and_echo(tools_client):
     prompts = ["The cat sat on", "One two three"]
-    resp = client.completions.create(model="default", prompt=prompts, n=2, max_tokens=4, temperature=0,
+    resp = tools_client.completions.create(model="default", prompt=prompts, n=2, max_tokens=4, temperature=0,
                                      echo=True, extra_body={"ignore_eos": True})
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     for c in resp.choices:
         assert c.text.startswith(prompts[c.index // 2]) and len(c.text) > len(prompts[c.index // 2])
     assert resp.choices[0].text == resp.choices[1].text  # greedy siblings of one prompt agree
-    one = client.completions.create(model="default", prompt=prompts[1], max_tokens=4, temperature=0,
+    one = tools_client.completions.create(model="default", prompt=prompts[1], max_tokens=4, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert resp.choices[2].text == prompts[1] + one.choices[0].text
-    other = client.completions.create(model="default", prompt=prompts[0], max_tokens=1)
+    other = tools_client.completions.create(model="default", prompt=prompts[0], max_tokens=1)
     assert resp.usage.prompt_tokens == one.usage.prompt_tokens + other.usage.prompt_tokens  # each prompt once
     assert resp.usage.completion_tokens == 4 * 4
     streamed: dict[int, str] = {}
-    for ch in client.completions.create(model="default", prompt=[[1, 2, 3], "Hello"], max_tokens=3, stream=True,
+    for ch in tools_client.completions.create(model="default", prompt=[[1, 2, 3], "Hello"], max_tokens=3, stream=True,
                                         echo=True, temperature=0, extra_body={"ignore_eos": True}):
         for c in ch.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert sorted(streamed) == [0, 1] and streamed[1].startswith("Hello")
 
 
-def test_models_retrieve(client):
-    assert client.models.retrieve("default").id == "default"
+def test_models_retrieve(tools_client):
+    assert tools_client.models.retrieve("default").id == "default"
     with pytest.raises(openai.NotFoundError) as err:
-        client.models.retrieve("no-such-model")
+        tools_client.models.retrieve("no-such-model")
     assert err.value.body["param"] == "model"

@@ -14,21 +14,21 @@ import pytest
 from tests.gateway_stack import tenant_state
 from tests.tool_data import ASK, SCHEMAS, TOOLS
 
-pytestmark = pytest.mark.timeout(240)  # the first test also starts the stack
+pytestmark = pytest.mark.timeout(240)  # the first test also starts the tools_stack
 SEEDS = range(20)
 
 
-def _call(client: openai.OpenAI, seed: int, stream: bool, choice: object) -> tuple[list[dict], str]:
+def _call(tools_client: openai.OpenAI, seed: int, stream: bool, choice: object) -> tuple[list[dict], str]:
     kw = {"model": "default", "messages": ASK, "temperature": 1.0, "seed": seed, "max_tokens": 90,
           "tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
     if not stream:
-        resp = client.chat.completions.create(**kw)
+        resp = tools_client.chat.completions.create(**kw)
         msg = resp.choices[0].message
         assert msg.content is None
         return [c.model_dump() for c in msg.tool_calls or []], resp.choices[0].finish_reason
     calls: dict[int, dict] = {}
     finish = None
-    for chunk in client.chat.completions.create(stream=True, **kw):
+    for chunk in tools_client.chat.completions.create(stream=True, **kw):
         for c in chunk.choices:
             finish = c.finish_reason or finish
             assert not c.delta.content, c.delta
@@ -41,10 +41,10 @@ def _call(client: openai.OpenAI, seed: int, stream: bool, choice: object) -> tup
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
-def test_forced_tool_call_validates_for_every_seed(client, choice):
+def test_forced_tool_call_validates_for_every_seed(tools_client, choice):
     jobs = [(seed, seed % 2 == 1) for seed in SEEDS]  # 20 seeds, half of them streamed
     with ThreadPoolExecutor(len(jobs)) as pool:  # concurrent, so the worker batches them
-        results = list(pool.map(lambda job: _call(client, job[0], job[1], choice), jobs))
+        results = list(pool.map(lambda job: _call(tools_client, job[0], job[1], choice), jobs))
     for (seed, stream), (calls, finish) in zip(jobs, results, strict=True):
         assert finish == "tool_calls" and len(calls) == 1, (seed, stream, calls, finish)
         call = calls[0]
@@ -55,22 +55,22 @@ def test_forced_tool_call_validates_for_every_seed(client, choice):
     assert len({json.dumps(c) for c, _ in results}) > 5  # temperature 1.0 really samples
 
 
-def test_tool_result_in_a_second_turn_is_accepted(client):
-    first = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
+def test_tool_result_in_a_second_turn_is_accepted(tools_client):
+    first = tools_client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
                                            parallel_tool_calls=False, max_tokens=90, seed=3, temperature=1.0)
     msg = first.choices[0].message
     call = msg.tool_calls[0]
     turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
              {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny", "high_c": 21}'}]
-    second = client.chat.completions.create(model="default", messages=turns, tools=TOOLS, tool_choice="none",
+    second = tools_client.chat.completions.create(model="default", messages=turns, tools=TOOLS, tool_choice="none",
                                             max_tokens=8, temperature=0)
     assert second.choices[0].message.tool_calls is None
-    alone = client.chat.completions.create(model="default", messages=ASK, max_tokens=1)
+    alone = tools_client.chat.completions.create(model="default", messages=ASK, max_tokens=1)
     assert second.usage.prompt_tokens > alone.usage.prompt_tokens + 20  # the call and its result were rendered
 
 
-def test_auto_and_none(client):
-    resp = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, max_tokens=60, seed=1,
+def test_auto_and_none(tools_client):
+    resp = tools_client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, max_tokens=60, seed=1,
                                           temperature=1.0, n=4)
     for c in resp.choices:
         if c.message.tool_calls:  # a call, if any, is well formed; otherwise plain text
@@ -80,7 +80,7 @@ def test_auto_and_none(client):
                     assert SCHEMAS[call.function.name].is_valid(json.loads(call.function.arguments))
         else:
             assert c.finish_reason in ("stop", "length") and isinstance(c.message.content, str)
-    none = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="none",
+    none = tools_client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="none",
                                           max_tokens=5, temperature=0)
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "length"
 
@@ -99,8 +99,8 @@ BAD = [
 
 
 @pytest.mark.parametrize(("extra", "param"), BAD, ids=[p for _, p in BAD])
-def test_bad_input_is_400_and_charges_nothing(stack, extra, param):
-    gs = stack[0]
+def test_bad_input_is_400_and_charges_nothing(tools_stack, extra, param):
+    gs = tools_stack[0]
     name = "bad-" + re.sub(r"[^a-z0-9]", "", param)
     key = gs.stack.create_tenant(name)
     sdk = openai.OpenAI(api_key=key, base_url=gs.base_url + "/v1", max_retries=0, timeout=60)
@@ -114,7 +114,7 @@ def test_bad_input_is_400_and_charges_nothing(stack, extra, param):
 @pytest.mark.parametrize(("extra", "param"), [({"best_of": 9}, "best_of"), ({"n": 2, "best_of": 2}, "best_of"),
                                               ({"echo": True, "logprobs": 2}, "echo"),
                                               ({"prompt": ["a", 5]}, "prompt[1]")])
-def test_bad_completion_input_is_400(client, extra, param):
+def test_bad_completion_input_is_400(tools_client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="default", max_tokens=5, **{"prompt": "x", "extra_body": extra})
+        tools_client.completions.create(model="default", max_tokens=5, **{"prompt": "x", "extra_body": extra})
     assert err.value.body["param"] == param
