@@ -93,8 +93,9 @@ class Stack:
             if self.redis_url is None:
                 self._start_redis()
             cli = [sys.executable, "-m", "config.cli"]
+            # one worker: nobody to hand streams to on SIGTERM, so they finish in place (--drain-handoff -1)
             self._spawn("worker", [*cli, "worker", "--model", self.config.model, "--bind", self.worker_endpoint,
-                                   "--redis-url", self.redis_url, *self.config.worker_args])
+                                   "--redis-url", self.redis_url, "--drain-handoff", "-1", *self.config.worker_args])
             self._spawn("gateway", [*cli, "gateway", "--port", str(self.config.port), "--redis-url",
                                     self.redis_url, "--workers", self.worker_endpoint, "--model",
                                     self.config.model, "--worker-timeout", "10", *self.config.gateway_args])
