@@ -82,7 +82,7 @@ def phase(model, args: argparse.Namespace, policy: str, capacity: float, flood: 
     due_step: dict[str, int] = {}
     ttft: list[float] = []
     steps: list[int] = []  # steps started after arrival, up to the first token (1: the next step)
-    step_ms: list[float] = []  # each step's duration
+    step_s: list[float] = []  # each step's duration
     generated = n_steps = 0
     i, t0 = 0, time.perf_counter()
     light_left = sum(1 for _, key, _ in sched if key == LIGHT)
@@ -102,7 +102,7 @@ def phase(model, args: argparse.Namespace, policy: str, capacity: float, flood: 
         started = time.perf_counter()
         outs = eng.step()
         n_steps += 1
-        step_ms.append((time.perf_counter() - started) * 1e3)
+        step_s.append(time.perf_counter() - started)
         end = time.perf_counter() - t0
         for out in outs:
             if end < args.duration:
@@ -114,11 +114,10 @@ def phase(model, args: argparse.Namespace, policy: str, capacity: float, flood: 
                 light_left -= 1
     eng.close()
     steps.sort()
-    step_ms.sort()
     return {"light_ttft_ms": latency_stats_ms(ttft), "light_requests": len(ttft),
             "light_ttft_steps_p50_max": [steps[len(steps) // 2], steps[-1]] if steps else None,
             "steps_waited_p99": steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else None,
-            "step_ms_p99": round(step_ms[min(len(step_ms) - 1, int(0.99 * len(step_ms)))], 2) if step_ms else None,
+            "step_ms_p99": latency_stats_ms(step_s)["p99"],
             "tokens_per_s": round(generated / args.duration, 2), "preemptions": eng.stats().preemptions}
 
 

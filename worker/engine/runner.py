@@ -97,19 +97,11 @@ class ModelRunner:
         """Token ids (decodes, verify chunks, prefill chunks), the step context, and the sequences that sample.
 
         Logit rows: decodes and sampling prefills in `sampled` order, then every row of the verify chunks."""
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        dec_pos: list[int] = []
-        dec_slots: list[int] = []
         bs = self.bs
-        for seq in batch.decodes:
-            pos = seq.num_computed
-            ids.append(seq.tokens[pos])
-            dec_pos.append(pos)
-            dec_slots.append(seq.pages[pos // bs] * bs + pos % bs)
-        positions.append(torch.tensor(dec_pos, dtype=torch.int64))
-        slots.append(torch.tensor(dec_slots, dtype=torch.int64))
+        dec = decode_inputs(batch.decodes, bs)
+        ids: list[int] = dec.ids
+        positions: list[torch.Tensor] = [torch.tensor(dec.positions, dtype=torch.int64)]
+        slots: list[torch.Tensor] = [torch.tensor(dec.slots, dtype=torch.int64)]
         sampled = list(batch.decodes)
         rows = list(range(len(batch.decodes)))
         row = len(batch.decodes)
@@ -138,8 +130,7 @@ class ModelRunner:
                 rows.append(row - 1)
         rows += spec
         dev = self.device
-        lay = BatchLayout(bs, torch.cat(slots).to(dev), [s.pages for s in batch.decodes],
-                          [p + 1 for p in dec_pos], pf_tables, pf_q, pf_ctx)
+        lay = BatchLayout(bs, torch.cat(slots).to(dev), dec.tables, dec.lens, pf_tables, pf_q, pf_ctx)
         meta = self.attn.prepare(lay, dev)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
         pos_t = torch.cat(positions).to(dev)
@@ -170,6 +161,7 @@ class ModelRunner:
 
 
 def decode_inputs(decodes: list[Sequence], bs: int) -> DecodeInputs:
+    """Each decoding sequence's next token, its position and cache slot, its pages and context length."""
     ids, pos, slots, lens = [], [], [], []
     for seq in decodes:
         p = seq.num_computed

@@ -16,6 +16,13 @@ import torch.nn.functional as F
 from worker.kvcache.tensors import KVCache
 
 
+def padded_table(rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """Per-sequence page lists as one host tensor [len(rows), longest], padded with page 0 (never read: every
+    kernel stops at its sequence's context length)."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=dtype)
+
+
 @dataclass(slots=True)
 class BatchLayout:
     block_size: int
@@ -73,21 +80,18 @@ class TorchAttention:
         pages = mask = tables = lens = None
         length = 0
         if lay.decode_ctx and self.kernel is not None:
-            max_pages = max(len(t) for t in lay.decode_tables)
-            tables = torch.tensor([t + [0] * (max_pages - len(t)) for t in lay.decode_tables], dtype=torch.int64)
+            tables = padded_table(lay.decode_tables, torch.int64)
             lens = torch.tensor(lay.decode_ctx, dtype=torch.int64)
         elif lay.decode_ctx:
-            max_pages = max(len(t) for t in lay.decode_tables)
-            padded = [t + [0] * (max_pages - len(t)) for t in lay.decode_tables]
-            pages = torch.tensor(padded, dtype=torch.int64).view(-1).to(device, non_blocking=True)
-            length = max_pages * bs
+            padded = padded_table(lay.decode_tables, torch.int64)
+            pages = padded.view(-1).to(device, non_blocking=True)
+            length = padded.shape[1] * bs
             ctx = torch.tensor(lay.decode_ctx, dtype=torch.int64)
             beyond = torch.arange(length)[None, :] >= ctx[:, None]
             mask = torch.zeros(beyond.shape, dtype=torch.float32).masked_fill_(beyond, float("-inf"))
             mask = mask[:, None, :].to(device, non_blocking=True)
         if lay.prefill_q and self.prefill_kernel is not None:
-            width = max(len(t) for t in lay.prefill_tables)
-            prefill = (torch.tensor([t + [0] * (width - len(t)) for t in lay.prefill_tables], dtype=torch.int64),
+            prefill = (padded_table(lay.prefill_tables, torch.int64),
                        torch.tensor(lay.prefill_q, dtype=torch.int64), torch.tensor(lay.prefill_ctx, dtype=torch.int64))
             return TorchMeta(lay.slot_mapping, lay.num_decode, pages, mask, length, [], tables, lens, prefill)
         chunks = []
@@ -187,8 +191,7 @@ class FlashAttention:
 
     def prepare(self, lay: BatchLayout, device: torch.device) -> FlashMeta:
         def table(rows: list[list[int]]) -> torch.Tensor:
-            width = max(len(r) for r in rows)
-            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).to(device)
+            return padded_table(rows, torch.int32).to(device)
 
         dt = dl = pt = cu_q = cu_k = None
         if lay.decode_ctx:

@@ -12,11 +12,10 @@ import os
 import torch
 
 from worker.model.attention import FlashAttention, TorchAttention
-from worker.model.fused import EagerOps, FusedOps
+from worker.model.fused import KERNEL_DTYPES, EagerOps, FusedOps
 from worker.model.triton_backend import TritonAttention
 
 log = logging.getLogger(__name__)
-_KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the C++ fused ops' types
 
 
 BACKENDS = ("auto", "triton", "flash_attn", "torch", "torch_reference")
@@ -75,13 +74,13 @@ def make_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> EagerOps:
     if not fused:
         return EagerOps()
     if device.type == "cuda":
-        if importlib.util.find_spec("triton") is None:
+        if not triton_usable(device):
             log.info("fused ops on CUDA need triton: eager ops")
             return EagerOps()
         from worker.kernels.triton_ops import TritonOps  # imports triton: only on CUDA
 
         return TritonOps()
-    if device.type != "cpu" or dtype not in _KERNEL_DTYPES:
+    if device.type != "cpu" or dtype not in KERNEL_DTYPES:
         log.info("fused ops run on CUDA, or on CPU in bf16 or fp32: eager ops on %s, %s", device, dtype)
         return EagerOps()
     from worker.kernels.cpu import extension

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.kvcache.tensors import KVCache
+from worker.model.attention import padded_table
 from worker.model.llama import LlamaModel, StepContext
 from worker.model.triton_backend import TritonAttention, TritonMeta
 
@@ -90,14 +91,13 @@ class DecodeGraphs:
         """fp32 logits [n, vocab] of the step (a view into the graph's output: read it before the next run)."""
         n = len(inputs.ids)
         b = self.bucket(n)
-        width = max(len(t) for t in inputs.tables)
         host = torch.tensor([inputs.ids, inputs.positions, inputs.slots, inputs.lens], dtype=torch.int64)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in inputs.tables], dtype=torch.int32)
+        table = padded_table(inputs.tables, torch.int32)
         self.ids[:n].copy_(host[0], non_blocking=True)
         self.pos[:n].copy_(host[1], non_blocking=True)
         self.slots[:n].copy_(host[2], non_blocking=True)
         self.lens[:n].copy_(host[3], non_blocking=True)
-        self.tables[:n, :width].copy_(table, non_blocking=True)
+        self.tables[:n, :table.shape[1]].copy_(table, non_blocking=True)
         if b > n:  # padded rows: no context, no cache write
             self.lens[n:b].zero_()
             self.slots[n:b].fill_(-1)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 __all__ = ["EagerOps", "FusedOps", "Rope"]
 log = logging.getLogger(__name__)
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
-_NO_RESIDUAL = {dt: torch.empty(0, dtype=dt) for dt in _KERNEL_DTYPES}
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the C++ fused ops' types
+_NO_RESIDUAL = {dt: torch.empty(0, dtype=dt) for dt in KERNEL_DTYPES}
 
 
 @dataclass(slots=True)

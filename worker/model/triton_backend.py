@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.kvcache.tensors import KVCache
-from worker.model.attention import BatchLayout
+from worker.model.attention import BatchLayout, padded_table
 
 
 @dataclass(slots=True)
@@ -28,8 +28,7 @@ class TritonMeta:
 
 
 def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).to(device, non_blocking=True)
+    return padded_table(rows, torch.int32).to(device, non_blocking=True)
 
 
 def _ints(xs: list[int], device: torch.device) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -48,13 +49,15 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.reshape(-1, 1)
 
 
-def _quantize_rows_on_device(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows_fp8` as one Triton kernel where triton is installed (the same codes), else in torch."""
+@functools.cache
+def _device_row_quantizer() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """`quantize_rows_fp8` as one Triton kernel where triton is installed (the same codes), else in torch;
+    looked up once, not on every call of a layer."""
     if importlib.util.find_spec("triton") is None:
-        return quantize_rows_fp8(x)
+        return quantize_rows_fp8
     from worker.kernels.triton_ops import quantize_rows_fp8 as fused
 
-    return fused(x, FP8_MAX, MIN_SCALE)
+    return functools.partial(fused, fp8_max=FP8_MAX, min_scale=MIN_SCALE)
 
 
 @functools.cache
@@ -88,7 +91,7 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.is_cuda and self.mm_shape_ok and device_supported(x2.device):
-            xq, sx = _quantize_rows_on_device(x2)
+            xq, sx = _device_row_quantizer()(x2)
             y = self._scaled_mm(xq, sx, x2.dtype)
         else:
             xq, sx = quantize_rows_fp8(x2)
