@@ -58,6 +58,22 @@ def _wait_for_build_lock(name: str) -> None:
         time.sleep(0.5)
 
 
+def _load_built(name: str):
+    """The module `name` if it is already built in torch's extensions folder, imported without torch's build lock
+    or a ninja run; else None. Its name hashes the sources and flags, so a library under it is this code. Every
+    load through torch takes the lock, even with nothing to build, so a worker killed at that moment left it
+    behind and every later worker waited (up to STALE_LOCK_S) for nothing."""
+    try:
+        from torch.utils.cpp_extension import LIB_EXT, _get_build_directory, _import_module_from_library
+
+        build = _get_build_directory(name, verbose=False)
+        if not (Path(build) / f"{name}{LIB_EXT}").is_file():
+            return None
+        return _import_module_from_library(name, build, True)
+    except Exception:  # noqa: BLE001 - private helpers, or a library torn by a killed link: build as before
+        return None
+
+
 def extension():
     """The compiled extension module, or None if unavailable (built at most once per process)."""
     global _module, _tried
@@ -69,9 +85,11 @@ def extension():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        _wait_for_build_lock(_NAME)
-        _module = load_inline(name=_NAME, cpp_sources=[_SRC], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
-                              extra_ldflags=["-fopenmp"], verbose=False)
+        _module = _load_built(_NAME)
+        if _module is None:
+            _wait_for_build_lock(_NAME)
+            _module = load_inline(name=_NAME, cpp_sources=[_SRC], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
+                                  extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler / headers: fall back to pure torch
         log.warning("CPU kernels unavailable, using the torch paths: %s", exc)
         _module = None

@@ -35,3 +35,21 @@ def test_fresh_lock_is_waited_for_with_a_deadline(tmp_path, monkeypatch):
 
 def test_kernel_name_follows_source_and_flags():
     assert cpu_kernels._NAME.startswith("switchyard_cpu_") and len(cpu_kernels._NAME) == 27
+
+
+def test_a_built_kernel_loads_past_a_lock_left_by_a_killed_load():
+    """torch takes its build lock on every load, even with nothing to build: a worker killed then left the lock,
+    and the next workers waited for it. A library already built under the kernel's name loads without it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if cpu_kernels.extension() is None:  # no compiler here: nothing is built, nothing to load
+        return
+    lock = Path(_get_build_directory(cpu_kernels._NAME, verbose=False)) / "lock"
+    lock.touch()  # fresh: _wait_for_build_lock would wait STALE_LOCK_S for it
+    try:
+        t0 = time.monotonic()
+        module = cpu_kernels._load_built(cpu_kernels._NAME)
+        assert module is not None and hasattr(module, "paged_decode") and time.monotonic() - t0 < 5.0
+    finally:
+        lock.unlink(missing_ok=True)
+
