@@ -104,11 +104,11 @@ def test_one_validation_and_one_compile_serve_every_frame(tiny, monkeypatch):
 def test_a_compile_past_its_deadline_fails_only_its_requests(tiny, gate):
     eng = Engine(tiny, EngineConfig(kv_cache_bytes=16 << 20, grammar_compile_timeout_s=0.3))
     try:
+        t0 = time.monotonic()  # before the requests: their deadlines start when they are added
         for i in range(3):  # two compile threads: the third compile is still queued at the deadline
             eng.add_request(f"g{i}", [1, 2], SamplingParams(max_tokens=4, temperature=1.0, grammar=schema(10 + i)))
         queued = eng._grammars._waiting["g2"].future
         eng.add_request("plain", [4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
-        t0 = time.monotonic()
         done = run(eng)
         assert 0.3 <= time.monotonic() - t0 < 5
         assert done["plain"][1] == "length" and len(done["plain"][0]) == 4
