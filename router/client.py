@@ -88,6 +88,8 @@ class WorkerClient:
         # restarted on the same endpoint is down until its first stats, so it counts as back from the dead
         self.link_up = False
         self._connected = False
+        # closed: the connection dropped and no handshake has succeeded since (a dead process, a lost host)
+        self.link_closed = False
         self._streams: dict[str, asyncio.Queue[OutItem | WorkerError]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
@@ -162,8 +164,9 @@ class WorkerClient:
 
     @property
     def alive(self) -> bool:
-        """Stats arrived and the link has not been silent past `silence_limit` (see `usable` for the version)."""
-        return self.stats is not None and self.silent_for() <= self.silence_limit
+        """Stats arrived, the connection has not dropped since, and the link has not been silent past
+        `silence_limit` (see `usable` for the version)."""
+        return self.stats is not None and not self.link_closed and self.silent_for() <= self.silence_limit
 
     @property
     def usable(self) -> bool:
@@ -263,8 +266,20 @@ class WorkerClient:
             except zmq.Again:
                 return
             self._connected = parse_monitor_message(raw)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            self.link_closed = not self._connected
             if not self._connected:
                 self.link_up = False
+                for _ in range(8):  # frames that came before the drop reach their streams first
+                    if await self._drain():
+                        break
+                self._link_lost()
+
+    def _link_lost(self) -> None:
+        """The connection dropped: the open streams end now (worker_lost, so they resume elsewhere) rather
+        than after worker_timeout of silence. Output sent meanwhile is gone with the connection either way."""
+        if self._streams and not self._lost_reported:
+            self._lost_reported = True
+            self._fail_all(WorkerError(LinkError.WORKER_LOST, f"link to {self.endpoint} closed (link down)", True))
 
     async def _drain(self) -> bool:
         """Take every waiting frame, up to MAX_FRAMES_PER_DRAIN; True when the socket was left empty."""

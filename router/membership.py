@@ -217,7 +217,7 @@ class Membership:
         claimed = {w.endpoint for w in wanted.values()}
         for mid, member in self._members.items():
             if (mid not in wanted and not member.static and member.endpoint not in claimed
-                    and self._silence(member) <= member.client.silence_limit):
+                    and not self._gone(member)):
                 wanted[mid] = _Wanted(member.endpoint, False, member.started_at)
                 claimed.add(member.endpoint)
         for ep in self.static_endpoints:
@@ -289,7 +289,7 @@ class Membership:
         member = self._members.get(mid)
         if member is None or member.stats is None or member.stats_at is None:
             return FALLBACK_DEAD
-        if self._silence(member) > member.client.silence_limit:
+        if self._gone(member):
             return FALLBACK_DEAD
         stats = member.stats
         if stats.version != PROTOCOL_VERSION or (self.model is not None and stats.model != self.model):
@@ -297,6 +297,10 @@ class Membership:
         if stats.draining:
             return FALLBACK_DRAINING
         return None
+
+    def _gone(self, member: Member) -> bool:
+        """Its connection dropped (a dead process closes it at once) or it has been silent past its limit."""
+        return member.client.link_closed or self._silence(member) > member.client.silence_limit
 
     def _silence(self, member: Member) -> float:
         """How long `member` has been silent: the time since its last stats (or its join, before any), but

@@ -120,6 +120,7 @@ class FakeClient:
         pass
 
     silence_limit = 1.0
+    link_closed = False
 
     def silent_for(self) -> float:
         return 0.0
