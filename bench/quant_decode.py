@@ -42,9 +42,10 @@ def eval_ids(loaded: LoadedModel) -> list[int]:
     return loaded.tokenizer.encode(EVAL_TEXT.read_text())
 
 
-def score(loaded: LoadedModel, ids: list[int], chunk: int) -> Score:
+def score(loaded: LoadedModel, ids: list[int], chunk: int, kv_dtype: str = "model") -> Score:
     """Next-token NLL and argmax of every position, prefilled `chunk` tokens per engine step."""
-    cfg = EngineConfig(kv_cache_bytes=256 << 20, max_num_batched_tokens=chunk, enable_prefix_cache=False)
+    cfg = EngineConfig(kv_cache_bytes=256 << 20, max_num_batched_tokens=chunk, enable_prefix_cache=False,
+                       kv_dtype=kv_dtype)
     engine = DebugEngine(loaded, cfg)
     engine.add_request("ppl", ids, SamplingParams(max_tokens=1, ignore_eos=True))
     target = torch.tensor(ids[1:] + [0])

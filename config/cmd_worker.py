@@ -15,7 +15,7 @@ from config.settings import Settings, WorkerSettings, flags_to_overrides, load_s
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
 _ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness",
                  "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch", "fused_ops",
-                 "attention", "cuda_graphs")
+                 "attention", "cuda_graphs", "kv_dtype")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="weight quantization; w8a8 also quantizes prefill activations; fp8 needs CUDA compute capability 8.9+ (auto: the fastest mode passing the quality gate here; see README)")
     a("--attention", choices=["auto", "triton", "flash_attn", "torch", "torch_reference"],
       help="attention backend (auto: flash_attn on CUDA where installed and the page size fits, else triton on CUDA; torch on CPU)")
+    a("--kv-dtype", choices=["auto", "model", "int8", "fp8"],
+      help="KV cache pages: model (the model's dtype), int8 (8-bit with per page and head scales: ~2x the tokens "
+           "per byte; CPU) or auto (default: int8 on CPU with the C++ kernels, else model); fp8 is refused")
     a("--cuda-graphs", choices=["on", "off"], help="replay decode steps as CUDA graphs (CUDA only; default on)")
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
     a("--fused-ops", choices=["on", "off"],

@@ -44,6 +44,8 @@ class WorkerSettings(BaseModel):
     quantization: Literal["none", "int8", "int4", "w8a8", "fp8", "auto"] = "none"  # weights; auto: worker.quant.resolve_mode
     # attention backend (worker.model.backends.choose_backend); None keeps the engine's default (auto)
     attention: Literal["auto", "triton", "flash_attn", "torch", "torch_reference"] | None = None
+    # KV cache pages (worker.kvcache.kv_dtype); fp8 is refused at startup with the reason; None: auto
+    kv_dtype: Literal["auto", "model", "int8", "fp8"] | None = None
     cuda_graphs: Literal["on", "off"] | None = None  # decode CUDA graphs (CUDA only); None keeps the default (on)
     fused_ops: Literal["on", "off"] | None = None  # worker.model.fused; None keeps the engine's default (on)
     # n-gram speculative decoding (worker.engine.speculative); None keeps the engine's default

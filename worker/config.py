@@ -37,6 +37,9 @@ class EngineConfig:
     # weights: "none" | "int8" | "int4" | "w8a8" | "fp8" (CUDA 8.9+) | "auto" (applied by the loader; worker.quant.weights)
     quantization: str = "none"
     default_cpu_kv_bytes: int = 1 << 30
+    # KV pages: "model" (the model's dtype) | "int8" (8-bit pages with per page and kv head scales, CPU with the
+    # torch backend; about 2x the tokens per byte) | "auto" (worker.kvcache.kv_dtype.resolve_kv_dtype's rule)
+    kv_dtype: str = "model"
     # n-gram speculative decoding (worker.engine.speculative): up to spec_tokens proposals per decoding sequence,
     # from matches of its last spec_ngram_max..spec_ngram_min tokens; only while the step's decode batch
     # is at most spec_max_batch sequences (0 turns it off)
@@ -66,6 +69,11 @@ class EngineConfig:
         if self.quantization not in ("none", "int8", "int4", "w8a8", "fp8", "auto"):
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of none, int8, int4, w8a8, fp8, "
                              "auto")
+        if self.kv_dtype == "fp8":
+            raise ValueError("--kv-dtype fp8 is not supported: there are no fp8 KV kernels; use --kv-dtype int8 (CPU) "
+                             "or model")
+        if self.kv_dtype not in ("auto", "model", "int8"):
+            raise ValueError(f"unknown kv_dtype {self.kv_dtype!r}; choose one of auto, model, int8")
         if self.fused_ops not in ("on", "off"):
             raise ValueError(f"fused_ops must be 'on' or 'off', got {self.fused_ops!r}")
         if not 0 <= self.spec_tokens <= 16 or self.spec_max_batch < 0:

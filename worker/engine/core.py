@@ -20,6 +20,7 @@ from worker.engine.runner import ModelRunner, StepResult
 from worker.engine.scheduler import Scheduler, pages_for
 from worker.engine.sequence import NgramIndex, Priority, ScheduledBatch, SeqStatus, Sequence
 from worker.engine.speculative import speculation_allowed
+from worker.kvcache.kv_dtype import resolve_kv_dtype
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
 from worker.kvcache.tensors import num_pages_for
@@ -48,7 +49,10 @@ class Engine:
         self.tokenizer_version = model.tokenizer_version
         self.vocab_size = model.config.vocab_size
         self.max_context = model.max_context
-        num_pages = num_pages_for(model.config, config, model.dtype, model.device)
+        self.kv_dtype, why = resolve_kv_dtype(config, model.device)
+        num_pages = num_pages_for(model.config, config, model.dtype, model.device, self.kv_dtype)
+        log.info("KV cache: %s pages (asked %s: %s), %d pages of %d tokens", self.kv_dtype, config.kv_dtype, why,
+                 num_pages, config.block_size)
         self.pool = PagePool(num_pages)
         self.cache = RadixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(config, self.pool, self.cache)

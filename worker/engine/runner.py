@@ -12,6 +12,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.sequence import ScheduledBatch, Sequence
+from worker.kvcache.kv_dtype import resolve_kv_dtype
 from worker.kvcache.tensors import KVCache
 from worker.model.attention import BatchLayout
 from worker.model.backends import make_backend, make_ops
@@ -45,7 +46,7 @@ class ModelRunner:
         self.attn = make_backend(config.attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                  config.block_size, loaded.device)
         self.kv = KVCache(cfg, num_pages, config.block_size, loaded.dtype, loaded.device,
-                          pages_first=self.attn.pages_first)
+                          pages_first=self.attn.pages_first, kv_dtype=resolve_kv_dtype(config, loaded.device)[0])
         self.masker: BatchMasker | None = None  # set by the engine with its first grammar request
         self.ops = make_ops(config.fused_ops == "on", loaded.device, loaded.dtype)
         self.graphs = self._capture_graphs(loaded, config)

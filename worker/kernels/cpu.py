@@ -3,7 +3,8 @@
 Paged decode attention reads K/V straight from the pages where the torch path gathers a padded copy; paged
 prefill attention does a step's prompt chunks in one call, 2-3x faster than torch's SDPA on them; the race
 sampler draws a token per row in one pass where the torch path makes [rows, vocab] temporaries; the fused ops
-(`worker.model.fused`) do a layer's norms, SiLU-mul and RoPE in one pass each.
+(`worker.model.fused`) do a layer's norms, SiLU-mul and RoPE in one pass each; the int8 KV kernels (`kv_int8.cpp`)
+write and read 8-bit pages.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("bf16.h", "vec_exp.h", "paged_decode.cpp", "paged_prefill.cpp", "race_sample.cpp", "fused_ops.cpp",
-            "w8a8.cpp", "w8a8_small.cpp")
-_FUNCTIONS = ["paged_decode", "paged_kv_write", "paged_prefill", "race_sample", "add_rms_norm", "silu_mul", "rope_",
-              "w8a8_quantize", "w8a8_dequantize", "w8a8_small_available", "w8a8_small_pack", "w8a8_small_linear"]
+_SOURCES = ("bf16.h", "vec_exp.h", "kv_int8.h", "paged_decode.cpp", "paged_prefill.cpp", "paged_prefill_entry.cpp",
+            "kv_int8.cpp", "race_sample.cpp", "fused_ops.cpp", "w8a8.cpp", "w8a8_small.cpp")
+_FUNCTIONS = ["paged_decode", "paged_kv_write", "paged_prefill", "paged_decode_int8", "paged_kv_write_int8",
+              "paged_prefill_int8", "race_sample", "add_rms_norm", "silu_mul", "rope_", "w8a8_quantize",
+              "w8a8_dequantize", "w8a8_small_available", "w8a8_small_pack", "w8a8_small_linear"]
 _SRC = "\n".join((_CSRC / name).read_text() for name in _SOURCES)
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -117,6 +119,16 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
     if mod is None or head_dim not in (64, 128) or rows not in (4, 6, 8):
         return None
     return mod.paged_prefill
+
+
+def int8_kv_kernels(num_heads: int, num_kv_heads: int, head_dim: int):
+    """(paged_decode_int8, paged_prefill_int8 or None where `paged_prefill_kernel` is, paged_kv_write_int8): the
+    kernels over 8-bit KV pages (`csrc/kv_int8.cpp`), or None if unavailable."""
+    mod = extension()
+    if mod is None:
+        return None
+    prefill = mod.paged_prefill_int8 if paged_prefill_kernel(num_heads, num_kv_heads, head_dim) else None
+    return mod.paged_decode_int8, prefill, mod.paged_kv_write_int8
 
 
 def race_sample_kernel():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker.kvcache import quant
 from worker.kvcache.tensors import KVCache
 
 
@@ -39,6 +40,15 @@ class BatchLayout:
 
 
 @dataclass(slots=True)
+class Int8Kernels:
+    """The C++ kernels over int8 KV pages (`csrc/kv_int8.cpp`, `worker.kernels.cpu.int8_kernels`)."""
+
+    decode: object  # paged_decode_int8(q, kc, vc, ks, vs, tables, lens, bs, scale)
+    prefill: object | None  # paged_prefill_int8(q, kc, vc, ks, vs, tables, q_lens, ctx_lens, bs, scale), None: shape
+    write: object  # paged_kv_write_int8(k, v, kc, vc, ks, vs, slot_mapping, bs, grow)
+
+
+@dataclass(slots=True)
 class _Chunk:
     start: int  # first token row in the step
     q_len: int
@@ -61,19 +71,22 @@ class TorchMeta:
 
 class TorchAttention:
     """Paged attention on torch tensors: the C++ CPU kernels where given (`worker.kernels.cpu`), else the
-    pure-torch reference (batched gather + matmuls for decode, SDPA per prefill chunk)."""
+    pure-torch reference (batched gather + matmuls for decode, SDPA per prefill chunk). An int8 cache
+    (`KVCache.quantized`) takes the `int8` kernels where the model-dtype ones are given, else the reference on
+    dequantized gathers."""
 
     name = "torch"
     pages_first = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernel=None, prefill_kernel=None,
-                 kv_write=None) -> None:
+                 kv_write=None, int8: Int8Kernels | None = None) -> None:
         self.nh, self.kvh, self.hd = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
         self.kernel = kernel  # cpu_kernels.paged_decode or None
         self.prefill_kernel = prefill_kernel  # cpu_kernels.paged_prefill or None
         self.kv_write = kv_write  # cpu_kernels.paged_kv_write (one call for a layer's new K/V rows) or None
+        self.int8 = int8  # the same kernels over int8 pages: used for what the model-dtype ones are given
 
     def prepare(self, lay: BatchLayout, device: torch.device) -> TorchMeta:
         bs = lay.block_size
@@ -112,6 +125,8 @@ class TorchAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVCache, meta: TorchMeta) -> torch.Tensor:
         """q: [T, nh, hd]; k, v: [T, kvh, hd] -> [T, nh * hd]."""
+        if kv.quantized:
+            return self._forward_int8(layer, q, k, v, kv, meta)
         kc, vc = kv.k[layer], kv.v[layer]
         if self.kv_write is not None:
             self.kv_write(k, v, kc, vc, meta.slot_mapping)
@@ -131,6 +146,35 @@ class TorchAttention:
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kc, vc, ch)
         return out.view(q.shape[0], -1)
 
+    def _forward_int8(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache,
+                      meta: TorchMeta) -> torch.Tensor:
+        """`forward` over int8 pages: every read, a fresh prompt's own rows included, sees the quantized K/V."""
+        kc, vc, ks, vs, bs = kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.block_size
+        if (meta.decode_tables is not None or meta.prefill is not None) and self.int8 is None:
+            raise ValueError("an int8 KV cache with the C++ attention kernels needs their int8 versions")
+        if self.int8 is not None:
+            self.int8.write(k, v, kc, vc, ks, vs, meta.slot_mapping, bs, quant.GROW)
+        else:
+            quant.write_int8(k, kc, ks, meta.slot_mapping, bs)
+            quant.write_int8(v, vc, vs, meta.slot_mapping, bs)
+        b, out = meta.num_decode, torch.empty_like(q)
+        if b and meta.decode_tables is not None:
+            out[:b] = self.int8.decode(q[:b], kc, vc, ks, vs, meta.decode_tables, meta.decode_lens, bs, self.scale)
+        elif b:
+            slots = _page_slots(meta.decode_pages, bs)
+            shape = (self.kvh, b, meta.decode_len, self.hd)
+            out[:b] = self._decode_gathered(q[:b], quant.dequantize_slots(kc, ks, slots, bs, q.dtype).view(shape),
+                                            quant.dequantize_slots(vc, vs, slots, bs, q.dtype).view(shape), meta)
+        if meta.prefill is not None:
+            out[b:] = self.int8.prefill(q[b:].contiguous(), kc, vc, ks, vs, *meta.prefill, bs, self.scale)
+        for ch in meta.chunks:
+            rows = slice(ch.start, ch.start + ch.q_len)
+            slots = meta.slot_mapping[rows] if ch.ctx_slots is None else ch.ctx_slots
+            kh = quant.dequantize_slots(kc, ks, slots, bs, q.dtype)
+            vh = quant.dequantize_slots(vc, vs, slots, bs, q.dtype)
+            out[rows] = self._sdpa(q[rows], kh, vh, ch.mask)
+        return out.view(q.shape[0], -1)
+
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bs: int,
                 meta: TorchMeta) -> torch.Tensor:
         if meta.decode_tables is not None:
@@ -138,6 +182,12 @@ class TorchAttention:
         b, kvh, hd, length = q.shape[0], self.kvh, self.hd, meta.decode_len
         keys = kc.view(kvh, -1, bs * hd).index_select(1, meta.decode_pages).view(kvh, b, length, hd)
         vals = vc.view(kvh, -1, bs * hd).index_select(1, meta.decode_pages).view(kvh, b, length, hd)
+        return self._decode_gathered(q, keys, vals, meta)
+
+    def _decode_gathered(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                         meta: TorchMeta) -> torch.Tensor:
+        """keys, vals [kvh, B, L, hd]: the decode rows' padded contexts."""
+        b, kvh, hd = q.shape[0], self.kvh, self.hd
         qg = q.view(b, kvh, self.group, hd).transpose(0, 1)  # [kvh, B, g, hd]
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float()
         scores.mul_(self.scale).add_(meta.decode_mask)
@@ -147,15 +197,21 @@ class TorchAttention:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
                  vc: torch.Tensor, ch: _Chunk) -> torch.Tensor:
-        qh = q.transpose(0, 1)[None]  # [1, nh, q, hd]
         if ch.ctx_slots is None:
-            kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
-        else:
-            kh = kc.index_select(1, ch.ctx_slots)[None]
-            vh = vc.index_select(1, ch.ctx_slots)[None]
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=ch.mask, scale=self.scale, enable_gqa=True)
+            return self._sdpa(q, k.transpose(0, 1), v.transpose(0, 1), None)
+        return self._sdpa(q, kc.index_select(1, ch.ctx_slots), vc.index_select(1, ch.ctx_slots), ch.mask)
+
+    def _sdpa(self, q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [n, nh, hd] against kh, vh [kvh, ctx, hd]; mask None: causal over the chunk itself."""
+        qh = q.transpose(0, 1)[None]  # [1, nh, q, hd]
+        o = F.scaled_dot_product_attention(qh, kh[None], vh[None], attn_mask=mask, is_causal=mask is None,
+                                           scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1)
+
+
+def _page_slots(pages: torch.Tensor, bs: int) -> torch.Tensor:
+    """Every slot of `pages`, page after page."""
+    return (pages[:, None] * bs + torch.arange(bs, device=pages.device)).view(-1)
 
 
 @dataclass(slots=True)

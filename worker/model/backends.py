@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from worker.model.attention import FlashAttention, TorchAttention
+from worker.model.attention import FlashAttention, Int8Kernels, TorchAttention
 from worker.model.fused import KERNEL_DTYPES, EagerOps, FusedOps
 from worker.model.triton_backend import TritonAttention
 
@@ -58,14 +58,16 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, bl
         return FlashAttention(num_heads, num_kv_heads, head_dim)
     if chosen == "triton":
         return TritonAttention(num_heads, num_kv_heads, head_dim)
-    kernel = prefill_kernel = kv_write = None
+    kernel = prefill_kernel = kv_write = int8 = None
     if device.type == "cpu" and chosen != "torch_reference":
-        from worker.kernels.cpu import paged_decode_kernel, paged_kv_write_kernel, paged_prefill_kernel
+        from worker.kernels import cpu
 
-        kernel = paged_decode_kernel()
-        prefill_kernel = paged_prefill_kernel(num_heads, num_kv_heads, head_dim)
-        kv_write = paged_kv_write_kernel()
-    return TorchAttention(num_heads, num_kv_heads, head_dim, kernel, prefill_kernel, kv_write)
+        kernel = cpu.paged_decode_kernel()
+        prefill_kernel = cpu.paged_prefill_kernel(num_heads, num_kv_heads, head_dim)
+        kv_write = cpu.paged_kv_write_kernel()
+        found = cpu.int8_kv_kernels(num_heads, num_kv_heads, head_dim)
+        int8 = Int8Kernels(*found) if found is not None else None
+    return TorchAttention(num_heads, num_kv_heads, head_dim, kernel, prefill_kernel, kv_write, int8)
 
 
 def make_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> EagerOps:

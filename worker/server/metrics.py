@@ -26,6 +26,9 @@ RUNNING = Gauge("switchyard_worker_running_requests", "Requests being decoded or
 WAITING = Gauge("switchyard_worker_waiting_requests", "Requests waiting to be scheduled")
 KV_USED = Gauge("switchyard_worker_kv_pages_used", "KV cache pages in use")
 KV_TOTAL = Gauge("switchyard_worker_kv_pages_total", "KV cache pages in the pool")
+KV_CAPACITY = Gauge("switchyard_worker_kv_capacity_tokens", "Tokens the KV cache pool holds (pages x page size)")
+KV_DTYPE = Gauge("switchyard_worker_kv_dtype", "1 for the dtype the KV pages are stored in (--kv-dtype resolved)",
+                 ["dtype"])
 HIT_RATE = Gauge("switchyard_worker_prefix_hit_rate", "Share of prompt tokens served by the prefix cache")
 BATCH = Gauge("switchyard_worker_batch_size", "Sequences sampled in the last engine step")
 PREEMPTIONS = Counter("switchyard_worker_preemptions", "Sequences preempted for lack of KV pages")
@@ -81,6 +84,7 @@ class WorkerMetrics:
         self._prompt = self._cached = self._generated = self._preempted = self._prefilled = 0
         self._spec = [0, 0, 0]  # proposed, accepted, verify steps already counted
         self.fair_labels = FairLabels()
+        KV_DTYPE.labels(engine.kv_dtype).set(1)
         self._fair_seen: dict[str, float] = {}  # per label: service total already counted
 
     def admitted(self, rid: str, fkey: bytes = b"") -> None:
@@ -140,6 +144,7 @@ class WorkerMetrics:
             BATCH.set(0)  # idle: no batch (the last step's size would linger otherwise)
         WAITING.set(s.num_waiting)
         KV_TOTAL.set(s.kv_total_tokens // bs)
+        KV_CAPACITY.set(s.kv_total_tokens)
         KV_USED.set((s.kv_total_tokens - s.kv_free_tokens) // bs)
         HIT_RATE.set(s.prefix_hit_rate)
         self._prompt = _advance(PROMPT_TOKENS, self._prompt, s.prompt_tokens)

@@ -88,10 +88,11 @@ static void balance_tasks(const int64_t* lens, int64_t B, int64_t kvh, int64_t t
   for (int64_t t = 0; t < n; ++t) order[next[owner[t]]++] = t;
 }
 
-// HD, G: head size and query heads per kv head, or 0 to read them from `hd_rt`, `g_rt`
-template <typename T, int64_t HD, int64_t G>
-static void decode_impl(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
-                        const Shape sh, int64_t hd_rt, int64_t g_rt) {
+// HD, G: head size and query heads per kv head, or 0 to read them from `hd_rt`, `g_rt`; C: the cache's element
+// type, T or int8_t (kv_int8.h: scores and probabilities times the page's K and V scales)
+template <typename T, typename C, int64_t HD, int64_t G>
+static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc, const int64_t* tables,
+                        const int64_t* lens, T* out, const Shape sh, int64_t hd_rt, int64_t g_rt) {
   const int64_t hd = HD ? HD : hd_rt, g = G ? G : g_rt;
   const int64_t nh = sh.nh, kvh = sh.kvh, bs = sh.bs;
   // one bucket of (sequence, kv head) tasks per thread, balanced by context length: a static split of the
@@ -109,14 +110,15 @@ static void decode_impl(const T* q, const T* kc, const T* vc, const int64_t* tab
       if (static_cast<int64_t>(scores.size()) < g * L) scores.resize(g * L);
       row_to_float(q + b * sh.q_stride + h * g * hd, qf, g * hd);
       for (int64_t i = 0; i < g * hd; ++i) qf[i] *= sh.scale;
-      const T* kbase = kc + h * sh.slots * hd;
-      const T* vbase = vc + h * sh.slots * hd;
+      const C* kbase = kc + h * sh.slots * hd;
+      const C* vbase = vc + h * sh.slots * hd;
       const int64_t* table = tables + b * sh.max_pages;
       for (int64_t p = 0; p < npages; ++p) {  // scores = q . k, page by page
-        const T* kp = kbase + table[p] * bs * hd;
+        const C* kp = kbase + table[p] * bs * hd;
         const int64_t n = std::min(bs, L - p * bs);
+        const float sk = page_scale(sc.k, sc.pages, h, table[p]);
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, at::BFloat16> && HD != 0 && HD % 32 == 0) {
+        if constexpr (std::is_same_v<C, at::BFloat16> && HD != 0 && HD % 32 == 0) {
           for (int64_t i0 = 0; i0 < n; i0 += 16)
             scores16_bf16<HD>(q + b * sh.q_stride + h * g * hd, g, kp + i0 * hd, std::min<int64_t>(16, n - i0),
                               scores.data() + p * bs + i0, L, sh.scale);
@@ -130,7 +132,7 @@ static void decode_impl(const T* q, const T* kc, const T* vc, const int64_t* tab
             float s = 0.f;
             #pragma omp simd reduction(+:s)
             for (int64_t d = 0; d < hd; ++d) s += qj[d] * row[d];
-            scores[j * L + p * bs + i] = s;
+            scores[j * L + p * bs + i] = s * sk;
           }
         }
       }
@@ -146,12 +148,13 @@ static void decode_impl(const T* q, const T* kc, const T* vc, const int64_t* tab
       }
       std::fill(acc, acc + g * hd, 0.f);
       for (int64_t p = 0; p < npages; ++p) {  // acc = sum of p * v, page by page
-        const T* vp = vbase + table[p] * bs * hd;
+        const C* vp = vbase + table[p] * bs * hd;
         const int64_t n = std::min(bs, L - p * bs);
+        const float sv = page_scale(sc.v, sc.pages, h, table[p]);
         for (int64_t i = 0; i < n; ++i) {
           row_to_float(vp + i * hd, row, hd);
           for (int64_t j = 0; j < g; ++j) {
-            const float pr = scores[j * L + p * bs + i];
+            const float pr = scores[j * L + p * bs + i] * sv;
             float* aj = acc + j * hd;
             #pragma omp simd
             for (int64_t d = 0; d < hd; ++d) aj[d] += pr * row[d];
@@ -165,15 +168,15 @@ static void decode_impl(const T* q, const T* kc, const T* vc, const int64_t* tab
   });
 }
 
-template <typename T>
-static void decode_dispatch(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
-                            T* out, const Shape sh, int64_t hd, int64_t g) {
+template <typename T, typename C>
+static void decode_dispatch(const T* q, const C* kc, const C* vc, const KvScales sc, const int64_t* tables,
+                            const int64_t* lens, T* out, const Shape sh, int64_t hd, int64_t g) {
 #define SY_DECODE_CASE(H, GG) \
-  if (hd == H && g == GG) return decode_impl<T, H, GG>(q, kc, vc, tables, lens, out, sh, hd, g);
+  if (hd == H && g == GG) return decode_impl<T, C, H, GG>(q, kc, vc, sc, tables, lens, out, sh, hd, g);
   SY_DECODE_CASE(64, 1) SY_DECODE_CASE(64, 2) SY_DECODE_CASE(64, 3) SY_DECODE_CASE(64, 4) SY_DECODE_CASE(64, 8)
   SY_DECODE_CASE(128, 1) SY_DECODE_CASE(128, 2) SY_DECODE_CASE(128, 4) SY_DECODE_CASE(128, 8)
 #undef SY_DECODE_CASE
-  decode_impl<T, 0, 0>(q, kc, vc, tables, lens, out, sh, hd, g);
+  decode_impl<T, C, 0, 0>(q, kc, vc, sc, tables, lens, out, sh, hd, g);
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
@@ -191,12 +194,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, 
   auto l = lens.contiguous();
   const Shape sh{B, nh, kvh, slots, t.size(1), bs, static_cast<float>(scale), q.stride(0)};
   if (q.scalar_type() == torch::kBFloat16) {
-    decode_dispatch<at::BFloat16>(q.data_ptr<at::BFloat16>(), kc.data_ptr<at::BFloat16>(),
-                                  vc.data_ptr<at::BFloat16>(), t.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
-                                  out.data_ptr<at::BFloat16>(), sh, hd, g);
+    decode_dispatch<at::BFloat16, at::BFloat16>(q.data_ptr<at::BFloat16>(), kc.data_ptr<at::BFloat16>(),
+                                                vc.data_ptr<at::BFloat16>(), KvScales{}, t.data_ptr<int64_t>(),
+                                                l.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), sh, hd, g);
   } else if (q.scalar_type() == torch::kFloat32) {
-    decode_dispatch<float>(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), t.data_ptr<int64_t>(),
-                           l.data_ptr<int64_t>(), out.data_ptr<float>(), sh, hd, g);
+    decode_dispatch<float, float>(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), KvScales{},
+                                  t.data_ptr<int64_t>(), l.data_ptr<int64_t>(), out.data_ptr<float>(), sh, hd, g);
   } else {
     TORCH_CHECK(false, "paged_decode supports bfloat16 and float32");
   }

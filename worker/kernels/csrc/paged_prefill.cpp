@@ -48,9 +48,10 @@ struct Task {
   int64_t cost;                     // keys read (for longest-first order)
 };
 
-template <typename T, int64_t HD>
-static void pack_f32(const T* kc, const T* vc, const Chunk& c, int64_t h, int64_t slots, int64_t bs, int64_t kb,
-                     float* block) {
+// C: the cache's element type (the model's, or int8_t with the page scales of `sc`, kv_int8.h)
+template <typename C, int64_t HD>
+static void pack_f32(const C* kc, const C* vc, const KvScales& sc, const Chunk& c, int64_t h, int64_t slots,
+                     int64_t bs, int64_t kb, float* block) {
   // key block kb: K^T as [d][16], then V rows as [16][d]; keys past ctx are zero (masked later)
   float* dst = block;
   for (int64_t i = 0; i < kKeys; ++i) {
@@ -60,12 +61,13 @@ static void pack_f32(const T* kc, const T* vc, const Chunk& c, int64_t h, int64_
       for (int64_t d = 0; d < HD; ++d) { dst[d * kKeys + i] = 0.f; vrow[d] = 0.f; }
       continue;
     }
-    const int64_t slot = c.table[key / bs] * bs + key % bs;
-    const T* krow = kc + (h * slots + slot) * HD;
-    const T* vsrc = vc + (h * slots + slot) * HD;
-    for (int64_t d = 0; d < HD; ++d) dst[d * kKeys + i] = to_f(krow[d]);
+    const int64_t page = c.table[key / bs], slot = page * bs + key % bs;
+    const C* krow = kc + (h * slots + slot) * HD;
+    const C* vsrc = vc + (h * slots + slot) * HD;
+    const float sk = page_scale(sc.k, sc.pages, h, page), sv = page_scale(sc.v, sc.pages, h, page);
+    for (int64_t d = 0; d < HD; ++d) dst[d * kKeys + i] = to_f(krow[d]) * sk;
     #pragma omp simd
-    for (int64_t d = 0; d < HD; ++d) vrow[d] = to_f(vsrc[d]);
+    for (int64_t d = 0; d < HD; ++d) vrow[d] = to_f(vsrc[d]) * sv;
   }
 }
 
@@ -156,10 +158,10 @@ static void attend_f32(const T* q, T* out, const Chunk& c, const Task& t, int64_
 // fp32 products everywhere (any CPU, both dtypes). A packed block: K^T and V, 16 x HD floats each.
 struct F32Path {
   static constexpr int64_t kBlockFloats = 2 * kKeys;  // x HD
-  template <typename T, int64_t HD>
-  static void pack(const T* kc, const T* vc, const Chunk& c, int64_t h, int64_t slots, int64_t bs, int64_t kb,
-                   float* block) {
-    pack_f32<T, HD>(kc, vc, c, h, slots, bs, kb, block);
+  template <typename C, int64_t HD>
+  static void pack(const C* kc, const C* vc, const KvScales& sc, const Chunk& c, int64_t h, int64_t slots,
+                   int64_t bs, int64_t kb, float* block) {
+    pack_f32<C, HD>(kc, vc, sc, c, h, slots, bs, kb, block);
   }
   template <typename T, int64_t HD, int Rows>
   static void attend(const T* q, T* out, const Chunk& c, const Task& t, int64_t nh, int64_t g, float scale,
@@ -175,9 +177,9 @@ struct F32Path {
 // in fp32 as with SDPA on bf16 inputs; P is rounded to bf16 for P.V, as SDPA does in bf16.
 struct Bf16DotPath {
   static constexpr int64_t kBlockFloats = kKeys;  // x HD: K and V in bf16 take the floats of one fp32 copy
-  template <typename T, int64_t HD>
-  static void pack(const T* kc, const T* vc, const Chunk& c, int64_t h, int64_t slots, int64_t bs, int64_t kb,
-                   float* block) {
+  template <typename C, int64_t HD>
+  static void pack(const C* kc, const C* vc, const KvScales& sc, const Chunk& c, int64_t h, int64_t slots,
+                   int64_t bs, int64_t kb, float* block) {
     uint16_t* kt = reinterpret_cast<uint16_t*>(block);
     uint16_t* vp = kt + kKeys * HD;
     for (int64_t i = 0; i < kKeys; ++i) {
@@ -187,12 +189,13 @@ struct Bf16DotPath {
         for (int64_t d = 0; d < HD; ++d) { kt[(d / 2) * 2 * kKeys + i * 2 + (d & 1)] = 0; vdst[d * 2] = 0; }
         continue;
       }
-      const int64_t slot = c.table[key / bs] * bs + key % bs;
-      const uint16_t* krow = reinterpret_cast<const uint16_t*>(kc + (h * slots + slot) * HD);
-      const uint16_t* vrow = reinterpret_cast<const uint16_t*>(vc + (h * slots + slot) * HD);
-      for (int64_t d = 0; d < HD; ++d) {
-        kt[(d / 2) * 2 * kKeys + i * 2 + (d & 1)] = krow[d];
-        vdst[d * 2] = vrow[d];
+      const int64_t page = c.table[key / bs], slot = page * bs + key % bs;
+      const C* krow = kc + (h * slots + slot) * HD;
+      const C* vrow = vc + (h * slots + slot) * HD;
+      const float sk = page_scale(sc.k, sc.pages, h, page), sv = page_scale(sc.v, sc.pages, h, page);
+      for (int64_t d = 0; d < HD; ++d) {  // int8: the element times its scale, rounded to bf16 (2^-9 relative)
+        kt[(d / 2) * 2 * kKeys + i * 2 + (d & 1)] = from_f<at::BFloat16>(to_f(krow[d]) * sk).x;
+        vdst[d * 2] = from_f<at::BFloat16>(to_f(vrow[d]) * sv).x;
       }
     }
   }
@@ -274,9 +277,9 @@ struct Bf16DotPath {
 };
 #endif
 
-template <typename T, int64_t HD, int Rows, typename Path>
-static void run(const T* q, const T* kc, const T* vc, T* out, std::vector<Chunk>& chunks, int64_t nh,
-                int64_t kvh, int64_t slots, int64_t bs, float scale) {
+template <typename T, typename C, int64_t HD, int Rows, typename Path>
+static void run(const T* q, const C* kc, const C* vc, const KvScales& sc, T* out, std::vector<Chunk>& chunks,
+                int64_t nh, int64_t kvh, int64_t slots, int64_t bs, float scale) {
   const int64_t g = nh / kvh, tok_per_task = std::max<int64_t>(1, Rows / g);
   // key blocks to pack: with 16-token pages a block is a page, and a page several chunks read (a shared cached
   // prefix) is packed once, by the chunk that sees most of it; otherwise one block per (chunk, block)
@@ -310,7 +313,7 @@ static void run(const T* q, const T* kc, const T* vc, T* out, std::vector<Chunk>
   at::parallel_for(0, n_packed * kvh, 8, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const auto [ci, kb] = owners[b % n_packed];  // head-major: a head's blocks are contiguous
-      Path::template pack<T, HD>(kc, vc, chunks[ci], b / n_packed, slots, bs, kb, buf.get() + b * block_floats);
+      Path::template pack<C, HD>(kc, vc, sc, chunks[ci], b / n_packed, slots, bs, kb, buf.get() + b * block_floats);
     }
   });
   std::vector<Task> tasks;
@@ -338,58 +341,27 @@ static void run(const T* q, const T* kc, const T* vc, T* out, std::vector<Chunk>
   });
 }
 
-template <typename T, typename Path>
-static bool dispatch(const T* q, const T* kc, const T* vc, T* out, std::vector<Chunk>& chunks, int64_t nh,
-                     int64_t kvh, int64_t hd, int64_t slots, int64_t bs, float scale) {
+template <typename T, typename C, typename Path>
+static bool dispatch(const T* q, const C* kc, const C* vc, const KvScales& sc, T* out, std::vector<Chunk>& chunks,
+                     int64_t nh, int64_t kvh, int64_t hd, int64_t slots, int64_t bs, float scale) {
   const int64_t g = nh / kvh;
   // rows per task: whole tokens of the query group, at most 8 (6 for a group of 3)
 #define SY_PREFILL_CASE(H, R) \
-  if (hd == H && (8 / g) * g == R) { run<T, H, R, Path>(q, kc, vc, out, chunks, nh, kvh, slots, bs, scale); return true; }
+  if (hd == H && (8 / g) * g == R) { run<T, C, H, R, Path>(q, kc, vc, sc, out, chunks, nh, kvh, slots, bs, scale); return true; }
   SY_PREFILL_CASE(64, 8) SY_PREFILL_CASE(64, 6) SY_PREFILL_CASE(64, 4)
   SY_PREFILL_CASE(128, 8) SY_PREFILL_CASE(128, 6) SY_PREFILL_CASE(128, 4)
 #undef SY_PREFILL_CASE
   return false;
 }
 
-}  // namespace prefill
-
-// q [T, nh, hd]: the prefill rows of a step, chunk after chunk; kc, vc [kvh, slots, hd] with the chunks' K/V
-// already written; tables [C, max_pages], q_lens [C], ctx_lens [C] (int64, ctx = cached prefix + chunk).
-// Returns [T, nh, hd]. Head sizes 64 and 128, query groups of 1, 2, 3, 4, 6 or 8 (others: raises).
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
-                            torch::Tensor q_lens, torch::Tensor ctx_lens, int64_t bs, double scale) {
-  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "paged_prefill: contiguous inputs");
-  TORCH_CHECK(tables.dtype() == torch::kInt64 && q_lens.dtype() == torch::kInt64 && ctx_lens.dtype() == torch::kInt64,
-              "paged_prefill: int64 tables and lengths");
-  TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(), "paged_prefill: one dtype");
-  const int64_t nh = q.size(1), hd = q.size(2), kvh = kc.size(0), slots = kc.size(1);
-  auto t = tables.contiguous();
-  auto ql = q_lens.contiguous();
-  auto cl = ctx_lens.contiguous();
-  std::vector<prefill::Chunk> chunks;
-  int64_t row = 0;
-  for (int64_t i = 0; i < ql.size(0); ++i) {
-    const int64_t n = ql.data_ptr<int64_t>()[i], ctx = cl.data_ptr<int64_t>()[i];
-    TORCH_CHECK(n >= 1 && ctx >= n && ctx <= t.size(1) * bs, "paged_prefill: bad chunk lengths");
-    chunks.push_back({row, n, ctx, t.data_ptr<int64_t>() + i * t.size(1), nullptr});
-    row += n;
-  }
-  TORCH_CHECK(row == q.size(0), "paged_prefill: q rows != sum of q_lens");
-  auto out = torch::empty_like(q);
-  bool ok = false;
-  if (q.scalar_type() == torch::kBFloat16) {
-#if defined(__AVX512BF16__)
-    using Bf16Path = prefill::Bf16DotPath;
-#else
-    using Bf16Path = prefill::F32Path;
-#endif
-    ok = prefill::dispatch<at::BFloat16, Bf16Path>(q.data_ptr<at::BFloat16>(), kc.data_ptr<at::BFloat16>(),
-                                         vc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), chunks, nh, kvh,
-                                         hd, slots, bs, static_cast<float>(scale));
-  } else if (q.scalar_type() == torch::kFloat32) {
-    ok = prefill::dispatch<float, prefill::F32Path>(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                                  out.data_ptr<float>(), chunks, nh, kvh, hd, slots, bs, static_cast<float>(scale));
-  }
-  TORCH_CHECK(ok, "paged_prefill: unsupported dtype, head size or query group");
-  return out;
+template <typename T, typename Path>
+static bool dispatch_cache(const T* q, const torch::Tensor& kc, const torch::Tensor& vc, const KvScales& sc, T* out,
+                           std::vector<Chunk>& chunks, int64_t nh, int64_t kvh, int64_t hd, int64_t bs, float scale) {
+  const int64_t slots = kc.size(1);
+  if (kc.scalar_type() == torch::kChar)
+    return dispatch<T, int8_t, Path>(q, kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>(), sc, out, chunks, nh, kvh, hd,
+                                     slots, bs, scale);
+  return dispatch<T, T, Path>(q, kc.data_ptr<T>(), vc.data_ptr<T>(), sc, out, chunks, nh, kvh, hd, slots, bs, scale);
 }
+
+}  // namespace prefill
