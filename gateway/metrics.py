@@ -165,11 +165,36 @@ def current() -> GatewayMetrics:
     return _CURRENT if _CURRENT is not None else configure()
 
 
+@dataclass(slots=True)
+class UnauthenticatedLines:
+    """At most `per_second` access lines a second for 401s (an unknown-key flood must not become a log flood);
+    the rest are counted and summed up in one line when the next second starts. The metric counts all."""
+
+    per_second: int = 10
+    window: int = 0
+    logged: int = 0
+    suppressed: int = 0
+
+    def admit(self, now: float) -> bool:
+        second = int(now)
+        if second != self.window:
+            if self.suppressed:
+                log.warning("%d more unauthenticated requests (401) were not logged", self.suppressed,
+                            extra={"status": 401, "suppressed": self.suppressed})
+            self.window, self.logged, self.suppressed = second, 0, 0
+        if self.logged < self.per_second:
+            self.logged += 1
+            return True
+        self.suppressed += 1
+        return False
+
+
 class ObserveMiddleware:
-    """Counts `/v1/` responses by status and logs one access line per API request."""
+    """Counts `/v1/` responses by status and logs one access line per API request (401s: `UnauthenticatedLines`)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self.unauthenticated = UnauthenticatedLines()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
@@ -188,8 +213,9 @@ class ObserveMiddleware:
             await self.app(scope, receive, send_observed)
         finally:
             current().requests.labels(str(status)).inc()
-            log.info("%s %s %d", scope["method"], scope["path"], status,
-                     extra={"status": status, "duration_ms": round((time.perf_counter() - start) * 1000, 1)})
+            if status != 401 or self.unauthenticated.admit(time.monotonic()):
+                log.info("%s %s %d", scope["method"], scope["path"], status,
+                         extra={"status": status, "duration_ms": round((time.perf_counter() - start) * 1000, 1)})
 
 
 def exposition() -> tuple[bytes, str]:

@@ -32,3 +32,17 @@ def test_loopback_is_served_without_a_token():
 
 def test_worker_metrics_bind_loopback_unless_told():
     assert WorkerSettings().metrics_host == "127.0.0.1"
+
+
+def test_unauthenticated_access_lines_are_capped_per_second(caplog):
+    """An unknown-key flood logs at most `per_second` access lines a second and one line summing up the rest."""
+    from gateway.metrics import UnauthenticatedLines
+
+    lines = UnauthenticatedLines(per_second=10)
+    with caplog.at_level("INFO", logger="switchyard.gateway.access"):
+        admitted = [lines.admit(100.0 + i / 100) for i in range(25)]  # 25 in one second
+        assert admitted == [True] * 10 + [False] * 15 and not caplog.records
+        assert lines.admit(101.2)  # the next second starts: the summary first, then room again
+    (summary,) = caplog.records
+    assert summary.suppressed == 15 and "15 more unauthenticated" in summary.getMessage()
+    assert lines.logged == 1 and lines.suppressed == 0
