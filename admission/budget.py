@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 
 from admission.local_limits import LocalLimiter
 from admission.results import Renewal, ReserveResult, error_for
-from admission.scripts import RENEW, RESERVE, SETTLE
+from admission.scripts import CHARGE_INVALID, RENEW, RESERVE, SETTLE
 from tenancy.errors import QuotaServiceUnavailable
 from tenancy.schema import INT_DEFAULTS, Tenant, bucket_key, config_key, leases_key, usage_key
 
@@ -105,6 +105,16 @@ class Budget:
         if not result.admitted:
             raise error_for(result, tenant.name)
         return Reservation(tenant, lease_id, prompt_tokens, max_tokens, result)
+
+    async def charge_invalid(self, tenant: Tenant) -> int:
+        """Charge one request of the tenant's per-minute limit for an invalid request; returns the ms until
+        the tenant has a request left (0: it has). Redis unreachable: nothing is charged (0)."""
+        try:
+            reply = await CHARGE_INVALID(self.redis, [config_key(tenant.name), bucket_key(tenant.name)],
+                                         [INT_DEFAULTS["tpm"], INT_DEFAULTS["rpm"]])
+        except QuotaServiceUnavailable:
+            return 0
+        return int(reply[2])
 
     async def _reserve_shielded(self, name: str, cost: int, lease_id: str) -> ReserveResult:
         # If the caller is cancelled while the script may already have charged, settle it as unserved.

@@ -64,6 +64,10 @@ class Admission:
                 self.capacity.release(cap)
             await self.guard.release(res)
 
+    async def charge_invalid(self, tenant: Tenant) -> int:
+        """One request of the tenant's per-minute limit for a request refused as invalid (`Budget.charge_invalid`)."""
+        return await self.guard.budget.charge_invalid(tenant)
+
     async def aclose(self) -> None:
         await self.guard.aclose()
 

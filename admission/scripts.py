@@ -64,4 +64,5 @@ def is_unavailable_reply(exc: ResponseError) -> bool:
 RESERVE = LuaScript("reserve")
 SETTLE = LuaScript("settle")
 RENEW = LuaScript("renew")
+CHARGE_INVALID = LuaScript("charge_invalid")
 HEARTBEAT = LuaScript("heartbeat")

@@ -35,6 +35,7 @@ from gateway.openapi import openapi_endpoint
 from gateway.schemas import GenerationRequest, body_number_cap, parse_chat, parse_completion
 from gateway.service import GatewayService
 from gateway.sse import DONE, SSEResponse, event, install_log_filter
+from tenancy import Tenant
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -62,15 +63,13 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
     rid = request.scope["state"]["request_id"]
     tenant = await svc.authenticate(request.headers.get("authorization"))
     config = request.app.state.config
-    # a token-id prompt longer than the context is refused while the body is decoded
-    body, size = await read_json(request, config.max_body_bytes, config.body_timeout_s,
-                                 max_numbers=body_number_cap(svc.model.max_context))
-    if size < THREAD_TOKENIZE_BYTES:
-        req = parse(body)
-        prepared = svc.prepare(tenant, req, rid)
-    else:  # large bodies (long prompts, big JSON schemas to validate) are handled off the event loop
-        req = await run_in_threadpool(parse, body)
-        prepared = await run_in_threadpool(svc.prepare, tenant, req, rid)
+    svc.check_invalid_lockout(tenant)  # before any parsing: see GatewayService.charge_invalid
+    try:
+        req, prepared = await _read_and_prepare(request, svc, tenant, parse, rid)
+    except ApiError as exc:
+        if 400 <= exc.status < 500:
+            await svc.charge_invalid(tenant)
+        raise
     prepared.key_digest = svc.key_digest(request.headers.get("authorization"))
     trace = metrics.current().trace(prepared.priority.label, tenant.name, arrived)
     if prepared.grouped:
@@ -97,6 +96,20 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
     finally:
         if gen is not None:
             await _close(gen, trace)
+
+
+async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenant,
+                            parse: Callable[[Any], GenerationRequest], rid: str) -> tuple[GenerationRequest, Prepared]:
+    config = request.app.state.config
+    # a token-id prompt longer than the context is refused while the body is decoded
+    body, size = await read_json(request, config.max_body_bytes, config.body_timeout_s,
+                                 max_numbers=body_number_cap(svc.model.max_context))
+    if size < THREAD_TOKENIZE_BYTES:
+        req = parse(body)
+        return req, svc.prepare(tenant, req, rid)
+    # large bodies (long prompts, big JSON schemas to validate) are handled off the event loop
+    req = await run_in_threadpool(parse, body)
+    return req, await run_in_threadpool(svc.prepare, tenant, req, rid)
 
 
 async def _generate_group(request: Request, svc: GatewayService, prepared: Prepared,

@@ -11,6 +11,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from admission import retry_headers
+
 log = logging.getLogger("switchyard.gateway")
 
 INVALID_REQUEST = "invalid_request_error"
@@ -101,6 +103,13 @@ def lease_lost() -> ApiError:
 def no_live_worker(retry_after_s: int = 1) -> ApiError:
     return ApiError(503, "No model worker is available right now; retry shortly.", "server_error",
                     code="no_live_worker", headers={"retry-after": str(retry_after_s)})
+
+
+def invalid_requests_exhausted(retry_after_ms: int) -> ApiError:
+    """429 before parsing: this tenant's requests per minute went on requests refused as invalid."""
+    return ApiError(429, f"Too many invalid requests: they used up your requests-per-minute limit; retry after "
+                    f"{retry_after_ms / 1000:.1f}s.", "requests", code="rate_limit_exceeded",
+                    headers=retry_headers(retry_after_ms))
 
 
 def quota_unavailable() -> ApiError:

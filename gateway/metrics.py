@@ -92,10 +92,13 @@ class GatewayMetrics:
     def count_shed(self, reason: str) -> None:
         self.shed.labels(reason).inc()
 
+    def count_rate_limited(self, reason: str, tenant: str) -> None:
+        self.rate_limited.labels(reason, *self._tok(tenant)).inc()
+
     def admission_refused(self, exc: BaseException, tenant: str) -> None:
         """Count an admission exception as rate-limited or shed (others are not refusals)."""
         if isinstance(exc, QuotaExceeded):
-            self.rate_limited.labels(exc.result.limit_name or "requests", *self._tok(tenant)).inc()
+            self.count_rate_limited(exc.result.limit_name or "requests", tenant)
         elif isinstance(exc, Overloaded):
             self.count_shed("capacity")
         elif isinstance(exc, QuotaServiceUnavailable):

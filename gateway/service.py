@@ -27,6 +27,9 @@ from worker.protocol import OutItem, SamplingParams
 log = logging.getLogger("switchyard.gateway")
 
 
+MAX_INVALID_LOCKOUTS = 10_000  # tenants remembered as out of requests after invalid ones (oldest dropped)
+
+
 @dataclass(slots=True)
 class ServiceConfig:
     request_timeout_s: float = 600.0  # whole-request deadline sent to the worker
@@ -48,6 +51,7 @@ class GatewayService:
         self.router = router
         self.admission = admission
         self.config = config or ServiceConfig()
+        self._invalid_until: dict[str, float] = {}  # tenant -> when it has a request left (charge_invalid)
 
     @property
     def ready(self) -> bool:
@@ -74,6 +78,30 @@ class GatewayService:
         if tenant is None:
             raise errors.unauthorized("Invalid, revoked or disabled API key.")
         return tenant
+
+    def check_invalid_lockout(self, tenant: Tenant) -> None:
+        """429 before any parsing while this tenant's requests per minute are used up by invalid requests."""
+        until = self._invalid_until.get(tenant.name)
+        if until is None:
+            return
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._invalid_until[tenant.name]
+            return
+        metrics.current().count_rate_limited("requests", tenant.name)
+        raise errors.invalid_requests_exhausted(max(1, int(left * 1000)))
+
+    async def charge_invalid(self, tenant: Tenant) -> None:
+        """A request refused as invalid after authentication costs its tenant one request of its per-minute
+        limit (not tokens), so costly parsing cannot be repeated for free; once none is left, the tenant's next
+        requests on this gateway get a 429 before they are parsed, until one is (`check_invalid_lockout`)."""
+        if self.admission is None:
+            return
+        retry_ms = await self.admission.charge_invalid(tenant)
+        if retry_ms > 0:
+            if len(self._invalid_until) >= MAX_INVALID_LOCKOUTS:
+                self._invalid_until.pop(next(iter(self._invalid_until)))
+            self._invalid_until[tenant.name] = time.monotonic() + retry_ms / 1000
 
     def check_model(self, tenant: Tenant, model: str) -> None:
         if model not in self.model.names:

@@ -307,3 +307,17 @@ async def test_renewal_racing_a_settle_leaves_no_lease(r, redis_url):
     finally:
         await guard.aclose()
         await client.aclose()
+
+
+async def test_charge_invalid_takes_one_request_and_says_when_one_is_back(r, budget):
+    t = store.create_tenant(r, "sloppy", tpm=1000, rpm=2, max_concurrent=5)
+    assert await budget.charge_invalid(t) == 0  # one of two left
+    retry_ms = await budget.charge_invalid(t)
+    assert 29_000 <= retry_ms <= 30_002  # none left: one request per 30 s comes back
+    assert await budget.charge_invalid(t) > 0
+    tok, req = (float(v) for v in r.hmget(bucket_key("sloppy"), "tok", "req"))
+    assert tok == pytest.approx(1000) and 0 <= req < 0.01  # never below zero, and no token charged
+    assert await budget.charge_invalid(store.Tenant(name="nobody")) == 0  # unknown tenant: nothing written
+    assert not r.exists(bucket_key("nobody"))
+    unlimited = store.create_tenant(r, "unlimited", tpm=1000, rpm=0)
+    assert await budget.charge_invalid(unlimited) == 0 and not r.exists(bucket_key("unlimited"))

@@ -88,6 +88,25 @@ def test_rejected_request_charges_nothing(stack, r):
     assert int(resp.headers["x-ratelimit-remaining-tokens"]) < 120
 
 
+def test_invalid_requests_cost_a_request_each_then_429_before_parsing(stack, r):
+    """M1: a request refused as invalid after authentication charges one request of the tenant's per-minute
+    limit (no tokens); once none is left, that gateway answers the tenant 429 before parsing anything."""
+    key = stack.create_tenant("invalid", tpm=6000, rpm=3, max_concurrent=10)
+    gw = stack.gateways[0].base_url
+    set_bucket(r, "invalid", 6000, 3)
+    for left in (2, 1, 0):
+        bad = complete(gw, key, temperature="hot")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
+        tok, req = (float(v) for v in r.hmget(bucket_key("invalid"), "tok", "req"))
+        assert left <= req < left + 0.1 and tok == pytest.approx(6000)  # one request each, not one token
+    refused = complete(gw, key, temperature="hot")  # refused before parsing: not a 400 about temperature
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded", refused.text
+    assert "invalid requests" in refused.json()["error"]["message"]
+    assert 1 <= int(refused.headers["retry-after"]) <= 21
+    assert complete(gw, key).status_code == 429  # a valid request too: the minute's requests are gone
+    assert r.zcard(leases_key("invalid")) == 0
+
+
 def test_retry_after_is_honoured(stack, r):
     tpm = 3000  # 50 tokens/s
     key = stack.create_tenant("retry", tpm=tpm, rpm=0, max_concurrent=0)
