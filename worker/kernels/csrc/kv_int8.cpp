@@ -1,4 +1,4 @@
-// 8-bit KV pages: the write that quantizes a step's new K/V rows in place, and paged decode over int8 pages.
+// 8-bit KV pages: the write that quantizes a step's new K/V rows in place (paged_decode_int8.cpp reads them).
 //
 // Scale rule (worker/kvcache/quant.py is the torch reference of the same arithmetic): symmetric absmax, one fp32
 // scale per (kv head, page). Rows written from a page's first slot start it afresh (scale = absmax / 127); a row
@@ -102,35 +102,4 @@ void paged_kv_write_int8(torch::Tensor k, torch::Tensor v, torch::Tensor kc, tor
     kvq::write_all<float>(k, v, kc, vc, k_scale, v_scale, sm, bs, static_cast<float>(grow));
   else
     TORCH_CHECK(false, "paged_kv_write_int8 supports bfloat16 and float32");
-}
-
-// paged_decode (paged_decode.cpp) over int8 caches: q [B, nh, hd]; kc, vc [kvh, slots, hd] int8; k_scale, v_scale
-// [kvh, pages] fp32; tables [B, max_pages], lens [B] int64 -> [B, nh, hd] in q's dtype
-torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor k_scale,
-                                torch::Tensor v_scale, torch::Tensor tables, torch::Tensor lens, int64_t bs,
-                                double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && kc.is_contiguous() &&
-              vc.is_contiguous() && kc.scalar_type() == torch::kChar && vc.scalar_type() == torch::kChar,
-              "paged_decode_int8: q rows of contiguous heads, contiguous int8 caches");
-  TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64, "int64 tables and lens");
-  const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), kvh = kc.size(0), slots = kc.size(1);
-  const KvScales sc = kv_scales(k_scale, v_scale, kvh);
-  TORCH_CHECK(slots == sc.pages * bs, "paged_decode_int8: one scale per page");
-  const int64_t g = nh / kvh;
-  TORCH_CHECK(hd <= kMaxHead && g * hd <= kMaxGroupFloats, "paged_decode_int8: head size or group too large");
-  auto out = torch::empty({B, nh, hd}, q.options());
-  auto t = tables.contiguous();
-  auto l = lens.contiguous();
-  const Shape sh{B, nh, kvh, slots, t.size(1), bs, static_cast<float>(scale), q.stride(0)};
-  const int8_t* k8 = kc.data_ptr<int8_t>();
-  const int8_t* v8 = vc.data_ptr<int8_t>();
-  if (q.scalar_type() == torch::kBFloat16)
-    decode_dispatch<at::BFloat16, int8_t>(q.data_ptr<at::BFloat16>(), k8, v8, sc, t.data_ptr<int64_t>(),
-                                          l.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), sh, hd, g);
-  else if (q.scalar_type() == torch::kFloat32)
-    decode_dispatch<float, int8_t>(q.data_ptr<float>(), k8, v8, sc, t.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
-                                   out.data_ptr<float>(), sh, hd, g);
-  else
-    TORCH_CHECK(false, "paged_decode_int8 supports bfloat16 and float32");
-  return out;
 }

@@ -11,6 +11,12 @@ struct KvScales {  // null pointers: a model-dtype cache (every scale 1)
 
 static inline float to_f(int8_t v) { return static_cast<float>(v); }
 
+constexpr int64_t kKvPrefetch = 4;  // pages ahead the int8 decode loops prefetch
+
+static inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o);
+}
+
 // the scale of page `page` of kv head h in `s` ([kvh, pages] fp32), 1 for a model-dtype cache
 static inline float page_scale(const float* s, int64_t pages, int64_t h, int64_t page) {
   return s == nullptr ? 1.f : s[h * pages + page];

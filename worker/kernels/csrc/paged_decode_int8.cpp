@@ -1,0 +1,196 @@
+// Paged decode attention over int8 KV pages (kv_int8.h), read in place: no page is dequantized into a temporary.
+//
+// With AVX-512 BW and head sizes 64 or 128 (query groups up to 8): the task's queries are rounded to int16 (one
+// scale per query row: 2^-16 relative, far below the pages' own 2^-8), K rows widen int8 -> int16 in registers
+// and q.k sums in int32 (`vpdpwssd` with VNNI, else `vpmaddwd`), 16 keys at a time, times the page's K scale;
+// V rows widen int8 -> fp32 in registers against accumulators that stay in registers, probabilities times the
+// page's V scale. Elsewhere paged_decode.cpp's loops run over the int8 rows (scores x K scale, p x V scale). Both
+// prefetch the page kKvPrefetch ahead (2-3x on scattered pages: 1-2 KB each defeat the hardware prefetcher).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
+namespace dec8 {
+
+#if defined(__AVX512BW__)
+// the 16 lane sums of 16 int32 vectors, in order (the int32 form of paged_decode.cpp's sum16)
+static inline __m512i sum16_epi32(__m512i v[16]) {
+  __m512i t[8], u[4];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)
+    u[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * k], t[2 * k + 1]), _mm512_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+  const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+  const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, 0x88), _mm512_shuffle_i32x4(x01, x23, 0xDD));
+}
+
+static inline __m512i dot_step(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+// out[j * L + i] = scale[j] * (q16_j . k_i) for n <= 16 int8 key rows of HD
+template <int64_t HD>
+static inline void scores16(const int16_t* q16, const float* qscale, int64_t g, const int8_t* k, int64_t n,
+                            float* out, int64_t L) {
+  constexpr int64_t C = HD / 32;  // 32 int16 per register
+  for (int64_t j = 0; j < g; ++j) {
+    __m512i qv[C], acc[16];
+    for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_si512(q16 + j * HD + c * 32);
+    for (int64_t i = 0; i < 16; ++i) {  // keys past n stay zero (their rows may lie outside the page)
+      acc[i] = _mm512_setzero_si512();
+      if (i < n)
+        for (int64_t c = 0; c < C; ++c)
+          acc[i] = dot_step(acc[i], _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                        reinterpret_cast<const __m256i*>(k + i * HD + c * 32))), qv[c]);
+    }
+    alignas(64) float res[16];
+    _mm512_store_ps(res, _mm512_mul_ps(_mm512_cvtepi32_ps(sum16_epi32(acc)), _mm512_set1_ps(qscale[j])));
+    for (int64_t i = 0; i < n; ++i) out[j * L + i] = res[i];
+  }
+}
+
+static inline __m512 widen(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <typename T, int64_t HD, int64_t G>
+static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScales sc, const int64_t* tables,
+                   const int64_t* lens, T* out, const Shape sh) {
+  constexpr int64_t V = HD / 16;  // fp32 registers per V row
+  const int64_t nh = sh.nh, kvh = sh.kvh, bs = sh.bs;
+  std::vector<int64_t> order, bounds;
+  balance_tasks(lens, sh.B, kvh, at::get_num_threads(), order, bounds);
+  const int64_t buckets = static_cast<int64_t>(bounds.size()) - 1;
+  at::parallel_for(0, buckets, 1, [&](int64_t c0, int64_t c1) {
+    alignas(64) int16_t q16[G * HD];
+    float qscale[G], denom[G];
+    std::vector<float> scores;
+    for (int64_t ti = bounds[c0]; ti < bounds[c1]; ++ti) {
+      const int64_t task = order[ti];
+      const int64_t b = task / kvh, h = task % kvh;
+      const int64_t L = lens[b], npages = (L + bs - 1) / bs;
+      if (static_cast<int64_t>(scores.size()) < G * L) scores.resize(G * L);
+      for (int64_t j = 0; j < G; ++j) {  // q row j, times the softmax scale, as int16 with its own scale
+        const T* src = q + b * sh.q_stride + (h * G + j) * HD;
+        float m = 0.f;
+        for (int64_t d = 0; d < HD; ++d) m = std::max(m, std::fabs(to_f(src[d])));
+        const float inv = m > 0.f ? 32767.f / m : 0.f;
+        for (int64_t d = 0; d < HD; ++d) q16[j * HD + d] = static_cast<int16_t>(std::nearbyint(to_f(src[d]) * inv));
+        qscale[j] = m / 32767.f * sh.scale;
+      }
+      const int8_t* kbase = kc + h * sh.slots * HD;
+      const int8_t* vbase = vc + h * sh.slots * HD;
+      const int64_t* table = tables + b * sh.max_pages;
+      for (int64_t p = 0; p < npages; ++p) {
+        const int8_t* kp = kbase + table[p] * bs * HD;
+        const int64_t n = std::min(bs, L - p * bs);
+        if (p + kKvPrefetch < npages) prefetch_bytes(kbase + table[p + kKvPrefetch] * bs * HD, bs * HD);
+        float ps[G];
+        const float sk = page_scale(sc.k, sc.pages, h, table[p]);
+        for (int64_t j = 0; j < G; ++j) ps[j] = qscale[j] * sk;
+        for (int64_t i0 = 0; i0 < n; i0 += 16)
+          scores16<HD>(q16, ps, G, kp + i0 * HD, std::min<int64_t>(16, n - i0), scores.data() + p * bs + i0, L);
+      }
+      for (int64_t j = 0; j < G; ++j) {  // softmax numerators and denominators
+        float* sj = scores.data() + j * L;
+        float m = -INFINITY;
+        #pragma omp simd reduction(max:m)
+        for (int64_t t = 0; t < L; ++t) m = std::max(m, sj[t]);
+        float sum = 0.f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < L; ++t) { const float e = vec_exp(sj[t] - m); sj[t] = e; sum += e; }
+        denom[j] = sum;
+      }
+      __m512 acc[G][V];
+      for (int64_t j = 0; j < G; ++j)
+        for (int64_t c = 0; c < V; ++c) acc[j][c] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < npages; ++p) {  // acc += p x V scale x v, a row at a time
+        const int8_t* vp = vbase + table[p] * bs * HD;
+        const int64_t n = std::min(bs, L - p * bs);
+        if (p + kKvPrefetch < npages) prefetch_bytes(vbase + table[p + kKvPrefetch] * bs * HD, bs * HD);
+        const float sv = page_scale(sc.v, sc.pages, h, table[p]);
+        const float* sp = scores.data() + p * bs;
+        for (int64_t i = 0; i < n; ++i) {
+          __m512 row[V];
+          for (int64_t c = 0; c < V; ++c) row[c] = widen(vp + i * HD + c * 16);
+          for (int64_t j = 0; j < G; ++j) {
+            const __m512 pr = _mm512_set1_ps(sp[j * L + i] * sv);
+            for (int64_t c = 0; c < V; ++c) acc[j][c] = _mm512_fmadd_ps(pr, row[c], acc[j][c]);
+          }
+        }
+      }
+      for (int64_t j = 0; j < G; ++j) {
+        alignas(64) float o[HD];
+        const __m512 inv = _mm512_set1_ps(1.f / denom[j]);
+        for (int64_t c = 0; c < V; ++c) _mm512_store_ps(o + c * 16, _mm512_mul_ps(acc[j][c], inv));
+        T* dst = out + (b * nh + h * G + j) * HD;
+        for (int64_t d = 0; d < HD; ++d) dst[d] = from_f<T>(o[d]);
+      }
+    }
+  });
+}
+#endif
+
+// the fast path where it applies (true), else false: the caller runs paged_decode.cpp's loops
+template <typename T>
+static bool fast(const T* q, const int8_t* kc, const int8_t* vc, const KvScales sc, const int64_t* tables,
+                 const int64_t* lens, T* out, const Shape sh, int64_t hd, int64_t g) {
+#if defined(__AVX512BW__)
+#define SY_DEC8_CASE(H, GG) \
+  if (hd == H && g == GG) { decode<T, H, GG>(q, kc, vc, sc, tables, lens, out, sh); return true; }
+  SY_DEC8_CASE(64, 1) SY_DEC8_CASE(64, 2) SY_DEC8_CASE(64, 3) SY_DEC8_CASE(64, 4) SY_DEC8_CASE(64, 8)
+  SY_DEC8_CASE(128, 1) SY_DEC8_CASE(128, 2) SY_DEC8_CASE(128, 4) SY_DEC8_CASE(128, 8)
+#undef SY_DEC8_CASE
+#endif
+  return false;
+}
+
+template <typename T>
+static void run(const T* q, const int8_t* kc, const int8_t* vc, const KvScales sc, const int64_t* tables,
+                const int64_t* lens, T* out, const Shape sh, int64_t hd, int64_t g) {
+  if (!fast<T>(q, kc, vc, sc, tables, lens, out, sh, hd, g))
+    decode_dispatch<T, int8_t>(q, kc, vc, sc, tables, lens, out, sh, hd, g);
+}
+
+}  // namespace dec8
+
+// paged decode over int8 caches: q [B, nh, hd]; kc, vc [kvh, slots, hd] int8; k_scale, v_scale
+// [kvh, pages] fp32; tables [B, max_pages], lens [B] int64 -> [B, nh, hd] in q's dtype
+torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor k_scale,
+                                torch::Tensor v_scale, torch::Tensor tables, torch::Tensor lens, int64_t bs,
+                                double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && kc.is_contiguous() &&
+              vc.is_contiguous() && kc.scalar_type() == torch::kChar && vc.scalar_type() == torch::kChar,
+              "paged_decode_int8: q rows of contiguous heads, contiguous int8 caches");
+  TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64, "int64 tables and lens");
+  const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), kvh = kc.size(0), slots = kc.size(1);
+  const KvScales sc = kv_scales(k_scale, v_scale, kvh);
+  TORCH_CHECK(slots == sc.pages * bs, "paged_decode_int8: one scale per page");
+  const int64_t g = nh / kvh;
+  TORCH_CHECK(hd <= kMaxHead && g * hd <= kMaxGroupFloats, "paged_decode_int8: head size or group too large");
+  auto out = torch::empty({B, nh, hd}, q.options());
+  auto t = tables.contiguous();
+  auto l = lens.contiguous();
+  const Shape sh{B, nh, kvh, slots, t.size(1), bs, static_cast<float>(scale), q.stride(0)};
+  const int8_t* k8 = kc.data_ptr<int8_t>();
+  const int8_t* v8 = vc.data_ptr<int8_t>();
+  if (q.scalar_type() == torch::kBFloat16)
+    dec8::run<at::BFloat16>(q.data_ptr<at::BFloat16>(), k8, v8, sc, t.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
+                            out.data_ptr<at::BFloat16>(), sh, hd, g);
+  else if (q.scalar_type() == torch::kFloat32)
+    dec8::run<float>(q.data_ptr<float>(), k8, v8, sc, t.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
+                     out.data_ptr<float>(), sh, hd, g);
+  else
+    TORCH_CHECK(false, "paged_decode_int8 supports bfloat16 and float32");
+  return out;
+}
