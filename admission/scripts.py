@@ -1,6 +1,7 @@
-"""Lua scripts shipped as package data, called with EVALSHA (one round trip) and reloaded on NOSCRIPT.
+"""Lua scripts shipped as package data, called with EVALSHA (one round trip); on NOSCRIPT, run with EVAL.
 
-Reloading makes a Redis restart transparent; connection failures become `QuotaServiceUnavailable`.
+EVAL goes to the node that owns the keys' slot and caches the script there, so a Redis restart, a failover or
+a slot moved to a fresh Cluster node is transparent; connection failures become `QuotaServiceUnavailable`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import BusyLoadingError, NoScriptError, ReadOnlyError, ResponseError
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+    SlotNotCoveredError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -19,8 +27,9 @@ from tenancy.errors import QuotaServiceUnavailable
 
 log = logging.getLogger("switchyard.admission")
 
-# Errors meaning "Redis cannot answer now" (as opposed to a bug in a script or a call).
-UNAVAILABLE_ERRORS = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
+# Errors meaning "Redis cannot answer now" (as opposed to a bug in a script or a call); the Cluster ones: a
+# slot with no known owner, redirections that did not settle (ClusterError: "TTL exhausted").
+UNAVAILABLE_ERRORS = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError, SlotNotCoveredError)
 # Error replies of a server that cannot take writes now: a replica after a failover (READONLY), out of
 # memory (OOM), failing to persist (MISCONF), a busy script, no quorum of replicas or a master link down.
 UNAVAILABLE_REPLIES = ("READONLY", "OOM", "MISCONF", "BUSY", "NOREPLICAS", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
@@ -40,10 +49,12 @@ class LuaScript:
         try:
             try:
                 return await client.evalsha(self.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                await client.script_load(self.source)
-                return await client.evalsha(self.sha, len(keys), *keys, *args)
+            except NoScriptError:  # on the node that owns the slot (SCRIPT LOAD may go to another)
+                return await client.eval(self.source, len(keys), *keys, *args)
         except UNAVAILABLE_ERRORS as exc:
+            raise QuotaServiceUnavailable(f"quota store unreachable: {type(exc).__name__}") from None
+        except ClusterError as exc:  # before ResponseError: ClusterDownError is both
+            log.warning("quota store cluster refused %s: %s", self.name, str(exc)[:200])
             raise QuotaServiceUnavailable(f"quota store unreachable: {type(exc).__name__}") from None
         except ResponseError as exc:
             if not is_unavailable_reply(exc):

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from tenancy import (
     PRIORITIES,
@@ -50,7 +51,7 @@ def run_operator_command(args: argparse.Namespace, action: Callable[[redis.Redis
     except (TenancyError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except redis.RedisError as exc:
+    except (redis.RedisError, RedisClusterException) as exc:
         print(f"error: Redis unreachable or failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:

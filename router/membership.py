@@ -20,6 +20,7 @@ from worker.protocol import (
     REGISTRY_KEY_PREFIX,
     REGISTRY_SET_KEY,
     WorkerStats,
+    async_redis,
     parse_registration,
 )
 
@@ -133,9 +134,7 @@ class Membership:
 
     async def start(self) -> None:
         if self.redis_url is not None:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.Redis.from_url(
+            self._redis = async_redis(  # one server, or a cluster (the registry keys share one slot)
                 self.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
             )
             self._read_script = self._redis.register_script(_READ_REGISTRY)  # reloads itself on NOSCRIPT

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from tenancy import apikeys
 from tenancy.errors import QuotaServiceUnavailable
@@ -145,7 +145,7 @@ class TenantDirectory:
     async def _load_key(self, digest: str) -> str | None:
         try:
             owner = await self._redis.hget(api_key_key(digest), "tenant")
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             stale = self._keys.get(digest, self._clock(), allow_stale=True) if self._serve_stale else None
             if stale is not None:
                 return stale.value
@@ -163,7 +163,7 @@ class TenantDirectory:
     async def _load_tenant(self, name: str) -> Tenant | None:
         try:
             fields = await self._redis.hgetall(config_key(name))
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             stale = self._tenants.get(name, self._clock(), allow_stale=True) if self._serve_stale else None
             if stale is not None:
                 return stale.value

@@ -1,9 +1,13 @@
-"""Redis client factories with short timeouts that are never retried.
+"""Redis client factories with short timeouts that are never retried, for one server or a Redis Cluster.
 
-A slow or dead Redis must surface as `QuotaServiceUnavailable` within the request's deadline.
+A slow or dead Redis must surface as `QuotaServiceUnavailable` within the request's deadline. The URL form
+(`redis://` or `redis+cluster://host:port[,host:port]`) picks the client: `worker.protocol.redis_url`.
 """
 
 from __future__ import annotations
+
+import asyncio
+from typing import Any
 
 import redis
 import redis.asyncio as aredis
@@ -12,10 +16,39 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
+from worker.protocol import async_redis, is_cluster_url, sync_redis
+
 REQUEST_TIMEOUT_S = 0.5
-MAX_CONNECTIONS = 32  # per gateway process
+MAX_CONNECTIONS = 32  # per gateway process (per cluster node with a cluster)
 POOL_WAIT_S = 1.0  # waiting for a free connection; then ConnectionError -> quota service unavailable
 CLI_TIMEOUT_S = 5.0
+# The gateway never retries a cluster command (a timed-out script may have run): after a connection error the
+# client re-reads the topology on its next command. MOVED and ASK are followed within one command.
+CLUSTER_RETRIES = 0
+CLI_CLUSTER_RETRIES = 1
+
+
+class BoundedRedisCluster(aredis.RedisCluster):
+    """redis-py's asyncio cluster client with the single-server pool's bound: at most MAX_CONNECTIONS
+    commands in flight, a burst waiting up to POOL_WAIT_S for a turn (the plain client would raise
+    MaxConnectionsError at once, a spurious 503)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._turns = asyncio.Semaphore(MAX_CONNECTIONS)
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self._turns.locked():
+            try:
+                await asyncio.wait_for(self._turns.acquire(), POOL_WAIT_S)
+            except TimeoutError:
+                raise RedisConnectionError("no free Redis Cluster connection") from None
+        else:
+            await self._turns.acquire()
+        try:
+            return await super().execute_command(*args, **kwargs)
+        finally:
+            self._turns.release()
 
 
 def async_client(url: str, timeout_s: float = REQUEST_TIMEOUT_S) -> aredis.Redis:
@@ -24,6 +57,10 @@ def async_client(url: str, timeout_s: float = REQUEST_TIMEOUT_S) -> aredis.Redis
     The pool is bounded: a burst waits (up to POOL_WAIT_S) for one of MAX_CONNECTIONS connections, since
     opening one each on a saturated event loop outruns the socket timeout (spurious 503s).
     """
+    if is_cluster_url(url):
+        return async_redis(url, cluster_class=BoundedRedisCluster, max_connections=MAX_CONNECTIONS,
+                           socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                           retry=AsyncRetry(NoBackoff(), CLUSTER_RETRIES))
     pool = aredis.BlockingConnectionPool.from_url(
         url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S,
         socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -33,7 +70,10 @@ def async_client(url: str, timeout_s: float = REQUEST_TIMEOUT_S) -> aredis.Redis
 
 
 def sync_client(url: str, timeout_s: float = CLI_TIMEOUT_S) -> redis.Redis:
-    """Blocking client for CLI commands and tests."""
+    """Blocking client for CLI commands and tests (a `redis.cluster.RedisCluster` for a cluster URL)."""
+    if is_cluster_url(url):
+        return sync_redis(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                          retry=Retry(NoBackoff(), CLI_CLUSTER_RETRIES))
     return redis.Redis.from_url(
         url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),

@@ -31,9 +31,11 @@ INT_DEFAULTS: dict[str, int] = {
 STR_DEFAULTS: dict[str, str] = {"status": ACTIVE, "priority": INTERACTIVE.label, "allowed_models": "*"}
 DEFAULT_WEIGHT = 1.0  # `weight`: relative fair share on a worker, in (0, MAX_WEIGHT]
 
+# Single-key records, spread over Redis Cluster slots on purpose (no script or transaction spans two):
 TENANTS_SET = "sy:tenants"          # set of tenant names (for `tenants list`)
 API_KEY_PREFIX = "sy:key:"          # sy:key:<sha256 hex> -> hash {tenant, prefix, created_at}
-GATEWAYS_KEY = "sy:gateways"        # sorted set of live gateway ids scored by expiry (ms)
+GATEWAYS_KEY = "{sy:gateways}"      # sorted set of live gateway ids scored by expiry (ms); its own hash tag
+LEGACY_GATEWAYS_KEY = "sy:gateways"  # its name before Redis Cluster support (`switchyard redis migrate-keys`)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

@@ -13,7 +13,14 @@ from router import FALLBACK_DEAD, FALLBACK_DRAINING, Membership, Router
 from router.holders import PrefixHolders
 from router.load import LoadTracker
 from tests.worker.server.test_worker_liveness import ThreadWorker
-from worker.protocol import PROTOCOL_VERSION, REGISTRY_SET_KEY, Registration, WorkerStats, registration_key
+from worker.protocol import (
+    PROTOCOL_VERSION,
+    REGISTRY_KEY_PREFIX,
+    REGISTRY_SET_KEY,
+    Registration,
+    WorkerStats,
+    registration_key,
+)
 from worker.server.registry import heartbeat
 
 
@@ -45,7 +52,7 @@ def r(redis_url: str):
 async def test_registry_members_liveness_and_draining(redis_url: str, r: redis.Redis) -> None:
     register(r, "w1", "tcp://127.0.0.1:1")
     register(r, "w2", "tcp://127.0.0.1:2")
-    r.set("sy:worker:broken", b"not json")
+    r.set(REGISTRY_KEY_PREFIX + "broken", b"not json")
     r.zadd(REGISTRY_SET_KEY, {"broken": 2 ** 50})
     clock = Clock()
     m = Membership(gateway_id="gw-test", redis_url=redis_url, poll_interval=60, clock=clock, dead_after=0.5)

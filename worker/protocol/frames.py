@@ -20,6 +20,12 @@ from worker.protocol.grammar_spec import GrammarSpec as GrammarSpec
 from worker.protocol.grammar_spec import json_object_spec as json_object_spec
 from worker.protocol.grammar_spec import json_schema_spec as json_schema_spec
 from worker.protocol.grammar_spec import tool_call_spec as tool_call_spec
+from worker.protocol.redis_url import async_redis as async_redis
+from worker.protocol.redis_url import is_cluster_url as is_cluster_url
+from worker.protocol.redis_url import parse_cluster_url as parse_cluster_url
+from worker.protocol.redis_url import sync_redis as sync_redis
+from worker.protocol.registration import LEGACY_REGISTRY_KEY_PREFIX as LEGACY_REGISTRY_KEY_PREFIX
+from worker.protocol.registration import LEGACY_REGISTRY_SET_KEY as LEGACY_REGISTRY_SET_KEY
 from worker.protocol.registration import REGISTRY_KEY_PREFIX as REGISTRY_KEY_PREFIX
 from worker.protocol.registration import REGISTRY_SET_KEY as REGISTRY_SET_KEY
 from worker.protocol.registration import Registration as Registration

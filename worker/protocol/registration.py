@@ -8,8 +8,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-REGISTRY_KEY_PREFIX = "sy:worker:"
-REGISTRY_SET_KEY = "sy:workers"  # sorted set: member = worker id, score = registration expiry (Redis ms)
+# Both under the hash tag `{sy:workers}`: one Redis Cluster slot, so one script reads the set and the records.
+REGISTRY_TAG = "{sy:workers}"
+REGISTRY_KEY_PREFIX = REGISTRY_TAG + ":worker:"
+REGISTRY_SET_KEY = REGISTRY_TAG  # sorted set: member = worker id, score = registration expiry (Redis ms)
+LEGACY_REGISTRY_KEY_PREFIX = "sy:worker:"  # untagged names before Redis Cluster support (`switchyard redis
+LEGACY_REGISTRY_SET_KEY = "sy:workers"     # migrate-keys` renames them)
 
 
 @dataclass(slots=True)

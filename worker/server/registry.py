@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from worker.protocol import REGISTRY_SET_KEY, Registration, encode_registration, registration_key
+from worker.protocol import REGISTRY_SET_KEY, Registration, encode_registration, registration_key, sync_redis
 
 REGISTRATION_TTL_MS = 5000
 REFRESH_INTERVAL_S = 1.0
@@ -36,7 +36,7 @@ def heartbeat(client: redis.Redis, reg: Registration, ttl_ms: int = REGISTRATION
 
 
 def unregister(client: redis.Redis, worker_id: str) -> None:
-    pipe = client.pipeline(transaction=True)
+    pipe = client.pipeline(transaction=True)  # one slot: both keys carry the registry's hash tag
     pipe.delete(registration_key(worker_id))
     pipe.zrem(REGISTRY_SET_KEY, worker_id)
     pipe.execute()
@@ -46,7 +46,7 @@ class Registrar:
     """Writes a Registration to Redis now and every REFRESH_INTERVAL_S from a daemon thread."""
 
     def __init__(self, redis_url: str, registration: Registration) -> None:
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._redis = sync_redis(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)  # or a cluster
         self._registration = registration
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sy-registrar", daemon=True)

@@ -65,7 +65,7 @@ def test_priority_names_parse_exactly() -> None:
 def test_registration_round_trip_and_rejects_bad_records() -> None:
     reg = p.Registration("w1", "tcp://h:1", "m", p.PROTOCOL_VERSION, 12.5)
     assert p.parse_registration(p.encode_registration(reg)) == reg
-    assert p.registration_key("w1") == p.REGISTRY_KEY_PREFIX + "w1" == "sy:worker:w1"
+    assert p.registration_key("w1") == p.REGISTRY_KEY_PREFIX + "w1" == "{sy:workers}:worker:w1"
     for bad in ("{", "[]", '{"worker_id": "w"}', p.encode_registration(reg).replace('"m"', "3")):
         with pytest.raises(ValueError):
             p.parse_registration(bad)
