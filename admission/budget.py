@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from admission.local_limits import LocalLimiter
 from admission.results import Renewal, ReserveResult, error_for
@@ -171,7 +171,7 @@ class Budget:
         """Remove leases (best effort: one left behind expires by its TTL)."""
         try:
             await self.redis.zrem(leases_key(tenant_name), *lease_ids)
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             log.warning("could not drop %d lease(s) of tenant %s: %s", len(lease_ids), tenant_name,
                         type(exc).__name__)
 

@@ -14,6 +14,7 @@ import redis.asyncio as aredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from worker.protocol import async_redis, is_cluster_url, sync_redis
@@ -31,13 +32,21 @@ CLI_CLUSTER_RETRIES = 1
 class BoundedRedisCluster(aredis.RedisCluster):
     """redis-py's asyncio cluster client with the single-server pool's bound: at most MAX_CONNECTIONS
     commands in flight, a burst waiting up to POOL_WAIT_S for a turn (the plain client would raise
-    MaxConnectionsError at once, a spurious 503)."""
+    MaxConnectionsError at once, a spurious 503).
+
+    Commands wait while the topology is (re)read: redis-py 8.1 lets a burst of first commands run beside
+    its initialization, which closes connections under them (AttributeError, "Connection closed")."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._turns = asyncio.Semaphore(MAX_CONNECTIONS)
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self._initialize:
+            try:
+                await self.initialize()
+            except RedisClusterException as exc:  # no seed node reachable: unavailable, not a bug
+                raise RedisConnectionError(f"Redis Cluster unreachable: {exc}") from None
         if self._turns.locked():
             try:
                 await asyncio.wait_for(self._turns.acquire(), POOL_WAIT_S)

@@ -6,6 +6,7 @@ it started and removes their files. Slot moves and failovers go through the serv
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import subprocess
 import tempfile
@@ -51,6 +52,7 @@ class RedisClusterProcs:
         if binary is None or shutil.which("redis-cli") is None:
             raise RuntimeError("redis-server / redis-cli not installed: run `make test`, which installs them")
         self.workdir = Path(tempfile.mkdtemp(prefix="sy-cluster-"))
+        atexit.register(self.stop)  # also when the session dies before its fixture's finalizer
         try:
             for _ in range(self.primaries * (1 + self.replicas)):
                 node = Node(free_port(), free_port())
