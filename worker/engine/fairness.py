@@ -184,6 +184,13 @@ class FairShare:
                 best, best_c = key, st.counter
         return best
 
+    def over_share(self, key: bytes, running: int, slots: int) -> bool:
+        """True when `key` runs more sequences than its share of `slots` (VTC with several active keys)."""
+        st = self._keys.get(key)
+        if not self.fair or self._num_active < 2 or st is None or not self._active_weight > 0:
+            return False
+        return running > slots * st.weight / self._active_weight
+
     def under_share(self, key: bytes, running: int, slots: int) -> bool:
         """True when `key` runs fewer sequences than its share of `slots` (VTC with several active keys)."""
         st = self._keys.get(key)

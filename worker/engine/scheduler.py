@@ -45,6 +45,7 @@ class Scheduler:
         self.cached_prompt_tokens = 0
         # keep a few pages free at admission so that new decodes do not preempt at once
         self.watermark = max(1, pool.num_pages // 100)
+        self._alone_last = False  # the last step was a light key's prefill alone (`_light_alone`)
 
     def add(self, seq: Sequence) -> None:
         """A new request: its key becomes active (a requeue after preemption uses `_enqueue`)."""
@@ -78,12 +79,13 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
         self._fair_preempt(out)
-        budget = self._schedule_decodes(out, self.config.max_num_batched_tokens)
-        budget = min(budget, self._shared_step_cap())
-        budget = self._admit_light(out, budget)
-        budget = self.drafts.plan(out, budget)
-        budget = self._schedule_running_prefills(out, budget)
-        self._admit(out, budget)
+        if not self._light_alone(out):
+            budget = self._schedule_decodes(out, self.config.max_num_batched_tokens)
+            budget = min(budget, self._shared_step_cap())
+            budget = self._admit_light(out, budget)
+            budget = self.drafts.plan(out, budget)
+            budget = self._schedule_running_prefills(out, budget)
+            self._admit(out, budget)
         charge = self.fair.charge
         for seq in out.decodes:
             charge(seq.fkey, decode=1)
@@ -203,6 +205,25 @@ class Scheduler:
         n = len(out.prefills)
         budget = self._admit(out, budget, light=True)
         return 0 if len(out.prefills) > n else budget
+
+    def _light_alone(self, out: ScheduledBatch) -> bool:
+        """While a key runs more than its share of the slots (a flood), a light key's request prefills in a step
+        of its own, so its first token waits only for the step in flight, not also for the flood's decodes.
+        Never two such steps in a row: the others' decodes run at least every other step."""
+        alone, self._alone_last = self._alone_last, False
+        fair = self.fair
+        if alone or not self.waiting or not fair.fair or fair.active_keys < 2 or not self.running:
+            return False
+        counts: dict[bytes, int] = {}
+        for s in self.running:
+            counts[s.fkey] = counts.get(s.fkey, 0) + 1
+        slots = self.config.max_num_seqs
+        if not any(fair.over_share(key, n, slots) for key, n in counts.items()):
+            return False
+        n = len(out.prefills)
+        self._admit(out, self.config.max_num_batched_tokens, light=True)
+        self._alone_last = len(out.prefills) > n
+        return self._alone_last
 
     def _reserve(self, seq: Sequence) -> bool:
         """Give seq its block table (cached prefix + new pages for the rest) or, if memory is short, nothing."""

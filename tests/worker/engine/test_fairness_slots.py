@@ -142,3 +142,33 @@ def test_shared_step_cap_applies_only_under_vtc_once_a_second_key_was_seen(tiny)
         full = 64 - len(batch.decodes)  # decodes come out of the step's budget first
         assert sum(n for _, n in batch.prefills) == min(cap_seen, full), policy
         eng.close()
+
+
+def test_a_light_keys_prefill_runs_alone_while_a_key_floods_and_never_twice_in_a_row(tiny):
+    """A flood (A over its share of the slots): B's first prefill is a step of its own, without A's decodes,
+    so B's first token waits only for the step in flight; C arriving right after waits one step for A's
+    decodes to run (never two prefill-only steps in a row). Without a flood, a light prefill rides with decodes."""
+    eng = make_engine(tiny, "vtc", max_num_seqs=4, max_num_batched_tokens=256)
+    rng = random.Random(10)
+    for i in range(6):
+        eng.add_request(f"a{i}", prompt(rng, 20), greedy(40), fkey=A)
+    for _ in range(3):
+        eng.step()  # A's four slots decode
+    assert len(eng.scheduler.running) == 4
+    eng.add_request("b", prompt(rng, 10), greedy(4), fkey=B)
+    eng.add_request("c", prompt(rng, 10), greedy(4), fkey=C)
+    batches = []
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda: batches.append(schedule()) or batches[-1]  # type: ignore[method-assign]
+    eng.step()  # preempts one of A's (fair share), then B alone
+    assert [s.fkey for s, _ in batches[0].prefills] == [B] and not batches[0].decodes and not batches[0].verifies
+    eng.step()
+    assert batches[1].decodes, "decodes run at least every other step"
+    assert [s.fkey for s, _ in batches[1].prefills] == [C]  # C rides with them
+
+    calm = make_engine(tiny, "vtc", max_num_seqs=8, max_num_batched_tokens=256)
+    calm.add_request("a0", prompt(rng, 20), greedy(40), fkey=A)
+    calm.step()
+    calm.add_request("b", prompt(rng, 10), greedy(4), fkey=B)
+    batch = calm.scheduler.schedule()  # A runs 1 of its 4 slots: no flood, B's prefill rides with A's decode
+    assert [s.fkey for s, _ in batch.prefills] == [B] and [s.fkey for s in batch.decodes] == [A]
