@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from bench.quant_decode import eval_ids, score
+from config.cmd_worker import engine_config
+from config.settings import WorkerSettings
 from worker.config import EngineConfig
 from worker.engine.core import Engine
 from worker.kvcache.kv_dtype import resolve_kv_dtype
@@ -51,6 +53,9 @@ def test_auto_resolution_and_refusals():
         EngineConfig(kv_dtype="fp8").validate()
     with pytest.raises(ValueError, match="unknown kv_dtype"):
         EngineConfig(kv_dtype="int4").validate()
+    assert engine_config(WorkerSettings(kv_dtype="int8")).kv_dtype == "int8"  # the worker flag reaches the engine
+    with pytest.raises(ValueError, match="--kv-dtype fp8"):
+        engine_config(WorkerSettings(kv_dtype="fp8"))
 
 
 @pytest.mark.parametrize("backend", ["torch", "torch_reference"])
