@@ -62,6 +62,7 @@ async def _worker_async(url: str, key: str, n: int, inflight: int, barrier, queu
     tenant = await directory.authenticate(key)  # warm-up: connection, cache, script load
     assert tenant is not None
     await client.ping()
+    barrier.wait(timeout=60)  # ready; then go once the parent has read the counters
     barrier.wait(timeout=60)
     latencies: list[int] = []
     admitted = denied = 0
@@ -126,6 +127,7 @@ def run(url: str, procs: int, requests: int, inflight: int, budget_tokens: int) 
     try:
         barrier.wait(timeout=60)
         calls0, (s0, us0) = _client_calls(r, internal), r.time()
+        barrier.wait(timeout=60)
         results = [queue.get(timeout=300) for _ in workers]
         calls1, (s1, us1) = _client_calls(r, internal), r.time()
     finally:

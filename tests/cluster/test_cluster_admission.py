@@ -11,10 +11,10 @@ from redis.crc import key_slot
 
 from admission.budget import Budget
 from admission.results import QuotaExceeded
+from config.redis_cluster import RedisClusterProcs
 from tenancy import QuotaServiceUnavailable, store
 from tenancy.redis_client import async_client, sync_client
 from tenancy.schema import GATEWAYS_KEY, Tenant, bucket_key, config_key, leases_key, usage_key
-from tests.redis_cluster import RedisClusterProcs
 from worker.protocol import REGISTRY_SET_KEY, registration_key
 
 pytestmark = [pytest.mark.redis_cluster, pytest.mark.timeout(90)]

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
+from config.redis_cluster import RedisClusterProcs
 from tenancy import TenantDirectory, store
 from tenancy.redis_client import async_client, sync_client
 from tenancy.schema import GATEWAYS_KEY, LEGACY_GATEWAYS_KEY, config_key
-from tests.redis_cluster import RedisClusterProcs
 from tests.tenancy.test_cli_tenants import cli
 from worker.protocol import (
     LEGACY_REGISTRY_KEY_PREFIX,

@@ -17,11 +17,11 @@ import httpx
 import pytest
 
 from config.launcher import GatewayProc, WorkerProc
+from config.redis_cluster import RedisClusterProcs
 from tenancy.schema import config_key
 from tenancy.store import tenant_with_new_key
 from tests.admission_stack import log_tails
 from tests.cluster.test_cluster_cli import redis_cli_c
-from tests.redis_cluster import RedisClusterProcs
 
 pytestmark = [pytest.mark.redis_cluster, pytest.mark.timeout(150)]
 BODY = {"model": "default", "prompt": [100, 101], "max_tokens": 1}

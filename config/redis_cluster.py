@@ -1,7 +1,7 @@
-"""A real Redis Cluster for the tests: N primaries (and optional replicas) of redis-server on loopback ports.
+"""A local Redis Cluster for tests and benchmarks: N primaries (and replicas) of redis-server on loopback ports.
 
 `redis-server --cluster-enabled yes` per node, then `redis-cli --cluster create`; `stop()` kills every node
-it started and removes their files. Slot moves and failovers go through the servers' own commands.
+it started and removes their files. Slot moves go through the servers' own commands.
 """
 
 from __future__ import annotations
