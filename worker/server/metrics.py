@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from worker.engine.core import Engine, EngineStats, StepOutput
+from worker.server import msp_metrics
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -85,6 +86,7 @@ class WorkerMetrics:
         self._spec = [0, 0, 0]  # proposed, accepted, verify steps already counted
         self.fair_labels = FairLabels()
         KV_DTYPE.labels(engine.kv_dtype).set(1)
+        msp_metrics.describe_cache(self.block_size, engine.stats().kv_total_tokens)
         self._fair_seen: dict[str, float] = {}  # per label: service total already counted
 
     def admitted(self, rid: str, fkey: bytes = b"") -> None:
@@ -147,6 +149,7 @@ class WorkerMetrics:
         KV_CAPACITY.set(s.kv_total_tokens)
         KV_USED.set((s.kv_total_tokens - s.kv_free_tokens) // bs)
         HIT_RATE.set(s.prefix_hit_rate)
+        msp_metrics.refresh(s)  # the Kubernetes routers' names (Gateway API Inference Extension)
         self._prompt = _advance(PROMPT_TOKENS, self._prompt, s.prompt_tokens)
         self._cached = _advance(CACHED_TOKENS, self._cached, s.cached_tokens)
         self._prefilled = _advance(PREFILL_TOKENS, self._prefilled, s.prefill_tokens_computed)
