@@ -36,7 +36,10 @@ GAUGES = {  # `_kv_pages_total` is a gauge (pages in the pool), not a counter
     "switchyard_worker_prefix_hit_rate", "switchyard_worker_batch_size",
 }
 COUNTERS = OTHERS - GAUGES
+# The worker's model-server-protocol gauges (worker.server.msp_metrics) that Kubernetes routers read.
+ROUTER_GAUGES = {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
 NAME = re.compile(r"\bswitchyard_[a-z0-9_]+")
+VLLM_NAME = re.compile(r"\bvllm:[a-z0-9_]+")
 QUANTILE = re.compile(r"histogram_quantile\(\s*(0?\.\d+|1(?:\.0)?)\s*,\s*sum by \(([^)]*)\)\s*\(rate\((\w+)\[")
 
 
@@ -112,6 +115,12 @@ def test_metric_names_match_the_contract_both_ways(dashboard: dict) -> None:
     assert CONTRACT - used == set(), f"contract metrics missing from the dashboard: {sorted(CONTRACT - used)}"
 
 
+def test_router_protocol_gauges_are_on_the_dashboard_and_never_rated(dashboard: dict) -> None:
+    exprs = _exprs(dashboard)
+    assert {n for expr in exprs for n in VLLM_NAME.findall(expr)} == ROUTER_GAUGES
+    assert not [e for e in exprs if "rate(vllm:" in e]
+
+
 def test_histograms_are_queried_as_quantiles_over_bucket_rates(dashboard: dict) -> None:
     seen: dict[str, set[float]] = {}
     for expr in _exprs(dashboard):
@@ -160,3 +169,5 @@ def test_contract_matches_the_collectors_the_code_registers() -> None:
     expected = {**{n: "histogram" for n in HISTOGRAMS}, **{n: "gauge" for n in GAUGES},
                 **{n: "counter" for n in COUNTERS}}
     assert {n: exposed.get(n) for n in expected} == expected
+    router = {f.name: f.type for f in REGISTRY.collect() if f.name in ROUTER_GAUGES}
+    assert router == dict.fromkeys(ROUTER_GAUGES, "gauge")
