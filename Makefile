@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-heavy test-faults test-slow test-soak test-gpu run lint redis-bin tools clean
+.PHONY: install test test-heavy test-faults test-slow test-soak test-gpu test-cluster run lint redis-bin tools clean
 
 install: $(STAMP)
 
@@ -52,6 +52,10 @@ GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 test-gpu:
 	$(GPU_PY) -m pytest -q --noconftest -p no:cacheprovider -o addopts="" -m "gpu or triton_kernels" \
 	  tests/worker/model/test_gpu.py tests/worker/model/test_triton_kernels.py tests/worker/quant/test_fp8.py
+
+# The Redis Cluster tests alone (a 3-primary cluster on loopback ports; also part of `make test`, ~30 s).
+test-cluster: install tools
+	$(PY) -m pytest -q -m redis_cluster tests/cluster
 
 test-faults: install tools
 	$(PY) -m pytest -q tests/faults
