@@ -143,7 +143,8 @@ def build_app(settings: Settings):
 
     return create_app(make_service, AppConfig(max_body_bytes=gw.max_body_bytes, body_timeout_s=gw.body_timeout,
                                                stream_write_timeout_s=gw.stream_write_timeout,
-                                               ready_check=redis_ok, metrics_token=gw.metrics_token),
+                                               ready_check=redis_ok, metrics_token=gw.metrics_token,
+                                               trace_tenant=gw.trace_tenant),
                       on_close=close)
 
 
@@ -176,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"switchyard gateway: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format, [RequestIdFilter()])
+    from config.tracing import install_tracing
+
+    install_tracing("switchyard-gateway", settings.otel_endpoint)
     gw = settings.gateway
     warn_default_secret(gw.hash_secret)
     # SIGTERM: lame-duck for drain_timeout (gateway.drain), then a short window before stragglers are cancelled

@@ -84,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
+    from config.tracing import install_tracing
+
+    install_tracing("switchyard-worker", settings.otel_endpoint)
     ws = settings.worker
     from worker.server.memory import bound_native_memory
 

@@ -100,6 +100,7 @@ class GatewaySettings(BaseModel):
     drain_timeout: float = Field(30.0, gt=0)  # SIGTERM: seconds for in-flight requests to finish
     # tenants with their own `tenant` metric label (the rest are "other"); empty = no tenant label
     metrics_tenant_labels: list[str] = Field(default_factory=list, max_length=100)
+    trace_tenant: bool = False  # request spans carry the tenant's name (never keys or prompt text)
 
 
 class Settings(BaseSettings):
@@ -111,6 +112,8 @@ class Settings(BaseSettings):
     cluster_secret_key: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"
+    # OTLP/HTTP traces endpoint (e.g. http://collector:4318/v1/traces; needs the `otel` extra); None: no tracing
+    otel_endpoint: str | None = None
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 

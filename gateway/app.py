@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.trace import Span, use_span
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import errors, metrics
+from gateway import errors, metrics, tracing
 from gateway.choices import GenerationGroup
 from gateway.drain import DrainMiddleware, DrainState
 from gateway.errors import ApiError, install_handlers
@@ -51,6 +52,7 @@ class AppConfig:
     stream_write_timeout_s: float = 30.0  # an SSE client that takes no chunk for this long is cut
     ready_check: Callable[[], Awaitable[bool]] | None = None  # e.g. a Redis ping
     metrics_token: str | None = None  # /metrics off loopback needs it as a bearer token (gateway.metrics)
+    trace_tenant: bool = False  # request spans carry the tenant's name (`switchyard.tenant`)
 
 
 def _service(request: Request) -> GatewayService:
@@ -58,11 +60,32 @@ def _service(request: Request) -> GatewayService:
 
 
 async def _generate(request: Request, parse: Callable[[Any], GenerationRequest]) -> Response:
+    span = tracing.start_request(request)
+    if span is None:
+        return await _serve(request, parse, None)
+    with use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+        try:
+            response = await _serve(request, parse, span)
+        except ApiError as exc:
+            tracing.finish(span, exc.status, error_code=exc.code or "")
+            raise
+        except BaseException:
+            tracing.finish(span, 500)
+            raise
+    if not isinstance(response, SSEResponse):  # a stream's span ends with the stream (`_close`)
+        tracing.finish(span, response.status_code)
+    return response
+
+
+async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], span: Span | None) -> Response:
     svc = _service(request)
     arrived = time.perf_counter()
     rid = request.scope["state"]["request_id"]
-    tenant = await svc.authenticate(request.headers.get("authorization"))
+    with tracing.child("authenticate"):
+        tenant = await svc.authenticate(request.headers.get("authorization"))
     config = request.app.state.config
+    if span is not None and config.trace_tenant:
+        span.set_attribute("switchyard.tenant", tenant.name)
     svc.check_invalid_lockout(tenant)  # before any parsing: see GatewayService.charge_invalid
     try:
         req, prepared = await _read_and_prepare(request, svc, tenant, parse, rid)
@@ -73,14 +96,16 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
     prepared.key_digest = svc.key_digest(request.headers.get("authorization"))
     trace = metrics.current().trace(prepared.priority.label, tenant.name, arrived)
     if prepared.grouped:
-        return await _generate_group(request, svc, prepared, trace)
-    gen = await svc.start(prepared)
+        return await _generate_group(request, svc, prepared, trace, span)
+    with tracing.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
+                       max_tokens=prepared.max_tokens):
+        gen = await svc.start(prepared)
     trace.admitted()
     try:
         if req.stream:
             first = await until_disconnect(request, gen.next())
             trace.first_token(gen.usage.completion_tokens)
-            response: Response = SSEResponse(_sse_body(gen, first, trace), functools.partial(_close, gen, trace),
+            response: Response = SSEResponse(_sse_body(gen, first, trace), functools.partial(_close, gen, trace, span),
                                              headers=gen.headers, write_timeout_s=config.stream_write_timeout_s)
             gen = None  # the response owns it now
             return response
@@ -95,7 +120,7 @@ async def _generate(request: Request, parse: Callable[[Any], GenerationRequest])
         raise
     finally:
         if gen is not None:
-            await _close(gen, trace)
+            await _close(gen, trace, span)
 
 
 async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenant,
@@ -113,9 +138,11 @@ async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenan
 
 
 async def _generate_group(request: Request, svc: GatewayService, prepared: Prepared,
-                          trace: metrics.RequestTrace) -> Response:
+                          trace: metrics.RequestTrace, span: Span | None) -> Response:
     """Several choices, tool calls or echo (`gateway.choices`): the same framing as one stream."""
-    group: GenerationGroup | None = await svc.start_group(prepared)
+    with tracing.child("admission", priority=prepared.priority.label, max_tokens=prepared.max_tokens,
+                       choices=prepared.choices):
+        group: GenerationGroup | None = await svc.start_group(prepared)
     assert group is not None
     trace.admitted()
     try:
@@ -124,7 +151,7 @@ async def _generate_group(request: Request, svc: GatewayService, prepared: Prepa
             first = await until_disconnect(request, anext(events, None))
             trace.first_token(group.usage.completion_tokens)
             response: Response = SSEResponse(
-                _group_sse(group, first, events), functools.partial(_close, group, trace), headers=group.headers,
+                _group_sse(group, first, events), functools.partial(_close, group, trace, span), headers=group.headers,
                 write_timeout_s=request.app.state.config.stream_write_timeout_s)
             group = None  # the response owns it now
             return response
@@ -136,7 +163,7 @@ async def _generate_group(request: Request, svc: GatewayService, prepared: Prepa
         raise
     finally:
         if group is not None:
-            await _close(group, trace)
+            await _close(group, trace, span)
 
 
 async def _group_sse(group: GenerationGroup, first: dict | None, events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
@@ -160,11 +187,13 @@ async def _group_sse(group: GenerationGroup, first: dict | None, events: AsyncIt
     yield DONE
 
 
-async def _close(gen: Generation | GenerationGroup, trace: metrics.RequestTrace) -> None:
+async def _close(gen: Generation | GenerationGroup, trace: metrics.RequestTrace, span: Span | None) -> None:
     await gen.close()
     u = gen.usage
     done = gen.finished if isinstance(gen, GenerationGroup) else gen.finish_reason is not None
     trace.finished(u.prompt_tokens, u.completion_tokens, u.cached_tokens, done)
+    tracing.finish(span, 200, prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                   cached_tokens=u.cached_tokens, finished=done)
 
 
 async def _sse_body(gen: Generation, first: Delta | None, trace: metrics.RequestTrace) -> AsyncIterator[bytes]:

@@ -181,7 +181,7 @@ class WorkerClient:
 
     async def generate(self, rid: str, ns: bytes, tokens: Any, sampling: SamplingParams,
                        priority: Priority = Priority.INTERACTIVE, deadline: float = 0.0, *, fkey: bytes = b"",
-                       weight: float = 1.0, resumed: int = 0) -> AsyncIterator[OutItem]:
+                       weight: float = 1.0, resumed: int = 0, traceparent: str = "") -> AsyncIterator[OutItem]:
         """Stream a request's tokens (the `gen` goes out on the first iteration).
 
         Raises WorkerError; leaving the iterator early sends `abort` to the worker.
@@ -196,7 +196,8 @@ class WorkerClient:
         self._streams[rid] = queue
         ended = False
         try:
-            self._send_soon(encode_gen(rid, ns, tokens, sampling, priority, deadline, fkey, weight, resumed))
+            self._send_soon(encode_gen(rid, ns, tokens, sampling, priority, deadline, fkey, weight, resumed,
+                                       traceparent))
             while True:
                 if queue.empty():
                     try:

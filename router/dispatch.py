@@ -31,6 +31,7 @@ from router.policy import (
 )
 from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, cache_key_route, key_span, prefix_key
 from worker.protocol import ErrorCode, OutItem, Priority, SamplingParams
+from worker.protocol.trace_context import traceparent, tracer
 
 FALLBACK_FAILOVER = "failover"
 DEFAULT_MAX_RESUMES = 2
@@ -214,7 +215,7 @@ class Router:
                     raise failed from None
                 raise
             started = False
-            attempt = self._attempt(choice.worker_id, req, key, span, matched.get(choice.worker_id), streamed)
+            attempt = self._attempt(choice, req, key, span, matched.get(choice.worker_id), streamed)
             try:
                 # aclosing: a consumer that stops early closes us, and we close the attempt at once
                 async with contextlib.aclosing(attempt) as chunks:
@@ -245,8 +246,9 @@ class Router:
                     metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
                 exclude = exclude | {choice.worker_id}
 
-    async def _attempt(self, wid: str, req: RouteRequest, key: bytes | None, span: int,
+    async def _attempt(self, choice: Choice, req: RouteRequest, key: bytes | None, span: int,
                        reported: int | None, streamed: list[int]) -> AsyncIterator[OutItem]:
+        wid = choice.worker_id
         m = self.membership
         client = m.client(wid)
         loads, holders = self.loads, self.holders
@@ -263,7 +265,8 @@ class Router:
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         tokens = _with_streamed(req.tokens, streamed) if streamed else req.tokens
         stream = client.generate(req.rid, req.ns, tokens, req.sampling, req.priority, req.deadline,
-                                 fkey=req.fkey, weight=req.weight, resumed=len(streamed))
+                                 fkey=req.fkey, weight=req.weight, resumed=len(streamed),
+                                 traceparent=_route_span(choice, predicted, len(streamed)))
         first = True
         cached = 0
         try:
@@ -310,6 +313,19 @@ class Router:
         if req.deadline <= 0:
             return self.max_stream_seconds
         return max(0.0, min(req.deadline - time.time() + DEADLINE_GRACE_S, self.max_stream_seconds))
+
+
+def _route_span(choice: Choice, predicted: int, resumed: int) -> str:
+    """Record the routing decision as a span (a child of the request's) and return its `traceparent` for the
+    worker's spans; "" when tracing is off."""
+    tr = tracer("switchyard.router")
+    if tr is None:
+        return ""
+    span = tr.start_span("route", attributes={
+        "switchyard.worker": choice.worker_id, "switchyard.route.reason": choice.fallback or "home",
+        "switchyard.route.predicted_cached_tokens": predicted, "switchyard.route.resumed_tokens": resumed})
+    span.end()
+    return traceparent(span)
 
 
 def _resume_reason(err: WorkerError) -> str | None:

@@ -88,3 +88,23 @@ def stack() -> Iterator[GatewayStack]:
 def _quiet_threads() -> None:
     # Two cores: keep torch from oversubscribing when worker processes run beside the tests.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture()
+def spans() -> Iterator[object]:
+    """Tracing on for one test: every span goes to an in-memory exporter (`spans.get_finished_spans()`)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from worker.protocol.trace_context import set_tracer_provider
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    set_tracer_provider(provider)
+    try:
+        yield exporter
+    finally:
+        set_tracer_provider(None)
+        provider.shutdown()

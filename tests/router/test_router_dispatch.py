@@ -293,3 +293,31 @@ async def test_metrics_count_per_worker_and_drop_departed_workers() -> None:
     for name in ("switchyard_router_requests_total", "switchyard_router_outstanding_tokens",
                  "switchyard_router_prefix_hit_rate"):
         assert sample(name, {"worker": a.endpoint}) is None
+
+
+async def test_traced_request_records_its_route_and_hands_the_worker_its_context(spans) -> None:
+    """With tracing on, a `route` span (worker, reason, predicted cached tokens) is a child of the request's span,
+    and the `gen` frame carries its traceparent, so the worker's spans join the same trace."""
+    from opentelemetry import trace
+
+    from worker.protocol.trace_context import tracer
+
+    async with setup("ok", "ok") as (router, req, a, b):
+        with tracer("test").start_as_current_span("request") as parent:
+            assert await asyncio.wait_for(collect(router, req), 10) == [1, 2, 3]
+        trace_id = parent.get_span_context().trace_id
+    (route,) = [s for s in spans.get_finished_spans() if s.name == "route"]
+    assert route.parent.span_id == parent.get_span_context().span_id and route.context.trace_id == trace_id
+    assert route.attributes["switchyard.worker"] == a.endpoint and route.attributes["switchyard.route.reason"] == "home"
+    assert "switchyard.route.predicted_cached_tokens" in route.attributes
+    (sent,) = a.requests
+    assert sent.traceparent[:52] == f"00-{trace_id:032x}-{route.context.span_id:016x}"
+    assert int(sent.traceparent[53:], 16) & 1  # sampled
+    assert trace.get_current_span() is trace.INVALID_SPAN
+
+
+async def test_untraced_request_sends_no_traceparent() -> None:
+    async with setup("ok", "ok") as (router, req, a, b):
+        await asyncio.wait_for(collect(router, req), 10)
+    (sent,) = a.requests
+    assert sent.traceparent == ""

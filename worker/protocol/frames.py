@@ -40,6 +40,7 @@ from worker.protocol.stats import MAX_KV_IDS as MAX_KV_IDS
 from worker.protocol.stats import STATS, SYNC, Sync, WorkerStats, decode_kv, stats_fields
 from worker.protocol.stats import KvContract as KvContract
 from worker.protocol.stats import KvReport as KvReport
+from worker.protocol.trace_context import valid_traceparent
 
 PROTOCOL_VERSION = 1
 
@@ -85,6 +86,7 @@ class GenRequest:
     fkey: bytes = b""  # fairness key (opaque); empty: the worker uses `ns`
     weight: float = 1.0  # fair-share weight
     resumed: int = 0  # the last `resumed` tokens were already streamed by another worker: output, not prompt
+    traceparent: str = ""  # W3C trace context of the gateway's span for this request ("" : not traced)
 
 
 @dataclass(slots=True)
@@ -142,12 +144,15 @@ def encode_hello(gateway_id: str) -> bytes:
 
 
 def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: SamplingParams, priority: Priority = Priority.INTERACTIVE,
-               deadline: float = 0.0, fkey: bytes = b"", weight: float = 1.0, resumed: int = 0) -> bytes:
+               deadline: float = 0.0, fkey: bytes = b"", weight: float = 1.0, resumed: int = 0,
+               traceparent: str = "") -> bytes:
     token_bytes = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     obj = {"t": GEN, "rid": rid, "ns": bytes(ns), "tokens": token_bytes, "sampling": sampling.to_dict(),
            "priority": int(priority), "deadline": float(deadline), "fkey": bytes(fkey), "weight": float(weight)}
     if resumed:  # only a resumed stream carries it: a fresh request's frame is unchanged
         obj["resumed"] = int(resumed)
+    if traceparent:  # only a traced request carries it
+        obj["traceparent"] = traceparent
     return _pack(obj)
 
 
@@ -264,8 +269,11 @@ def _decode_gen(obj: dict[str, Any], max_tokens: int) -> GenRequest:
     resumed = _field(obj, "resumed", int, rid) if "resumed" in obj else 0
     if not 0 <= resumed < n:
         raise ProtocolError("resumed must count fewer tokens than the request carries", rid=rid, param="resumed")
+    traceparent = _field(obj, "traceparent", str, rid) if "traceparent" in obj else ""
+    if traceparent and not valid_traceparent(traceparent):
+        raise ProtocolError("traceparent must be a W3C version-00 trace context", rid=rid, param="traceparent")
     return GenRequest(rid=rid, ns=ns, tokens=tokens, sampling=sampling, priority=Priority(priority),
-                      deadline=deadline, fkey=fkey, weight=weight, resumed=resumed)
+                      deadline=deadline, fkey=fkey, weight=weight, resumed=resumed, traceparent=traceparent)
 
 
 def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | Abort | Sync:

@@ -22,6 +22,7 @@ from worker.server.memory import MemoryReport, TrimSchedule
 from worker.server.metrics import WorkerMetrics
 from worker.server.registry import Registrar
 from worker.server.stats_pulse import StatsPulse
+from worker.server.tracing import RequestSpans
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class WorkerServer:
         self._pulse: StatsPulse | None = None
         self._last_stats = b""
         self.metrics = WorkerMetrics(engine)
+        self.spans = RequestSpans(engine)  # traced requests only: a no-op without a tracer provider
         self._promises = KvPromises(engine.cache, engine.config.block_size) if engine.cache is not None else None
 
     # ------------------------------------------------------------ lifecycle
@@ -222,6 +224,7 @@ class WorkerServer:
             self.engine.add_request(entry.engine_rid, req.tokens.tolist(), sampling, priority=req.priority,
                                     namespace=req.ns, fkey=req.fkey, weight=req.weight, resumed=req.resumed)
             self.metrics.admitted(entry.engine_rid, req.fkey or req.ns)
+            self.spans.admitted(entry.engine_rid, req.traceparent)
             if self._promises is not None:  # gateways learn the placement now, not after the prefill
                 self._promises.promise(entry.engine_rid, req.ns, req.tokens)
         except RequestError as exc:
@@ -247,6 +250,7 @@ class WorkerServer:
             if self._pulse is not None:
                 self._pulse.disarm()
         self.metrics.stepped(outputs, started)
+        self.spans.stepped(outputs, started)
         per_gateway: dict[bytes, list[OutItem]] = {}
         table = self.table
         for out in outputs:
@@ -284,6 +288,7 @@ class WorkerServer:
             self._end(entry, ErrorCode.CAPACITY, "deadline exceeded", retryable=True)
         self._trim.maybe_trim(now)
         self._memory_report.maybe_report(now)
+        self.spans.forget_gone()
 
     def _abort_quietly(self, engine_rid: str) -> None:
         """Stop a request whose owner will hear nothing more about it (its final output is ignored)."""

@@ -78,6 +78,15 @@ def _gen_map(**over: object) -> dict:
     return {k: v for k, v in base.items() if v is not _DROP}
 
 
+def test_traceparent_rides_only_on_traced_requests() -> None:
+    tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    traced = p.decode_gateway_frame(p.encode_gen("r", b"", [1], p.SamplingParams(), traceparent=tp), max_tokens=4)
+    assert traced.traceparent == tp
+    plain = p.encode_gen("r", b"", [1], p.SamplingParams())
+    assert "traceparent" not in msgpack.unpackb(plain, raw=False)
+    assert p.decode_gateway_frame(plain, max_tokens=4).traceparent == ""
+
+
 _DROP = object()
 
 
@@ -94,6 +103,9 @@ _DROP = object()
     ({"deadline": "soon"}, "deadline"),
     ({"deadline": float("nan")}, "deadline"),
     ({"t": "explode"}, "t"),
+    ({"traceparent": "00-abc-def-01"}, "traceparent"),
+    ({"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01\n"}, "traceparent"),
+    ({"traceparent": 5}, "traceparent"),
 ])
 def test_bad_gen_frames_name_rid_and_param(over: dict, param: str) -> None:
     with pytest.raises(p.ProtocolError) as info:

@@ -1,0 +1,52 @@
+"""The gateway's spans: one per API request (parented on the client's `traceparent`), with authenticate and
+admission children; the router adds `route`. Tracing off (no provider installed): every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from starlette.requests import Request
+
+from worker.protocol.trace_context import extract, tracer
+
+TRACER_NAME = "switchyard.gateway"
+
+
+def start_request(request: Request) -> trace.Span | None:
+    """The request's server span (not yet current), or None when tracing is off."""
+    tr = tracer(TRACER_NAME)
+    if tr is None:
+        return None
+    return tr.start_span(f"{request.method} {request.url.path}", context=extract(request.headers),
+                         kind=SpanKind.SERVER, attributes={
+                             "http.request.method": request.method, "url.path": request.url.path,
+                             "switchyard.request_id": request.scope["state"]["request_id"]})
+
+
+@contextlib.contextmanager
+def child(name: str, **attributes: str | int | float | bool) -> Iterator[trace.Span | None]:
+    """A child span of the current one for the duration of the block (None and no work when tracing is off)."""
+    tr = tracer(TRACER_NAME)
+    if tr is None:
+        yield None
+        return
+    # no exception event: an error message may quote the request (prompt text stays out of traces)
+    with tr.start_as_current_span(name, attributes=attributes, record_exception=False,
+                                  set_status_on_exception=False) as span:
+        yield span
+
+
+def finish(span: trace.Span | None, status: int, **attributes: str | int | float | bool) -> None:
+    """End the request span once (later calls do nothing), with the response status and usage figures."""
+    if span is None or not span.is_recording():
+        return
+    span.set_attribute("http.response.status_code", status)
+    for name, value in attributes.items():
+        span.set_attribute(f"switchyard.{name}", value)
+    if status >= 500:
+        span.set_status(Status(StatusCode.ERROR))
+    span.end()
