@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--bind", help="ZeroMQ endpoint to bind, e.g. tcp://127.0.0.1:5555")
     a("--advertise", help="endpoint gateways should connect to (default: the bound one)")
     a("--worker-id", help="registry id (default: <hostname>-<port>)")
+    a("--model-version", help="version label announced in the registry (model pools: <model>@<version>)")
+    a("--pool", help="traffic-class pool label announced in the registry, e.g. interactive or batch")
     a("--redis-url", help="register in this Redis (env SWITCHYARD_REDIS_URL)")
     a("--drain-timeout", type=float, help="seconds to finish running requests after SIGTERM")
     a("--drain-handoff", type=float,
@@ -110,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
                               redis_url=settings.redis_url, drain_timeout=ws.drain_timeout,
                               drain_handoff=ws.drain_handoff if ws.drain_handoff >= 0 else None,
                               gateway_timeout=ws.gateway_timeout, stats_interval=ws.stats_interval,
-                              cluster_key=settings.cluster_key())
+                              cluster_key=settings.cluster_key(), model_version=ws.model_version,
+                              model_spec=ws.model, pool=ws.pool)
     loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,
                       device=None if ws.device == "auto" else ws.device, quantization=ws.quantization)
     engine = Engine(loaded, engine_config(ws))

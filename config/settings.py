@@ -24,6 +24,9 @@ class WorkerSettings(BaseModel):
     bind: str = "tcp://127.0.0.1:5555"
     advertise: str | None = None  # endpoint gateways connect to; default: the bound one
     worker_id: str | None = None  # default: <hostname>-<port>
+    # model pools: the version label and traffic-class pool label this worker announces in its registration
+    model_version: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")
+    pool: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")
     drain_timeout: float = Field(30.0, gt=0)
     # SIGTERM: after this many seconds running streams are handed over (the gateways resume them on other
     # workers); negative: never (a single-worker deployment: they finish here within drain_timeout)
@@ -101,6 +104,12 @@ class GatewaySettings(BaseModel):
     # tenants with their own `tenant` metric label (the rest are "other"); empty = no tenant label
     metrics_tenant_labels: list[str] = Field(default_factory=list, max_length=100)
     trace_tenant: bool = False  # request spans carry the tenant's name (never keys or prompt text)
+    # model pools (docs/routing.md): registry workers grouped by model version, each with its own router and
+    # capacity gate; `model` picks a version directly, by model name or by a weighted alias (Redis `sy:aliases`)
+    model_pools: bool = False
+    alias_poll_s: float = Field(0.5, gt=0, le=1.0)  # alias edits apply within this (plus one Redis read)
+    # priority class -> preferred worker pool label; a request spills to other pools under the load bound
+    class_pools: dict[str, str] = Field(default_factory=lambda: {"interactive": "interactive", "batch": "batch"})
 
 
 class Settings(BaseSettings):

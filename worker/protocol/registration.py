@@ -23,8 +23,18 @@ class Registration:
     worker_id: str
     endpoint: str
     model: str
-    version: int
+    version: int  # the protocol version
     started_at: float
+    # what it serves (model pools; all optional, so older records still parse): the model version label, the
+    # tokenizer fingerprint, the model spec a gateway loads that tokenizer from, and the traffic-class pool label
+    model_version: str = ""
+    tokenizer: str = ""
+    spec: str = ""
+    pool: str = ""
+
+
+OPTIONAL_TEXT = ("model_version", "tokenizer", "spec", "pool")
+MAX_TEXT = 256
 
 
 def registration_key(worker_id: str) -> str:
@@ -51,4 +61,9 @@ def parse_registration(raw: bytes | str) -> Registration:
     if not (isinstance(reg.worker_id, str) and isinstance(reg.endpoint, str) and isinstance(reg.model, str)
             and isinstance(reg.version, int) and isinstance(reg.started_at, int | float)):
         raise ValueError("registration field has the wrong type")
+    for name in OPTIONAL_TEXT:
+        value = obj.get(name, "")
+        if not isinstance(value, str) or len(value) > MAX_TEXT:
+            raise ValueError(f"registration field {name} is not a string of at most {MAX_TEXT} characters")
+        setattr(reg, name, value)
     return reg

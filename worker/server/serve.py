@@ -44,6 +44,10 @@ class ServerConfig:
     gateway_timeout: float = 5.0
     stats_interval: float = 0.1
     cluster_key: str | None = None  # z85 CURVE secret key; None: plain TCP, loopback binds only
+    # announced in the registration (model pools): version label, spec gateways load the tokenizer from, pool label
+    model_version: str = ""
+    model_spec: str = ""
+    pool: str = ""
 
 
 def advertised_endpoint(bound: str) -> str:
@@ -102,7 +106,9 @@ class WorkerServer:
     def register(self) -> None:
         if self.config.redis_url:
             reg = Registration(worker_id=self.worker_id, endpoint=self.endpoint, model=self.engine.model_id,
-                               version=proto.PROTOCOL_VERSION, started_at=time.time())
+                               version=proto.PROTOCOL_VERSION, started_at=time.time(),
+                               model_version=self.config.model_version, tokenizer=self.engine.tokenizer_version,
+                               spec=self.config.model_spec, pool=self.config.pool)
             self._registrar = Registrar(self.config.redis_url, reg)
             self._registrar.start()
 
