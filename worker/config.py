@@ -40,6 +40,14 @@ class EngineConfig:
     # KV pages: "model" (the model's dtype) | "int8" (8-bit pages with per page and kv head scales, CPU with the
     # torch backend; about 2x the tokens per byte) | "auto" (worker.kvcache.kv_dtype.resolve_kv_dtype's rule)
     kv_dtype: str = "model"
+    # KV tiers below the radix cache (worker.kvcache.tiers, docs/engine.md "KV tiers"): evicted pages kept in host
+    # RAM, up to kv_host_bytes (None: auto, twice the KV pool capped at 1/8 of the memory available at start;
+    # 0: off), and on disk under kv_disk_dir (None: no disk tier) up to kv_disk_bytes, for pages restored at least
+    # kv_disk_min_hits times
+    kv_host_bytes: int | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 16 << 30
+    kv_disk_min_hits: int = 1
     # n-gram speculative decoding (worker.engine.speculative): up to spec_tokens proposals per decoding sequence,
     # from matches of its last spec_ngram_max..spec_ngram_min tokens; only while the step's decode batch
     # is at most spec_max_batch sequences (0 turns it off)
@@ -84,6 +92,8 @@ class EngineConfig:
             raise ValueError("fair_step_tokens must be >= 0 (0: no cap)")
         if self.grammar_max_pending < 1 or self.grammar_max_pending_per_ns < 1 or self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar pending bounds must be >= 1 and the compile timeout > 0")
+        if (self.kv_host_bytes or 0) < 0 or self.kv_disk_bytes <= 0 or self.kv_disk_min_hits < 0:
+            raise ValueError("kv_host_bytes must be >= 0, kv_disk_bytes > 0 and kv_disk_min_hits >= 0")
         if self.fairness not in ("vtc", "fifo"):
             raise ValueError(f"fairness must be 'vtc' or 'fifo', got {self.fairness!r}")
 

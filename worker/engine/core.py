@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from concurrent.futures import Future
 
 import torch
@@ -16,6 +17,7 @@ from worker.engine.errors import RequestError, bad_request
 from worker.engine.fairness import check_fair_params
 from worker.engine.grammar_wait import CompileWait
 from worker.engine.outputs import EngineStats, StepOutput
+from worker.engine.restore import make_restorer
 from worker.engine.runner import ModelRunner, StepResult
 from worker.engine.scheduler import Scheduler, pages_for
 from worker.engine.sequence import NgramIndex, Priority, ScheduledBatch, SeqStatus, Sequence
@@ -57,6 +59,9 @@ class Engine:
         self.cache = RadixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(config, self.pool, self.cache)
         self.runner = self.runner_class(model, config, num_pages)
+        self.restorer = make_restorer(config, self.cache, self.pool, self.runner.kv, model.model_id,
+                                      model.tokenizer_version)
+        self.scheduler.restorer = self.restorer
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[str] = []
         self._arrivals = 0
@@ -115,6 +120,8 @@ class Engine:
             self._grammars.hold(seq, key, compiling)  # type: ignore[union-attr]  # scheduled once compiled
         else:
             self.scheduler.add(seq)
+        if self.restorer is not None:
+            self.restorer.arrived(seq)
 
     def _compile_wait(self) -> CompileWait:
         """The grammar cache and its waiting room, made with the first grammar request (its first compile job
@@ -151,6 +158,8 @@ class Engine:
         """Stop the grammar compile threads (if any were started)."""
         if self._grammars is not None:
             self._grammars.cache.close()
+        if self.restorer is not None:
+            self.restorer.tiers.close()
 
     def _validate(self, rid: str, token_ids: list[int], sampling: SamplingParams, priority: int) -> None:
         if not isinstance(rid, str) or not rid:
@@ -202,7 +211,10 @@ class Engine:
         if batch.empty:
             return outputs
         self._steps += 1
+        t = time.perf_counter()
         result = self.runner.run(batch)
+        if self.restorer is not None:
+            self.restorer.stepped(batch, time.perf_counter() - t)
         return outputs + self._postprocess(batch, result)
 
     def _settle_arrivals(self) -> list[StepOutput]:
@@ -313,6 +325,7 @@ class Engine:
             quantization=self.loaded.quantization, attention_backend=self.runner.attn.name,
             cuda_graphs=self.runner.graphs is not None,
             spec_proposed_tokens=self._spec[0], spec_accepted_tokens=self._spec[1], spec_verify_steps=self._spec[2],
+            tiers=self.restorer.tiers.snapshot_stats() if self.restorer is not None else None,
         )
 
     def pages_idle(self) -> bool:

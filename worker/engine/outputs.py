@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.kvcache.tiers.store import TierStats
 from worker.protocol import RequestError
 
 
@@ -45,6 +46,7 @@ class EngineStats:
     spec_proposed_tokens: int = 0  # n-gram drafts verified
     spec_accepted_tokens: int = 0  # drafts the target agreed with
     spec_verify_steps: int = 0  # sequence-steps that verified drafts
+    tiers: TierStats | None = None  # KV tiers below the radix cache (None: off)
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -10,6 +10,7 @@ import bisect
 
 from worker.config import EngineConfig
 from worker.engine.fairness import FairShare
+from worker.engine.restore import Restorer
 from worker.engine.sequence import ScheduledBatch, SeqStatus, Sequence
 from worker.engine.speculative import DraftPlanner
 from worker.kvcache.page_pool import PagePool
@@ -46,6 +47,7 @@ class Scheduler:
         # keep a few pages free at admission so that new decodes do not preempt at once
         self.watermark = max(1, pool.num_pages // 100)
         self._alone_last = False  # the last step was a light key's prefill alone (`_light_alone`)
+        self.restorer: Restorer | None = None  # KV tiers below the cache (set by the engine)
 
     def add(self, seq: Sequence) -> None:
         """A new request: its key becomes active (a requeue after preemption uses `_enqueue`)."""
@@ -376,6 +378,8 @@ class Scheduler:
         """
         if self.cache is None or len(seq.tokens) < 2:
             return
+        if self.restorer is not None:
+            self.restorer.restore(seq)  # tier-held blocks past the cached prefix join the cache first
         m = self.cache.match_prefix(seq.namespace, seq.tokens[:-1])
         if m.handle is not None:
             seq.pages = m.pages

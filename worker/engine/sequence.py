@@ -50,6 +50,7 @@ class Sequence:
     finish_reason: str | None = None
     grammar: GrammarState | None = None  # constrained output: the matcher, advanced with every token
     ngram: NgramIndex | None = None  # draft source for speculative decoding; None when the request cannot use it
+    block_hashes: tuple[int, list[bytes]] | None = None  # KV tiers: (tokens hashed, their block digests)
 
     @property
     def order_key(self) -> tuple[int, int]:

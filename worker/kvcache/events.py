@@ -1,4 +1,5 @@
-"""The radix cache's log of stored and evicted block ids, cut into numbered batches for the stats stream.
+"""The radix cache's log of stored and evicted block ids (and of blocks entering and leaving the KV tiers below
+it), cut into numbered batches for the stats stream.
 
 Each id is in at most one of the pending sets (its last change wins), so a batch applies in any order; a log
 that grows past its bound is dropped and the next batch is a full snapshot instead.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from worker.protocol import HASH_ALGO, KvContract, KvReport, block_ids
@@ -23,6 +24,8 @@ class KvBatch:
     snapshot: bool
     stored: list[int]
     evicted: list[int]
+    tiered: list[int] = field(default_factory=list)  # now held in a tier below memory (snapshot: all of them)
+    untiered: list[int] = field(default_factory=list)  # no longer held in any tier
 
 
 class KvEvents:
@@ -36,11 +39,14 @@ class KvEvents:
         self.seq = 0
         self._stored: set[int] = set()
         self._evicted: set[int] = set()
+        self._tiered: set[int] = set()
+        self._untiered: set[int] = set()
         self._overflow = False
+        self.tier_held: Callable[[], list[int]] | None = None  # set by `worker.kvcache.tiers.store.KvTiers`
 
     @property
     def pending(self) -> int:
-        return len(self._stored) + len(self._evicted)
+        return len(self._stored) + len(self._evicted) + len(self._tiered) + len(self._untiered)
 
     def stored(self, ids: Iterable[int]) -> None:
         if self._overflow:
@@ -58,28 +64,44 @@ class KvEvents:
             self._evicted.add(i)
         self._check_bound()
 
+    def tier_changes(self, stored: Iterable[int], dropped: Iterable[int]) -> None:
+        if self._overflow:
+            return
+        for i in dropped:
+            self._tiered.discard(i)
+            self._untiered.add(i)
+        for i in stored:
+            self._untiered.discard(i)
+            self._tiered.add(i)
+        self._check_bound()
+
     def next_batch(self, held: Callable[[], list[int]]) -> KvBatch | None:
         """The pending changes as batch `seq + 1` (None when there are none); after an overflow, a snapshot
         of `held()` under that number, so every gateway replaces its view."""
         if self._overflow:
             self._overflow = False
             self.seq += 1
-            return KvBatch(self.epoch, self.seq, True, held(), [])
-        if not self._stored and not self._evicted:
+            return self._snapshot(held)
+        if not self.pending:
             return None
         self.seq += 1
-        batch = KvBatch(self.epoch, self.seq, False, list(self._stored), list(self._evicted))
-        self._stored, self._evicted = set(), set()
+        batch = KvBatch(self.epoch, self.seq, False, list(self._stored), list(self._evicted), list(self._tiered),
+                        list(self._untiered))
+        self._stored, self._evicted, self._tiered, self._untiered = set(), set(), set(), set()
         return batch
 
     def snapshot(self, held: Callable[[], list[int]]) -> KvBatch:
         """Everything held now, numbered with the last batch sent: later batches apply on top of it (pending
         changes are already in the tree, and applying one twice changes nothing)."""
-        return KvBatch(self.epoch, self.seq, True, held(), [])
+        return self._snapshot(held)
+
+    def _snapshot(self, held: Callable[[], list[int]]) -> KvBatch:
+        return KvBatch(self.epoch, self.seq, True, held(), [], self.tier_held() if self.tier_held else [])
 
     def _check_bound(self) -> None:
-        if len(self._stored) + len(self._evicted) > self.max_pending:
+        if self.pending > self.max_pending:
             self._stored, self._evicted, self._overflow = set(), set(), True
+            self._tiered, self._untiered = set(), set()
 
 
 class RadixCacheLike(Protocol):
@@ -101,7 +123,7 @@ def kv_report(cache: RadixCacheLike | None, block_size: int, tokenizer_version: 
     if batch is None:
         batch = KvBatch(events.epoch, events.seq, False, [], [])
     return KvReport(KvContract(block_size, HASH_ALGO, tokenizer_version), batch.epoch, batch.seq, batch.snapshot,
-                    batch.stored, batch.evicted)
+                    batch.stored, batch.evicted, batch.tiered, batch.untiered)
 
 
 class KvPromises:

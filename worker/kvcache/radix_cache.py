@@ -7,7 +7,7 @@ The page-ownership rules a caller follows are on `RadixCache`.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from worker.kvcache.events import KvEvents
@@ -74,6 +74,8 @@ class RadixCache:
         self.hit_tokens = 0
         self.lookup_tokens = 0
         self.evicted_pages = 0
+        # called with (block digests, pages) just before evicted pages are released (the KV tiers keep them)
+        self.on_evict: Callable[[list[bytes], list[int]], None] | None = None
 
     # ----- counters -------------------------------------------------------------------------
 
@@ -362,6 +364,8 @@ class RadixCache:
         del leaf.pages[-n_pages:]
         leaf.key = leaf.key[: len(leaf.pages) * self.block_size]
         self.events.evicted(block_id(h) for h in leaf.hashes[-n_pages:])
+        if self.on_evict is not None:
+            self.on_evict(leaf.hashes[-n_pages:], dropped)
         del leaf.hashes[-n_pages:]
         self._drop_pages(dropped)
 
@@ -372,6 +376,8 @@ class RadixCache:
         del parent.children[leaf.key[: self.block_size]]
         self._evictable_leaves.discard(leaf)
         self.events.evicted(block_id(h) for h in leaf.hashes)
+        if self.on_evict is not None:
+            self.on_evict(leaf.hashes, leaf.pages)
         self._drop_pages(leaf.pages)
         if not parent.children:
             if parent.parent is None:

@@ -16,6 +16,7 @@ MAX_LOGIT_BIAS = 300
 
 
 MAX_TOP_K = 2**31 - 1  # int64 tensors in the sampler; any k >= the vocabulary keeps every token
+CACHE_RETENTIONS = ("", "in_memory", "24h")  # SamplingParams.cache_retention
 
 
 class ErrorCode(StrEnum):
@@ -91,6 +92,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     grammar: dict | None = None  # constrained output: a `GrammarSpec.to_dict()` map (worker.protocol.grammar_spec)
     speculative: bool = True  # False opts out of n-gram speculative decoding (same output; sent only when False)
+    # OpenAI's prompt_cache_retention: "in_memory" (KV tiers in RAM only) | "24h" (may go to disk) | "" (the
+    # worker's policy); sent only when set
+    cache_retention: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -136,6 +140,8 @@ class SamplingParams:
                     or not _is_number(entry[1]) or not -100.0 <= entry[1] <= 100.0):
                 raise bad_request(f"logit_bias must map token ids in [0, {vocab_size}) to values in "
                                   "[-100, 100]", "logit_bias")
+        if self.cache_retention not in CACHE_RETENTIONS:
+            raise bad_request("prompt_cache_retention must be 'in_memory' or '24h'", "prompt_cache_retention")
         if self.grammar is not None:  # shape only: the schema itself is checked where it compiles, off the loop
             try:
                 wire_key(self.grammar)
@@ -159,6 +165,8 @@ class SamplingParams:
             _check_type(kw, key, kinds)
         if kw.get("seed") is not None:
             _check_type(kw, "seed", int)
+        if "cache_retention" in kw:
+            _check_type(kw, "cache_retention", str)
         if "stop_token_ids" in kw:
             stops = kw["stop_token_ids"]
             if not isinstance(stops, list | tuple) or not all(
@@ -193,6 +201,8 @@ class SamplingParams:
             out["grammar"] = dict(self.grammar)
         if not self.speculative:
             out["speculative"] = False
+        if self.cache_retention:
+            out["cache_retention"] = self.cache_retention
         return out
 
 

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,10 @@ class KvReport:
     snapshot: bool
     stored: list[int]
     evicted: list[int]
+    # blocks entering and leaving the worker's KV tiers below memory (snapshot: `tiered` is all a tier holds);
+    # on the wire as "tadd"/"tdel" only when non-empty, so an older gateway reads the rest as before
+    tiered: list[int] = field(default_factory=list)
+    untiered: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -66,7 +70,9 @@ def pack_block_ids(ids: list[int]) -> bytes:
 def kv_fields(kv: KvReport) -> dict[str, Any]:
     c = kv.contract
     return {"bs": c.block_size, "hash": c.hash_algo, "tok": c.tokenizer, "ep": kv.epoch, "seq": kv.seq,
-            "snap": kv.snapshot, "add": pack_block_ids(kv.stored), "del": pack_block_ids(kv.evicted)}
+            "snap": kv.snapshot, "add": pack_block_ids(kv.stored), "del": pack_block_ids(kv.evicted),
+            **({"tadd": pack_block_ids(kv.tiered)} if kv.tiered else {}),
+            **({"tdel": pack_block_ids(kv.untiered)} if kv.untiered else {})}
 
 
 def stats_fields(stats: WorkerStats) -> dict[str, Any]:
@@ -108,5 +114,7 @@ def decode_kv(obj: Any) -> KvReport:
     if not isinstance(snap, bool):
         raise ValueError("kv.snap is not a bool")
     contract = KvContract(_int(obj, "bs"), _text(obj, "hash"), _text(obj, "tok"))
+    tiered = _ids(obj["tadd"], "tadd") if "tadd" in obj else []  # absent: a worker without tiers (or older)
+    untiered = _ids(obj["tdel"], "tdel") if "tdel" in obj else []
     return KvReport(contract, _int(obj, "ep"), _int(obj, "seq"), snap, _ids(obj.get("add"), "add"),
-                    _ids(obj.get("del"), "del"))
+                    _ids(obj.get("del"), "del"), tiered, untiered)

@@ -1,0 +1,186 @@
+"""The disk tier: one checksummed file per page under a directory named by the tier fingerprint, written by a
+background thread through a bounded queue (a full queue drops the write; it never blocks the engine step).
+
+A file whose header, length or checksum is wrong is deleted and reads as a miss (the page is recomputed); a file
+of another fingerprint lives in another directory and is never opened; a full disk stops all further writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import struct
+import threading
+from collections import OrderedDict, deque
+from pathlib import Path
+
+import torch
+import xxhash
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"SYKVPG01"
+HEADER = struct.Struct("<8s16s16sQQ")  # magic, fingerprint, block digest, payload bytes, xxh3-64 of the payload
+SUFFIX = ".kv"
+
+
+class DiskTier:
+    """At most `capacity_bytes` of page files under `root/<fingerprint hex>/`, least recently used out first."""
+
+    def __init__(self, root: str | Path, capacity_bytes: int, fingerprint: bytes, queue_pages: int = 256) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be > 0")
+        self.dir = Path(root) / fingerprint.hex()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.fingerprint = fingerprint
+        self.bytes = 0
+        self.full = False  # the disk refused a write for lack of space: no more writes
+        self.writes = self.dropped = self.corrupt = self.evictions = self.errors = 0
+        self.gone: deque[bytes] = deque()  # keys whose files were removed (drained by the engine thread)
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(maxsize=queue_pages)
+        self._scan()
+        self._thread = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
+
+    def submit(self, key: bytes, data: torch.Tensor) -> bool:
+        """Queue a page for writing; False (dropped) when the disk is full or the queue is."""
+        if self.full:
+            return False
+        try:
+            self._queue.put_nowait((key, data))
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def load(self, key: bytes) -> torch.Tensor | None:
+        """The page's bytes, or None when absent or bad (a bad file is deleted)."""
+        with self._lock:
+            if key not in self._index:
+                return None
+            self._index.move_to_end(key)
+        path = self._path(key)
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            self._forget(key, delete=False)
+            return None
+        payload = self._check(raw, key)
+        if payload is None:
+            self.corrupt += 1
+            log.warning("KV disk tier: bad page file %s (deleted; the page will be recomputed)", path.name)
+            self._forget(key, delete=True)
+            return None
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every queued write is done (tests, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------ internals
+
+    def _check(self, raw: bytes, key: bytes) -> bytes | None:
+        if len(raw) < HEADER.size:
+            return None
+        magic, fp, k, size, digest = HEADER.unpack_from(raw)
+        payload = raw[HEADER.size:]
+        if magic != MAGIC or fp != self.fingerprint or k != key or size != len(payload):
+            return None
+        return payload if xxhash.xxh3_64_intdigest(payload) == digest else None
+
+    def _path(self, key: bytes) -> Path:
+        h = key.hex()
+        return self.dir / h[:2] / (h + SUFFIX)
+
+    def _scan(self) -> None:
+        """Index the files a previous process left (oldest first); trim to the bound."""
+        found = []
+        for path in self.dir.glob(f"*/*{SUFFIX}"):
+            try:
+                st = path.stat()
+                key = bytes.fromhex(path.stem)
+            except (OSError, ValueError):
+                continue
+            if len(key) == 16:
+                found.append((st.st_mtime, key, st.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self.bytes += size
+        with self._lock:
+            self._make_room(0)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if not self.full:
+                    self._write(*item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key: bytes, data: torch.Tensor) -> None:
+        payload = data.numpy().tobytes()
+        blob = HEADER.pack(MAGIC, self.fingerprint, key, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return
+            if len(blob) > self.capacity_bytes:
+                return
+            self._make_room(len(blob))
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            tmp.write_bytes(blob)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.full = True
+                log.warning("KV disk tier: the disk is full (%s): no further writes", exc)
+            else:
+                self.errors += 1
+                log.warning("KV disk tier: write failed: %s", exc)
+            return
+        with self._lock:
+            self._index[key] = len(blob)
+            self.bytes += len(blob)
+            self.writes += 1
+
+    def _make_room(self, size: int) -> None:
+        """Under the lock: delete least recently used files until `size` more bytes fit."""
+        while self._index and self.bytes + size > self.capacity_bytes:
+            key, n = self._index.popitem(last=False)
+            self.bytes -= n
+            self.evictions += 1
+            self._path(key).unlink(missing_ok=True)
+            self.gone.append(key)
+
+    def _forget(self, key: bytes, delete: bool) -> None:
+        with self._lock:
+            n = self._index.pop(key, None)
+            if n is not None:
+                self.bytes -= n
+        if delete:
+            self._path(key).unlink(missing_ok=True)
+        self.gone.append(key)
