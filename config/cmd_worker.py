@@ -15,7 +15,8 @@ from config.settings import Settings, WorkerSettings, flags_to_overrides, load_s
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
 _ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness",
                  "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch", "fused_ops",
-                 "attention", "cuda_graphs", "kv_dtype")
+                 "attention", "cuda_graphs", "kv_dtype", "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes",
+                 "kv_disk_min_hits")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-dtype", choices=["auto", "model", "int8", "fp8"],
       help="KV cache pages: model (the model's dtype), int8 (8-bit with per page and head scales: ~2x the tokens "
            "per byte; CPU) or auto (default: int8 on CPU with the C++ kernels, else model); fp8 is refused")
+    a("--kv-host-bytes", type=int,
+      help="KV tier in host RAM for pages the prefix cache evicts (default: 1/8 of available memory; 0: off)")
+    a("--kv-disk-dir", help="KV tier on disk under this directory (default: none)")
+    a("--kv-disk-bytes", type=int, help="size bound of the disk tier (default 16 GiB)")
+    a("--kv-disk-min-hits", type=int, help="restores from RAM a page needs before it may go to disk (default 1)")
     a("--cuda-graphs", choices=["on", "off"], help="replay decode steps as CUDA graphs (CUDA only; default on)")
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
     a("--fused-ops", choices=["on", "off"],

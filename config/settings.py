@@ -49,6 +49,11 @@ class WorkerSettings(BaseModel):
     attention: Literal["auto", "triton", "flash_attn", "torch", "torch_reference"] | None = None
     # KV cache pages (worker.kvcache.kv_dtype); fp8 is refused at startup with the reason; None: auto
     kv_dtype: Literal["auto", "model", "int8", "fp8"] | None = None
+    # KV tiers below the prefix cache (worker.kvcache.tiers); None keeps the engine's default (host RAM: auto)
+    kv_host_bytes: int | None = Field(None, ge=0)
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int | None = Field(None, gt=0)
+    kv_disk_min_hits: int | None = Field(None, ge=0)
     cuda_graphs: Literal["on", "off"] | None = None  # decode CUDA graphs (CUDA only); None keeps the default (on)
     fused_ops: Literal["on", "off"] | None = None  # worker.model.fused; None keeps the engine's default (on)
     # n-gram speculative decoding (worker.engine.speculative); None keeps the engine's default

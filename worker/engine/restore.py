@@ -93,12 +93,13 @@ class Restorer:
 
 
 def default_host_bytes(pool_bytes: int) -> int:
-    """The auto size of the host tier: twice the KV pool, at most 1/8 of the memory available now."""
+    """The auto size of the host tier: 1/8 of the memory available at start (at most 64 GiB), and at least the
+    KV pool's size where that is available (pages in RAM cost no prefill)."""
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        avail = 8 * pool_bytes
-    return int(min(2 * pool_bytes, avail // 8))
+        return pool_bytes
+    return int(min(max(avail // 8, min(pool_bytes, avail // 4)), 64 << 30))
 
 
 def make_restorer(config: EngineConfig, cache: RadixCache | None, pool: PagePool, kv: KVCache, model_id: str,
