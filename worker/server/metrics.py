@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from worker.engine.core import Engine, EngineStats, StepOutput
+from worker.kvcache.tiers.store import TierStats
 from worker.server import msp_metrics
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -48,6 +49,11 @@ FAIR_SERVICE = Counter("switchyard_worker_fair_service_tokens",
 FAIR_QUEUE = Histogram("switchyard_worker_fair_queue_seconds", "Admission to first scheduled step, per fairness key",
                        ["fkey"], buckets=LATENCY_BUCKETS)
 FAIR_KEYS = Gauge("switchyard_worker_fair_keys", "Fairness keys the scheduler tracks")
+TIER_HITS = Counter("switchyard_worker_kv_tier_hits", "KV pages restored from a tier below memory", ["tier"])
+TIER_EVICTIONS = Counter("switchyard_worker_kv_tier_evictions", "KV pages a tier evicted", ["tier"])
+TIER_BYTES = Gauge("switchyard_worker_kv_tier_bytes", "Bytes of KV pages a tier holds", ["tier"])
+TIER_LOAD = Counter("switchyard_worker_kv_tier_load_seconds", "Seconds spent restoring KV pages from the tiers")
+TIER_RESTORED = Counter("switchyard_worker_kv_tier_restored_tokens", "Prompt tokens restored from the KV tiers")
 
 FAIR_LABELS = 16  # distinct fkey label values per process; later keys share "other"
 OTHER = "other"
@@ -88,6 +94,8 @@ class WorkerMetrics:
         KV_DTYPE.labels(engine.kv_dtype).set(1)
         msp_metrics.describe_cache(self.block_size, engine.stats().kv_total_tokens)
         self._fair_seen: dict[str, float] = {}  # per label: service total already counted
+        self._tier_seen: dict[str, int] = {}  # KV tier counters already counted
+        self._tier_load = 0.0
 
     def admitted(self, rid: str, fkey: bytes = b"") -> None:
         self._pending[rid] = _Pending(time.monotonic(), 0.0, self.fair_labels(fkey))
@@ -157,6 +165,21 @@ class WorkerMetrics:
         self._preempted = _advance(PREEMPTIONS, self._preempted, s.preemptions)
         self._refresh_spec(s)
         self._refresh_fair()
+        if s.tiers is not None:
+            self._refresh_tiers(s.tiers)
+
+    def _refresh_tiers(self, t: TierStats) -> None:
+        seen = self._tier_seen
+        for name, counter, total in (("ram_hits", TIER_HITS.labels("ram"), t.ram_hits),
+                                     ("disk_hits", TIER_HITS.labels("disk"), t.disk_hits),
+                                     ("ram_ev", TIER_EVICTIONS.labels("ram"), t.ram_evictions),
+                                     ("disk_ev", TIER_EVICTIONS.labels("disk"), t.disk_evictions),
+                                     ("restored", TIER_RESTORED, t.restored_tokens)):
+            seen[name] = _advance(counter, seen.get(name, 0), total)
+        TIER_LOAD.inc(max(0.0, t.load_seconds - self._tier_load))
+        self._tier_load = max(self._tier_load, t.load_seconds)
+        TIER_BYTES.labels("ram").set(t.ram_bytes)
+        TIER_BYTES.labels("disk").set(t.disk_bytes)
 
     def _refresh_spec(self, s: EngineStats) -> None:
         seen = self._spec
