@@ -47,21 +47,24 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, priority: Priority,
-                    expected_cached_tokens: int = 0) -> AsyncIterator[AdmissionTicket]:
+                    expected_cached_tokens: int = 0, capacity: CapacityGate | None = None,
+                    ) -> AsyncIterator[AdmissionTicket]:
+        """`capacity`: the gate of the request's pool (model version), else this Admission's own."""
+        gate = capacity if capacity is not None else self.capacity
         res = await self.guard.acquire(tenant, prompt_tokens, max_tokens)
         cap: CapacityTicket | None = None
         try:
-            if self.capacity is not None:
+            if gate is not None:
                 cost = max(0, prompt_tokens + max_tokens - expected_cached_tokens)
                 try:
-                    cap = await self.capacity.acquire(cost, priority, tenant.name, tenant.weight)
+                    cap = await gate.acquire(cost, priority, tenant.name, tenant.weight)
                 except (Overloaded, CapacityNeverFits):
                     res.unserved()
                     raise
             yield AdmissionTicket(res, cap, rate_limit_headers(res.result))
         finally:
-            if cap is not None and self.capacity is not None:
-                self.capacity.release(cap)
+            if cap is not None and gate is not None:
+                gate.release(cap)
             await self.guard.release(res)
 
     async def charge_invalid(self, tenant: Tenant) -> int:

@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokens (default 0.1; 0 balances best with one gateway, replicas agree less)")
     parser.add_argument("--route-prefix-tokens", dest="route_prefix_tokens", type=int,
                         help="prompt-prefix tokens a routing key covers at most (default 256)")
+    parser.add_argument("--model-pools", dest="model_pools", action="store_true", default=None,
+                        help="serve every model version the worker registry announces, each with its own router "
+                             "and capacity gate; `model` names a version, a model or an alias (docs/routing.md)")
     parser.add_argument("--max-resumes", dest="max_resumes", type=int,
                         help="times a stream that lost its worker carries on on another one (default 2; 0: never)")
     parser.add_argument("--log-level", dest="log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -68,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def overrides_from_args(args: argparse.Namespace) -> dict:
     names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "keep_alive_timeout",
              "worker_timeout", "worker_stall_timeout", "log_level", "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
-             "route_prefix_tokens", "max_resumes")
+             "route_prefix_tokens", "max_resumes", "model_pools")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:
         values["metrics_tenant_labels"] = [t.strip() for t in args.metrics_tenant_labels.split(",") if t.strip()]
@@ -79,13 +82,12 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 def build_app(settings: Settings):
     """The Starlette app of one gateway process (services start in its lifespan)."""
-    from admission import Admission, Budget, BudgetGuard, CapacityGate, GatewayRegistry, LocalLimiter
+    from admission import Admission, Budget, BudgetGuard, GatewayRegistry, LocalLimiter
     from gateway.app import AppConfig, create_app
-    from gateway.capacity import RouterCapacity
     from gateway.metrics import configure as configure_metrics
     from gateway.served_model import ServedModel
     from gateway.service import GatewayService, ServiceConfig
-    from router import Membership, Router, WorkerClient
+    from router import Membership, WorkerClient
     from tenancy.directory import TenantDirectory
     from tenancy.redis_client import async_client
 
@@ -102,19 +104,19 @@ def build_app(settings: Settings):
         if settings.cluster_key() is None:
             log.warning("no cluster key (SWITCHYARD_CLUSTER_SECRET_KEY): worker links are unauthenticated, "
                         "which workers allow on loopback addresses only")
-        membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers,
-                                redis_url=None if gw.workers else settings.redis_url,
-                                dead_after=gw.worker_timeout, stall_after=gw.worker_stall_timeout,
-                                client_factory=clients)
-        router = Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens,
-                        epsilon=gw.route_epsilon, footprint_epsilon=gw.route_footprint_epsilon,
-                        block_size=gw.block_size, tokenizer_version=model.version, max_resumes=gw.max_resumes)
-        gate = None
-        if gw.capacity_admission:
-            gate = CapacityGate(RouterCapacity(router), admission_wait_ms=gw.admission_wait_ms,
-                                interactive_reserve=gw.interactive_reserve, fair_queue=gw.capacity_fair_queue)
-            router.on_stats(lambda _event: gate.notify())  # new stats may make room for waiters
-        await router.start()
+        if gw.model_pools:
+            pools = await _start_pools(settings, model, gateway_id, clients, redis)
+            router = pools.fleet.router(pools.tokenizers.default.model_id)  # the secret's holder; service.close
+            gate = None  # closes the pools
+        else:
+            pools = None
+            membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers,
+                                    redis_url=None if gw.workers else settings.redis_url,
+                                    dead_after=gw.worker_timeout, stall_after=gw.worker_stall_timeout,
+                                    client_factory=clients)
+            router = _router(gw, membership, model.version)
+            gate = _capacity_gate(gw, router)
+            await router.start()
         local = None
         if gw.fail_open:
             # Gateways count each other while Redis is up; the last count splits the limits during an outage.
@@ -126,7 +128,8 @@ def build_app(settings: Settings):
         admission = Admission(BudgetGuard(budget), gate)
         closers.append(admission.aclose)
         tenants = TenantDirectory(redis, serve_stale_on_error=gw.fail_open)
-        service = GatewayService(model, tenants, router, admission, ServiceConfig(request_timeout_s=gw.request_timeout))
+        service = GatewayService(model, tenants, router, admission, ServiceConfig(request_timeout_s=gw.request_timeout),
+                                 pools=pools)
         gc.freeze()  # the tokenizer and the rest built at start live as long as the process: out of the collector's sight
         return service
 
@@ -146,6 +149,57 @@ def build_app(settings: Settings):
                                                ready_check=redis_ok, metrics_token=gw.metrics_token,
                                                trace_tenant=gw.trace_tenant),
                       on_close=close)
+
+
+def _router(gw, membership, tokenizer_version: str):  # noqa: ANN001, ANN202 - settings and router types load late
+    from router import Router
+    from worker.protocol import Priority
+
+    classes = {Priority.parse(c): label for c, label in gw.class_pools.items()}
+    return Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens,
+                  epsilon=gw.route_epsilon, footprint_epsilon=gw.route_footprint_epsilon, block_size=gw.block_size,
+                  tokenizer_version=tokenizer_version, max_resumes=gw.max_resumes, class_pools=classes)
+
+
+def _capacity_gate(gw, router):  # noqa: ANN001, ANN202
+    from admission import CapacityGate
+    from gateway.capacity import RouterCapacity
+
+    if not gw.capacity_admission:
+        return None
+    gate = CapacityGate(RouterCapacity(router), admission_wait_ms=gw.admission_wait_ms,
+                        interactive_reserve=gw.interactive_reserve, fair_queue=gw.capacity_fair_queue)
+    router.on_stats(lambda _event: gate.notify())  # new stats may make room for waiters
+    return gate
+
+
+async def _start_pools(settings: Settings, model, gateway_id: str, clients, redis):  # noqa: ANN001, ANN202
+    """Model pools: the registry's workers split by model version (router.Fleet), aliases from Redis, a tokenizer
+    cache and one capacity gate per version; the gateway's own model is a pool from the start."""
+    from admission import CapacityGate
+    from gateway.capacity import RouterCapacity
+    from gateway.models import FleetPools, TokenizerCache
+    from router import AliasTable, Fleet, Membership, Served
+
+    gw = settings.gateway
+    membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers, redis_url=settings.redis_url,
+                            dead_after=gw.worker_timeout, stall_after=gw.worker_stall_timeout, client_factory=clients)
+    own = Served(model.model_id, "", model.version, "")
+    fleet = Fleet(membership, lambda view, served: _router(gw, view, served.tokenizer or model.version), default=own)
+    fleet.pool(own)
+
+    def make_gate(router) -> CapacityGate | None:  # noqa: ANN001
+        if not gw.capacity_admission:
+            return None
+        return CapacityGate(RouterCapacity(router), admission_wait_ms=gw.admission_wait_ms,
+                            interactive_reserve=gw.interactive_reserve, fair_queue=gw.capacity_fair_queue)
+
+    aliases = AliasTable(redis, poll_s=gw.alias_poll_s)
+    pools = FleetPools(fleet, TokenizerCache(model, gw.model), aliases, make_gate)
+    fleet.on_stats(lambda _event: pools.notify())
+    await aliases.start()
+    await fleet.start()
+    return pools
 
 
 DEV_STACK_ENV = "SWITCHYARD_DEV_STACK"  # set by `make run` (config.launcher): the default secret is fine there

@@ -94,7 +94,8 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
             await svc.charge_invalid(tenant)
         raise
     prepared.key_digest = svc.key_digest(request.headers.get("authorization"))
-    trace = metrics.current().trace(prepared.priority.label, tenant.name, arrived)
+    version = prepared.target.key if prepared.target is not None else ""
+    trace = metrics.current().trace(prepared.priority.label, tenant.name, arrived, version)
     if prepared.grouped:
         return await _generate_group(request, svc, prepared, trace, span)
     with tracing.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
@@ -235,11 +236,10 @@ def _model_card(request: Request, model: str) -> dict:
 
 
 async def list_models(request: Request) -> Response:
+    """The models (versions, model names and aliases) with a live worker that the tenant may use."""
     svc = _service(request)
     tenant = await svc.authenticate(request.headers.get("authorization"))
-    model = svc.model.model_id
-    data = [_model_card(request, model)] if tenant.allows_model(model) else []
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": [_model_card(request, m) for m in svc.pools.listing(tenant)]})
 
 
 async def get_model(request: Request) -> Response:
@@ -247,8 +247,12 @@ async def get_model(request: Request) -> Response:
     svc = _service(request)
     tenant = await svc.authenticate(request.headers.get("authorization"))
     name = request.path_params["model"]
-    if name not in svc.model.names or not (tenant.allows_model(name) or tenant.allows_model(svc.model.model_id)):
-        raise errors.model_not_found(name)
+    try:
+        svc.check_model(tenant, name)  # 404 unknown, 503 none of it live
+    except ApiError as exc:
+        if exc.code == "model_not_allowed":  # as OpenAI does: a model you may not use is not found
+            raise errors.model_not_found(name) from None
+        raise
     return JSONResponse(_model_card(request, name))
 
 

@@ -100,6 +100,12 @@ def lease_lost() -> ApiError:
                     code="concurrency_lease_lost", headers={"retry-after": "1"})
 
 
+def model_unavailable(model: str, why: str = "no worker of it is live", retry_after_s: int = 1) -> ApiError:
+    """503: the model (version or alias) exists but cannot serve now."""
+    return ApiError(503, f"The model '{model}' is unavailable right now ({why}); retry shortly.", "server_error",
+                    param="model", code="model_unavailable", headers={"retry-after": str(retry_after_s)})
+
+
 def no_live_worker(retry_after_s: int = 1) -> ApiError:
     return ApiError(503, "No model worker is available right now; retry shortly.", "server_error",
                     code="no_live_worker", headers={"retry-after": str(retry_after_s)})

@@ -17,6 +17,7 @@ from admission import AdmissionTicket
 from gateway import errors, metrics
 from gateway.detokenize import IncrementalDetokenizer, StopMatcher
 from gateway.errors import ApiError, invalid
+from gateway.models import Target
 from gateway.responses import ResponseShape, TokenLogprob, Usage
 from gateway.schemas import GenerationRequest
 from gateway.served_model import ServedModel
@@ -42,6 +43,7 @@ class Prepared:
     shape: ResponseShape
     batch: list[list[int]] = field(default_factory=list)  # every prompt's ids (prompt_ids first); [] = just that
     key_digest: str = ""  # SHA-256 of the request's API key: a revoked key ends its streams ("": not checked)
+    target: Target | None = None  # the model version serving it (None: the service's own model and router)
 
     @property
     def prompts(self) -> list[list[int]]:

@@ -70,9 +70,16 @@ class GatewayMetrics:
         # A stream that fails after its 200 headers ends with an SSE error event; `requests` still says 200.
         self.stream_errors = counter("switchyard_stream_errors",
                                      "Streams ended by an SSE error event after a 200, by error status", ["status"])
+        # per model version (a canary is judged by these); versions are bounded (router.fleet.MAX_VERSIONS)
+        self.version_ttft = Histogram("switchyard_version_ttft_seconds", "Time to first token by model version",
+                                      ["version"], buckets=TTFT_BUCKETS, registry=registry)
+        self.version_requests = counter("switchyard_version_requests",
+                                        "Generations by model version and outcome (ok, error)", ["version", "outcome"])
+        self.version_tokens = counter("switchyard_version_tokens", "Tokens by model version and kind (prompt, "
+                                      "completion)", ["version", "kind"])
         self._collectors = (self.ttft, self.inter_token, self.e2e, self.queue, self.requests, self.prompt_tokens,
                             self.completion_tokens, self.cached_tokens, self.rate_limited, self.shed,
-                            self.stream_errors)
+                            self.stream_errors, self.version_ttft, self.version_requests, self.version_tokens)
         for reason in SHED_REASONS:  # every reason is exported from the start, at 0
             self.shed.labels(reason)
         for reason in RATE_LIMIT_REASONS:
@@ -85,9 +92,11 @@ class GatewayMetrics:
     def _tok(self, tenant: str) -> tuple[str, ...]:
         return (self.tenant_label(tenant),) if self.labelled_tenants else ()
 
-    def trace(self, priority: str, tenant: str, start: float) -> RequestTrace:
-        """A new request's latency recorder; `start` is its arrival (`time.perf_counter()`)."""
-        return RequestTrace(self, (priority, *self._tok(tenant)), self._tok(tenant), start, time.perf_counter())
+    def trace(self, priority: str, tenant: str, start: float, version: str = "") -> RequestTrace:
+        """A new request's latency recorder; `start` is its arrival (`time.perf_counter()`); `version`: the model
+        version serving it ("": no per-version metrics)."""
+        return RequestTrace(self, (priority, *self._tok(tenant)), self._tok(tenant), start, time.perf_counter(),
+                            version=version)
 
     def count_shed(self, reason: str) -> None:
         self.shed.labels(reason).inc()
@@ -120,6 +129,7 @@ class RequestTrace:
     admit_start: float
     last: float = 0.0
     tokens: int = 0
+    version: str = ""
     _itl: Any = field(default=None)
 
     def admitted(self) -> None:
@@ -128,6 +138,8 @@ class RequestTrace:
     def first_token(self, completion_tokens: int) -> None:
         now = time.perf_counter()
         self.metrics.ttft.labels(*self.labels).observe(now - self.start)
+        if self.version:
+            self.metrics.version_ttft.labels(self.version).observe(now - self.start)
         self._itl = self.metrics.inter_token.labels(*self.labels)
         self.last, self.tokens = now, completion_tokens
 
@@ -148,6 +160,10 @@ class RequestTrace:
         if completed or completion > 0:
             for counter, n in ((m.prompt_tokens, prompt), (m.completion_tokens, completion), (m.cached_tokens, cached)):
                 (counter.labels(*self.token_labels) if self.token_labels else counter).inc(n)
+        if self.version:
+            m.version_requests.labels(self.version, "ok" if completed else "error").inc()
+            m.version_tokens.labels(self.version, "prompt").inc(prompt)
+            m.version_tokens.labels(self.version, "completion").inc(completion)
 
 
 _CURRENT: GatewayMetrics | None = None

@@ -17,6 +17,7 @@ from gateway import errors, metrics
 from gateway.choices import GenerationGroup
 from gateway.errors import ApiError, invalid
 from gateway.generation import Generation, Prepared
+from gateway.models import VERSION_HEADER, ModelPools, SinglePool, Target, sticky_prefix
 from gateway.responses import ResponseShape, Usage
 from gateway.schemas import GenerationRequest
 from gateway.served_model import ServedModel
@@ -45,20 +46,22 @@ def _bearer(header: str | None) -> str | None:
 
 class GatewayService:
     def __init__(self, model: ServedModel, tenants: TenantDirectory, router: Router,
-                 admission: Admission | None = None, config: ServiceConfig | None = None) -> None:
-        self.model = model
+                 admission: Admission | None = None, config: ServiceConfig | None = None,
+                 pools: ModelPools | None = None) -> None:
+        self.model = model  # the gateway's own model (the default alias; body limits)
         self.tenants = tenants
-        self.router = router
+        self.router = router  # the secret's holder; with model pools, each version has its own Router
         self.admission = admission
         self.config = config or ServiceConfig()
+        self.pools: ModelPools = pools or SinglePool(model, router)
         self._invalid_until: dict[str, float] = {}  # tenant -> when it has a request left (charge_invalid)
 
     @property
     def ready(self) -> bool:
-        return bool(self.router.live())
+        return self.pools.ready()
 
     async def close(self) -> None:
-        await self.router.close()
+        await self.pools.close()
 
     @staticmethod
     def key_digest(authorization: str | None) -> str:
@@ -103,23 +106,22 @@ class GatewayService:
                 self._invalid_until.pop(next(iter(self._invalid_until)))
             self._invalid_until[tenant.name] = time.monotonic() + retry_ms / 1000
 
-    def check_model(self, tenant: Tenant, model: str) -> None:
-        if model not in self.model.names:
-            raise errors.model_not_found(model)
-        if not (tenant.allows_model(model) or tenant.allows_model(self.model.model_id)):
-            raise errors.model_not_allowed(model)
+    def check_model(self, tenant: Tenant, model: str, prefix: str = "") -> Target:
+        """The model version serving `model` for this tenant (404, 403 or 503 in OpenAI's shape otherwise)."""
+        return self.pools.resolve(model, tenant, prefix)
 
     def prepare(self, tenant: Tenant, req: GenerationRequest, request_id: str) -> Prepared:
-        self.check_model(tenant, req.model)
-        enc = self.model.encode(req)
+        target = self.check_model(tenant, req.model, sticky_prefix(req))
+        model = target.model
+        enc = model.encode(req)
         batch = [enc.ids]
         if req.prompts is not None and len(req.prompts) > 1:
-            batch += [self.model.encode_prompt(pr, f"prompt[{i}]").ids for i, pr in enumerate(req.prompts) if i]
+            batch += [model.encode_prompt(pr, f"prompt[{i}]").ids for i, pr in enumerate(req.prompts) if i]
         n_prompt = max(map(len, batch))
-        room = self.model.max_context - n_prompt
+        room = model.max_context - n_prompt
         param = "messages" if req.kind == "chat" else "prompt"
         if room <= 0:
-            raise invalid(f"This model's maximum context length is {self.model.max_context} tokens; "
+            raise invalid(f"This model's maximum context length is {model.max_context} tokens; "
                           f"the prompt has {n_prompt} tokens.", param=param, code="context_length_exceeded")
         max_tokens = req.max_tokens
         if max_tokens is None:
@@ -128,15 +130,18 @@ class GatewayService:
             raise invalid(f"max_tokens {max_tokens} is above your limit of {tenant.max_tokens}.",
                           param="max_tokens")
         elif max_tokens > room:
-            raise invalid(f"This model's maximum context length is {self.model.max_context} tokens; you "
+            raise invalid(f"This model's maximum context length is {model.max_context} tokens; you "
                           f"requested {n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} for "
                           f"the completion).", param=param, code="context_length_exceeded")
-        ns = namespace_root(self.model.model_id, self.model.version, tenant.salt or tenant.name,
-                            self.router.secret)
+        ns = namespace_root(target.ns_model, model.version, tenant.salt or tenant.name, target.router.secret)
         prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
-        shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), req.model, req.kind == "chat")
+        shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), target.response_model, req.kind == "chat")
         return Prepared(request_id, req, tenant, enc.ids, enc.stable_len, max_tokens,
-                        tenant.effective_priority(req.priority), ns, shape, batch if len(batch) > 1 else [])
+                        tenant.effective_priority(req.priority), ns, shape, batch if len(batch) > 1 else [],
+                        target=target)
+
+    def _target(self, p: Prepared) -> Target:
+        return p.target or Target(self.model.model_id, self.model, self.router)
 
     def _sampling(self, p: Prepared, seed: int | None = None) -> SamplingParams:
         r = p.req
@@ -152,10 +157,11 @@ class GatewayService:
         """Admit the request and open its worker stream; the caller must `close()` the result."""
         stack = AsyncExitStack()
         usage = Usage(prompt_tokens=len(p.prompt_ids))
-        headers: dict[str, str] = {}
+        target = self._target(p)
+        headers: dict[str, str] = {VERSION_HEADER: target.key}
         try:
             ticket = await self._gate(stack, p, usage, headers)
-            chunks = self.router.stream(RouteRequest(
+            chunks = target.router.stream(RouteRequest(
                 # the response id is unique; a client-chosen x-request-id need not be
                 rid=p.shape.id, ns=p.ns, tokens=p.prompt_ids, cost=usage.prompt_tokens + p.max_tokens,
                 sampling=self._sampling(p), stable_len=p.stable_len, priority=p.priority,
@@ -165,7 +171,7 @@ class GatewayService:
         except BaseException:
             await stack.aclose()
             raise
-        return Generation(self.model, p, chunks, stack, usage, headers, self.config.first_token_timeout_s, ticket,
+        return Generation(target.model, p, chunks, stack, usage, headers, self.config.first_token_timeout_s, ticket,
                           tenants=self.tenants)
 
     async def start_group(self, p: Prepared) -> GenerationGroup:
@@ -173,7 +179,8 @@ class GatewayService:
         choice; siblings of a prompt share its routing key, so they meet its cached pages on one worker."""
         stack = AsyncExitStack()
         usage = Usage(prompt_tokens=sum(map(len, p.prompts)))
-        headers: dict[str, str] = {}
+        target = self._target(p)
+        headers: dict[str, str] = {VERSION_HEADER: target.key}
         gens: list[Generation] = []
         try:
             ticket = await self._gate(stack, p, usage, headers, p.choices * p.max_tokens)
@@ -182,13 +189,13 @@ class GatewayService:
             for i, ids in enumerate(p.prompts):
                 for j in range(p.req.n):
                     index = i * p.req.n + j
-                    chunks = self.router.stream(RouteRequest(
+                    chunks = target.router.stream(RouteRequest(
                         rid=p.shape.id if index == 0 else f"{p.shape.id}-{index}", ns=p.ns, tokens=ids,
                         cost=len(ids) + p.max_tokens, sampling=self._sampling(p, sibling_seed(p.req.seed, j)),
                         stable_len=p.stable_len if i == 0 else None, priority=p.priority, deadline=deadline,
                         cache_key=p.req.prompt_cache_key, fkey=fkey, weight=p.tenant.weight))
                     stack.push_async_callback(_aclose, chunks)
-                    gens.append(Generation(self.model, p, chunks, AsyncExitStack(), usage, headers,
+                    gens.append(Generation(target.model, p, chunks, AsyncExitStack(), usage, headers,
                                            self.config.first_token_timeout_s, ticket, tenants=self.tenants))
         except BaseException:
             await stack.aclose()
@@ -199,7 +206,7 @@ class GatewayService:
                     max_tokens: int | None = None) -> AdmissionTicket | None:
         """Shed when no worker is live (before admission: nothing is charged, and capacity would only queue
         then shed), else admit; the ticket's headers go into `headers`."""
-        if not self.router.live():
+        if not self._target(p).router.live():
             metrics.current().count_shed("no_worker")
             raise errors.no_live_worker()
         if self.admission is None:
@@ -213,7 +220,8 @@ class GatewayService:
         assert self.admission is not None
         try:
             ticket = await stack.enter_async_context(self.admission.admit(
-                p.tenant, usage.prompt_tokens, p.max_tokens if max_tokens is None else max_tokens, p.priority))
+                p.tenant, usage.prompt_tokens, p.max_tokens if max_tokens is None else max_tokens, p.priority,
+                capacity=self._target(p).capacity))
         except Exception as exc:
             spec = error_response(exc)
             if spec is None:

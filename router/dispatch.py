@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from router import metrics
+from router.class_pools import SPILL, outside_pool, over_bound
 from router.client import LinkError, WorkerError
 from router.holders import InFlightPrefixes, PrefixHolders
 from router.kv_view import KvView
@@ -77,6 +78,7 @@ class Router:
         footprint_epsilon: float = DEFAULT_FOOTPRINT_EPSILON,
         rng: random.Random | None = None,
         tokenizer_version: str | None = None,
+        class_pools: dict[Priority, str] | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must be non-empty bytes")
@@ -87,6 +89,7 @@ class Router:
         self.max_stream_seconds = max_stream_seconds
         self.max_resumes = max_resumes  # times one stream may carry on elsewhere after tokens were streamed
         self.policy = RoutingPolicy(epsilon=epsilon, footprint_epsilon=footprint_epsilon, rng=rng)
+        self.class_pools = class_pools or {}  # priority class -> the worker pool label it prefers
         self.loads = LoadTracker()
         self.holders = PrefixHolders()
         self.sending = InFlightPrefixes()  # this gateway's placements not yet reported by their workers
@@ -175,6 +178,24 @@ class Router:
             metrics.FALLBACKS.labels(choice.fallback).inc()
         return choice
 
+    def _pick_in_class(self, key: bytes | None, req: RouteRequest, exclude: frozenset[str], span: int,
+                       matched: dict[str, int]) -> Choice:
+        """`pick` within the pool of the request's priority class, spilling to every worker when the pool's choice
+        is over the load bound (or the pool has none usable)."""
+        label = self.class_pools.get(req.priority)
+        pool_of = getattr(self.membership, "pool_of", None)
+        others = outside_pool(self.policy.members, pool_of, label) if label and pool_of is not None else None
+        if others:
+            try:
+                choice = self.pick(key, req.cost, exclude | others, span, matched)
+                usable = [w for w in self.live() if w not in exclude]
+                if not over_bound(choice.worker_id, usable, self.loads.loads(), req.cost, self.policy.bounds.epsilon):
+                    return choice
+            except NoWorkerAvailable:
+                pass
+            metrics.FALLBACKS.labels(SPILL).inc()
+        return self.pick(key, req.cost, exclude, span, matched)
+
     def _candidates(self, key: bytes | None, exclude: frozenset[str], matched: dict[str, int]) -> Candidates:
         order = self.policy.order(key)
         status = {w: FALLBACK_INCOMPATIBLE if self.kv.refused(w) else self.membership.status(w) for w in order}
@@ -209,7 +230,7 @@ class Router:
         resumes, failed_at, first_cached = 0, 0.0, None
         while True:
             try:
-                choice = self.pick(key, req.cost, exclude, span, matched)
+                choice = self._pick_in_class(key, req, exclude, span, matched)
             except NoWorkerAvailable:
                 if failed is not None:
                     raise failed from None

@@ -19,6 +19,7 @@ from worker.protocol import (
     PROTOCOL_VERSION,
     REGISTRY_KEY_PREFIX,
     REGISTRY_SET_KEY,
+    Registration,
     WorkerStats,
     async_redis,
     parse_registration,
@@ -70,6 +71,7 @@ class Member:
     joined_at: float = 0.0  # membership clock
     stats: WorkerStats | None = None
     stats_at: float | None = None  # membership clock
+    registration: Registration | None = None  # what it announced (None: a static endpoint)
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class _Wanted:
     endpoint: str
     static: bool
     started_at: float
+    registration: Registration | None = None
 
 
 class Membership:
@@ -206,7 +209,7 @@ class Membership:
                     continue
                 del found[other]
             by_endpoint[reg.endpoint] = reg.worker_id
-            found[reg.worker_id] = _Wanted(reg.endpoint, False, float(reg.started_at))
+            found[reg.worker_id] = _Wanted(reg.endpoint, False, float(reg.started_at), reg)
         return found
 
     def _wanted(self) -> dict[str, _Wanted]:
@@ -217,7 +220,7 @@ class Membership:
         for mid, member in self._members.items():
             if (mid not in wanted and not member.static and member.endpoint not in claimed
                     and not self._gone(member)):
-                wanted[mid] = _Wanted(member.endpoint, False, member.started_at)
+                wanted[mid] = _Wanted(member.endpoint, False, member.started_at, member.registration)
                 claimed.add(member.endpoint)
         for ep in self.static_endpoints:
             if ep not in claimed:
@@ -243,7 +246,8 @@ class Membership:
             log.warning("cannot connect to worker %s at %r: %s", mid, want.endpoint, exc)
             await client.close()
             return
-        self._members[mid] = Member(mid, want.endpoint, client, want.static, want.started_at, self.clock())
+        self._members[mid] = Member(mid, want.endpoint, client, want.static, want.started_at, self.clock(),
+                                    registration=want.registration)
         for listener in self._on_join:
             listener(mid)
         log.info("worker %s joined at %s", mid, want.endpoint)
@@ -319,6 +323,12 @@ class Membership:
 
     def member_ids(self) -> list[str]:
         return sorted(self._members)
+
+    def pool_of(self, mid: str) -> str:
+        """The traffic-class pool label `mid` announced ("" for none, or a static endpoint)."""
+        member = self._members.get(mid)
+        reg = member.registration if member is not None else None
+        return reg.pool if reg is not None else ""
 
     def live(self) -> list[str]:
         """Members that may take new requests now."""

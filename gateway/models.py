@@ -1,0 +1,214 @@
+"""Which model version serves a request: the requested name (a version, a model name or an alias) resolved over
+the live pools to a `Target` (that version's tokenizer, Router and capacity gate), and the model listing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from admission import CapacityGate
+from gateway import errors
+from gateway.schemas import GenerationRequest
+from gateway.served_model import DEFAULT_ALIAS, ServedModel
+from router import Alias, AliasTable, Fleet, Router, Served, sticky_key, weighted_pick
+from tenancy import Tenant
+
+log = logging.getLogger("switchyard.gateway")
+
+MAX_TOKENIZERS = 8  # tokenizers (ServedModels) kept at once, least recently used dropped
+STICKY_PROMPT_CHARS = 1024  # a completion's version sticks to this much of its prompt
+VERSION_HEADER = "x-switchyard-model-version"
+
+
+@dataclass(slots=True)
+class Target:
+    """The model version a request goes to."""
+
+    key: str  # version key (`<name>@<version>` or the name): the header's value
+    model: ServedModel
+    router: Router
+    capacity: CapacityGate | None = None  # None: the Admission's own gate
+    response_model: str = ""  # the response's `model` field
+    ns_model: str = ""  # the model id in the cache namespace
+
+
+class ModelPools(Protocol):
+    def resolve(self, name: str, tenant: Tenant, prefix: str) -> Target: ...
+    def listing(self, tenant: Tenant) -> list[str]: ...
+    def ready(self) -> bool: ...
+    async def close(self) -> None: ...
+
+
+def sticky_prefix(req: GenerationRequest) -> str:
+    """The request's prefix key for version stickiness: its prompt_cache_key, else the conversation's opening
+    (system messages and the first user turn, the same on every later turn), else the prompt's head."""
+    if req.prompt_cache_key is not None:
+        return "k:" + req.prompt_cache_key
+    if req.messages is not None:
+        head: list[object] = []
+        for m in req.messages:
+            head.append([m.get("role"), m.get("content")])
+            if m.get("role") == "user":
+                break
+        return "c:" + json.dumps(head, ensure_ascii=False, default=str)
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return "p:" + prompt[:STICKY_PROMPT_CHARS]
+    return "t:" + ",".join(map(str, (prompt or [])[:256]))
+
+
+class SinglePool:
+    """One model and one Router (the gateway without model pools): `model` must name it or an alias of it."""
+
+    def __init__(self, model: ServedModel, router: Router) -> None:
+        self.model = model
+        self.router = router
+
+    def resolve(self, name: str, tenant: Tenant, prefix: str) -> Target:
+        m = self.model
+        if name not in m.names:
+            raise errors.model_not_found(name)
+        if not (tenant.allows_model(name) or tenant.allows_model(m.model_id)):
+            raise errors.model_not_allowed(name)
+        return Target(m.model_id, m, self.router, None, name, m.model_id)
+
+    def listing(self, tenant: Tenant) -> list[str]:
+        return [self.model.model_id] if tenant.allows_model(self.model.model_id) else []
+
+    def ready(self) -> bool:
+        return bool(self.router.live())
+
+    async def close(self) -> None:
+        await self.router.close()
+
+
+class TokenizerCache:
+    """ServedModels by (spec, fingerprint), at most MAX_TOKENIZERS; the gateway's own model is always there."""
+
+    def __init__(self, default: ServedModel, default_spec: str, load: Callable[[str], ServedModel] = ServedModel.load,
+                 size: int = MAX_TOKENIZERS) -> None:
+        self.default = default
+        self.default_spec = default_spec
+        self._load = load
+        self._size = size
+        self._models: OrderedDict[tuple[str, str], ServedModel | str] = OrderedDict()  # str: why it failed
+        self._lock = threading.Lock()  # loads may run on a thread (large bodies are prepared there)
+
+    def get(self, served: Served) -> ServedModel | str:
+        """The tokenizer of `served`, or why there is none (a load error or a fingerprint mismatch)."""
+        if not served.spec or served.tokenizer == self.default.version or (
+                served.spec == self.default_spec and not served.tokenizer):
+            return self.default
+        key = (served.spec, served.tokenizer)
+        with self._lock:
+            found = self._models.get(key)
+            if found is not None:
+                self._models.move_to_end(key)
+                return found
+            try:
+                model: ServedModel | str = self._load(served.spec)
+            except Exception as exc:  # a spec this host cannot load: that version cannot be served here
+                model = f"its tokenizer {served.spec!r} does not load here: {exc}"
+            if isinstance(model, ServedModel) and served.tokenizer and model.version != served.tokenizer:
+                model = f"tokenizer fingerprint {model.version[:12]} here, {served.tokenizer[:12]} on the workers"
+            if isinstance(model, str):
+                log.warning("model version %s: %s", served.key, model)
+            self._models[key] = model
+            if len(self._models) > self._size:
+                self._models.popitem(last=False)
+            return model
+
+
+class FleetPools:
+    """Model pools over a Fleet: versions, model names and aliases (Redis records, plus the built-in `default`
+    for the gateway's own model) resolved to a live version, sticky by tenant and prefix key."""
+
+    def __init__(self, fleet: Fleet, tokenizers: TokenizerCache, aliases: AliasTable | None = None,
+                 make_gate: Callable[[Router], CapacityGate] | None = None) -> None:
+        self.fleet = fleet
+        self.tokenizers = tokenizers
+        self.aliases = aliases
+        self._make_gate = make_gate
+        self._gates: dict[str, CapacityGate] = {}
+
+    def alias(self, name: str) -> Alias | None:
+        alias = self.aliases.get(name) if self.aliases is not None else None
+        if alias is None and name == DEFAULT_ALIAS:
+            versions = self.fleet.versions_of(self.tokenizers.default.model_id)
+            alias = Alias(name, tuple((v, 1.0) for v in versions)) if versions else None
+        return alias
+
+    def pick(self, name: str, sticky: bytes) -> str:
+        """The version key for `name`; 404 when nothing by that name exists, 503 when none of it is live."""
+        fleet = self.fleet
+        live = set(fleet.live_versions())
+        alias = self.alias(name)
+        if alias is not None:
+            key = alias.pick(live, sticky)
+        elif name in fleet.versions():
+            key = name if name in live else None
+        else:
+            versions = fleet.versions_of(name)
+            if not versions:
+                raise errors.model_not_found(name)
+            up = [(v, 1.0) for v in versions if v in live]
+            key = weighted_pick(up, sticky) if up else None
+        if key is None:
+            raise errors.model_unavailable(name)
+        return key
+
+    def resolve(self, name: str, tenant: Tenant, prefix: str) -> Target:
+        key = self.pick(name, sticky_key(tenant.name, name, prefix))
+        served = self.fleet.served(key)
+        router = self.fleet.router(key)
+        assert served is not None and router is not None  # picked among the fleet's versions
+        if not (tenant.allows_model(name) or tenant.allows_model(served.name) or tenant.allows_model(key)):
+            raise errors.model_not_allowed(name)
+        model = self.tokenizers.get(served)
+        if isinstance(model, str):
+            raise errors.model_unavailable(name, "this gateway cannot tokenize for it")
+        return Target(key, model, router, self._gate(key, router), key, key)
+
+    def _gate(self, key: str, router: Router) -> CapacityGate | None:
+        if self._make_gate is None:
+            return None
+        gate = self._gates.get(key)
+        if gate is None:
+            gate = self._gates[key] = self._make_gate(router)
+        return gate
+
+    def notify(self) -> None:
+        """New worker stats: every version's capacity waiters look again."""
+        for gate in self._gates.values():
+            gate.notify()
+
+    def listing(self, tenant: Tenant) -> list[str]:
+        """Versions, model names and aliases with a live version, that the tenant may use."""
+        fleet = self.fleet
+        live = fleet.live_versions()
+        names: set[str] = set(live)
+        names.update(s.name for s in (fleet.served(k) for k in live) if s is not None)
+        alias_names = set(self.aliases.names() if self.aliases is not None else ()) | {DEFAULT_ALIAS}
+        for a in alias_names:
+            alias = self.alias(a)
+            if alias is not None and alias.pick(live, b"") is not None:
+                names.add(a)
+        return sorted(n for n in names if self._allowed(tenant, n))
+
+    def _allowed(self, tenant: Tenant, name: str) -> bool:
+        served = self.fleet.served(name)
+        return tenant.allows_model(name) or (served is not None and tenant.allows_model(served.name))
+
+    def ready(self) -> bool:
+        return bool(self.fleet.live_versions())
+
+    async def close(self) -> None:
+        if self.aliases is not None:
+            await self.aliases.close()
+        await self.fleet.close()
