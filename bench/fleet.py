@@ -65,8 +65,10 @@ class SimMembership:
     async def close(self) -> None:
         return None
 
-    def add(self, mid: str, model: str, version: str = "", pool: str = "", kv_total: int = KV_TOKENS) -> None:
-        reg = Registration(mid, f"sim://{mid}", model, PROTOCOL_VERSION, 0.0, model_version=version, pool=pool)
+    def add(self, mid: str, model: str, version: str = "", pool: str = "", kv_total: int = KV_TOKENS,
+            spec: str = "", tokenizer: str = "") -> None:
+        reg = Registration(mid, f"sim://{mid}", model, PROTOCOL_VERSION, 0.0, model_version=version, pool=pool,
+                           spec=spec, tokenizer=tokenizer)
         self._members[mid] = Member(mid, reg.endpoint, SimClient(), registration=reg)  # type: ignore[arg-type]
         for f in self._join:
             f(mid)

@@ -1,0 +1,106 @@
+"""Model pools in the gateway: a request's `model` (version, model name or alias) resolved to a live version's
+Target, the errors (404 unknown, 403 not allowed, 503 none live, with retry-after), the tokenizer cache and the
+model listing, over simulated workers."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from bench.fleet import SimMembership
+from gateway.errors import ApiError
+from gateway.models import FleetPools, TokenizerCache, sticky_prefix
+from gateway.schemas import parse_chat, parse_completion
+from router import AliasTable, Fleet, Router, Served, encode_alias
+from tenancy import Tenant
+
+OWN = SimpleNamespace(model_id="own", version="tok-own")
+MODELS = {"spec-m": SimpleNamespace(model_id="m", version="tok-m")}
+
+
+def _pools(aliases: AliasTable | None = None) -> tuple[FleetPools, SimMembership]:
+    m = SimMembership()
+    fleet = Fleet(m, lambda view, served: Router(view, secret=b"s"), default=Served("own"))  # type: ignore[arg-type]
+    m.add("a", "own", tokenizer="tok-own")
+    m.add("b", "m", "v1", spec="spec-m", tokenizer="tok-m")
+    m.add("c", "m", "v2", spec="spec-m", tokenizer="tok-m")
+    m.add("d", "x", spec="spec-x", tokenizer="tok-x")  # a tokenizer this gateway cannot load
+    loads: list[str] = []
+
+    def load(spec: str) -> SimpleNamespace:
+        loads.append(spec)
+        return MODELS[spec]
+
+    pools = FleetPools(fleet, TokenizerCache(OWN, "default", load), aliases)  # type: ignore[arg-type]
+    pools.loads = loads  # type: ignore[attr-defined]
+    return pools, m
+
+
+def _error(f, *args) -> ApiError:  # noqa: ANN001
+    with pytest.raises(ApiError) as info:
+        f(*args)
+    return info.value
+
+
+def test_a_request_names_a_version_a_model_or_the_default_alias() -> None:
+    pools, _ = _pools()
+    t = Tenant("t")
+    target = pools.resolve("m@v1", t, "p")
+    assert (target.key, target.response_model, target.model) == ("m@v1", "m@v1", MODELS["spec-m"])
+    assert {pools.resolve("m", t, f"p{i}").key for i in range(40)} == {"m@v1", "m@v2"}
+    assert pools.resolve("default", t, "p").key == "own"
+    assert pools.resolve("own", t, "p").model is OWN
+    assert pools.loads == ["spec-m"]  # loaded once, then cached
+
+
+def test_unknown_forbidden_and_unavailable_models_get_openai_errors() -> None:
+    pools, m = _pools()
+    err = _error(pools.resolve, "nope", Tenant("t"), "")
+    assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
+    err = _error(pools.resolve, "own", Tenant("t", allowed_models=("m",)), "")
+    assert (err.status, err.code) == (403, "model_not_allowed")
+    assert pools.resolve("m@v2", Tenant("t", allowed_models=("m",)), "").key == "m@v2"
+    err = _error(pools.resolve, "x", Tenant("t"), "")
+    assert (err.status, err.code) == (503, "model_unavailable")  # no tokenizer for it here
+    m.kill("b")
+    m.kill("c")
+    err = _error(pools.resolve, "m", Tenant("t"), "")
+    assert (err.status, err.code, err.headers["retry-after"]) == (503, "model_unavailable", "1")
+
+
+def test_aliases_route_by_weight_fall_back_and_are_listed() -> None:
+    async def main() -> None:
+        class R:
+            async def hgetall(self, key: str) -> dict:
+                return {b"canary": encode_alias({"m@v1": 90, "m@v2": 10}).encode(),
+                        b"broken": encode_alias({"gone@v0": 1}).encode()}
+
+        table = AliasTable(R())
+        await table.start()
+        pools, m = _pools(table)
+        t = Tenant("t")
+        picks = [pools.resolve("canary", t, f"conv-{i}").key for i in range(1000)]
+        assert 0.06 < picks.count("m@v2") / len(picks) < 0.14
+        assert all(pools.resolve("canary", t, f"conv-{i}").key == k for i, k in enumerate(picks[:50]))
+        m.kill("b")
+        assert {pools.resolve("canary", t, f"conv-{i}").key for i in range(50)} == {"m@v2"}
+        err = _error(pools.resolve, "broken", t, "")
+        assert (err.status, err.code) == (503, "model_unavailable")
+        assert pools.listing(t) == ["canary", "default", "m", "m@v2", "own", "x"]
+        assert pools.listing(Tenant("t", allowed_models=("canary",))) == ["canary"]
+        await table.close()
+
+    asyncio.run(main())
+
+
+def test_sticky_prefix_is_the_same_on_every_turn_of_a_conversation() -> None:
+    first = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    later = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    a = sticky_prefix(parse_chat({"model": "m", "messages": first}))
+    assert a == sticky_prefix(parse_chat({"model": "m", "messages": later}))
+    assert a != sticky_prefix(parse_chat({"model": "m", "messages": [{"role": "user", "content": "other"}]}))
+    keyed = parse_chat({"model": "m", "messages": first, "prompt_cache_key": "k"})
+    assert sticky_prefix(keyed) == "k:k"
+    assert sticky_prefix(parse_completion({"model": "m", "prompt": "x" * 5000})) == "p:" + "x" * 1024
