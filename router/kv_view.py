@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 
 SYNC_RETRY_S = 0.5  # at most one snapshot request per worker in this interval
 MAX_INDEX_BLOCKS = 4096  # prompt blocks looked up at most (64k tokens at block size 16)
+# A block a worker holds only in a KV tier below memory counts this much of a block in memory: restoring it is
+# far cheaper than a prefill (docs/engine.md "KV tiers") but not free, and it may sit on disk; so of two workers
+# with the same prefix, the one holding it in memory wins.
+TIER_CREDIT = 0.5
 
 
 class KvView:
@@ -70,14 +74,16 @@ class KvView:
         self._asked_at.pop(worker_id, None)
 
     def matched(self, ns: bytes, tokens: Sequence[int] | np.ndarray | bytes, workers: Iterable[str]) -> dict[str, int]:
-        """Prompt tokens each worker reports holding as a prefix of `tokens` (only those holding some)."""
+        """Prompt tokens each worker reports holding as a prefix of `tokens` (only those holding some); blocks
+        held only in a worker's KV tiers count TIER_CREDIT of a token each."""
         if not self.active:
             return {}
         bs = self.block_size
         n_tokens = len(tokens) // 4 if isinstance(tokens, bytes | bytearray | memoryview) else len(tokens)
         # a worker's own match leaves out the prompt's last token (it must compute one position)
         ids = block_ids(ns, tokens, bs, min((n_tokens - 1) // bs, MAX_INDEX_BLOCKS))
-        return {w: n * bs for w, n in self.index.match(ids, workers).items()}
+        out = {w: n * bs + int(TIER_CREDIT * t * bs) for w, (n, t) in self.index.match_tiered(ids, workers).items()}
+        return {w: n for w, n in out.items() if n > 0}
 
     # ------------------------------------------------------------ internals
 
