@@ -39,7 +39,8 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                             "stream_options", "n", "ignore_eos", "priority", "prompt_cache_key",
                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                            "logit_bias", "response_format", "speculative"}) | IGNORED_FIELDS
+                            "logit_bias", "response_format", "speculative",
+                            "prompt_cache_retention"}) | IGNORED_FIELDS
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                 "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
@@ -81,6 +82,7 @@ class GenerationRequest:
     priority: Priority | None = None
     grammar: GrammarSpec | None = None  # from `response_format`: the output is constrained to it
     speculative: bool = True  # extension: false opts out of n-gram speculative decoding (same output)
+    prompt_cache_retention: str = ""  # "in_memory" (KV tiers in RAM only) | "24h" (may go to disk) | "": default
 
 
 def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, param: str | None = None) -> Any:
@@ -180,7 +182,15 @@ def _common(body: Any, kind: str) -> GenerationRequest:
         logit_bias=_logit_bias(body),
         grammar=_response_format(body.get("response_format")),
         speculative=_bool(body, "speculative", True),
+        prompt_cache_retention=_retention(body),
     )
+
+
+def _retention(body: dict) -> str:
+    value = _get(body, "prompt_cache_retention", (str,), "a string")
+    if value is not None and value not in ("in_memory", "24h"):
+        raise invalid("'prompt_cache_retention' must be 'in_memory' or '24h'.", param="prompt_cache_retention")
+    return value or ""
 
 
 _JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})

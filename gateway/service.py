@@ -151,7 +151,7 @@ class GatewayService:
                               frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty,
                               min_tokens=min(r.min_tokens, p.max_tokens), logit_bias=r.logit_bias,
                               grammar=None if r.grammar is None else r.grammar.to_dict(),
-                              speculative=r.speculative)
+                              speculative=r.speculative, cache_retention=r.prompt_cache_retention)
 
     async def start(self, p: Prepared) -> Generation:
         """Admit the request and open its worker stream; the caller must `close()` the result."""
