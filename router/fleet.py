@@ -115,7 +115,8 @@ class Fleet:
 
     def live_versions(self) -> list[str]:
         """Model versions with at least one worker that takes new requests now, sorted."""
-        return [key for key in sorted(self._routers) if self._routers[key].live()]
+        routers = list(self._routers.items())  # one copy: a large body is prepared on a thread
+        return sorted(key for key, router in routers if router.live())
 
     def versions_of(self, name: str) -> list[str]:
         """The versions seen of model `name` (by name), sorted."""

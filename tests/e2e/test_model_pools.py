@@ -38,12 +38,12 @@ def fleet(redis_server) -> Iterator[dict]:  # noqa: ANN001
                           extra=[*common, "--model-version", "v2"])]
     gw = GatewayProc.spawn(logs, ["--redis-url", url, "--model-pools", "--worker-timeout", "10"])
     try:
+        key = tenant_with_new_key(url, "pools", max_concurrent=64)
+        c = openai.OpenAI(api_key=key, base_url=gw.base_url + "/v1", max_retries=0, timeout=60)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if gw.proc.poll() is not None or any(w.proc.poll() is not None for w in workers):
                 raise RuntimeError(f"a process exited during start-up; logs in {logs}")
-            key = tenant_with_new_key(url, "pools", max_concurrent=64)
-            c = openai.OpenAI(api_key=key, base_url=gw.base_url + "/v1", max_retries=0, timeout=60)
             try:
                 if {V1, V2} <= {m.id for m in c.models.list()}:
                     break
