@@ -114,7 +114,8 @@ class GatewaySettings(BaseModel):
     model_pools: bool = False
     alias_poll_s: float = Field(0.5, gt=0, le=1.0)  # alias edits apply within this (plus one Redis read)
     # priority class -> preferred worker pool label; a request spills to other pools under the load bound
-    class_pools: dict[str, str] = Field(default_factory=lambda: {"interactive": "interactive", "batch": "batch"})
+    class_pools: dict[Literal["interactive", "batch"], str] = Field(
+        default_factory=lambda: {"interactive": "interactive", "batch": "batch"})
 
 
 class Settings(BaseSettings):
