@@ -41,6 +41,7 @@ class DiskTier:
         self.writes = self.dropped = self.corrupt = self.evictions = self.errors = 0
         self.gone: deque[bytes] = deque()  # keys whose files were removed (drained by the engine thread)
         self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._pending: dict[bytes, torch.Tensor] = {}  # queued, not yet written: readable from here
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(maxsize=queue_pages)
         self._scan()
@@ -49,7 +50,7 @@ class DiskTier:
 
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
-            return key in self._index
+            return key in self._index or key in self._pending
 
     def keys(self) -> list[bytes]:
         with self._lock:
@@ -59,16 +60,25 @@ class DiskTier:
         """Queue a page for writing; False (dropped) when the disk is full or the queue is."""
         if self.full:
             return False
+        with self._lock:
+            if key in self._pending:
+                return True
+            self._pending[key] = data
         try:
             self._queue.put_nowait((key, data))
             return True
         except queue.Full:
+            with self._lock:
+                self._pending.pop(key, None)
             self.dropped += 1
             return False
 
     def load(self, key: bytes) -> torch.Tensor | None:
         """The page's bytes, or None when absent or bad (a bad file is deleted)."""
         with self._lock:
+            queued = self._pending.get(key)
+            if queued is not None:
+                return queued
             if key not in self._index:
                 return None
             self._index.move_to_end(key)
@@ -134,6 +144,8 @@ class DiskTier:
                     return
                 if not self.full:
                     self._write(*item)
+                with self._lock:
+                    self._pending.pop(item[0], None)
             finally:
                 self._queue.task_done()
 

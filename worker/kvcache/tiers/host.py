@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class TierPage:
     """One page's bytes (`worker.kvcache.tiers.pages.PageCodec` rows) and what the write policy needs."""
 

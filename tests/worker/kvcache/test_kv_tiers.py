@@ -1,0 +1,166 @@
+"""KV tiers: the page codec's round trip (model dtype and int8 with scales), the host tier's LRU bound, and the
+disk tier's checksums, foreign fingerprints, size bound, full disk and restart."""
+
+from __future__ import annotations
+
+import errno
+import pathlib
+
+import pytest
+import torch
+
+from worker.config import ModelConfig
+from worker.kvcache.tensors import KVCache
+from worker.kvcache.tiers.disk import DiskTier
+from worker.kvcache.tiers.host import HostTier, TierPage
+from worker.kvcache.tiers.pages import PageCodec, fingerprint
+
+BS = 4
+CPU = torch.device("cpu")
+
+
+def _kv(kv_dtype: str, dtype: torch.dtype = torch.float32, pages: int = 8) -> KVCache:
+    cfg = ModelConfig(vocab_size=10, hidden_size=16, intermediate_size=8, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    kv = KVCache(cfg, pages, BS, dtype, CPU, kv_dtype=kv_dtype)
+    g = torch.Generator().manual_seed(1)
+    for t in kv.k + kv.v:
+        if kv.quantized:
+            t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
+        else:
+            t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    for s in kv.k_scale + kv.v_scale:
+        s.copy_(torch.rand(s.shape, generator=g))
+    return kv
+
+
+def _page(kv: KVCache, p: int) -> list[torch.Tensor]:
+    sl = slice(p * BS, (p + 1) * BS)
+    out = [t[:, sl].clone() for t in kv.k + kv.v]
+    return out + [s[:, p].clone() for s in kv.k_scale + kv.v_scale]
+
+
+@pytest.mark.parametrize("kv_dtype,dtype", [("model", torch.float32), ("model", torch.bfloat16),
+                                            ("int8", torch.float32)])
+def test_codec_round_trip_is_bit_identical(kv_dtype, dtype):
+    kv = _kv(kv_dtype, dtype)
+    codec = PageCodec(kv)
+    rows = codec.read([5, 2])
+    assert rows.shape == (2, codec.page_bytes) and rows.dtype == torch.uint8
+    want = [_page(kv, 5), _page(kv, 2)]
+    codec.write([0, 7], rows)
+    for got, exp in zip([_page(kv, 0), _page(kv, 7)], want, strict=True):
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, exp, strict=True))
+    assert not torch.equal(_page(kv, 1)[0], want[0][0])  # other pages untouched (and the check can fail)
+
+
+def test_fingerprint_names_dtype_layout_model_and_tokenizer():
+    a, b = _kv("model"), _kv("int8")
+    fp = fingerprint("m", "tok1", a)
+    assert fp == fingerprint("m", "tok1", _kv("model"))
+    assert len({fp, fingerprint("m", "tok1", b), fingerprint("m2", "tok1", a), fingerprint("m", "tok2", a),
+                fingerprint("m", "tok1", _kv("model", torch.bfloat16))}) == 5
+
+
+def _tp(n: int, fill: int = 0) -> TierPage:
+    return TierPage(torch.full((n,), fill, dtype=torch.uint8))
+
+
+def test_host_tier_is_lru_and_bounded():
+    host = HostTier(300)
+    assert host.put(b"a", _tp(100)) == [] and host.put(b"b", _tp(100)) == [] and host.put(b"c", _tp(100)) == []
+    assert host.get(b"a") is not None  # a is now the most recent
+    out = host.put(b"d", _tp(100))
+    assert [k for k, _ in out] == [b"b"] and host.bytes == 300 and len(host) == 3
+    out = host.put(b"e", _tp(250))
+    assert {k for k, _ in out} == {b"c", b"a", b"d"} and host.bytes == 250 and host.evictions == 4
+    out = host.put(b"f", _tp(301))  # larger than the whole tier: refused, nothing else leaves
+    assert [k for k, _ in out] == [b"f"] and b"f" not in host and b"e" in host and host.bytes == 250
+
+
+def _disk(tmp_path: pathlib.Path, cap: int = 1 << 20, fp: bytes = b"F" * 16) -> DiskTier:
+    return DiskTier(tmp_path, cap, fp, queue_pages=8)
+
+
+def _key(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def test_disk_round_trip_and_restart(tmp_path):
+    d = _disk(tmp_path)
+    data = torch.arange(200, dtype=torch.uint8)
+    assert d.submit(_key(1), data)
+    d.flush()
+    assert torch.equal(d.load(_key(1)), data) and d.writes == 1
+    d.close()
+    again = _disk(tmp_path)  # a new process finds the file
+    assert _key(1) in again and torch.equal(again.load(_key(1)), data)
+    again.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+def test_a_bad_file_reads_as_a_miss_and_is_deleted(tmp_path, damage):
+    d = _disk(tmp_path)
+    d.submit(_key(2), torch.arange(200, dtype=torch.uint8))
+    d.flush()
+    path = next(d.dir.glob("*/*.kv"))
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-7] ^= 1
+    elif damage == "truncate":
+        raw = raw[:-10]
+    else:
+        raw[:8] = b"XXXXXXXX"
+    path.write_bytes(bytes(raw))
+    assert d.load(_key(2)) is None and d.corrupt == 1
+    assert not path.exists() and _key(2) not in d and list(d.gone) == [_key(2)]
+    d.close()
+
+
+def test_a_foreign_fingerprint_is_never_read(tmp_path):
+    mine = _disk(tmp_path, fp=b"A" * 16)
+    mine.submit(_key(3), torch.ones(64, dtype=torch.uint8))
+    mine.flush()
+    other = _disk(tmp_path, fp=b"B" * 16)
+    assert _key(3) not in other and other.load(_key(3)) is None  # another directory: never opened
+    # a file of fingerprint A copied under B's directory fails B's header check
+    src = next(mine.dir.glob("*/*.kv"))
+    dst = other.dir / src.parent.name / src.name
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(src.read_bytes())
+    other.close()
+    reopened = _disk(tmp_path, fp=b"B" * 16)
+    assert _key(3) in reopened and reopened.load(_key(3)) is None and reopened.corrupt == 1
+    mine.close()
+    reopened.close()
+
+
+def test_size_bound_evicts_oldest_files(tmp_path):
+    d = _disk(tmp_path, cap=2 * (100 + 56) + 10)
+    for i in range(3):
+        d.submit(_key(i), torch.full((100,), i, dtype=torch.uint8))
+        d.flush()
+    assert _key(0) not in d and _key(1) in d and _key(2) in d and d.bytes <= d.capacity_bytes
+    assert d.evictions == 1 and list(d.gone) == [_key(0)] and len(list(d.dir.glob("*/*.kv"))) == 2
+    d.close()
+
+
+def test_a_full_disk_stops_writes(tmp_path, monkeypatch):
+    d = _disk(tmp_path)
+
+    def no_space(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", no_space)
+    assert d.submit(_key(4), torch.ones(10, dtype=torch.uint8))
+    d.flush()
+    assert d.full and _key(4) not in d and not list(d.dir.glob("*/*"))
+    assert not d.submit(_key(5), torch.ones(10, dtype=torch.uint8))  # refused at once, nothing queued
+    d.close()
+
+
+def test_a_full_queue_drops_instead_of_blocking(tmp_path, monkeypatch):
+    d = _disk(tmp_path)
+    d.close()  # no writer: the queue fills
+    accepted = sum(d.submit(_key(i), torch.ones(4, dtype=torch.uint8)) for i in range(20))
+    assert accepted == 8 and d.dropped == 12
