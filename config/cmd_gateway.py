@@ -180,6 +180,7 @@ async def _start_pools(settings: Settings, model, gateway_id: str, clients, redi
     from gateway.capacity import RouterCapacity
     from gateway.models import FleetPools, TokenizerCache
     from router import AliasTable, Fleet, Membership, Served
+    from worker.protocol import Priority
 
     gw = settings.gateway
     membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers, redis_url=settings.redis_url,
@@ -188,14 +189,16 @@ async def _start_pools(settings: Settings, model, gateway_id: str, clients, redi
     fleet = Fleet(membership, lambda view, served: _router(gw, view, served.tokenizer or model.version), default=own)
     fleet.pool(own)
 
-    def make_gate(router) -> CapacityGate | None:  # noqa: ANN001
+    def make_gate(router, pool: str | None) -> CapacityGate | None:  # noqa: ANN001
         if not gw.capacity_admission:
             return None
-        return CapacityGate(RouterCapacity(router), admission_wait_ms=gw.admission_wait_ms,
+        gate = CapacityGate(RouterCapacity(router, pool), admission_wait_ms=gw.admission_wait_ms,
                             interactive_reserve=gw.interactive_reserve, fair_queue=gw.capacity_fair_queue)
+        return gate
 
     aliases = AliasTable(redis, poll_s=gw.alias_poll_s)
-    pools = FleetPools(fleet, TokenizerCache(model, gw.model), aliases, make_gate)
+    classes = {Priority.parse(c): label for c, label in gw.class_pools.items()}
+    pools = FleetPools(fleet, TokenizerCache(model, gw.model), aliases, make_gate, classes)
     fleet.on_stats(lambda _event: pools.notify())
     await aliases.start()
     await fleet.start()

@@ -12,12 +12,16 @@ from router import Router
 class RouterCapacity:
     """`CapacityGate` views from a `Router`: one `WorkerCapacity` per worker that reports stats (live or draining)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, pool: str | None = None) -> None:
         self.router = router
+        self.pool = pool  # count only the workers of this pool label (traffic-class pools); None: every worker
 
     def __call__(self) -> list[WorkerCapacity]:
         views: list[WorkerCapacity] = []
+        pool_of = getattr(self.router.membership, "pool_of", None)
         for member in self.router.reporting():
+            if self.pool is not None and pool_of is not None and pool_of(member.member_id) != self.pool:
+                continue
             stats = member.stats
             assert stats is not None  # reporting members have stats
             used = max(stats.kv_total - stats.kv_free, int(self.router.committed(member.member_id)))

@@ -18,6 +18,7 @@ from gateway.schemas import GenerationRequest
 from gateway.served_model import DEFAULT_ALIAS, ServedModel
 from router import Alias, AliasTable, Fleet, Router, Served, sticky_key, weighted_pick
 from tenancy import Tenant
+from worker.protocol import Priority
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -39,7 +40,7 @@ class Target:
 
 
 class ModelPools(Protocol):
-    def resolve(self, name: str, tenant: Tenant, prefix: str) -> Target: ...
+    def resolve(self, name: str, tenant: Tenant, prefix: str, priority: Priority | None = None) -> Target: ...
     def listing(self, tenant: Tenant) -> list[str]: ...
     def ready(self) -> bool: ...
     async def close(self) -> None: ...
@@ -70,7 +71,7 @@ class SinglePool:
         self.model = model
         self.router = router
 
-    def resolve(self, name: str, tenant: Tenant, prefix: str) -> Target:
+    def resolve(self, name: str, tenant: Tenant, prefix: str, priority: Priority | None = None) -> Target:
         m = self.model
         if name not in m.names:
             raise errors.model_not_found(name)
@@ -130,12 +131,14 @@ class FleetPools:
     for the gateway's own model) resolved to a live version, sticky by tenant and prefix key."""
 
     def __init__(self, fleet: Fleet, tokenizers: TokenizerCache, aliases: AliasTable | None = None,
-                 make_gate: Callable[[Router], CapacityGate] | None = None) -> None:
+                 make_gate: Callable[[Router, str | None], CapacityGate | None] | None = None,
+                 class_pools: dict[Priority, str] | None = None) -> None:
         self.fleet = fleet
         self.tokenizers = tokenizers
         self.aliases = aliases
-        self._make_gate = make_gate
-        self._gates: dict[str, CapacityGate] = {}
+        self._make_gate = make_gate  # (router, pool label or None for every worker) -> the gate
+        self.class_pools = class_pools or {}
+        self._gates: dict[tuple[str, str | None], CapacityGate | None] = {}
 
     def alias(self, name: str) -> Alias | None:
         alias = self.aliases.get(name) if self.aliases is not None else None
@@ -163,7 +166,7 @@ class FleetPools:
             raise errors.model_unavailable(name)
         return key
 
-    def resolve(self, name: str, tenant: Tenant, prefix: str) -> Target:
+    def resolve(self, name: str, tenant: Tenant, prefix: str, priority: Priority | None = None) -> Target:
         key = self.pick(name, sticky_key(tenant.name, name, prefix))
         served = self.fleet.served(key)
         router = self.fleet.router(key)
@@ -173,20 +176,28 @@ class FleetPools:
         model = self.tokenizers.get(served)
         if isinstance(model, str):
             raise errors.model_unavailable(name, "this gateway cannot tokenize for it")
-        return Target(key, model, router, self._gate(key, router), key, key)
+        return Target(key, model, router, self._gate(key, router, priority), key, key)
 
-    def _gate(self, key: str, router: Router) -> CapacityGate | None:
+    def _gate(self, key: str, router: Router, priority: Priority | None) -> CapacityGate | None:
+        """The version's capacity gate; per traffic-class pool when the class's pool label has workers in it
+        and others do not carry it (capacity admission counts per pool)."""
         if self._make_gate is None:
             return None
-        gate = self._gates.get(key)
-        if gate is None:
-            gate = self._gates[key] = self._make_gate(router)
-        return gate
+        label: str | None = self.class_pools.get(priority) if priority is not None else None
+        if label is not None:
+            pool_of = router.membership.pool_of
+            labels = {pool_of(w) for w in router.membership.member_ids()}
+            if label not in labels or len(labels) == 1:
+                label = None
+        if (key, label) not in self._gates:
+            self._gates[(key, label)] = self._make_gate(router, label)
+        return self._gates[(key, label)]
 
     def notify(self) -> None:
         """New worker stats: every version's capacity waiters look again."""
-        for gate in self._gates.values():
-            gate.notify()
+        for gate in list(self._gates.values()):
+            if gate is not None:
+                gate.notify()
 
     def listing(self, tenant: Tenant) -> list[str]:
         """Versions, model names and aliases with a live version, that the tenant may use."""

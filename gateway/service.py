@@ -23,7 +23,7 @@ from gateway.schemas import GenerationRequest
 from gateway.served_model import ServedModel
 from router import Router, RouteRequest, fairness_key, namespace_root
 from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory, key_digest
-from worker.protocol import OutItem, SamplingParams
+from worker.protocol import OutItem, Priority, SamplingParams
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -106,12 +106,12 @@ class GatewayService:
                 self._invalid_until.pop(next(iter(self._invalid_until)))
             self._invalid_until[tenant.name] = time.monotonic() + retry_ms / 1000
 
-    def check_model(self, tenant: Tenant, model: str, prefix: str = "") -> Target:
+    def check_model(self, tenant: Tenant, model: str, prefix: str = "", priority: Priority | None = None) -> Target:
         """The model version serving `model` for this tenant (404, 403 or 503 in OpenAI's shape otherwise)."""
-        return self.pools.resolve(model, tenant, prefix)
+        return self.pools.resolve(model, tenant, prefix, priority)
 
     def prepare(self, tenant: Tenant, req: GenerationRequest, request_id: str) -> Prepared:
-        target = self.check_model(tenant, req.model, sticky_prefix(req))
+        target = self.check_model(tenant, req.model, sticky_prefix(req), tenant.effective_priority(req.priority))
         model = target.model
         enc = model.encode(req)
         batch = [enc.ids]

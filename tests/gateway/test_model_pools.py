@@ -104,3 +104,27 @@ def test_sticky_prefix_is_the_same_on_every_turn_of_a_conversation() -> None:
     keyed = parse_chat({"model": "m", "messages": first, "prompt_cache_key": "k"})
     assert sticky_prefix(keyed) == "k:k"
     assert sticky_prefix(parse_completion({"model": "m", "prompt": "x" * 5000})) == "p:" + "x" * 1024
+
+
+def test_capacity_is_admitted_per_version_and_per_traffic_class_pool() -> None:
+    from worker.protocol import Priority
+
+    m = SimMembership()
+    fleet = Fleet(m, lambda view, served: Router(view, secret=b"s"), default=Served("own"))  # type: ignore[arg-type]
+    m.add("i", "m", "v1", pool="interactive")
+    m.add("b", "m", "v1", pool="batch")
+    m.add("c", "m", "v2")
+    made: list[tuple[str, str | None]] = []
+
+    def make_gate(router: Router, pool: str | None) -> object:
+        made.append((router.live()[0], pool))
+        return object()
+
+    pools = FleetPools(fleet, TokenizerCache(OWN, "default"), None, make_gate,  # type: ignore[arg-type]
+                       {Priority.BATCH: "batch", Priority.INTERACTIVE: "interactive"})
+    t = Tenant("t")
+    batch = pools.resolve("m@v1", t, "", Priority.BATCH).capacity
+    assert pools.resolve("m@v1", t, "x", Priority.BATCH).capacity is batch  # one gate per (version, pool)
+    assert pools.resolve("m@v1", t, "", Priority.INTERACTIVE).capacity is not batch
+    pools.resolve("m@v2", t, "", Priority.BATCH)  # no pool labels in v2: one gate over every worker
+    assert made == [("b", "batch"), ("b", "interactive"), ("c", None)]
