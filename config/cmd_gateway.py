@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import gc
 import logging
@@ -200,6 +201,8 @@ async def _start_pools(settings: Settings, model, gateway_id: str, clients, redi
     classes = {Priority.parse(c): label for c, label in gw.class_pools.items()}
     pools = FleetPools(fleet, TokenizerCache(model, gw.model), aliases, make_gate, classes)
     fleet.on_stats(lambda _event: pools.notify())
+    loop = asyncio.get_running_loop()  # a new version's tokenizer loads on a thread, not in its first request
+    fleet.on_version(lambda key: loop.run_in_executor(None, pools.tokenizers.get, fleet.served(key)))
     await aliases.start()
     await fleet.start()
     return pools
