@@ -75,3 +75,20 @@ def tenant_state(redis_url: str, name: str) -> dict:
         return {k: r.dump(k) for k in sorted(r.scan_iter(match=f"{{t:{name}}}:*")) if not k.endswith(b":config")}
     finally:
         r.close()
+
+
+def charged_as_invalid(redis_url: str, name: str, before: dict) -> bool:
+    """After a request refused as invalid (tenant with default limits): nothing but the rate bucket changed, and
+    that by one request of `rpm`, no tokens (tenants.md: an invalid request costs one request)."""
+    from tenancy.schema import INT_DEFAULTS, bucket_key
+
+    after = tenant_state(redis_url, name)
+    bucket = bucket_key(name).encode()
+    if {k: v for k, v in after.items() if k != bucket} != {k: v for k, v in before.items() if k != bucket}:
+        return False
+    r = sync_client(redis_url)
+    try:
+        tok, req = (float(v) for v in r.hmget(bucket, "tok", "req"))
+    finally:
+        r.close()
+    return tok == INT_DEFAULTS["tpm"] and INT_DEFAULTS["rpm"] - 1 <= req < INT_DEFAULTS["rpm"] - 0.9

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from gateway.schemas import parse_chat, parse_completion
-from tests.gateway_stack import GatewayStack, start_gateway_stack, tenant_state
+from tests.gateway_stack import GatewayStack, charged_as_invalid, start_gateway_stack, tenant_state
 from worker.protocol import json_object_spec, json_schema_spec
 
 pytestmark = pytest.mark.timeout(240)
@@ -108,7 +108,7 @@ def test_max_tokens_first_ends_with_length(client):
     ({"type": "string", "not": {"const": "x"}}, "response_format.json_schema.schema", "not"),
     ("not a schema", "response_format.json_schema.schema", "object"),
 ])
-def test_unusable_schema_is_400_and_charges_nothing(stack, schema, param, words):
+def test_unusable_schema_is_400_and_charges_one_request(stack, schema, param, words):
     name = "rf-" + hashlib.sha256(json.dumps(schema).encode()).hexdigest()[:10]
     key = stack.stack.create_tenant(name)
     sdk = openai.OpenAI(api_key=key, base_url=stack.base_url + "/v1", max_retries=0, timeout=60)
@@ -118,7 +118,7 @@ def test_unusable_schema_is_400_and_charges_nothing(stack, schema, param, words)
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     assert err.value.body["param"] == param
     assert words in err.value.body["message"]
-    assert tenant_state(stack.stack.redis_url, name) == before  # no tokens, request or lease written
+    assert charged_as_invalid(stack.stack.redis_url, name, before)  # one request of rpm; no tokens, lease or usage
 
 
 @pytest.mark.parametrize(("fmt", "param"), [

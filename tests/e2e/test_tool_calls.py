@@ -1,6 +1,6 @@
 """Tool calls through the official `openai` SDK against a real gateway, Redis and worker (tiny random model,
 default tokenizer): forced calls validate for every seed, a tool result is accepted in a second turn, `auto` and
-`none`, and bad input is a 400 that charges nothing."""
+`none`, and bad input is a 400 that charges one request of rpm (no tokens)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.gateway_stack import tenant_state
+from tests.gateway_stack import charged_as_invalid, tenant_state
 from tests.tool_data import ASK, SCHEMAS, TOOLS
 
 pytestmark = pytest.mark.timeout(240)  # the first test also starts the tools_stack
@@ -99,7 +99,7 @@ BAD = [
 
 
 @pytest.mark.parametrize(("extra", "param"), BAD, ids=[p for _, p in BAD])
-def test_bad_input_is_400_and_charges_nothing(tools_stack, extra, param):
+def test_bad_input_is_400_and_charges_one_request(tools_stack, extra, param):
     gs = tools_stack[0]
     name = "bad-" + re.sub(r"[^a-z0-9]", "", param)
     key = gs.stack.create_tenant(name)
@@ -108,7 +108,7 @@ def test_bad_input_is_400_and_charges_nothing(tools_stack, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         sdk.chat.completions.create(model="default", messages=ASK, max_tokens=5, extra_body=extra)
     assert err.value.body["param"] == param, err.value.body
-    assert tenant_state(gs.stack.redis_url, name) == before
+    assert charged_as_invalid(gs.stack.redis_url, name, before)  # one request of rpm; no tokens, lease or usage
 
 
 @pytest.mark.parametrize(("extra", "param"), [({"best_of": 9}, "best_of"), ({"n": 2, "best_of": 2}, "best_of"),
