@@ -156,3 +156,24 @@ def test_block_reports_carry_tier_changes(tiny):
     old = kv_fields(kv_report(eng.cache, 16, "t"))
     assert "tadd" not in old and "tdel" not in old  # no tier change: the map an older gateway knows
     no_leaks(eng)
+
+
+def test_disk_reads_start_while_the_request_waits(tiny, tmp_path):
+    a, b = prompts()
+    eng = _disk_engine(tiny, tmp_path)
+    want, _ = ask(eng, "a1", a)
+    ask(eng, "b", b)
+    tiers = eng.restorer.tiers
+    for key in tiers.host.keys():  # RAM written back and lost: only the disk holds a's evicted pages now
+        tiers.disk.submit(key, tiers.host.get(key).data)
+    tiers.disk.flush()
+    tiers.host = type(tiers.host)(tiers.host.capacity_bytes)
+    eng.add_request("a2", a, SamplingParams(max_tokens=6, ignore_eos=True), namespace=NS)
+    assert tiers._prefetch, "reads start at arrival, before any step"
+    got, cached = [], -1
+    while eng.has_work():
+        for out in eng.step():
+            got += out.new_tokens
+            cached = out.cached_tokens if cached < 0 else cached
+    assert got == want and cached == 288 and tiers.stats.disk_hits > 0 and not tiers._prefetch
+    no_leaks(eng)

@@ -52,6 +52,9 @@ class DiskTier:
         with self._lock:
             return key in self._index or key in self._pending
 
+    def __len__(self) -> int:
+        return len(self._index)
+
     def keys(self) -> list[bytes]:
         with self._lock:
             return list(self._index)

@@ -37,7 +37,7 @@ class TierStats:
     ram_evictions: int = 0
     disk_pages: int = 0
     disk_bytes: int = 0
-    disk_hits: int = 0  # pages restored from disk
+    disk_hits: int = 0  # pages read back from disk for a request (restored, or prefetched into RAM)
     disk_evictions: int = 0
     disk_writes: int = 0
     disk_dropped: int = 0  # writes dropped: queue full or disk full
@@ -184,10 +184,17 @@ class KvTiers:
     # ---- reporting ----
 
     def settle(self) -> None:
-        """Once a step: report disk files that went (unless RAM still holds them)."""
+        """Once a step: finished prefetches move into RAM; disk files that went are reported (unless RAM holds
+        them)."""
         disk = self.disk
         if disk is None:
             return
+        for key in [k for k, f in self._prefetch.items() if f.done()]:
+            data = self._prefetch.pop(key).result()
+            if data is not None and data.numel() == self.codec.page_bytes and key not in self.host:
+                self.stats.disk_hits += 1
+                for out_key, out in self.host.put(key, TierPage(data, durable=True)):
+                    self._leave_ram(out_key, out)
         gone = []
         while disk.gone:
             key = disk.gone.popleft()
@@ -205,7 +212,7 @@ class KvTiers:
         s, host, disk = self.stats, self.host, self.disk
         s.ram_pages, s.ram_bytes = len(host), host.bytes
         if disk is not None:
-            s.disk_pages, s.disk_bytes, s.disk_evictions = len(disk.keys()), disk.bytes, disk.evictions
+            s.disk_pages, s.disk_bytes, s.disk_evictions = len(disk), disk.bytes, disk.evictions
             s.disk_writes, s.disk_dropped, s.disk_corrupt, s.disk_full = disk.writes, disk.dropped, disk.corrupt, \
                 disk.full
         return s
