@@ -5,6 +5,7 @@ default tokenizer): forced calls validate for every seed, a tool result is accep
 from __future__ import annotations
 
 import json
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -101,7 +102,7 @@ BAD = [
 @pytest.mark.parametrize(("extra", "param"), BAD, ids=[p for _, p in BAD])
 def test_bad_input_is_400_and_charges_one_request(tools_stack, extra, param):
     gs = tools_stack[0]
-    name = "bad-" + re.sub(r"[^a-z0-9]", "", param)
+    name = "bad-" + re.sub(r"[^a-z0-9]", "", param) + "-" + os.urandom(3).hex()  # two cases share a param
     key = gs.stack.create_tenant(name)
     sdk = openai.OpenAI(api_key=key, base_url=gs.base_url + "/v1", max_retries=0, timeout=60)
     before = tenant_state(gs.stack.redis_url, name)
