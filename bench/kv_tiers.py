@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tiers {'on' if tiers else 'off'}: ttft p50 {statistics.median(res[tiers]['ttft']) * 1e3:.1f} ms, "
               f"cached {res[tiers]['cached_frac']:.3f}", file=sys.stderr, flush=True)
     off, on = res[False], res[True]
+    assert working_set >= 4 * on["pool_tokens"], "the working set must be at least 4x the KV pool"
     result = {
         "ttft_p50_ratio": round(statistics.median(on["ttft"]) / statistics.median(off["ttft"]), 4),
         "ttft_p99_ratio": round(p99(on["ttft"]) / p99(off["ttft"]), 4),
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "skipped_by_cost": on["skipped_by_cost"], "host_tier_mb": on["host_mb"],
         "pool_tokens": on["pool_tokens"], "working_set_tokens": working_set,
         "working_set_over_pool": round(working_set / on["pool_tokens"], 2),
-        "tenants": args.tenants, "requests": args.requests, "output_tokens": args.output_tokens,
+        "tenants": args.tenants, "requests": args.requests, "warmup_per_tenant": 1, "output_tokens": args.output_tokens,
         "cpu": cpu_model(), "dtype": str(loaded.dtype).replace("torch.", ""), "kv_dtype": kv_dtype,
         "threads": torch.get_num_threads(), **machine_fields(load_before),
     }

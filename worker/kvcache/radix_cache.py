@@ -360,14 +360,11 @@ class RadixCache:
 
     def _trim_leaf(self, leaf: RadixNode, n_pages: int) -> None:
         """Drop the last `n_pages` pages of an unlocked leaf."""
-        dropped = leaf.pages[-n_pages:]
-        del leaf.pages[-n_pages:]
+        dropped, hashes = leaf.pages[-n_pages:], leaf.hashes[-n_pages:]
+        del leaf.pages[-n_pages:], leaf.hashes[-n_pages:]
         leaf.key = leaf.key[: len(leaf.pages) * self.block_size]
-        self.events.evicted(block_id(h) for h in leaf.hashes[-n_pages:])
-        if self.on_evict is not None:
-            self.on_evict(leaf.hashes[-n_pages:], dropped)
-        del leaf.hashes[-n_pages:]
-        self._drop_pages(dropped)
+        self.events.evicted(block_id(h) for h in hashes)
+        self._drop_pages(dropped, hashes)
 
     def _remove_leaf(self, leaf: RadixNode) -> RadixNode:
         """Unlink an unlocked leaf and drop its pages; returns its parent."""
@@ -376,9 +373,7 @@ class RadixCache:
         del parent.children[leaf.key[: self.block_size]]
         self._evictable_leaves.discard(leaf)
         self.events.evicted(block_id(h) for h in leaf.hashes)
-        if self.on_evict is not None:
-            self.on_evict(leaf.hashes, leaf.pages)
-        self._drop_pages(leaf.pages)
+        self._drop_pages(leaf.pages, leaf.hashes)
         if not parent.children:
             if parent.parent is None:
                 del self._roots[parent.ns]  # an empty namespace keeps no memory
@@ -386,7 +381,9 @@ class RadixCache:
                 self._mark_evictable(parent)
         return parent
 
-    def _drop_pages(self, pages: list[int]) -> None:
+    def _drop_pages(self, pages: list[int], hashes: list[bytes]) -> None:
+        if self.on_evict is not None:
+            self.on_evict(hashes, pages)  # before the pages are freed: the KV tiers copy them out
         self._tree_pages.difference_update(pages)
         self.pool.release(pages)
 
