@@ -117,8 +117,8 @@ static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc,
         const C* kp = kbase + table[p] * bs * hd;
         const int64_t n = std::min(bs, L - p * bs);
         const float sk = page_scale(sc.k, sc.pages, h, table[p]);
-        if constexpr (std::is_same_v<C, int8_t>)
-          if (p + kKvPrefetch < npages) prefetch_bytes(kbase + table[p + kKvPrefetch] * bs * hd, bs * hd);
+        // every dtype: 1-4 KB pages scattered over the cache defeat the hardware prefetcher
+        if (p + kKvPrefetch < npages) prefetch_bytes(kbase + table[p + kKvPrefetch] * bs * hd, bs * hd * sizeof(C));
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<C, at::BFloat16> && HD != 0 && HD % 32 == 0) {
           for (int64_t i0 = 0; i0 < n; i0 += 16)
@@ -153,8 +153,7 @@ static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc,
         const C* vp = vbase + table[p] * bs * hd;
         const int64_t n = std::min(bs, L - p * bs);
         const float sv = page_scale(sc.v, sc.pages, h, table[p]);
-        if constexpr (std::is_same_v<C, int8_t>)
-          if (p + kKvPrefetch < npages) prefetch_bytes(vbase + table[p + kKvPrefetch] * bs * hd, bs * hd);
+        if (p + kKvPrefetch < npages) prefetch_bytes(vbase + table[p + kKvPrefetch] * bs * hd, bs * hd * sizeof(C));
         for (int64_t i = 0; i < n; ++i) {
           row_to_float(vp + i * hd, row, hd);
           for (int64_t j = 0; j < g; ++j) {
