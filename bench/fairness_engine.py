@@ -145,6 +145,9 @@ def bench(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     model = load_any(args.model, dtype=args.dtype)
+    warm = make_engine(model, args, "fifo")  # kernels built and loaded before any clock starts
+    warm.generate([tokens(random.Random(0), args.heavy_tokens)], SamplingParams(max_tokens=2, ignore_eos=True))
+    warm.close()
     load_before = os.getloadavg()
     capacity = calibrate(model, args)
     alone = phase(model, args, "vtc", capacity, flood=False)

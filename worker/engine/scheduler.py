@@ -147,16 +147,20 @@ class Scheduler:
                 budget -= chunk
         return budget
 
-    def _admit(self, out: ScheduledBatch, budget: int, light: bool = False) -> int:
+    def _admit(self, out: ScheduledBatch, budget: int, light: bool = False, under_share: bool = False) -> int:
         """Admit waiting requests (fairest key first) while slots, budget and pages last; the budget left.
 
-        `light`: only while the chosen request's key has no running sequence.
+        `light`: only while the chosen request's key has no running sequence; `under_share`: only while it runs
+        fewer than its share of the slots.
         """
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = self._fair_head()
             idx = self._next_waiting(head) if self.cache_aware else head
             seq = self.waiting[idx]
             if light and any(s.fkey == seq.fkey for s in self.running):
+                break
+            if under_share and not self.fair.under_share(
+                    seq.fkey, sum(s.fkey == seq.fkey for s in self.running), self.config.max_num_seqs):
                 break
             if self._prefix_in_flight(seq) or not self._reserve(seq):
                 break  # the chosen request waits; others do not jump it
@@ -209,9 +213,9 @@ class Scheduler:
         return 0 if len(out.prefills) > n else budget
 
     def _light_alone(self, out: ScheduledBatch) -> bool:
-        """While a key runs more than its share of the slots (a flood), a light key's request prefills in a step
-        of its own, so its first token waits only for the step in flight, not also for the flood's decodes.
-        Never two such steps in a row: the others' decodes run at least every other step."""
+        """While a key runs more than its share of the slots (a flood), the requests of keys under their share
+        prefill in a step of their own, so a first token waits only for the step in flight, not also for the
+        flood's decodes. Never two such steps in a row: the others' decodes run at least every other step."""
         alone, self._alone_last = self._alone_last, False
         fair = self.fair
         if alone or not self.waiting or not fair.fair or fair.active_keys < 2 or not self.running:
@@ -223,7 +227,7 @@ class Scheduler:
         if not any(fair.over_share(key, n, slots) for key, n in counts.items()):
             return False
         n = len(out.prefills)
-        self._admit(out, self.config.max_num_batched_tokens, light=True)
+        self._admit(out, self.config.max_num_batched_tokens, under_share=True)
         self._alone_last = len(out.prefills) > n
         return self._alone_last
 

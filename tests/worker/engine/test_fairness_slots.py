@@ -172,3 +172,23 @@ def test_a_light_keys_prefill_runs_alone_while_a_key_floods_and_never_twice_in_a
     calm.add_request("b", prompt(rng, 10), greedy(4), fkey=B)
     batch = calm.scheduler.schedule()  # A runs 1 of its 4 slots: no flood, B's prefill rides with A's decode
     assert [s.fkey for s, _ in batch.prefills] == [B] and [s.fkey for s in batch.decodes] == [A]
+
+
+def test_a_key_under_its_share_with_a_request_running_also_prefills_alone(tiny):
+    """B already runs one request (under its share of 4 of 8 slots) while A floods: B's next request still gets
+    a prefill step of its own (a light key is one under its share, not only one with nothing running)."""
+    eng = make_engine(tiny, "vtc", max_num_seqs=8, max_num_batched_tokens=512)
+    rng = random.Random(11)
+    eng.add_request("b1", prompt(rng, 10), greedy(60), fkey=B)
+    for i in range(10):
+        eng.add_request(f"a{i}", prompt(rng, 20), greedy(60), fkey=A)
+    for _ in range(4):
+        eng.step()
+    running = [s.fkey for s in eng.scheduler.running]
+    assert running.count(B) == 1 and running.count(A) == 7
+    batches = []
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda: batches.append(schedule()) or batches[-1]  # type: ignore[method-assign]
+    eng.add_request("b2", prompt(rng, 10), greedy(4), fkey=B)
+    eng.step()
+    assert [s.rid for s, _ in batches[0].prefills] == ["b2"] and not batches[0].decodes
