@@ -40,23 +40,31 @@ class PageCodec:
         return t.view(t.shape[0], -1, self.kv.block_size, t.shape[2])
 
     def read(self, pages: list[int]) -> torch.Tensor:
-        """[len(pages), page_bytes] uint8 on the host: the pages' K, V and scales."""
-        kv = self.kv
+        """[len(pages), page_bytes] uint8 on the host: the pages' K, V and scales (one gather per layer)."""
+        kv, n = self.kv, len(pages)
         idx = torch.tensor(pages, dtype=torch.int64, device=kv.k[0].device)
-        n = len(pages)
-        parts = [self._gather(kv.k, idx).reshape(n, -1), self._gather(kv.v, idx).reshape(n, -1)]
-        if kv.quantized:
-            for scales in (kv.k_scale, kv.v_scale):  # per layer [kv_heads, pages]
-                parts.append(torch.stack([s[:, idx] for s in scales], 1).permute(2, 1, 0).contiguous()
-                             .view(torch.uint8).reshape(n, -1))
-        return torch.cat([p.cpu() for p in parts], 1)
+        out = torch.empty(n, self.page_bytes, dtype=torch.uint8)
+        k, v, ks, vs = self._parts(out)
+        for i in range(self.layers):
+            for dst, src in ((k, kv.k[i]), (v, kv.v[i])):
+                if kv.pages_first:
+                    dst[:, i].copy_(src.index_select(0, idx))
+                else:
+                    dst[:, i].copy_(self._view(src).index_select(1, idx).transpose(0, 1))
+            if kv.quantized:
+                ks[:, i].copy_(kv.k_scale[i].index_select(1, idx).T)
+                vs[:, i].copy_(kv.v_scale[i].index_select(1, idx).T)
+        return out
 
-    def _gather(self, layers: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
-        if self.kv.pages_first:
-            rows = torch.stack([t[idx] for t in layers], 1)  # [n, L, bs, kvh, hd]
-        else:
-            rows = torch.stack([self._view(t)[:, idx] for t in layers], 0).permute(2, 0, 1, 3, 4)  # [n, L, kvh, bs, hd]
-        return rows.contiguous().view(torch.uint8)
+    def _parts(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Views of [n, page_bytes] rows as K and V [n, L, *page_shape] and scales [n, L, kv_heads] (no copy)."""
+        n, kb, sb = rows.shape[0], self.kv_bytes, self.scale_bytes
+        shape = (n, self.layers, *self.page_shape)
+        k = rows[:, :kb].view(self.store_dtype).view(shape)
+        v = rows[:, kb: 2 * kb].view(self.store_dtype).view(shape)
+        ks = rows[:, 2 * kb: 2 * kb + sb].view(torch.float32).view(n, self.layers, -1)
+        vs = rows[:, 2 * kb + sb:].view(torch.float32).view(n, self.layers, -1)
+        return k, v, ks, vs
 
     def write(self, pages: list[int], rows: torch.Tensor) -> None:
         """Put rows from `read` (or the tiers) into `pages` of the KV tensors."""
@@ -64,21 +72,14 @@ class PageCodec:
         assert rows.shape == (n, self.page_bytes), f"rows {tuple(rows.shape)} for {n} pages of {self.page_bytes} B"
         dev = kv.k[0].device
         idx = torch.tensor(pages, dtype=torch.int64, device=dev)
-        rows = rows.to(dev)
-        kb, sb = self.kv_bytes, self.scale_bytes
-        shape = (n, self.layers, *self.page_shape)
-        k = rows[:, :kb].contiguous().view(self.store_dtype).view(shape)
-        v = rows[:, kb: 2 * kb].contiguous().view(self.store_dtype).view(shape)
+        k, v, ks, vs = self._parts(rows.to(dev))
         for i in range(self.layers):
             if kv.pages_first:
-                kv.k[i][idx] = k[:, i]
-                kv.v[i][idx] = v[:, i]
+                kv.k[i].index_copy_(0, idx, k[:, i])
+                kv.v[i].index_copy_(0, idx, v[:, i])
             else:
-                self._view(kv.k[i])[:, idx] = k[:, i].transpose(0, 1)
-                self._view(kv.v[i])[:, idx] = v[:, i].transpose(0, 1)
-        if kv.quantized:
-            ks = rows[:, 2 * kb: 2 * kb + sb].contiguous().view(torch.float32).view(n, self.layers, -1)
-            vs = rows[:, 2 * kb + sb:].contiguous().view(torch.float32).view(n, self.layers, -1)
-            for i in range(self.layers):
-                kv.k_scale[i][:, idx] = ks[:, i].T.to(kv.k_scale[i].device)
-                kv.v_scale[i][:, idx] = vs[:, i].T.to(kv.v_scale[i].device)
+                self._view(kv.k[i]).index_copy_(1, idx, k[:, i].transpose(0, 1))
+                self._view(kv.v[i]).index_copy_(1, idx, v[:, i].transpose(0, 1))
+            if kv.quantized:
+                kv.k_scale[i].index_copy_(1, idx, ks[:, i].T.to(kv.k_scale[i].device))
+                kv.v_scale[i].index_copy_(1, idx, vs[:, i].T.to(kv.v_scale[i].device))
