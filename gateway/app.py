@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry.trace import Span, use_span
 from starlette.applications import Starlette
@@ -39,6 +39,7 @@ from gateway.sse import DONE, SSEResponse, event, install_log_filter
 from tenancy import Tenant
 
 log = logging.getLogger("switchyard.gateway")
+_T = TypeVar("_T")
 
 THREAD_TOKENIZE_BYTES = 16 * 1024  # bodies from this size parse and tokenize on a thread
 # nginx's convention for "client closed the request"; never seen by the client
@@ -100,7 +101,7 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
         return await _generate_group(request, svc, prepared, trace, span)
     with tracing.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
                        max_tokens=prepared.max_tokens):
-        gen = await svc.start(prepared)
+        gen = await _refused_counted(svc.start(prepared), trace)
     trace.admitted()
     try:
         if req.stream:
@@ -138,12 +139,21 @@ async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenan
     return req, await run_in_threadpool(svc.prepare, tenant, req, rid)
 
 
+async def _refused_counted(started: Awaitable[_T], trace: metrics.RequestTrace) -> _T:
+    """Await a generation's start; a refusal (no worker, capacity, quota) counts as its version's error."""
+    try:
+        return await started
+    except ApiError:
+        trace.refused()
+        raise
+
+
 async def _generate_group(request: Request, svc: GatewayService, prepared: Prepared,
                           trace: metrics.RequestTrace, span: Span | None) -> Response:
     """Several choices, tool calls or echo (`gateway.choices`): the same framing as one stream."""
     with tracing.child("admission", priority=prepared.priority.label, max_tokens=prepared.max_tokens,
                        choices=prepared.choices):
-        group: GenerationGroup | None = await svc.start_group(prepared)
+        group: GenerationGroup | None = await _refused_counted(svc.start_group(prepared), trace)
     assert group is not None
     trace.admitted()
     try:

@@ -152,6 +152,11 @@ class RequestTrace:
         self._itl.observe((now - self.last) / n)
         self.last, self.tokens = now, completion_tokens
 
+    def refused(self) -> None:
+        """The request never started (admission or routing refused it): an error of its version."""
+        if self.version:
+            self.metrics.version_requests.labels(self.version, "error").inc()
+
     def finished(self, prompt: int, completion: int, cached: int, completed: bool) -> None:
         """The generation is closed; tokens count when a worker produced anything."""
         m = self.metrics

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def fleet(redis_server) -> Iterator[dict]:  # noqa: ANN001
             time.sleep(0.5)
         else:
             raise TimeoutError(f"both versions not live after 180 s; logs in {logs}")
-        yield {"client": c, "redis": r, "workers": workers, "logs": logs}
+        yield {"client": c, "redis": r, "workers": workers, "logs": logs, "url": url, "gateway": gw}
     finally:
         gw.kill()
         for w in workers:
@@ -90,6 +91,21 @@ def test_each_request_reaches_the_version_its_header_names(fleet) -> None:  # no
         seen.append(version)
         assert _complete(c, "canary", p)[0] == version  # sticky: the same prompt head keeps its version
     assert 0.2 <= seen.count(V2) / len(seen) <= 0.8  # 50/50 within tolerance for 24 keys
+
+
+def test_the_allow_list_and_per_version_metrics(fleet) -> None:  # noqa: ANN001
+    key = tenant_with_new_key(fleet["url"], "tiny-only", allowed_models="tiny-random")
+    c = openai.OpenAI(api_key=key, base_url=fleet["gateway"].base_url + "/v1", max_retries=0, timeout=60)
+    assert {m.id for m in c.models.list()} == {V2, "tiny-random"}
+    assert _complete(c, V2, "hello")[0] == V2
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        _complete(c, V1, "hello")
+    assert info.value.code == "model_not_allowed"
+    with urllib.request.urlopen(fleet["gateway"].base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    for version in (V1, V2):
+        assert f'switchyard_version_requests_total{{outcome="ok",version="{version}"}}' in text
+        assert f'switchyard_version_tokens_total{{kind="completion",version="{version}"}}' in text
 
 
 def test_an_alias_edit_applies_within_a_second(fleet) -> None:  # noqa: ANN001
