@@ -105,9 +105,8 @@ def _read_gguf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
     from gguf.quants import dequantize
 
-    md = gguf_metadata(src.path)
-    cfg = gguf_config(md)
     reader = gguf.GGUFReader(str(src.path))
+    cfg = gguf_config(gguf_metadata(src.path, reader))
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type)

@@ -20,6 +20,7 @@ from torch import nn
 from worker.kernels.cpu_features import has_int8_dot
 from worker.quant import fp8
 from worker.quant import w8a8 as smooth
+from worker.quant.calibration_cache import cached_maxima
 from worker.quant.packed import PackedLinear, can_pack, pack, packed_linear
 
 __all__ = ["CHOICES", "INT4_GROUP", "PACKED_MAX_ROWS", "QuantEmbedding", "QuantLinear", "quantize_model",
@@ -200,7 +201,9 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
     if mode == "fp8":
         _quantize_fp8(model)
         return
-    maxima = smooth.activation_maxima(model, calibration_ids) if mode == "w8a8" and calibration_ids else {}
+    maxima: dict = {}
+    if mode == "w8a8" and calibration_ids:
+        maxima = cached_maxima(model, calibration_ids, lambda: smooth.activation_maxima(model, calibration_ids))
     with torch.inference_mode(False), torch.no_grad():
         for i, layer in enumerate(model.layers):
             for name in ("qkv", "o", "gate_up", "down"):

@@ -10,6 +10,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -54,11 +55,13 @@ def file_digest(path: Path) -> str:
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
 
 
-def gguf_metadata(path: Path) -> dict:
-    """Scalar metadata of a GGUF file (the large tokenizer arrays are skipped)."""
+def gguf_metadata(path: Path, reader: Any = None) -> dict:
+    """Scalar metadata of a GGUF file (the large tokenizer arrays are skipped); `reader`: a `gguf.GGUFReader`
+    of it already open (parsing the file's fields takes seconds: once per load)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    if reader is None:
+        reader = gguf.GGUFReader(str(path))
     meta: dict = {}
     for key, fld in reader.fields.items():
         if key in _BIG_ARRAYS:
