@@ -38,24 +38,27 @@ def fleet(redis_server) -> Iterator[dict]:  # noqa: ANN001
                WorkerProc(logs, model="tiny-random", redis_url=url, worker_id="pool-v2",
                           extra=[*common, "--model-version", "v2"])]
     gw = GatewayProc.spawn(logs, ["--redis-url", url, "--model-pools", "--worker-timeout", "10"])
+    gw2 = GatewayProc.spawn(logs, ["--redis-url", url, "--model-pools", "--worker-timeout", "10"])
     try:
         key = tenant_with_new_key(url, "pools", max_concurrent=64)
         c = openai.OpenAI(api_key=key, base_url=gw.base_url + "/v1", max_retries=0, timeout=60)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            if gw.proc.poll() is not None or any(w.proc.poll() is not None for w in workers):
+            if any(p.proc.poll() is not None for p in (gw, gw2, *workers)):
                 raise RuntimeError(f"a process exited during start-up; logs in {logs}")
             try:
-                if {V1, V2} <= {m.id for m in c.models.list()}:
+                if {V1, V2} <= {m.id for m in c.models.list()} and gw2.ready():
                     break
             except openai.APIError:
                 pass
             time.sleep(0.5)
         else:
             raise TimeoutError(f"both versions not live after 180 s; logs in {logs}")
-        yield {"client": c, "redis": r, "workers": workers, "logs": logs, "url": url, "gateway": gw}
+        c2 = openai.OpenAI(api_key=key, base_url=gw2.base_url + "/v1", max_retries=0, timeout=60)
+        yield {"client": c, "client2": c2, "redis": r, "workers": workers, "logs": logs, "url": url, "gateway": gw}
     finally:
         gw.kill()
+        gw2.kill()
         for w in workers:
             w.stop()
         r.delete(ALIASES_KEY)
@@ -108,10 +111,13 @@ def test_the_allow_list_and_per_version_metrics(fleet) -> None:  # noqa: ANN001
         assert f'switchyard_version_tokens_total{{kind="completion",version="{version}"}}' in text
 
 
-def test_an_alias_edit_applies_within_a_second(fleet) -> None:  # noqa: ANN001
+def test_an_alias_edit_applies_on_every_gateway_within_a_second(fleet) -> None:  # noqa: ANN001
+    before = [_complete(fleet["client2"], "canary", f"edit {i}")[0] for i in range(6)]
+    assert before == [_complete(fleet["client"], "canary", f"edit {i}")[0] for i in range(6)]  # replicas agree
     fleet["redis"].hset(ALIASES_KEY, "canary", encode_alias({V1: 0, V2: 100}))
     time.sleep(1.0)
-    assert {_complete(fleet["client"], "canary", f"edit {i}")[0] for i in range(6)} == {V2}
+    for client in (fleet["client"], fleet["client2"]):
+        assert {_complete(client, "canary", f"edit {i}")[0] for i in range(6)} == {V2}
     fleet["redis"].hset(ALIASES_KEY, "canary", "{broken")  # malformed: the last good record stays
     time.sleep(1.0)
     assert {_complete(fleet["client"], "canary", f"edit {i}")[0] for i in range(6)} == {V2}
