@@ -138,7 +138,7 @@ class FleetPools:
         self.aliases = aliases
         self._make_gate = make_gate  # (router, pool label or None for every worker) -> the gate
         self.class_pools = class_pools or {}
-        self._gates: dict[tuple[str, str | None], CapacityGate | None] = {}
+        self._gates: dict[tuple[str, str | None], tuple[Router, CapacityGate | None]] = {}
 
     def alias(self, name: str) -> Alias | None:
         alias = self.aliases.get(name) if self.aliases is not None else None
@@ -189,13 +189,14 @@ class FleetPools:
             labels = {pool_of(w) for w in router.membership.member_ids()}
             if label not in labels or len(labels) == 1:
                 label = None
-        if (key, label) not in self._gates:
-            self._gates[(key, label)] = self._make_gate(router, label)
-        return self._gates[(key, label)]
+        found = self._gates.get((key, label))
+        if found is None or found[0] is not router:  # new, or the version was forgotten and came back
+            found = self._gates[(key, label)] = (router, self._make_gate(router, label))
+        return found[1]
 
     def notify(self) -> None:
         """New worker stats: every version's capacity waiters look again."""
-        for gate in list(self._gates.values()):
+        for _, gate in list(self._gates.values()):
             if gate is not None:
                 gate.notify()
 

@@ -85,7 +85,7 @@ class Fleet:
             if served.tokenizer and served.tokenizer != self._served[key].tokenizer:
                 log.warning("model version %s announced with two tokenizer fingerprints; keeping the first", key)
             return view
-        if len(self._views) >= MAX_VERSIONS:
+        if len(self._views) >= MAX_VERSIONS and not self._drop_idle_version():
             log.warning("over %d model versions: ignoring %s", MAX_VERSIONS, key)
             return None
         view = PoolView(self.membership, key)
@@ -96,6 +96,15 @@ class Fleet:
         for listener in self._on_version:
             listener(key)
         return view
+
+    def _drop_idle_version(self) -> bool:
+        """Forget one version with no workers and nothing in flight (room for a new one); False if none is."""
+        for key, view in self._views.items():
+            if not view.member_ids() and not self._routers[key].loads.loads():
+                del self._views[key], self._routers[key], self._served[key]
+                log.info("model version %s forgotten (no workers)", key)
+                return True
+        return False
 
     # ------------------------------------------------------------ queries
 

@@ -148,3 +148,16 @@ def test_a_priority_class_prefers_its_pool_and_spills_under_load() -> None:
     assert router._pick_in_class(key, req, frozenset(), 64, {}).worker_id in ("i1", "i2")
     m.kill("b1")
     assert router._pick_in_class(key, req, frozenset(), 64, {}).worker_id in ("i1", "i2")
+
+
+def test_past_the_version_bound_an_idle_version_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    import router.fleet
+
+    monkeypatch.setattr(router.fleet, "MAX_VERSIONS", 2)
+    fleet, m = sim_fleet({"m@v1": ["a"], "m@v2": ["b"]})
+    m.add("c", "m", "v3")
+    assert fleet.versions() == ["m@v1", "m@v2"]  # full, and both versions have workers
+    m.remove("a")
+    m.remove("c")
+    m.add("c", "m", "v3")
+    assert fleet.versions() == ["m@v2", "m@v3"] and fleet.router("m@v3").live() == ["c"]  # type: ignore[union-attr]
