@@ -161,3 +161,12 @@ def test_past_the_version_bound_an_idle_version_is_forgotten(monkeypatch: pytest
     m.remove("c")
     m.add("c", "m", "v3")
     assert fleet.versions() == ["m@v2", "m@v3"] and fleet.router("m@v3").live() == ["c"]  # type: ignore[union-attr]
+
+
+def test_bench_fleet_meets_the_targets() -> None:
+    from bench.fleet import run
+
+    result = run(2000, 7, {"m@v1": 90.0, "m@v2": 10.0})
+    assert result["hit_ratio_vs_single_model"] >= 0.95
+    assert result["weight_error"] <= 0.03
+    assert result["sticky_frac"] == 1.0
