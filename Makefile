@@ -61,7 +61,7 @@ test-faults: install tools
 	$(PY) -m pytest -q tests/faults
 
 run: install redis-bin
-	SWITCHYARD_WORKER__QUANTIZATION=$${SWITCHYARD_WORKER__QUANTIZATION:-auto} $(PY) -m config.launcher
+	$(PY) -m config.launcher
 
 lint: install
 	$(VENV)/bin/ruff check .

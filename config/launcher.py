@@ -162,8 +162,11 @@ class WorkerProc:
         self.port = port or free_port()  # a restarted worker may take its old port back
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"worker-{self.port}.log"
+        # tests and benchmarks: unquantized weights and model-dtype KV unless `extra` says otherwise (a later
+        # flag wins), so outputs compare across workers and with in-process engines
         cmd = [sys.executable, "-m", "config.cli", "worker", "--model", model, "--bind", self.endpoint,
-               "--num-threads", str(threads), "--kv-cache-bytes", str(64 << 20), *(extra or [])]
+               "--num-threads", str(threads), "--kv-cache-bytes", str(64 << 20), "--quantization", "none",
+               "--kv-dtype", "model", *(extra or [])]
         if redis_url:
             cmd += ["--redis-url", redis_url]
         if worker_id:

@@ -44,11 +44,14 @@ class WorkerSettings(BaseModel):
     fairness: Literal["vtc", "fifo"] = "vtc"  # between tenants within a priority class: VTC fair share or arrival
     fair_step_tokens: int | None = Field(None, ge=0)  # VTC, worker shared: prefill tokens per step cap (0: none)
     num_threads: int | None = None
-    quantization: Literal["none", "int8", "int4", "w8a8", "fp8", "auto"] = "none"  # weights; auto: worker.quant.resolve_mode
+    # weights; auto: worker.quant.resolve_mode (every way of starting a worker has this default: make run,
+    # switchyard worker, compose, the Kubernetes manifests)
+    quantization: Literal["none", "int8", "int4", "w8a8", "fp8", "auto"] = "auto"
     # attention backend (worker.model.backends.choose_backend); None keeps the engine's default (auto)
     attention: Literal["auto", "triton", "flash_attn", "torch", "torch_reference"] | None = None
-    # KV cache pages (worker.kvcache.kv_dtype); fp8 is refused at startup with the reason; None: auto
-    kv_dtype: Literal["auto", "model", "int8", "fp8"] | None = None
+    # KV cache pages (worker.kvcache.kv_dtype; auto: int8 on CPU with the C++ kernels, else the model dtype);
+    # fp8 is refused at startup with the reason
+    kv_dtype: Literal["auto", "model", "int8", "fp8"] = "auto"
     # KV tiers below the prefix cache (worker.kvcache.tiers); None keeps the engine's default (host RAM: auto)
     kv_host_bytes: int | None = Field(None, ge=0)
     kv_disk_dir: str | None = None

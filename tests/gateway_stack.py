@@ -39,7 +39,8 @@ def start_gateway_stack(*, worker_model: str = "default", prefix_cache: bool = F
     answers); the gateway always tokenizes with the default model's tokenizer.
     """
     logs = Path(tempfile.mkdtemp(prefix="sy-gw-test-"))
-    wargs = ["--model", worker_model, "--dtype", "float32", *([] if prefix_cache else ["--no-prefix-cache"]),
+    wargs = ["--model", worker_model, "--dtype", "float32", "--quantization", "none", "--kv-dtype", "model",
+             *([] if prefix_cache else ["--no-prefix-cache"]),
              *worker_args]
     stack = Stack(StackConfig(port=free_port(), log_dir=logs, ready_timeout=240.0, worker_args=wargs,
                               gateway_args=list(gateway_args)))
