@@ -1,7 +1,8 @@
 """Benchmark: Switchyard against a peer server (vLLM) with the peers' own load generator, side by side.
 
 Two passes of ours, peer, ours, peer, never both up at once; the three workloads of
-`../shared/peers/loadgen.py` per pass; one JSON line with both sides' raw figures and median ratios.
+`../shared/peers/loadgen.py` per pass plus `long` (2-3k-token prompts, 256 out, concurrency 8:
+`bench/long_loadgen.py`); one JSON line with both sides' raw figures and median ratios.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ LOADGEN = next((p for p in (REPO.parent / "shared" / "peers" / "loadgen.py",
                             REPO.parent.parent / "shared" / "peers" / "loadgen.py") if p.exists()),
                REPO.parent / "shared" / "peers" / "loadgen.py")
 # workload -> (n, concurrency): the README's figures, and the --quick ones
-FULL = {"mixed": (64, 16), "prefix": (32, 8), "single": (8, 1)}
-QUICK = {"mixed": (8, 4), "prefix": (4, 2), "single": (2, 1)}
+FULL = {"mixed": (64, 16), "prefix": (32, 8), "single": (8, 1), "long": (16, 8)}
+QUICK = {"mixed": (8, 4), "prefix": (4, 2), "single": (2, 1), "long": (2, 2)}
 # ratio name -> (workload, loadgen field); all ours / peer
 RATIOS = {"mixed_out_tok_s": ("mixed", "out_tok_s"), "prefix_ttft_p50": ("prefix", "ttft_p50_ms"),
-          "single_tpot_p50": ("single", "tpot_p50_ms")}
+          "single_tpot_p50": ("single", "tpot_p50_ms"), "single_ttft_p50": ("single", "ttft_p50_ms"),
+          "long_out_tok_s": ("long", "out_tok_s")}
+LONG_LOADGEN = Path(__file__).with_name("long_loadgen.py")  # the shared generator plus the `long` workload
 UNLIMITED = {"tpm": 0, "rpm": 0, "max_concurrent": 0, "max_tokens": 4096}
 
 Side = Callable[[], "Server"]
@@ -111,7 +114,8 @@ def loadgen_python() -> str:
 
 
 def run_workload(server: Server, workload: str, n: int, concurrency: int, args: argparse.Namespace) -> dict:
-    cmd = [loadgen_python(), str(args.loadgen), "--url", server.url, "--key", server.key, "--model", server.model,
+    gen = [str(LONG_LOADGEN), str(args.loadgen)] if workload == "long" else [str(args.loadgen)]
+    cmd = [loadgen_python(), *gen, "--url", server.url, "--key", server.key, "--model", server.model,
            "--workload", workload, "--n", str(n), "--concurrency", str(concurrency), "--json",
            "--timeout", str(args.request_timeout)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.workload_timeout, check=False)
@@ -136,7 +140,7 @@ def ratios(passes: list[dict[str, dict[str, dict]]]) -> dict[str, float | None]:
     for name, (workload, field) in RATIOS.items():
         vals = []
         for p in passes:
-            ours, peer = p["ours"][workload].get(field), p["peer"][workload].get(field)
+            ours, peer = p["ours"].get(workload, {}).get(field), p["peer"].get(workload, {}).get(field)
             if isinstance(ours, int | float) and isinstance(peer, int | float) and peer > 0 and ours == ours:
                 vals.append(ours / peer)
         out[name] = round(statistics.median(vals), 3) if vals else None

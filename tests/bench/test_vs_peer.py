@@ -21,7 +21,8 @@ def fake_load(url: str, workload: str) -> dict:
     ours = url == "ours"
     return {"mixed": {"out_tok_s": 130.0 if ours else 100.0},
             "prefix": {"ttft_p50_ms": 400.0 if ours else 1000.0},
-            "single": {"tpot_p50_ms": 30.0 if ours else 40.0}}[workload] | {"workload": workload}
+            "single": {"tpot_p50_ms": 30.0 if ours else 40.0, "ttft_p50_ms": 50.0 if ours else 50.0},
+            "long": {"out_tok_s": 90.0 if ours else 60.0}}[workload] | {"workload": workload}
 
 
 def test_alternates_sides_and_prints_median_ratios(monkeypatch, capsys):
@@ -50,7 +51,8 @@ def test_alternates_sides_and_prints_median_ratios(monkeypatch, capsys):
     result = vs_peer.compare(args, side("ours"), side("peer"))
     assert events == ["start ours", "stop ours", "start peer", "stop peer"] * 2
     line = json.loads(json.dumps(result))
-    assert line["ratios"] == {"mixed_out_tok_s": 1.3, "prefix_ttft_p50": 0.4, "single_tpot_p50": 0.75}
+    assert line["ratios"] == {"mixed_out_tok_s": 1.3, "prefix_ttft_p50": 0.4, "single_tpot_p50": 0.75,
+                              "single_ttft_p50": 1.0, "long_out_tok_s": 1.5}
     assert len(line["passes"]) == 2 and set(line["passes"][0]) == {"ours", "peer"}
     assert line["ours"]["dtype"] == "float32" and line["ours"]["quantization"] == "none"
     assert line["cpu"] and line["sizes"]["mixed"] == {"n": 8, "concurrency": 4}
@@ -75,7 +77,8 @@ def test_ratios_median_and_missing_figures():
                 "peer": {"mixed": {"out_tok_s": peer}, "prefix": {}, "single": {"tpot_p50_ms": 10.0}}}
 
     r = vs_peer.ratios([p(1.0, 2.0), p(3.0, 2.0), p(2.0, None)])
-    assert r == {"mixed_out_tok_s": 1.0, "prefix_ttft_p50": None, "single_tpot_p50": None}
+    assert r == {"mixed_out_tok_s": 1.0, "prefix_ttft_p50": None, "single_tpot_p50": None,
+                 "single_ttft_p50": None, "long_out_tok_s": None}  # no figure, or no such workload run
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -98,3 +101,27 @@ def test_peer_not_ready_is_a_timeout_and_stops_it(tmp_path):
     with pytest.raises(TimeoutError):
         vs_peer.start_peer(args)
     assert marker.exists()
+
+
+def test_long_workload_runs_through_the_shared_generator(tmp_path):
+    """bench/long_loadgen.py adds `long` to the peers' generator: 2-3k-token-sized prompts, 256 out, same fields."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "loadgen.py"
+    fake.write_text(
+        "import json, random, sys\n"
+        "def text(rng, n):\n    return ' '.join('w' for _ in range(n))\n"
+        "def workload(name, n, seed):\n    return [('x', 1)] * n\n"
+        "async def main():\n"
+        "    n = int(sys.argv[sys.argv.index('--n') + 1])\n"
+        "    reqs = workload(sys.argv[sys.argv.index('--workload') + 1], n, 1)\n"
+        "    print(json.dumps({'words': [len(p.split()) for p, _ in reqs], 'out': [m for _, m in reqs]}))\n")
+    def run(workload: str) -> dict:
+        out = subprocess.run([sys.executable, str(vs_peer.LONG_LOADGEN), str(fake), "--workload", workload,
+                              "--n", "3"], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    got = run("long")
+    assert all(1600 <= w <= 2400 for w in got["words"]) and got["out"] == [256] * 3
+    assert run("mixed") == {"words": [1] * 3, "out": [1] * 3}  # the others are the shared generator's own
