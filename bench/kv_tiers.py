@@ -1,5 +1,5 @@
 """KV tiers benchmark: T tenants, each with its own ~1,000-token system prompt, a working set of at least 4x the KV
-pool, requests in random tenant order; tiers off vs on (host RAM at its auto size) in one process.
+pool, requests in random tenant order; tiers off vs on (host RAM at its auto size) in one process, alternating.
 
 Targets on CPU: `ttft_p50_ratio` (on / off) <= 0.35, `cached_frac_on` >= 0.8 (--json for one line).
 """
@@ -46,43 +46,58 @@ def question(tok, i: int) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def run(loaded: LoadedModel, systems: list[list[int]], order: list[int], args: argparse.Namespace, tiers: bool,
-        pages: int, kv_dtype: str) -> dict:
-    """Warm each tenant once (untimed), then the timed requests one at a time: TTFT, cached share, tier stats."""
-    per_page = bytes_per_page(loaded.config, loaded.dtype, args.block_size, kv_dtype)
-    engine = Engine(loaded, EngineConfig(kv_cache_bytes=pages * per_page, kv_dtype=kv_dtype,
-                                         block_size=args.block_size, kv_host_bytes=None if tiers else 0))
-    tok = loaded.tokenizer
-    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+class Side:
+    """One engine (tiers off or on) with its TTFTs and cached share; requests run one at a time."""
 
-    def one(rid: str, tenant: int, i: int) -> tuple[float, int, int]:
-        prompt = systems[tenant] + question(tok, i)
+    def __init__(self, loaded: LoadedModel, systems: list[list[int]], args: argparse.Namespace, tiers: bool,
+                 pages: int, kv_dtype: str) -> None:
+        per_page = bytes_per_page(loaded.config, loaded.dtype, args.block_size, kv_dtype)
+        self.engine = Engine(loaded, EngineConfig(kv_cache_bytes=pages * per_page, kv_dtype=kv_dtype,
+                                                  block_size=args.block_size, kv_host_bytes=None if tiers else 0))
+        self.systems, self.tok = systems, loaded.tokenizer
+        self.params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+        self.ttft: list[float] = []
+        self.cached = self.prompt = 0
+
+    def one(self, rid: str, tenant: int, i: int, timed: bool = True) -> None:
+        engine, prompt = self.engine, self.systems[tenant] + question(self.tok, i)
         t0 = time.perf_counter()
-        engine.add_request(rid, prompt, params, namespace=b"tenant-%d" % tenant)
+        engine.add_request(rid, prompt, self.params, namespace=b"tenant-%d" % tenant)
         ttft, cached = None, 0
         while engine.has_work():
             for out in engine.step():
                 if ttft is None and out.new_tokens:
                     ttft, cached = time.perf_counter() - t0, out.cached_tokens
         assert ttft is not None
-        return ttft, cached, len(prompt)
+        if timed:
+            self.ttft.append(ttft)
+            self.cached += cached
+            self.prompt += len(prompt)
 
-    for t in range(len(systems)):
-        one(f"warm{t}", t, 10_000 + t)
-    ttfts, cached, prompt = [], 0, 0
+    def result(self) -> dict:
+        st = self.engine.stats()
+        self.engine.close()
+        ts = st.tiers
+        return {"ttft": self.ttft, "cached_frac": self.cached / self.prompt, "pool_tokens": st.kv_total_tokens,
+                "restored_tokens": ts.restored_tokens if ts else 0,
+                "host_mb": round(ts.ram_bytes / 2**20, 1) if ts else 0,
+                "skipped_by_cost": ts.skipped_by_cost if ts else 0,
+                "restore_ms_per_1k": round(1e6 * ts.load_seconds / ts.restored_tokens, 2)
+                if ts and ts.restored_tokens else None}
+
+
+def run(loaded: LoadedModel, systems: list[list[int]], order: list[int], args: argparse.Namespace, pages: int,
+        kv_dtype: str) -> dict[bool, dict]:
+    """Both engines warm each tenant once (untimed); then each timed request runs on both, the one going first
+    alternating, so a load change on a shared machine falls on both sides alike."""
+    sides = {tiers: Side(loaded, systems, args, tiers, pages, kv_dtype) for tiers in (False, True)}
+    for side in sides.values():
+        for t in range(len(systems)):
+            side.one(f"warm{t}", t, 10_000 + t, timed=False)
     for i, t in enumerate(order):
-        s, c, n = one(f"q{i}", t, i)
-        ttfts.append(s)
-        cached += c
-        prompt += n
-    st = engine.stats()
-    engine.close()
-    ts = st.tiers
-    return {"ttft": ttfts, "cached_frac": cached / prompt, "pool_tokens": st.kv_total_tokens,
-            "restored_tokens": ts.restored_tokens if ts else 0, "host_mb": round(ts.ram_bytes / 2**20, 1) if ts else 0,
-            "skipped_by_cost": ts.skipped_by_cost if ts else 0,
-            "restore_ms_per_1k": round(1e6 * ts.load_seconds / ts.restored_tokens, 2) if ts and ts.restored_tokens
-            else None}
+        for tiers in ((False, True) if i % 2 == 0 else (True, False)):
+            sides[tiers].one(f"q{i}", t, i)
+    return {tiers: side.result() for tiers, side in sides.items()}
 
 
 def p99(xs: list[float]) -> float:
@@ -112,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     pages = int(working_set / args.pool_factor) // args.block_size
     rng = random.Random(args.seed)
     order = [rng.randrange(args.tenants) for _ in range(args.requests)]
-    res = {}
+    res = run(loaded, systems, order, args, pages, kv_dtype)
     for tiers in (False, True):
-        res[tiers] = run(loaded, systems, order, args, tiers, pages, kv_dtype)
         print(f"tiers {'on' if tiers else 'off'}: ttft p50 {statistics.median(res[tiers]['ttft']) * 1e3:.1f} ms, "
               f"cached {res[tiers]['cached_frac']:.3f}", file=sys.stderr, flush=True)
     off, on = res[False], res[True]
