@@ -128,3 +128,14 @@ def test_capacity_is_admitted_per_version_and_per_traffic_class_pool() -> None:
     assert pools.resolve("m@v1", t, "", Priority.INTERACTIVE).capacity is not batch
     pools.resolve("m@v2", t, "", Priority.BATCH)  # no pool labels in v2: one gate over every worker
     assert made == [("b", "batch"), ("b", "interactive"), ("c", None)]
+
+
+def test_router_capacity_counts_only_its_pool() -> None:
+    from gateway.capacity import RouterCapacity
+
+    m = SimMembership()
+    router = Router(m, secret=b"s")  # type: ignore[arg-type]
+    m.add("i", "m", pool="interactive", kv_total=100)
+    m.add("b", "m", pool="batch", kv_total=300)
+    assert [v.worker_id for v in RouterCapacity(router, "batch")()] == ["b"]
+    assert sorted(v.worker_id for v in RouterCapacity(router)()) == ["b", "i"]
