@@ -82,7 +82,28 @@ class _Wanted:
     registration: Registration | None = None
 
 
-class Membership:
+class MemberEvents:
+    """Subscribers to member joins, leaves and recorded stats frames (a Membership, or one pool's view of it)."""
+
+    def __init__(self) -> None:
+        self._on_join: list[MemberListener] = []
+        self._on_leave: list[MemberListener] = []
+        self._on_stats: list[StatsListener] = []
+
+    def on_join(self, listener: MemberListener) -> None:
+        """Call `listener(member_id)` after each member joins."""
+        self._on_join.append(listener)
+
+    def on_leave(self, listener: MemberListener) -> None:
+        """Call `listener(member_id)` after each member leaves."""
+        self._on_leave.append(listener)
+
+    def on_stats(self, listener: StatsListener) -> None:
+        """Call `listener(event)` after each stats frame is recorded, in subscription order."""
+        self._on_stats.append(listener)
+
+
+class Membership(MemberEvents):
     """Known workers, their clients and liveness; listeners hear every join, leave and recorded stats frame."""
 
     def __init__(
@@ -98,6 +119,7 @@ class Membership:
         clock: Callable[[], float] = time.monotonic,
         client_factory: ClientFactory = WorkerClient,
     ) -> None:
+        super().__init__()
         self.gateway_id = gateway_id
         self.redis_url = redis_url
         self.static_endpoints = list(dict.fromkeys(static_endpoints))
@@ -117,21 +139,6 @@ class Membership:
         self._redis_ok = True
         self._changed = asyncio.Event()
         self._stop = asyncio.Event()
-        self._on_join: list[MemberListener] = []
-        self._on_leave: list[MemberListener] = []
-        self._on_stats: list[StatsListener] = []
-
-    def on_join(self, listener: MemberListener) -> None:
-        """Call `listener(member_id)` after each member joins."""
-        self._on_join.append(listener)
-
-    def on_leave(self, listener: MemberListener) -> None:
-        """Call `listener(member_id)` after each member leaves."""
-        self._on_leave.append(listener)
-
-    def on_stats(self, listener: StatsListener) -> None:
-        """Call `listener(event)` after each stats frame is recorded, in subscription order."""
-        self._on_stats.append(listener)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.membership import Member, MemberListener, Membership, StatsEvent, StatsListener
+from router.membership import Member, MemberEvents, Membership, StatsEvent
 from router.policy import FALLBACK_DEAD
 from worker.protocol import Registration
 
@@ -32,26 +32,15 @@ class Served:
         return cls(reg.model, reg.model_version, reg.tokenizer, reg.spec)
 
 
-class PoolView:
+class PoolView(MemberEvents):
     """The members of one model version: the Membership interface a Router uses, fed by the Fleet."""
 
     def __init__(self, membership: Membership, key: str) -> None:
+        super().__init__()
         self.key = key
         self.clock: Callable[[], float] = membership.clock
         self._m = membership
         self._ids: set[str] = set()
-        self._on_join: list[MemberListener] = []
-        self._on_leave: list[MemberListener] = []
-        self._on_stats: list[StatsListener] = []
-
-    def on_join(self, listener: MemberListener) -> None:
-        self._on_join.append(listener)
-
-    def on_leave(self, listener: MemberListener) -> None:
-        self._on_leave.append(listener)
-
-    def on_stats(self, listener: StatsListener) -> None:
-        self._on_stats.append(listener)
 
     async def start(self) -> None:
         """Nothing: the Fleet starts the shared Membership."""
