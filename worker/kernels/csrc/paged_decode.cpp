@@ -138,16 +138,7 @@ static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc,
           }
         }
       }
-      for (int64_t j = 0; j < g; ++j) {  // softmax numerators and denominators
-        float* sj = scores.data() + j * L;
-        float m = -INFINITY;
-        #pragma omp simd reduction(max:m)
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, sj[t]);
-        float sum = 0.f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < L; ++t) { const float e = vec_exp(sj[t] - m); sj[t] = e; sum += e; }
-        denom[j] = sum;
-      }
+      softmax_numerators(scores.data(), g, L, denom.data());
       std::fill(acc, acc + g * hd, 0.f);
       for (int64_t p = 0; p < npages; ++p) {  // acc = sum of p * v, page by page
         const C* vp = vbase + table[p] * bs * hd;

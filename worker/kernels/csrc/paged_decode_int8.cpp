@@ -101,16 +101,7 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
         for (int64_t i0 = 0; i0 < n; i0 += 16)
           scores16<HD>(q16, ps, G, kp + i0 * HD, std::min<int64_t>(16, n - i0), scores.data() + p * bs + i0, L);
       }
-      for (int64_t j = 0; j < G; ++j) {  // softmax numerators and denominators
-        float* sj = scores.data() + j * L;
-        float m = -INFINITY;
-        #pragma omp simd reduction(max:m)
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, sj[t]);
-        float sum = 0.f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < L; ++t) { const float e = vec_exp(sj[t] - m); sj[t] = e; sum += e; }
-        denom[j] = sum;
-      }
+      softmax_numerators(scores.data(), G, L, denom);
       __m512 acc[G][V];
       for (int64_t j = 0; j < G; ++j)
         for (int64_t c = 0; c < V; ++c) acc[j][c] = _mm512_setzero_ps();

@@ -1,7 +1,8 @@
 // exp(x) written so that loops over it vectorize (std::exp is a scalar call): Cody-Waite range reduction and a
 // degree-6 polynomial (Cephes' expf), within 2 ulp of expf over the range that matters. Concatenated after
-// bf16.h by worker/cpu_kernels.py; used by the SiLU (fused_ops.cpp) and the softmaxes of the attention kernels.
+// bf16.h by worker/kernels/cpu.py; used by the SiLU (fused_ops.cpp) and the softmaxes of the attention kernels.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -20,4 +21,19 @@ static inline float vec_exp(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// Softmax numerators and denominators of `rows` rows of `L` scores each (row j at scores + j * L): each score
+// becomes exp(score - its row's max) in place, and denom[j] the row's sum. Shared by the decode kernels.
+static inline void softmax_numerators(float* scores, int64_t rows, int64_t L, float* denom) {
+  for (int64_t j = 0; j < rows; ++j) {
+    float* sj = scores + j * L;
+    float m = -INFINITY;
+    #pragma omp simd reduction(max:m)
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sj[t]);
+    float sum = 0.f;
+    #pragma omp simd reduction(+:sum)
+    for (int64_t t = 0; t < L; ++t) { const float e = vec_exp(sj[t] - m); sj[t] = e; sum += e; }
+    denom[j] = sum;
+  }
 }
