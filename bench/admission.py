@@ -108,6 +108,18 @@ def _client_calls(r, internal: set[str]) -> int:
     return total
 
 
+def spawn_workers(url: str, key: str, procs: int, requests: int, inflight: int) -> tuple[list, object, object]:
+    """`procs` client processes sharing `requests`, each `inflight` at a time; they wait at the barrier twice
+    (started, then counters read) before sending. Returns (processes, barrier, result queue)."""
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(procs + 1), ctx.Queue()
+    share = [requests // procs + (1 if i < requests % procs else 0) for i in range(procs)]
+    workers = [ctx.Process(target=_worker, args=(url, key, share[i], inflight, barrier, queue)) for i in range(procs)]
+    for w in workers:
+        w.start()
+    return workers, barrier, queue
+
+
 def run(url: str, procs: int, requests: int, inflight: int, budget_tokens: int) -> dict:
     r = sync_client(url)
     stale = list(r.scan_iter(match="{t:" + TENANT + "}*"))  # a previous run's tenant, if any
@@ -118,12 +130,7 @@ def run(url: str, procs: int, requests: int, inflight: int, budget_tokens: int) 
     for script in (RESERVE, SETTLE):  # as a gateway would at start-up: no NOSCRIPT in the measured phase
         r.script_load(script.source)
     internal = _script_commands()
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(procs + 1), ctx.Queue()
-    share = [requests // procs + (1 if i < requests % procs else 0) for i in range(procs)]
-    workers = [ctx.Process(target=_worker, args=(url, key, share[i], inflight, barrier, queue)) for i in range(procs)]
-    for w in workers:
-        w.start()
+    workers, barrier, queue = spawn_workers(url, key, procs, requests, inflight)
     try:
         barrier.wait(timeout=60)
         calls0, (s0, us0) = _client_calls(r, internal), r.time()

@@ -10,14 +10,13 @@ Run: `.venv/bin/python -m bench.admission_cluster --json`
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 
 import redis
 
 from admission.scripts import RESERVE, SETTLE
-from bench.admission import COST, TENANT, _client_calls, _script_commands, _start_redis, _worker
+from bench.admission import COST, TENANT, _client_calls, _script_commands, _start_redis, spawn_workers
 from bench.machine import cpu_model, emit, machine_fields
 from config.redis_cluster import RedisClusterProcs
 from tenancy import create_tenant, issue_key, sync_client
@@ -52,12 +51,7 @@ def one_run(url: str, cluster: RedisClusterProcs | None, procs: int, requests: i
     for script in (RESERVE, SETTLE):  # as a gateway would at start-up: no NOSCRIPT in the measured phase
         r.script_load(script.source)
     servers, internal = _primaries(url, cluster), _script_commands()
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(procs + 1), ctx.Queue()
-    share = [requests // procs + (1 if i < requests % procs else 0) for i in range(procs)]
-    workers = [ctx.Process(target=_worker, args=(url, key, share[i], inflight, barrier, queue)) for i in range(procs)]
-    for w in workers:
-        w.start()
+    workers, barrier, queue = spawn_workers(url, key, procs, requests, inflight)
     try:
         barrier.wait(timeout=60)
         (calls0, script0), (s0, us0) = _counts(servers, internal), servers[0].time()
