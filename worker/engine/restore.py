@@ -57,6 +57,7 @@ class Restorer:
         hashes = self.hashes(seq)
         ns, toks, bs = seq.namespace, seq.tokens, self.bs
         held = self.cache.peek(ns, toks[:-1]) // bs
+        self.tiers.used(hashes[:held])
         n, ram, disk = self.tiers.available(hashes, held)
         if n == 0:
             return 0

@@ -164,3 +164,21 @@ def test_a_full_queue_drops_instead_of_blocking(tmp_path, monkeypatch):
     d.close()  # no writer: the queue fills
     accepted = sum(d.submit(_key(i), torch.ones(4, dtype=torch.uint8)) for i in range(20))
     assert accepted == 8 and d.dropped == 12
+
+
+def test_write_back_gate_keeps_unreused_pages_off_disk(tmp_path):
+    from worker.kvcache.tiers.store import KvTiers
+
+    kv = _kv("int8")
+    codec = PageCodec(kv)
+    disk = _disk(tmp_path)
+    tiers = KvTiers(codec, codec.page_bytes, disk, disk_min_hits=1)  # RAM holds one page
+    k1, k2, k3 = _key(1), _key(2), _key(3)
+    tiers.retain([k1, k2, k3], "24h")
+    tiers.used([k1])  # k1 was matched in the prefix cache once; k2 never
+    for key, page in ((k1, 0), (k2, 1), (k3, 2)):
+        tiers.offload([key], [page])
+    disk.flush()
+    assert k1 in disk and k2 not in disk and k3 in tiers.host
+    assert torch.equal(disk.load(k1), codec.read([0])[0])  # the bytes the page had when evicted
+    tiers.close()

@@ -13,7 +13,7 @@ class TierPage:
     """One page's bytes (`worker.kvcache.tiers.pages.PageCodec` rows) and what the write policy needs."""
 
     data: torch.Tensor  # uint8 [page_bytes] on the host
-    hits: int = 0  # restores of this page
+    hits: int = 0  # prefix-cache matches and restores of this page (the disk tier's gate)
     durable: bool = False  # a request asked for "24h" retention: it may go on to disk
 
 

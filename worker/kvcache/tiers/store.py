@@ -1,8 +1,8 @@
 """The tiers as the engine sees them: pages the radix cache evicts go in, a prompt's next blocks come out.
 
 Write policy: write-back. An evicted page is copied to host RAM (once: a page already there is only touched);
-a page leaving RAM goes on to disk when its requests allowed it ("24h" or no retention asked) and it was
-restored at least `disk_min_hits` times. Host RAM is inclusive: a restored page stays there, so evicting it again
+a page leaving RAM goes on to disk when its requests allowed it ("24h" or no retention asked) and it was hit at
+least `disk_min_hits` times (matched in the prefix cache or restored from RAM). Host RAM is inclusive: a restored page stays there, so evicting it again
 costs no copy.
 """
 
@@ -64,6 +64,7 @@ class KvTiers:
         self.stats = TierStats()
         self._durable: OrderedDict[bytes, None] = OrderedDict()
         self._in_memory: OrderedDict[bytes, None] = OrderedDict()  # "in_memory" retention asked for these
+        self._uses: OrderedDict[bytes, int] = OrderedDict()  # prefix-cache hits per block (the disk gate's count)
         self._prefetch: dict[bytes, Future[torch.Tensor | None]] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader") if disk is not None else None
         if events is not None:
@@ -80,7 +81,8 @@ class KvTiers:
         stored = []
         for j, i in enumerate(new):
             key = hashes[i]
-            page = TierPage(rows[j].clone(), durable=key in self._durable and key not in self._in_memory)
+            page = TierPage(rows[j].clone(), self._uses.get(key, 0),
+                            durable=key in self._durable and key not in self._in_memory)
             for out_key, out in self.host.put(key, page):
                 self._leave_ram(out_key, out)
             if key in self.host:
@@ -95,7 +97,18 @@ class KvTiers:
         if disk is None or key not in disk:
             self._report([], [block_id(key)])
 
-    # ---- retention ----
+    # ---- retention and reuse ----
+
+    def used(self, hashes: Iterable[bytes]) -> None:
+        """A request matched these blocks in the prefix cache: one more hit each (bounded memory)."""
+        if self.disk is None:
+            return
+        uses = self._uses
+        for h in hashes:
+            uses[h] = uses.get(h, 0) + 1
+            uses.move_to_end(h)
+        while len(uses) > MAX_DURABLE:
+            uses.popitem(last=False)
 
     def retain(self, hashes: Iterable[bytes], retention: str) -> None:
         """Record a request's retention for its blocks: "24h" (or none asked) may go to disk, "in_memory" not."""
