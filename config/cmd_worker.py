@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="KV tier in host RAM for pages the prefix cache evicts (default: 1/8 of available memory; 0: off)")
     a("--kv-disk-dir", help="KV tier on disk under this directory (default: none)")
     a("--kv-disk-bytes", type=int, help="size bound of the disk tier (default 16 GiB)")
-    a("--kv-disk-min-hits", type=int, help="restores from RAM a page needs before it may go to disk (default 1)")
+    a("--kv-disk-min-hits", type=int, help="prefix-cache hits a page needs before it may go to disk (default 1)")
     a("--cuda-graphs", choices=["on", "off"], help="replay decode steps as CUDA graphs (CUDA only; default on)")
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
     a("--fused-ops", choices=["on", "off"],

@@ -42,8 +42,8 @@ class EngineConfig:
     kv_dtype: str = "model"
     # KV tiers below the radix cache (worker.kvcache.tiers, docs/engine.md "KV tiers"): evicted pages kept in host
     # RAM, up to kv_host_bytes (None: auto, 1/8 of the memory available at start, see
-    # worker.engine.restore.default_host_bytes; 0: off), and on disk under kv_disk_dir (None: no disk tier) up to kv_disk_bytes, for pages restored at least
-    # kv_disk_min_hits times
+    # worker.engine.restore.default_host_bytes; 0: off), and on disk under kv_disk_dir (None: no disk tier) up to
+    # kv_disk_bytes, for pages hit at least kv_disk_min_hits times
     kv_host_bytes: int | None = None
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 16 << 30
