@@ -182,3 +182,22 @@ def test_write_back_gate_keeps_unreused_pages_off_disk(tmp_path):
     assert k1 in disk and k2 not in disk and k3 in tiers.host
     assert torch.equal(disk.load(k1), codec.read([0])[0])  # the bytes the page had when evicted
     tiers.close()
+
+
+def test_files_older_than_24h_are_not_read(tmp_path):
+    import os
+    import time
+
+    d = _disk(tmp_path)
+    d.submit(_key(6), torch.ones(32, dtype=torch.uint8))
+    d.submit(_key(7), torch.ones(32, dtype=torch.uint8))
+    d.flush()
+    old = time.time() - 25 * 3600
+    for path in d.dir.glob("*/*.kv"):
+        if path.stem == _key(6).hex():
+            os.utime(path, (old, old))
+    assert d.load(_key(6)) is None and _key(6) not in d and d.load(_key(7)) is not None
+    d.close()
+    again = _disk(tmp_path)
+    assert _key(7) in again and len(again) == 1
+    again.close()

@@ -1,8 +1,9 @@
 """The disk tier: one checksummed file per page under a directory named by the tier fingerprint, written by a
 background thread through a bounded queue (a full queue drops the write; it never blocks the engine step).
 
-A file whose header, length or checksum is wrong is deleted and reads as a miss (the page is recomputed); a file
-of another fingerprint lives in another directory and is never opened; a full disk stops all further writes.
+A file whose header, length or checksum is wrong, or older than `max_age_s` (24 h: OpenAI's longest prompt cache
+retention), is deleted and reads as a miss (the page is recomputed); a file of another fingerprint lives in another
+directory and is never opened; a full disk stops all further writes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict, deque
 from pathlib import Path
 
@@ -24,17 +26,20 @@ log = logging.getLogger(__name__)
 MAGIC = b"SYKVPG01"
 HEADER = struct.Struct("<8s16s16sQQ")  # magic, fingerprint, block digest, payload bytes, xxh3-64 of the payload
 SUFFIX = ".kv"
+MAX_AGE_S = 24 * 3600.0
 
 
 class DiskTier:
     """At most `capacity_bytes` of page files under `root/<fingerprint hex>/`, least recently used out first."""
 
-    def __init__(self, root: str | Path, capacity_bytes: int, fingerprint: bytes, queue_pages: int = 256) -> None:
+    def __init__(self, root: str | Path, capacity_bytes: int, fingerprint: bytes, queue_pages: int = 256,
+                 max_age_s: float = MAX_AGE_S) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be > 0")
         self.dir = Path(root) / fingerprint.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
+        self.max_age_s = max_age_s
         self.fingerprint = fingerprint
         self.bytes = 0
         self.full = False  # the disk refused a write for lack of space: no more writes
@@ -87,6 +92,9 @@ class DiskTier:
             self._index.move_to_end(key)
         path = self._path(key)
         try:
+            if time.time() - path.stat().st_mtime > self.max_age_s:
+                self._forget(key, delete=True)
+                return None
             raw = path.read_bytes()
         except OSError:
             self._forget(key, delete=False)
@@ -131,8 +139,12 @@ class DiskTier:
                 key = bytes.fromhex(path.stem)
             except (OSError, ValueError):
                 continue
-            if len(key) == 16:
-                found.append((st.st_mtime, key, st.st_size))
+            if len(key) != 16:
+                continue
+            if time.time() - st.st_mtime > self.max_age_s:
+                path.unlink(missing_ok=True)
+                continue
+            found.append((st.st_mtime, key, st.st_size))
         for _, key, size in sorted(found):
             self._index[key] = size
             self.bytes += size
