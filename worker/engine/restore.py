@@ -96,11 +96,25 @@ class Restorer:
 def default_host_bytes(pool_bytes: int) -> int:
     """The auto size of the host tier: 1/8 of the memory available at start (at most 64 GiB), and at least the
     KV pool's size where that is available (pages in RAM cost no prefill)."""
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+    avail = _available_memory()
+    if avail is None:
         return pool_bytes
     return int(min(max(avail // 8, min(pool_bytes, avail // 4)), 64 << 30))
+
+
+def _available_memory() -> int | None:
+    """Linux's MemAvailable (free plus reclaimable page cache), else free pages; None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def make_restorer(config: EngineConfig, cache: RadixCache | None, pool: PagePool, kv: KVCache, model_id: str,

@@ -177,3 +177,13 @@ def test_disk_reads_start_while_the_request_waits(tiny, tmp_path):
             cached = out.cached_tokens if cached < 0 else cached
     assert got == want and cached == 288 and tiers.stats.disk_hits > 0 and not tiers._prefetch
     no_leaks(eng)
+
+
+def test_auto_host_size_is_an_eighth_of_available_memory_at_least_the_pool():
+    from worker.engine.restore import _available_memory, default_host_bytes
+
+    avail = _available_memory()
+    assert avail and avail > 0
+    pool = 1 << 20
+    assert default_host_bytes(pool) == min(max(avail // 8, pool), 64 << 30)
+    assert default_host_bytes(avail) == min(avail // 4, 64 << 30)  # a pool as large as RAM: capped at 1/4
