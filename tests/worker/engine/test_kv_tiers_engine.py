@@ -179,11 +179,13 @@ def test_disk_reads_start_while_the_request_waits(tiny, tmp_path):
     no_leaks(eng)
 
 
-def test_auto_host_size_is_an_eighth_of_available_memory_at_least_the_pool():
-    from worker.engine.restore import _available_memory, default_host_bytes
+def test_auto_host_size_is_an_eighth_of_available_memory_at_least_the_pool(monkeypatch):
+    from worker.engine import restore
 
-    avail = _available_memory()
-    assert avail and avail > 0
-    pool = 1 << 20
-    assert default_host_bytes(pool) == min(max(avail // 8, pool), 64 << 30)
-    assert default_host_bytes(avail) == min(avail // 4, 64 << 30)  # a pool as large as RAM: capped at 1/4
+    assert restore._available_memory() > 0  # this machine's MemAvailable is readable
+    monkeypatch.setattr(restore, "_available_memory", lambda: 16 << 30)
+    assert restore.default_host_bytes(1 << 20) == 2 << 30  # 1/8 of 16 GiB
+    assert restore.default_host_bytes(3 << 30) == 3 << 30  # at least the pool ...
+    assert restore.default_host_bytes(12 << 30) == 4 << 30  # ... up to 1/4 of available memory
+    monkeypatch.setattr(restore, "_available_memory", lambda: 1 << 40)
+    assert restore.default_host_bytes(1 << 20) == 64 << 30  # at most 64 GiB
