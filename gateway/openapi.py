@@ -114,6 +114,9 @@ def _common_fields() -> dict[str, Any]:
         "safety_identifier": {"type": "string", "description": "Accepted and ignored."},
         "prompt_cache_key": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_KEY,
                              "description": "Routes requests with the same key (within your tenant) together."},
+        "prompt_cache_retention": {"type": "string", "enum": ["in_memory", "24h"],
+                                   "description": "in_memory: evicted prefix pages stay in the workers' RAM tier; "
+                                                  "24h: they may also be written to a disk tier."},
         "ignore_eos": {"type": "boolean"},
         "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
         "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
