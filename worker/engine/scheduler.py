@@ -185,15 +185,18 @@ class Scheduler:
         if not self.waiting or not fair.fair or fair.active_keys < 2 or len(running) < self.config.max_num_seqs:
             return
         head = self.waiting[self._fair_head()]
-        counts: dict[bytes, int] = {}
-        for s in running:
-            counts[s.fkey] = counts.get(s.fkey, 0) + 1
-        key = fair.slot_victim(head.fkey, counts, self.config.max_num_seqs, FAIR_PREEMPT_GAP)
+        key = fair.slot_victim(head.fkey, self._running_per_key(), self.config.max_num_seqs, FAIR_PREEMPT_GAP)
         if key is None:
             return
         victim = next((s for s in reversed(running) if s.fkey == key and s.priority >= head.priority), None)
         if victim is not None:
             self._preempt(victim, out)
+
+    def _running_per_key(self) -> dict[bytes, int]:
+        counts: dict[bytes, int] = {}
+        for s in self.running:
+            counts[s.fkey] = counts.get(s.fkey, 0) + 1
+        return counts
 
     def _shared_step_cap(self) -> int:
         """Prefill tokens this step may carry: `fair_step_tokens` while the worker is shared (VTC tracks more
@@ -220,11 +223,8 @@ class Scheduler:
         fair = self.fair
         if alone or not self.waiting or not fair.fair or fair.active_keys < 2 or not self.running:
             return False
-        counts: dict[bytes, int] = {}
-        for s in self.running:
-            counts[s.fkey] = counts.get(s.fkey, 0) + 1
         slots = self.config.max_num_seqs
-        if not any(fair.over_share(key, n, slots) for key, n in counts.items()):
+        if not any(fair.over_share(key, n, slots) for key, n in self._running_per_key().items()):
             return False
         n = len(out.prefills)
         self._admit(out, self.config.max_num_batched_tokens, under_share=True)

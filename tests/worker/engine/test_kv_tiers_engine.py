@@ -170,6 +170,8 @@ def test_disk_reads_start_while_the_request_waits(tiny, tmp_path):
     tiers.host = type(tiers.host)(tiers.host.capacity_bytes)
     eng.add_request("a2", a, SamplingParams(max_tokens=6, ignore_eos=True), namespace=NS)
     assert tiers._prefetch, "reads start at arrival, before any step"
+    for fut in list(tiers._prefetch.values()):  # the queue wait outlasts the reads (else the rest is recomputed)
+        fut.result(timeout=30)
     got, cached = [], -1
     while eng.has_work():
         for out in eng.step():
