@@ -60,7 +60,7 @@ def start_ours(args: argparse.Namespace, log_dir: Path) -> Server:
     """One worker and one gateway through the project's launcher, with a demo tenant with no limits."""
     from config.launcher import DEMO_TENANT, Stack, StackConfig, free_port
 
-    wargs = ["--quantization", args.quantization, "--num-threads", str(args.threads)]
+    wargs = ["--quantization", args.quantization, "--num-threads", str(args.threads), *shlex.split(args.worker_args)]
     if args.dtype != "auto":
         wargs += ["--dtype", args.dtype]
     stack = Stack(StackConfig(port=free_port(), model=args.model, worker_args=wargs,
@@ -160,7 +160,7 @@ def resolved(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def compare(args: argparse.Namespace, ours: Side, peer: Side) -> dict:
-    sizes = QUICK if args.quick else FULL
+    sizes = {w: nc for w, nc in (QUICK if args.quick else FULL).items() if not args.workloads or w in args.workloads}
     dtype, quantization = resolved(args)
     passes = []
     for i in range(args.passes):
@@ -171,7 +171,7 @@ def compare(args: argparse.Namespace, ours: Side, peer: Side) -> dict:
         passes.append(done)
     return {"bench": "vs_peer", "quick": args.quick, "cpu": cpu_model(), "cores": os.cpu_count(),
             "ours": {"model": args.model, "dtype": dtype, "quantization": quantization,
-                     "threads": args.threads},
+                     "threads": args.threads, "worker_args": args.worker_args},
             "peer": {"url": args.peer_url, "model": args.peer_model, "dtype": args.peer_dtype},
             "sizes": {w: {"n": n, "concurrency": c} for w, (n, c) in sizes.items()},
             "passes": passes, "ratios": ratios(passes)}
@@ -193,6 +193,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the worker's torch threads")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="small n per workload (a smoke test, not a figure)")
+    ap.add_argument("--workloads", nargs="*", choices=list(FULL), default=[], help="run only these (default: all)")
+    ap.add_argument("--worker-args", default="", help="more worker flags for our side, e.g. '--spec-tokens 0'")
     ap.add_argument("--loadgen", type=Path, default=LOADGEN)
     ap.add_argument("--ready-timeout", type=float, default=300.0, help="our stack's start-up deadline")
     ap.add_argument("--request-timeout", type=float, default=600.0)

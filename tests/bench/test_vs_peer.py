@@ -125,3 +125,13 @@ def test_long_workload_runs_through_the_shared_generator(tmp_path):
     got = run("long")
     assert all(1600 <= w <= 2400 for w in got["words"]) and got["out"] == [256] * 3
     assert run("mixed") == {"words": [1] * 3, "out": [1] * 3}  # the others are the shared generator's own
+
+
+def test_workloads_and_worker_args_narrow_the_run(monkeypatch):
+    seen = []
+    monkeypatch.setattr(vs_peer, "run_workload", lambda server, w, n, c, args: seen.append(w) or fake_load(server.url, w))
+    args = vs_peer.parse(["--quick", "--workloads", "single", "--worker-args", "--spec-tokens 0", "--passes", "1"])
+    result = vs_peer.compare(args, lambda: vs_peer.Server("ours", "k", "m", lambda: None),
+                             lambda: vs_peer.Server("peer", "k", "m", lambda: None))
+    assert seen == ["single", "single"] and set(result["sizes"]) == {"single"}
+    assert result["ours"]["worker_args"] == "--spec-tokens 0" and result["ratios"]["single_tpot_p50"] == 0.75
