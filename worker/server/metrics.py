@@ -101,6 +101,12 @@ class WorkerMetrics:
         self._pending[rid] = _Pending(time.monotonic(), 0.0, self.fair_labels(fkey))
         self._unscheduled += 1
 
+    def timing(self, rid: str, started: float) -> tuple[float, float] | None:
+        """(admitted, prefill started) of a request without a first output yet, in time.monotonic(); a request
+        not seen scheduled before the step that began at `started` started its prefill then. None: unknown."""
+        p = self._pending.get(rid)
+        return None if p is None else (p.admitted_at, p.prefill_at or started)
+
     def stepped(self, outputs: Sequence[StepOutput], started: float) -> None:
         """After an engine step that began at `started` (time.monotonic())."""
         ended = time.monotonic()

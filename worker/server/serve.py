@@ -78,7 +78,7 @@ class WorkerServer:
         self._pulse: StatsPulse | None = None
         self._last_stats = b""
         self.metrics = WorkerMetrics(engine)
-        self.spans = RequestSpans(engine)  # traced requests only: a no-op without a tracer provider
+        self.spans = RequestSpans(engine, self.metrics)  # traced requests only: a no-op without a tracer provider
         self._promises = KvPromises(engine.cache, engine.config.block_size) if engine.cache is not None else None
 
     # ------------------------------------------------------------ lifecycle
@@ -255,8 +255,8 @@ class WorkerServer:
         finally:
             if self._pulse is not None:
                 self._pulse.disarm()
+        self.spans.stepped(outputs, started)  # first: it reads the timing the metrics drop at a first output
         self.metrics.stepped(outputs, started)
-        self.spans.stepped(outputs, started)
         per_gateway: dict[bytes, list[OutItem]] = {}
         table = self.table
         for out in outputs:
