@@ -13,13 +13,10 @@ from worker.engine.fairness import FairShare
 from worker.engine.restore import Restorer
 from worker.engine.sequence import ScheduledBatch, SeqStatus, Sequence
 from worker.engine.speculative import DraftPlanner
+from worker.engine.waiting_order import cache_aware_index, cached_len, fair_head
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
 
-# cache-aware order: plain arrival order above this many waiting requests (bounds the per-step cost),
-# and for a queue head that later requests with longer cached prefixes overtook this many times
-CACHE_AWARE_MAX_QUEUE = 64
-CACHE_AWARE_MAX_SKIPS = 32
 # fair-share preemption: the victim key's counter must be at least the waiting key's + this (tokens of service);
 # the slot-share rule of FairShare.slot_victim already rules out thrash, so a just-lifted key may preempt at once
 FAIR_PREEMPT_GAP = 0.0
@@ -154,8 +151,8 @@ class Scheduler:
         fewer than its share of the slots.
         """
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            head = self._fair_head()
-            idx = self._next_waiting(head) if self.cache_aware else head
+            head = fair_head(self.waiting, self.fair)
+            idx = cache_aware_index(self.waiting, head, self.fair, self.cache) if self.cache_aware else head
             seq = self.waiting[idx]
             if light and any(s.fkey == seq.fkey for s in self.running):
                 break
@@ -184,7 +181,7 @@ class Scheduler:
         fair, running = self.fair, self.running
         if not self.waiting or not fair.fair or fair.active_keys < 2 or len(running) < self.config.max_num_seqs:
             return
-        head = self.waiting[self._fair_head()]
+        head = self.waiting[fair_head(self.waiting, self.fair)]
         key = fair.slot_victim(head.fkey, self._running_per_key(), self.config.max_num_seqs, FAIR_PREEMPT_GAP)
         if key is None:
             return
@@ -266,71 +263,11 @@ class Scheduler:
             return True
         return self.cache is not None and self.cache.evict(1) > 0 and self.pool.num_free > 0
 
-    def _fair_head(self) -> int:
-        """Index of the oldest waiting request of the head's priority class whose key has the lowest counter
-        (ties: the key with fewer requests in the engine, as a just-lifted light key).
-
-        Arrival order (0) under FIFO or with one active key. O(waiting of that class).
-        """
-        fair, waiting = self.fair, self.waiting
-        if not fair.fair or fair.active_keys < 2:
-            return 0
-        prio = waiting[0].priority
-        counter, active = fair.counter, fair.active_requests
-        best, best_c = 0, (counter(waiting[0].fkey), active(waiting[0].fkey))
-        seen = {waiting[0].fkey}
-        for i in range(1, len(waiting)):
-            seq = waiting[i]
-            if seq.priority != prio:
-                break
-            if seq.fkey in seen:
-                continue
-            seen.add(seq.fkey)
-            c = (counter(seq.fkey), active(seq.fkey))
-            if c < best_c:
-                best, best_c = i, c
-        return best
-
-    def _next_waiting(self, start: int = 0) -> int:
-        """Cache-aware order: index of the request of waiting[start]'s priority (and key, under VTC with
-        several keys) with the longest cached prefix.
-
-        Ties keep arrival order. Plain arrival order when the queue is long (bounded cost per step)
-        or when the head was overtaken too often (no starvation of requests without a shared prefix).
-        """
-        waiting = self.waiting
-        head = waiting[start]
-        if len(waiting) > CACHE_AWARE_MAX_QUEUE or head.skipped >= CACHE_AWARE_MAX_SKIPS:
-            return start
-        best, best_len = start, self._cached_len(head)
-        by_key = self.fair.fair and self.fair.active_keys > 1
-        for i in range(start + 1, len(waiting)):
-            seq = waiting[i]
-            if seq.priority != head.priority:
-                break
-            if by_key and seq.fkey != head.fkey:
-                continue
-            n = self._cached_len(seq)
-            if n > best_len:
-                best, best_len = i, n
-        return best
-
-    def _cached_len(self, seq: Sequence) -> int:
-        """Cached prefix length of seq (what admission would match), memoized while the tree is unchanged."""
-        cache = self.cache
-        assert cache is not None
-        # cached + evicted pages grows with every insert that adds pages; evicted with every eviction
-        sig = (cache.cached_pages, cache.evicted_pages)
-        if seq.peek_sig != sig:
-            seq.peek_sig = sig
-            seq.peek_tokens = cache.peek(seq.namespace, seq.tokens[:-1]) if len(seq.tokens) > 1 else 0
-        return seq.peek_tokens
-
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """True when a running sequence is prefilling the next page seq would otherwise compute itself."""
         if self.cache is None or len(seq.tokens) <= self.bs:
             return False
-        lo = self._cached_len(seq)
+        lo = cached_len(self.cache, seq)
         hi = lo + self.bs
         if hi >= len(seq.tokens):
             return False  # no further full page to gain (the last token is always computed)
