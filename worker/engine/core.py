@@ -14,6 +14,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.errors import RequestError, bad_request
+from worker.engine.export import PageExport
 from worker.engine.fairness import check_fair_params
 from worker.engine.grammar_wait import CompileWait
 from worker.engine.outputs import EngineStats, StepOutput
@@ -26,6 +27,7 @@ from worker.kvcache.kv_dtype import resolve_kv_dtype
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
 from worker.kvcache.tensors import num_pages_for
+from worker.kvcache.tiers.pages import PageCodec
 from worker.model.loader import LoadedModel
 from worker.protocol import SamplingParams
 from worker.sample.grammar import BatchMasker, CompiledGrammar, GrammarCache, GrammarState, grammar_tokenizer
@@ -62,6 +64,7 @@ class Engine:
         self.restorer = make_restorer(config, self.cache, self.pool, self.runner.kv, model.model_id,
                                       model.tokenizer_version)
         self.scheduler.restorer = self.restorer
+        self.exports = PageExport(PageCodec(self.runner.kv), config.block_size)  # disaggregated prefill's pages
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[str] = []
         self._arrivals = 0
@@ -81,20 +84,8 @@ class Engine:
 
         `resumed`: the last this many of `token_ids` were streamed already (by a worker that was lost): they are
         output, so sampling positions, penalties, `max_tokens` and the grammar carry on after them."""
-        self._validate(rid, token_ids, sampling, priority)
-        if not 0 <= resumed < len(token_ids) or resumed >= sampling.max_tokens:
-            raise bad_request("resumed must count fewer tokens than the prompt and max_tokens", "resumed")
-        if not isinstance(namespace, bytes):
-            raise bad_request("cache namespace must be bytes", "ns")
-        check_fair_params(fkey, weight)
+        self.check_request(rid, token_ids, sampling, priority, namespace, fkey, weight, resumed)
         prompt_len = len(token_ids) - resumed
-        total = prompt_len + sampling.max_tokens  # resumed tokens count within max_tokens
-        if total > self.max_context:
-            raise RequestError("capacity", f"prompt ({prompt_len}) + max_tokens ({sampling.max_tokens}) "
-                               f"exceeds the model context of {self.max_context} tokens", param="max_tokens")
-        if pages_for(total, self.config.block_size) > self.pool.num_pages:
-            raise RequestError("capacity", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
-                               f"({self.pool.num_pages * self.config.block_size} tokens)", param="max_tokens")
         namespace = namespace or DEFAULT_NAMESPACE
         key, compiling = (None, None) if sampling.grammar is None else \
             self._compile_wait().submit(sampling.grammar, namespace)
@@ -122,6 +113,25 @@ class Engine:
             self.scheduler.add(seq)
         if self.restorer is not None:
             self.restorer.arrived(seq)
+
+    def check_request(self, rid: str, token_ids: list[int], sampling: SamplingParams,
+                      priority: Priority = Priority.INTERACTIVE, namespace: bytes = b"", fkey: bytes = b"",
+                      weight: float = 1.0, resumed: int = 0) -> None:
+        """Every check `add_request` makes before it changes any state: RequestError names the first that fails."""
+        self._validate(rid, token_ids, sampling, priority)
+        if not 0 <= resumed < len(token_ids) or resumed >= sampling.max_tokens:
+            raise bad_request("resumed must count fewer tokens than the prompt and max_tokens", "resumed")
+        if not isinstance(namespace, bytes):
+            raise bad_request("cache namespace must be bytes", "ns")
+        check_fair_params(fkey, weight)
+        prompt_len = len(token_ids) - resumed
+        total = prompt_len + sampling.max_tokens  # resumed tokens count within max_tokens
+        if total > self.max_context:
+            raise RequestError("capacity", f"prompt ({prompt_len}) + max_tokens ({sampling.max_tokens}) "
+                               f"exceeds the model context of {self.max_context} tokens", param="max_tokens")
+        if pages_for(total, self.config.block_size) > self.pool.num_pages:
+            raise RequestError("capacity", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
+                               f"({self.pool.num_pages * self.config.block_size} tokens)", param="max_tokens")
 
     def _compile_wait(self) -> CompileWait:
         """The grammar cache and its waiting room, made with the first grammar request (its first compile job
@@ -182,6 +192,7 @@ class Engine:
             raise bad_request("priority must be 0 (interactive) or 1 (batch)", "priority")
 
     def abort(self, rid: str) -> bool:
+        self.exports.forget(rid)
         seq = self._seqs.pop(rid, None)
         if seq is None:
             return False
@@ -226,6 +237,8 @@ class Engine:
 
     def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[StepOutput]:
         self._advance(batch)
+        if self.exports.watched:
+            self.exports.stepped(batch)  # before a finishing request releases its pages
         outputs = [self._sampled(i, seq, tok, result)
                    for i, (seq, tok) in enumerate(zip(result.sampled, result.tokens, strict=True))]
         outputs += [self._verify(seq, drafts, toks) for seq, drafts, toks in result.verified or ()]

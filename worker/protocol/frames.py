@@ -41,6 +41,21 @@ from worker.protocol.stats import STATS, SYNC, Sync, WorkerStats, decode_kv, sta
 from worker.protocol.stats import KvContract as KvContract
 from worker.protocol.stats import KvReport as KvReport
 from worker.protocol.trace_context import valid_traceparent
+from worker.protocol.transfer import KV as KV
+from worker.protocol.transfer import PF, PF_ABORT, decode_hint, decode_prefill, hint_field
+from worker.protocol.transfer import ROLES as ROLES
+from worker.protocol.transfer import FirstToken as FirstToken
+from worker.protocol.transfer import KvChunk as KvChunk
+from worker.protocol.transfer import KvError as KvError
+from worker.protocol.transfer import PrefillAbort as PrefillAbort
+from worker.protocol.transfer import PrefillHint as PrefillHint
+from worker.protocol.transfer import PrefillRequest as PrefillRequest
+from worker.protocol.transfer import TransferFrameError as TransferFrameError
+from worker.protocol.transfer import decode_prefill_reply as decode_prefill_reply
+from worker.protocol.transfer import encode_kv_error as encode_kv_error
+from worker.protocol.transfer import encode_kv_header as encode_kv_header
+from worker.protocol.transfer import encode_prefill as encode_prefill
+from worker.protocol.transfer import encode_prefill_abort as encode_prefill_abort
 
 PROTOCOL_VERSION = 1
 
@@ -87,6 +102,7 @@ class GenRequest:
     weight: float = 1.0  # fair-share weight
     resumed: int = 0  # the last `resumed` tokens were already streamed by another worker: output, not prompt
     traceparent: str = ""  # W3C trace context of the gateway's span for this request ("" : not traced)
+    prefill: PrefillHint | None = None  # disaggregated: prefill on that worker and receive the pages
 
 
 @dataclass(slots=True)
@@ -145,7 +161,7 @@ def encode_hello(gateway_id: str) -> bytes:
 
 def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: SamplingParams, priority: Priority = Priority.INTERACTIVE,
                deadline: float = 0.0, fkey: bytes = b"", weight: float = 1.0, resumed: int = 0,
-               traceparent: str = "") -> bytes:
+               traceparent: str = "", prefill: PrefillHint | None = None) -> bytes:
     token_bytes = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     obj = {"t": GEN, "rid": rid, "ns": bytes(ns), "tokens": token_bytes, "sampling": sampling.to_dict(),
            "priority": int(priority), "deadline": float(deadline), "fkey": bytes(fkey), "weight": float(weight)}
@@ -153,6 +169,8 @@ def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: SamplingParams, prior
         obj["resumed"] = int(resumed)
     if traceparent:  # only a traced request carries it
         obj["traceparent"] = traceparent
+    if prefill is not None:  # only a disaggregated request carries it
+        obj["prefill"] = hint_field(prefill)
     return _pack(obj)
 
 
@@ -272,17 +290,26 @@ def _decode_gen(obj: dict[str, Any], max_tokens: int) -> GenRequest:
     traceparent = _field(obj, "traceparent", str, rid) if "traceparent" in obj else ""
     if traceparent and not valid_traceparent(traceparent):
         raise ProtocolError("traceparent must be a W3C version-00 trace context", rid=rid, param="traceparent")
+    try:
+        prefill = decode_hint(obj["prefill"], rid) if "prefill" in obj else None
+    except ValueError as exc:
+        raise ProtocolError(str(exc), rid=rid, param="prefill") from None
     return GenRequest(rid=rid, ns=ns, tokens=tokens, sampling=sampling, priority=Priority(priority),
-                      deadline=deadline, fkey=fkey, weight=weight, resumed=resumed, traceparent=traceparent)
+                      deadline=deadline, fkey=fkey, weight=weight, resumed=resumed, traceparent=traceparent,
+                      prefill=prefill)
 
 
-def decode_gateway_frame(data: bytes, max_tokens: int) -> Hello | GenRequest | Abort | Sync:
-    """Decode a gw -> worker frame. Raises ProtocolError (with `.rid` when usable) on anything invalid.
+def decode_gateway_frame(data: bytes, max_tokens: int
+                         ) -> Hello | GenRequest | Abort | Sync | PrefillRequest | PrefillAbort:
+    """Decode a frame to a worker's port (a gateway's, or a decode worker's `pf`). Raises ProtocolError (with
+    `.rid` when usable) on anything invalid, TransferFrameError for a bad `pf`.
 
     `max_tokens` bounds the prompt length (the model context).
     """
     obj = _load_map(data)
     kind = obj.get("t")
+    if kind in (PF, PF_ABORT):
+        return decode_prefill(obj, max_tokens)
     if kind == GEN:
         return _decode_gen(obj, max_tokens)
     if kind == ABORT:
@@ -354,6 +381,10 @@ def _decode_stats(obj: dict[str, Any]) -> WorkerStats:
         draining=_field(obj, "draining", bool, None), model=_field(obj, "model", str, None),
         version=_field(obj, "version", int, None),
     )
+    role = obj.get("role", "both")
+    if role not in ROLES:
+        raise ProtocolError(f"stats role must be one of {ROLES}")
+    stats.role = role
     if "kv" in obj:  # a bad kv part costs a snapshot request, not the worker's stats
         try:
             stats.kv = decode_kv(obj["kv"])

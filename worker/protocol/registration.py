@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from worker.protocol.transfer import ROLES
+
 # Both under the hash tag `{sy:workers}`: one Redis Cluster slot, so one script reads the set and the records.
 REGISTRY_TAG = "{sy:workers}"
 REGISTRY_KEY_PREFIX = REGISTRY_TAG + ":worker:"
@@ -31,9 +33,11 @@ class Registration:
     tokenizer: str = ""
     spec: str = ""
     pool: str = ""
+    role: str = "both"  # disaggregation: both, prefill (only prefills for decode workers) or decode
 
 
 OPTIONAL_TEXT = ("model_version", "tokenizer", "spec", "pool")
+
 MAX_TEXT = 256
 
 
@@ -66,4 +70,8 @@ def parse_registration(raw: bytes | str) -> Registration:
         if not isinstance(value, str) or len(value) > MAX_TEXT:
             raise ValueError(f"registration field {name} is not a string of at most {MAX_TEXT} characters")
         setattr(reg, name, value)
+    role = obj.get("role", "both")
+    if role not in ROLES:
+        raise ValueError(f"registration role must be one of {ROLES}")
+    reg.role = role
     return reg

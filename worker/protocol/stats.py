@@ -56,6 +56,7 @@ class WorkerStats:
     received_at: float = 0.0  # time.monotonic() at the receiver; not on the wire
     kv: KvReport | None = None  # None: the worker reports no blocks (no prefix cache, or an older worker)
     kv_error: str = ""  # why the frame's `kv` part could not be read (the rest of the frame could); not on the wire
+    role: str = "both"  # disaggregation role; on the wire as "role" only when not "both"
 
 
 @dataclass(slots=True)
@@ -81,6 +82,8 @@ def stats_fields(stats: WorkerStats) -> dict[str, Any]:
            "draining": stats.draining, "model": stats.model, "version": stats.version}
     if stats.kv is not None:
         obj["kv"] = kv_fields(stats.kv)
+    if stats.role != "both":
+        obj["role"] = stats.role
     return obj
 
 

@@ -54,6 +54,17 @@ TIER_EVICTIONS = Counter("switchyard_worker_kv_tier_evictions", "KV pages a tier
 TIER_BYTES = Gauge("switchyard_worker_kv_tier_bytes", "Bytes of KV pages a tier holds", ["tier"])
 TIER_LOAD = Counter("switchyard_worker_kv_tier_load_seconds", "Seconds spent restoring KV pages from the tiers")
 TIER_RESTORED = Counter("switchyard_worker_kv_tier_restored_tokens", "Prompt tokens restored from the KV tiers")
+DISAGG_TRANSFERS = Counter("switchyard_worker_disagg_transfers", "Disaggregated prefills this worker received pages "
+                           "for, by how they ended (complete, fallback, cancelled)", ["outcome"])
+DISAGG_FALLBACKS = Counter("switchyard_worker_disagg_fallbacks", "Hinted requests prefilled here, by reason", ["reason"])
+DISAGG_BYTES = Counter("switchyard_worker_disagg_received_bytes", "KV page bytes received from prefill workers")
+DISAGG_PUSHED = Counter("switchyard_worker_disagg_pushed_bytes", "KV page bytes pushed to decode workers")
+DISAGG_SECONDS = Histogram("switchyard_worker_disagg_transfer_seconds", "Hint to first token of a completed transfer",
+                           buckets=LATENCY_BUCKETS)
+DISAGG_STRAY = Counter("switchyard_worker_disagg_stray_frames", "Transfer frames with an unknown or ended id, dropped")
+DISAGG_REASONS = ("short", "no_cache", "resumed", "invalid", "cached", "links", "decode_pages", "link", "prefill_lost",
+                  "malformed", "stall", "incompatible", "refused", "draining", "bad_request", "capacity", "ended",
+                  "error")
 
 FAIR_LABELS = 16  # distinct fkey label values per process; later keys share "other"
 OTHER = "other"

@@ -14,12 +14,16 @@ import zmq
 from worker import protocol as proto
 from worker.engine.core import Engine
 from worker.kvcache.events import KvPromises, kv_report
-from worker.protocol import ErrorCode, OutItem, Registration, RequestError, SamplingParams
+from worker.kvcache.tiers.pages import fingerprint
+from worker.protocol import ErrorCode, GenRequest, OutItem, Registration, RequestError, SamplingParams
+from worker.server.decode_side import DecodeSide
 from worker.server.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, HANDOFF_MESSAGE, Drain
 from worker.server.inflight import InFlight, InFlightTable
 from worker.server.link_auth import LinkAuth
 from worker.server.memory import MemoryReport, TrimSchedule
-from worker.server.metrics import WorkerMetrics
+from worker.server.metrics import DISAGG_FALLBACKS, WorkerMetrics
+from worker.server.prefill_links import PrefillLinks
+from worker.server.prefill_side import PrefillSide
 from worker.server.registry import Registrar
 from worker.server.stats_pulse import StatsPulse
 from worker.server.tracing import RequestSpans
@@ -48,6 +52,11 @@ class ServerConfig:
     model_version: str = ""
     model_spec: str = ""
     pool: str = ""
+    # disaggregated prefill (worker.server.prefill_side / decode_side): the role announced, and how long a decode
+    # worker waits for a prefill worker's next pages (stall) and for a whole transfer (lease) before prefilling itself
+    role: str = "both"
+    disagg_stall_s: float = 5.0
+    disagg_lease_s: float = 60.0
 
 
 def advertised_endpoint(bound: str) -> str:
@@ -80,6 +89,11 @@ class WorkerServer:
         self.metrics = WorkerMetrics(engine)
         self.spans = RequestSpans(engine, self.metrics)  # traced requests only: a no-op without a tracer provider
         self._promises = KvPromises(engine.cache, engine.config.block_size) if engine.cache is not None else None
+        fp = fingerprint(engine.model_id, engine.tokenizer_version, engine.runner.kv)
+        self.prefill = PrefillSide(engine, self.table, self._send_parts, config.role, fp)
+        links = PrefillLinks(self.ctx, config.cluster_key, config.worker_id or "")
+        self.decode = DecodeSide(engine, links, self._add_to_engine, self._deliver, fp, config.disagg_stall_s,
+                                 config.disagg_lease_s)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -108,15 +122,17 @@ class WorkerServer:
             reg = Registration(worker_id=self.worker_id, endpoint=self.endpoint, model=self.engine.model_id,
                                version=proto.PROTOCOL_VERSION, started_at=time.time(),
                                model_version=self.config.model_version, tokenizer=self.engine.tokenizer_version,
-                               spec=self.config.model_spec, pool=self.config.pool)
+                               spec=self.config.model_spec, pool=self.config.pool, role=self.config.role)
             self._registrar = Registrar(self.config.redis_url, reg)
             self._registrar.start()
 
-    def run(self) -> int:
-        """Serve until a drain completes; returns the process exit code (0)."""
+    def run(self, signals: bool = True) -> int:
+        """Serve until a drain completes; returns the process exit code (0). `signals`: SIGTERM/SIGINT start the
+        drain (only the main thread may install them: in-process tests pass False and call `drain.start`)."""
         if not self.endpoint:
             self.bind()
-        self.drain.install_signal_handlers()
+        if signals:
+            self.drain.install_signal_handlers()
         self.register()
         self._pulse = StatsPulse(self.sock, self.config.stats_interval)
         self.engine.prepare_grammars()  # not inside a tenant's first constrained request: see GrammarCache.warm
@@ -131,6 +147,7 @@ class WorkerServer:
         if self._registrar is not None:
             self._registrar.stop()
         self._send_stats()  # last word: draining=true
+        self.decode.close()
         self.engine.close()
         self.sock.close()
         if self._auth is not None:
@@ -144,6 +161,7 @@ class WorkerServer:
         engine = self.engine
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        self.decode.links.poller = poller  # pages from prefill workers wake the loop too
         while True:
             if engine.ready():
                 self._drain_socket(poller, 0)
@@ -169,6 +187,8 @@ class WorkerServer:
     def _drain_socket(self, poller: zmq.Poller, timeout_ms: int) -> None:
         if not poller.poll(timeout_ms):
             return
+        if self.decode.links.links:
+            self.decode.drain()
         recv = self.sock.recv_multipart
         until = time.monotonic() + DRAIN_BUDGET_S
         for _ in range(MAX_FRAMES_PER_DRAIN):
@@ -191,6 +211,11 @@ class WorkerServer:
             self._send_stats_to(ident)  # a new gateway learns our state at once
         try:
             frame = proto.decode_gateway_frame(data, self.max_prompt_tokens)
+        except proto.TransferFrameError as exc:
+            log.warning("dropping bad prefill frame from %r: %s", ident[:64], exc.message)
+            if exc.xid is not None:
+                self._send(ident, proto.encode_kv_error(exc.xid, "bad_request", exc.message))
+            return
         except proto.ProtocolError as exc:
             if exc.rid is None:
                 log.warning("dropping bad frame from gateway %r: %s", ident[:64], exc.message)
@@ -202,11 +227,16 @@ class WorkerServer:
             self._admit(ident, frame)
         elif isinstance(frame, proto.Sync):
             self._send_stats_to(ident)
+        elif isinstance(frame, proto.PrefillRequest):
+            self.prefill.admit(ident, frame, self.drain.active)
+        elif isinstance(frame, proto.PrefillAbort):
+            self.prefill.abort(ident, frame.xid)
         elif isinstance(frame, proto.Abort):
             entry = self.table.find(ident, frame.rid)
             if entry is not None and not entry.client_aborted:
                 entry.client_aborted = True
                 if not self.engine.abort(entry.engine_rid):
+                    self.decode.cancel(entry.engine_rid)  # it may be waiting for its pages
                     self.table.remove(entry.engine_rid)
         # Hello: being seen is all it does
 
@@ -226,20 +256,39 @@ class WorkerServer:
             self._send(ident, proto.encode_err(req.rid, ErrorCode.BAD_REQUEST, f"bad sampling: {exc}", False))
             return
         entry = self.table.add(ident, req.rid, req.deadline, time.monotonic())
+        if req.prefill is not None:  # disaggregated: pages come from the hinted prefill worker
+            local_reason = self.decode.start(entry, req, sampling)
+            if local_reason is None:
+                return
+            DISAGG_FALLBACKS.labels(local_reason).inc()
+        self._add_to_engine(entry, req, req.tokens.tolist(), sampling, req.resumed)
+
+    def _add_to_engine(self, entry: InFlight, req: GenRequest, tokens: list[int], sampling: SamplingParams,
+                       resumed: int) -> bool:
+        """Hand an admitted request to the engine; False (the gateway told why) when the engine refuses it."""
         try:  # the engine validates sampling against the vocabulary, token ids and the context length
-            self.engine.add_request(entry.engine_rid, req.tokens.tolist(), sampling, priority=req.priority,
-                                    namespace=req.ns, fkey=req.fkey, weight=req.weight, resumed=req.resumed)
+            self.engine.add_request(entry.engine_rid, tokens, sampling, priority=req.priority,
+                                    namespace=req.ns, fkey=req.fkey, weight=req.weight, resumed=resumed)
             self.metrics.admitted(entry.engine_rid, req.fkey or req.ns)
             self.spans.admitted(entry.engine_rid, req.traceparent)
             if self._promises is not None:  # gateways learn the placement now, not after the prefill
-                self._promises.promise(entry.engine_rid, req.ns, req.tokens)
+                self._promises.promise(entry.engine_rid, req.ns, tokens)
+            return True
         except RequestError as exc:
             self.table.remove(entry.engine_rid)
-            self._send(ident, proto.encode_err(req.rid, exc.code, exc.message, exc.retryable))
+            self._send(entry.ident, proto.encode_err(req.rid, exc.code, exc.message, exc.retryable))
         except Exception:
             log.exception("internal error admitting request %s", req.rid, extra={"request_id": req.rid})
             self.table.remove(entry.engine_rid)
-            self._send(ident, proto.encode_err(req.rid, ErrorCode.INTERNAL, "internal error admitting the request", True))
+            self._send(entry.ident, proto.encode_err(req.rid, ErrorCode.INTERNAL,
+                                                     "internal error admitting the request", True))
+        return False
+
+    def _deliver(self, entry: InFlight, item: OutItem) -> None:
+        """Send one request's output outside a step (a disaggregated request's first token)."""
+        if item.finish_reason is not None:
+            self.table.remove(entry.engine_rid)
+        self._send(entry.ident, proto.encode_out([item], time.time()))
 
     def _step(self) -> None:
         started = time.monotonic()
@@ -257,6 +306,8 @@ class WorkerServer:
                 self._pulse.disarm()
         self.spans.stepped(outputs, started)  # first: it reads the timing the metrics drop at a first output
         self.metrics.stepped(outputs, started)
+        if self.prefill.jobs:
+            outputs = self.prefill.stepped(outputs)  # pages and first tokens go to decode workers
         per_gateway: dict[bytes, list[OutItem]] = {}
         table = self.table
         for out in outputs:
@@ -292,6 +343,8 @@ class WorkerServer:
         for entry in self.table.past_deadline(time.time()):
             log.info("request %s passed its deadline", entry.rid, extra={"request_id": entry.rid})
             self._end(entry, ErrorCode.CAPACITY, "deadline exceeded", retryable=True)
+        if self.decode.leases or self.decode.links.links:
+            self.decode.housekeeping(now)
         self._trim.maybe_trim(now)
         self._memory_report.maybe_report(now)
         self.spans.forget_gone()
@@ -299,6 +352,8 @@ class WorkerServer:
     def _abort_quietly(self, engine_rid: str) -> None:
         """Stop a request whose owner will hear nothing more about it (its final output is ignored)."""
         self.table.remove(engine_rid)
+        self.prefill.forget(engine_rid)
+        self.decode.cancel(engine_rid)
         try:
             self.engine.abort(engine_rid)
         except Exception:
@@ -315,8 +370,12 @@ class WorkerServer:
     # ------------------------------------------------------------ sending
 
     def _send(self, ident: bytes, payload: bytes) -> None:
+        self._send_parts(ident, [payload])
+
+    def _send_parts(self, ident: bytes, parts: list) -> None:
+        """One message to `ident`; large parts (page rows) go without a copy."""
         try:
-            self.sock.send_multipart([ident, payload], zmq.NOBLOCK)
+            self.sock.send_multipart([ident, *parts], zmq.NOBLOCK, copy=len(parts) == 1)
         except zmq.Again:
             log.warning("gateway %r is not reading (queue full): frame dropped", ident[:64])
         except zmq.ZMQError as exc:
@@ -340,7 +399,8 @@ class WorkerServer:
         return proto.encode_stats(proto.WorkerStats(
             worker_id=self.worker_id, queue=int(s.num_waiting), running=int(s.num_running),
             kv_free=int(s.kv_free_tokens), kv_total=int(s.kv_total_tokens), hit_rate=float(s.prefix_hit_rate),
-            draining=self.drain.active, model=str(self.engine.model_id), version=proto.PROTOCOL_VERSION, kv=kv))
+            draining=self.drain.active, model=str(self.engine.model_id), version=proto.PROTOCOL_VERSION, kv=kv,
+            role=self.config.role))
 
     def _send_stats(self) -> None:
         self._next_stats = time.monotonic() + self.config.stats_interval

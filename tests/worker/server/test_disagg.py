@@ -1,0 +1,80 @@
+"""Disaggregated prefill between two real worker servers: the decode worker leases pages, the prefill worker pushes
+them, and greedy output matches a worker doing both; pages all return to their pools."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.worker.server.disagg_harness import BS, Gateway, ServerThread, reference, zmq_context
+from worker.model.tiny_model import load_tiny_model
+from worker.protocol import PrefillHint, SamplingParams
+from worker.server import metrics as m
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_tiny_model(dtype="float32", device="cpu")
+
+
+@pytest.fixture()
+def pair(tiny):
+    prefill, decode = ServerThread(tiny, role="prefill"), ServerThread(tiny, role="decode")
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 200, (n,), generator=g).tolist()
+
+
+def test_disaggregated_greedy_matches_colocated_and_frees_pages(tiny, pair) -> None:
+    prefill, decode = pair
+    hint = PrefillHint("prefill-w", prefill.endpoint)
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
+    done = m.DISAGG_TRANSFERS.labels("complete")._value.get()
+    with zmq_context() as ctx:
+        gw = Gateway(ctx, decode.endpoint)
+        toks = prompt(1, 5 * BS + 7)
+        out, finish, items = gw.generate("r1", toks, sampling, hint)
+        assert out == reference(tiny, toks, sampling) and finish == "length"
+        assert items[0].logprobs is not None and len(items[0].logprobs) == len(items[0].tokens) == 1
+        # a second prompt sharing three blocks: the decode worker holds them and leases only the rest
+        toks2 = toks[:3 * BS] + prompt(2, 40)
+        out2, _, items2 = gw.generate("r2", toks2, sampling, hint)
+        assert out2 == reference(tiny, toks2, sampling)
+        assert items2[0].cached_tokens >= 3 * BS
+        gw.close()
+    assert m.DISAGG_TRANSFERS.labels("complete")._value.get() == done + 2
+    assert decode.idle() and prefill.idle()
+    # the pushed pages are the decode worker's cache now: the whole prompt's full blocks
+    assert decode.engine.cache.peek(b"ns", toks[:5 * BS]) == 5 * BS
+
+
+def test_first_token_ends_a_one_token_request(tiny, pair) -> None:
+    prefill, decode = pair
+    with zmq_context() as ctx:
+        gw = Gateway(ctx, decode.endpoint)
+        toks = prompt(3, 3 * BS + 1)
+        sampling = SamplingParams(max_tokens=1, ignore_eos=True)
+        out, finish, _ = gw.generate("one", toks, sampling, PrefillHint("prefill-w", prefill.endpoint))
+        assert out == reference(tiny, toks, sampling) and finish == "length"
+        gw.close()
+    assert decode.idle() and prefill.idle()
+
+
+def test_short_prompt_or_cached_prompt_prefills_locally(tiny, pair) -> None:
+    prefill, decode = pair
+    before = m.DISAGG_FALLBACKS.labels("short")._value.get()
+    with zmq_context() as ctx:
+        gw = Gateway(ctx, decode.endpoint)
+        toks = prompt(4, BS - 3)  # no full block: nothing to transfer
+        sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+        out, _, _ = gw.generate("short", toks, sampling, PrefillHint("prefill-w", prefill.endpoint))
+        assert out == reference(tiny, toks, sampling)
+        gw.close()
+    assert m.DISAGG_FALLBACKS.labels("short")._value.get() == before + 1
+    assert not prefill.engine.stats().prompt_tokens  # the prefill worker never saw it
