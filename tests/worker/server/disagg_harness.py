@@ -13,7 +13,7 @@ import zmq
 
 from worker import protocol as proto
 from worker.config import EngineConfig
-from worker.engine.core import Engine
+from worker.engine.core import DEFAULT_NAMESPACE, Engine
 from worker.protocol import PrefillHint, SamplingParams
 from worker.server.serve import ServerConfig, WorkerServer
 
@@ -68,6 +68,9 @@ class Gateway:
                  timeout: float = 30.0) -> tuple[list[int], str | None, list]:
         """(tokens, finish reason, out items) of one request; raises on an err frame."""
         self.sock.send(proto.encode_gen(rid, b"ns", tokens, sampling, prefill=hint))
+        return self.collect(rid, timeout)
+
+    def collect(self, rid: str, timeout: float = 30.0) -> tuple[list[int], str | None, list]:
         toks: list[int] = []
         items = []
         until = time.monotonic() + timeout
@@ -105,7 +108,7 @@ def prefix_rows(model, tokens: list[int]) -> torch.Tensor:
     try:
         engine.generate([tokens], SamplingParams(max_tokens=1))
         n = len(tokens) // BS * BS
-        match = engine.cache.match_prefix(b"ns", tokens[:n])
+        match = engine.cache.match_prefix(DEFAULT_NAMESPACE, tokens[:n])
         rows = engine.exports.codec.read(match.pages)
         engine.cache.unlock(match.handle)
         engine.pool.release(match.pages)

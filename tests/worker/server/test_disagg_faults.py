@@ -1,0 +1,162 @@
+"""Disaggregated prefill faults, against a scripted fake prefill worker: a stall, stray and malformed frames, a
+prefill worker that dies after some pages, a client abort and a refused fingerprint. No request is lost, the
+pages that arrived in order are kept, and every page returns to the decode worker's pool."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from tests.worker.server.disagg_harness import BS, FakePrefill, Gateway, ServerThread, prefix_rows, reference, \
+    zmq_context
+from worker import protocol as proto
+from worker.model.tiny_model import load_tiny_model
+from worker.protocol import KvChunk, PrefillHint, SamplingParams
+from worker.server import metrics as m
+
+SAMPLING = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_tiny_model(dtype="float32", device="cpu")
+
+
+@pytest.fixture()
+def decode(tiny):
+    server = ServerThread(tiny, role="decode", disagg_stall_s=0.5)
+    yield server
+    server.stop()
+
+
+def prompt(seed: int, blocks: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 200, (blocks * BS + 5,), generator=g).tolist()
+
+
+def count(metric, label: str) -> float:
+    return metric.labels(label)._value.get()
+
+
+def chunk(pf: dict, first: int, rows: np.ndarray | None, dest=None) -> list[bytes]:
+    n = 0 if rows is None else len(rows)
+    at = first - pf["skip"]
+    dest = np.frombuffer(pf["dest"], dtype="<i4")[at:at + n] if dest is None else dest
+    header = proto.encode_kv_header(KvChunk(pf["xid"], first, dest, pf["pb"], None))
+    return [header, b"" if rows is None else rows.tobytes()]
+
+
+def run_against(fake: FakePrefill, decode: ServerThread, rid: str, toks: list[int], script) -> list[int]:
+    """Send the request to the decode worker hinted at `fake`; `script(ident, pf)` plays the prefill side."""
+    with zmq_context() as ctx:
+        gw = Gateway(ctx, decode.endpoint)
+        gw.sock.send(proto.encode_gen(rid, b"ns", toks, SAMPLING, prefill=PrefillHint("fake", fake.endpoint)))
+        ident, pf = fake.next_prefill()
+        script(ident, pf)
+        out, finish, _ = gw.collect(rid)
+        gw.close()
+    assert finish == "length"
+    return out
+
+
+def test_stalled_prefill_worker_falls_back_and_frees_pages(tiny, decode) -> None:
+    fake = FakePrefill(zmq.Context.instance())
+    stalls = count(m.DISAGG_FALLBACKS, "stall")
+    toks = prompt(1, 4)
+    out = run_against(fake, decode, "stall", toks, lambda ident, pf: None)  # never answers
+    assert out == reference(tiny, toks, SAMPLING)
+    assert count(m.DISAGG_FALLBACKS, "stall") == stalls + 1
+    assert decode.idle()
+    fake.close()
+
+
+def test_stray_frame_is_dropped_and_malformed_chunk_ends_only_its_transfer(tiny, decode) -> None:
+    fake = FakePrefill(zmq.Context.instance())
+    stray, malformed = m.DISAGG_STRAY._value.get(), count(m.DISAGG_FALLBACKS, "malformed")
+    toks = prompt(2, 4)
+
+    def script(ident: bytes, pf: dict) -> None:
+        unknown = dict(pf, xid="not-a-transfer")
+        fake.send(ident, *chunk(unknown, pf["skip"], None))
+        fake.send(ident, *chunk(pf, pf["skip"], np.zeros((1, pf["pb"]), np.uint8), dest=np.array([999_999], "<i4")))
+
+    out = run_against(fake, decode, "bad", toks, script)
+    assert out == reference(tiny, toks, SAMPLING)
+    assert m.DISAGG_STRAY._value.get() == stray + 1
+    assert count(m.DISAGG_FALLBACKS, "malformed") == malformed + 1
+    assert decode.idle()
+    fake.close()
+
+
+def test_prefill_worker_dying_midway_keeps_the_pages_that_arrived(tiny, decode) -> None:
+    ctx = zmq.Context()
+    fake = FakePrefill(ctx)
+    lost = count(m.DISAGG_FALLBACKS, "prefill_lost")
+    toks = prompt(3, 5)
+    rows = prefix_rows(tiny, toks).numpy()
+    computed = decode.engine.stats().prefill_tokens_computed
+
+    def script(ident: bytes, pf: dict) -> None:
+        fake.send(ident, *chunk(pf, 0, rows[:2]))
+        time.sleep(0.2)
+        ctx.destroy(linger=0)  # the process is gone: its connection drops
+
+    out = run_against(fake, decode, "dies", toks, script)
+    assert out == reference(tiny, toks, SAMPLING)
+    assert count(m.DISAGG_FALLBACKS, "prefill_lost") == lost + 1
+    # the two pushed blocks were kept: only the rest of the prompt was computed here
+    assert decode.engine.stats().prefill_tokens_computed - computed == len(toks) - 2 * BS
+    assert decode.idle()
+
+
+def test_client_abort_during_a_transfer_frees_the_lease_and_tells_the_prefill_worker(tiny, decode) -> None:
+    fake = FakePrefill(zmq.Context.instance())
+    with zmq_context() as ctx:
+        gw = Gateway(ctx, decode.endpoint)
+        gw.sock.send(proto.encode_gen("ab", b"ns", prompt(4, 4), SAMPLING, prefill=PrefillHint("f", fake.endpoint)))
+        ident, pf = fake.next_prefill()
+        assert decode.engine.pool.num_free < decode.engine.pool.num_pages  # the lease holds pages
+        gw.sock.send(proto.encode_abort("ab"))
+        until = time.monotonic() + 5
+        got = None
+        while time.monotonic() < until and got is None:
+            if fake.sock.poll(100):
+                _, data = fake.sock.recv_multipart()
+                obj = msgpack.unpackb(data, raw=False)
+                got = obj if obj.get("t") == "pfabort" else None
+        assert got is not None and got["xid"] == pf["xid"]
+        gw.close()
+    assert decode.idle()
+    fake.close()
+
+
+def test_prefill_worker_refuses_a_mismatched_fingerprint(tiny) -> None:
+    prefill = ServerThread(tiny, role="prefill")
+    try:
+        with zmq_context() as ctx:
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(prefill.endpoint)
+            req = proto.PrefillRequest(xid="x1", ns=b"ns", tokens=np.arange(5, 5 + 3 * BS, dtype=np.int32),
+                                       sampling=SAMPLING.to_dict(), skip=0, dest=np.arange(3, dtype=np.int32),
+                                       fingerprint=b"\0" * 16, page_bytes=prefill.engine.exports.codec.page_bytes,
+                                       deadline=time.time() + 10)
+            sock.send(proto.encode_prefill(req))
+            reply = None
+            until = time.monotonic() + 5
+            while reply is None and time.monotonic() < until:
+                if sock.poll(100):
+                    try:
+                        reply = proto.decode_prefill_reply(sock.recv_multipart())
+                    except proto.TransferFrameError:
+                        continue  # its stats frame
+            assert reply is not None and reply.xid == "x1" and reply.reason == "incompatible"
+            sock.close(linger=0)
+        assert prefill.idle()
+    finally:
+        prefill.stop()
