@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--worker-id", help="registry id (default: <hostname>-<port>)")
     a("--model-version", help="version label announced in the registry (model pools: <model>@<version>)")
     a("--pool", help="traffic-class pool label announced in the registry, e.g. interactive or batch")
+    a("--role", choices=["both", "prefill", "decode"],
+      help="disaggregated prefill: both (default), prefill (prefills for decode workers only) or decode")
+    a("--disagg-stall-s", type=float, help="seconds without pages from a prefill worker before prefilling here")
+    a("--disagg-lease-s", type=float, help="bound of one whole page transfer from a prefill worker")
     a("--redis-url", help="register in this Redis (env SWITCHYARD_REDIS_URL)")
     a("--drain-timeout", type=float, help="seconds to finish running requests after SIGTERM")
     a("--drain-handoff", type=float,
@@ -119,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
                               drain_handoff=ws.drain_handoff if ws.drain_handoff >= 0 else None,
                               gateway_timeout=ws.gateway_timeout, stats_interval=ws.stats_interval,
                               cluster_key=settings.cluster_key(), model_version=ws.model_version,
-                              model_spec=ws.model, pool=ws.pool)
+                              model_spec=ws.model, pool=ws.pool, role=ws.role, disagg_stall_s=ws.disagg_stall_s,
+                              disagg_lease_s=ws.disagg_lease_s)
     loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,
                       device=None if ws.device == "auto" else ws.device, quantization=ws.quantization)
     engine = Engine(loaded, engine_config(ws))

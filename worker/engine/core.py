@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from concurrent.futures import Future
 
 import torch
 
@@ -16,7 +15,7 @@ from worker.config import EngineConfig
 from worker.engine.errors import RequestError, bad_request
 from worker.engine.export import PageExport
 from worker.engine.fairness import check_fair_params
-from worker.engine.grammar_wait import CompileWait
+from worker.engine.grammar_wait import CompileWait, ready_state, replay_output
 from worker.engine.outputs import EngineStats, StepOutput
 from worker.engine.restore import make_restorer
 from worker.engine.runner import ModelRunner, StepResult
@@ -30,7 +29,7 @@ from worker.kvcache.tensors import num_pages_for
 from worker.kvcache.tiers.pages import PageCodec
 from worker.model.loader import LoadedModel
 from worker.protocol import SamplingParams
-from worker.sample.grammar import BatchMasker, CompiledGrammar, GrammarCache, GrammarState, grammar_tokenizer
+from worker.sample.grammar import BatchMasker, GrammarCache, grammar_tokenizer
 
 __all__ = ["DEFAULT_NAMESPACE", "Engine", "EngineStats", "Priority", "StepOutput"]
 
@@ -91,7 +90,7 @@ class Engine:
             self._compile_wait().submit(sampling.grammar, namespace)
         if compiling is not None and self.runner.masker is None:
             self.runner.masker = BatchMasker(self.vocab_size)  # steps without grammar rows never build masks
-        grammar = _ready_state(compiling)
+        grammar = ready_state(compiling)
         stops = set(sampling.stop_token_ids)
         if not sampling.ignore_eos or compiling is not None:  # a grammar ends with EOS whatever ignore_eos says
             stops.add(self.tokenizer.eos_token_id)
@@ -102,7 +101,7 @@ class Engine:
         cfg = self.config
         if cfg.spec_tokens and cfg.spec_max_batch and compiling is None and speculation_allowed(sampling):
             seq.ngram = NgramIndex(cfg.spec_ngram_min, cfg.spec_ngram_max)
-        if grammar is not None and not _replay_output(seq):
+        if grammar is not None and not replay_output(seq):
             raise bad_request("the resumed tokens do not fit the request's grammar", "resumed")
         self._arrivals += 1
         self._prompt_tokens += len(token_ids)
@@ -152,7 +151,7 @@ class Engine:
         """Schedule the requests whose grammar compiled; end those whose compile failed or timed out."""
         ready, failed = self._grammars.settle()  # type: ignore[union-attr]
         for seq in ready:
-            if _replay_output(seq):
+            if replay_output(seq):
                 self.scheduler.add(seq)
             else:
                 failed.append((seq.rid, bad_request("the resumed tokens do not fit the request's grammar",
@@ -386,16 +385,3 @@ class Engine:
     def is_running(self, rid: str) -> bool:
         seq = self._seqs.get(rid)
         return seq is not None and seq.status != SeqStatus.FINISHED
-
-
-def _ready_state(future: Future[CompiledGrammar] | None) -> GrammarState | None:
-    """A new matcher when the compile is already done and good (a cache hit); None otherwise."""
-    if future is None or not future.done() or future.cancelled() or future.exception() is not None:
-        return None
-    return future.result().new_state()
-
-
-def _replay_output(seq: Sequence) -> bool:
-    """Advance a resumed request's grammar over the output it already has; False if the grammar refuses it."""
-    return all(seq.grammar.accept(tok) for tok in seq.tokens[seq.prompt_len:])  # type: ignore[union-attr]
-

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from worker.engine.errors import RequestError, bad_request
 from worker.engine.sequence import Sequence
 from worker.protocol.grammar_spec import GrammarError
-from worker.sample.grammar import CacheKey, CompiledGrammar, GrammarBusy, GrammarCache
+from worker.sample.grammar import CacheKey, CompiledGrammar, GrammarBusy, GrammarCache, GrammarState
 
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # llguidance compiles a schema in milliseconds; this bounds a pathological one
 
@@ -106,3 +106,16 @@ def _compile_error(future: concurrent.futures.Future[CompiledGrammar]) -> Reques
     if isinstance(error, GrammarError):
         return bad_request(error.message, error.param)
     return RequestError("internal", "grammar compilation failed", retryable=False)
+
+
+def ready_state(future: concurrent.futures.Future[CompiledGrammar] | None) -> GrammarState | None:
+    """A new matcher when the compile is already done and good (a cache hit); None otherwise."""
+    if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+        return None
+    return future.result().new_state()
+
+
+def replay_output(seq: Sequence) -> bool:
+    """Advance a resumed request's grammar over the output it already has; False if the grammar refuses it."""
+    return all(seq.grammar.accept(tok) for tok in seq.tokens[seq.prompt_len:])  # type: ignore[union-attr]
+

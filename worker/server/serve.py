@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from dataclasses import dataclass
 
 import zmq
 
@@ -25,6 +24,7 @@ from worker.server.metrics import DISAGG_FALLBACKS, WorkerMetrics
 from worker.server.prefill_links import PrefillLinks
 from worker.server.prefill_side import PrefillSide
 from worker.server.registry import Registrar
+from worker.server.server_config import ServerConfig, advertised_endpoint
 from worker.server.stats_pulse import StatsPulse
 from worker.server.tracing import RequestSpans
 
@@ -35,36 +35,6 @@ MAX_FRAME_BYTES = 16 << 20
 MAX_FRAMES_PER_DRAIN = 4096  # bound one drain so that a flood cannot starve the running streams
 DRAIN_BUDGET_S = 0.05  # ... and its time: the loop gets back to steps and stats at least this often
 COMPILE_POLL_S = 0.005  # idle wait while only grammar compiles are pending
-
-
-@dataclass(slots=True)
-class ServerConfig:
-    bind: str = "tcp://127.0.0.1:5555"
-    advertise: str | None = None
-    worker_id: str | None = None
-    redis_url: str | None = None
-    drain_timeout: float = 30.0
-    drain_handoff: float | None = 1.0  # seconds into a drain to hand running streams over; None: never
-    gateway_timeout: float = 5.0
-    stats_interval: float = 0.1
-    cluster_key: str | None = None  # z85 CURVE secret key; None: plain TCP, loopback binds only
-    # announced in the registration (model pools): version label, spec gateways load the tokenizer from, pool label
-    model_version: str = ""
-    model_spec: str = ""
-    pool: str = ""
-    # disaggregated prefill (worker.server.prefill_side / decode_side): the role announced, and how long a decode
-    # worker waits for a prefill worker's next pages (stall) and for a whole transfer (lease) before prefilling itself
-    role: str = "both"
-    disagg_stall_s: float = 5.0
-    disagg_lease_s: float = 60.0
-
-
-def advertised_endpoint(bound: str) -> str:
-    """The endpoint gateways should dial: the bound one, with a wildcard host replaced by this host's name."""
-    for wildcard in ("tcp://0.0.0.0:", "tcp://*:"):
-        if bound.startswith(wildcard):
-            return "tcp://" + socket.gethostname() + ":" + bound[len(wildcard):]
-    return bound
 
 
 class WorkerServer:
