@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and capacity gate; `model` names a version, a model or an alias (docs/routing.md)")
     parser.add_argument("--max-resumes", dest="max_resumes", type=int,
                         help="times a stream that lost its worker carries on on another one (default 2; 0: never)")
+    parser.add_argument("--disagg-min-tokens", dest="disagg_min_tokens", type=int,
+                        help="disaggregated prefill: prompt tokens the decode worker lacks at least, for the "
+                             "prefill to run on a prefill worker (default 512)")
+    parser.add_argument("--disagg-max-prefill-queue", dest="disagg_max_prefill_queue", type=int,
+                        help="disaggregated prefill: a prefill worker with more queued, running and unacknowledged "
+                             "prefills than this is busy (default 4)")
     parser.add_argument("--log-level", dest="log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--log-format", dest="log_format", choices=["json", "text"],
                         help="log lines as JSON objects (default) or text")
@@ -72,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def overrides_from_args(args: argparse.Namespace) -> dict:
     names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "keep_alive_timeout",
              "worker_timeout", "worker_stall_timeout", "log_level", "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
-             "route_prefix_tokens", "max_resumes", "model_pools")
+             "route_prefix_tokens", "max_resumes", "model_pools", "disagg_min_tokens", "disagg_max_prefill_queue")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:
         values["metrics_tenant_labels"] = [t.strip() for t in args.metrics_tenant_labels.split(",") if t.strip()]
@@ -153,13 +159,14 @@ def build_app(settings: Settings):
 
 
 def _router(gw, membership, tokenizer_version: str):  # noqa: ANN001, ANN202 - settings and router types load late
-    from router import Router
+    from router import DisaggRule, Router
     from worker.protocol import Priority
 
     classes = {Priority.parse(c): label for c, label in gw.class_pools.items()}
     return Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens,
                   epsilon=gw.route_epsilon, footprint_epsilon=gw.route_footprint_epsilon, block_size=gw.block_size,
-                  tokenizer_version=tokenizer_version, max_resumes=gw.max_resumes, class_pools=classes)
+                  tokenizer_version=tokenizer_version, max_resumes=gw.max_resumes, class_pools=classes,
+                  disagg=DisaggRule(gw.disagg_min_tokens, gw.disagg_max_prefill_queue))
 
 
 def _capacity_gate(gw, router):  # noqa: ANN001, ANN202

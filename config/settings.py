@@ -27,6 +27,11 @@ class WorkerSettings(BaseModel):
     # model pools: the version label and traffic-class pool label this worker announces in its registration
     model_version: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")
     pool: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")
+    # disaggregated prefill (docs/disaggregation.md): both serves gateways and prefills itself; prefill only
+    # prefills for decode workers; decode serves gateways and takes pages from prefill workers when told to
+    role: Literal["both", "prefill", "decode"] = "both"
+    disagg_stall_s: float = Field(5.0, gt=0)  # no pages from the prefill worker for this long: prefill here
+    disagg_lease_s: float = Field(60.0, gt=0)  # a whole transfer's bound (the leased pages free after it)
     drain_timeout: float = Field(30.0, gt=0)
     # SIGTERM: after this many seconds running streams are handed over (the gateways resume them on other
     # workers); negative: never (a single-worker deployment: they finish here within drain_timeout)
@@ -119,6 +124,11 @@ class GatewaySettings(BaseModel):
     # priority class -> preferred worker pool label; a request spills to other pools under the load bound
     class_pools: dict[Literal["interactive", "batch"], str] = Field(
         default_factory=lambda: {"interactive": "interactive", "batch": "batch"})
+    # disaggregated prefill (docs/routing.md): a request's prefill runs on a prefill-role worker when its decode
+    # worker lacks at least disagg_min_tokens of the prompt and a prefill worker has at most
+    # disagg_max_prefill_queue prefills queued, running or sent by this gateway and not yet acknowledged
+    disagg_min_tokens: int = Field(512, ge=1)
+    disagg_max_prefill_queue: int = Field(4, ge=0)
 
 
 class Settings(BaseSettings):

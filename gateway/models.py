@@ -186,7 +186,7 @@ class FleetPools:
         label: str | None = self.class_pools.get(priority) if priority is not None else None
         if label is not None:
             pool_of = router.membership.pool_of
-            labels = {pool_of(w) for w in router.membership.member_ids()}
+            labels = {pool_of(w) for w in router.member_ids()}  # prefill-role workers take no requests
             if label not in labels or len(labels) == 1:
                 label = None
         found = self._gates.get((key, label))

@@ -6,6 +6,7 @@ The package face: callers import from `router`, not from its modules.
 from router.alias_table import ALIASES_KEY, AliasTable
 from router.aliases import Alias, encode_alias, parse_alias, sticky_key, weighted_pick
 from router.client import WorkerClient, WorkerError
+from router.disagg import DisaggRule
 from router.dispatch import Router, RouteRequest
 from router.fleet import Fleet
 from router.membership import Member, Membership, StatsEvent
@@ -42,6 +43,7 @@ __all__ = [
     "FALLBACK_INCOMPATIBLE",
     "FALLBACK_LOAD",
     "Choice",
+    "DisaggRule",
     "Member",
     "Membership",
     "NoWorkerAvailable",

@@ -23,6 +23,7 @@ from worker.protocol import (
     ErrorCode,
     OutFrame,
     OutItem,
+    PrefillHint,
     Priority,
     ProtocolError,
     SamplingParams,
@@ -181,8 +182,10 @@ class WorkerClient:
 
     async def generate(self, rid: str, ns: bytes, tokens: Any, sampling: SamplingParams,
                        priority: Priority = Priority.INTERACTIVE, deadline: float = 0.0, *, fkey: bytes = b"",
-                       weight: float = 1.0, resumed: int = 0, traceparent: str = "") -> AsyncIterator[OutItem]:
-        """Stream a request's tokens (the `gen` goes out on the first iteration).
+                       weight: float = 1.0, resumed: int = 0, traceparent: str = "",
+                       prefill: PrefillHint | None = None) -> AsyncIterator[OutItem]:
+        """Stream a request's tokens (the `gen` goes out on the first iteration). `prefill`: the worker receives
+        the prompt's pages from that prefill worker instead of computing them (disaggregated prefill).
 
         Raises WorkerError; leaving the iterator early sends `abort` to the worker.
         """
@@ -197,7 +200,7 @@ class WorkerClient:
         ended = False
         try:
             self._send_soon(encode_gen(rid, ns, tokens, sampling, priority, deadline, fkey, weight, resumed,
-                                       traceparent))
+                                       traceparent, prefill))
             while True:
                 if queue.empty():
                     try:

@@ -17,6 +17,7 @@ import numpy as np
 from router import metrics
 from router.class_pools import SPILL, outside_pool, over_bound
 from router.client import LinkError, WorkerError
+from router.disagg import Disaggregation, DisaggRule, member_role, prompt_len
 from router.holders import InFlightPrefixes, PrefixHolders
 from router.kv_view import KvView
 from router.load import LoadTracker
@@ -31,7 +32,7 @@ from router.policy import (
     RoutingPolicy,
 )
 from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, cache_key_route, key_span, prefix_key
-from worker.protocol import ErrorCode, OutItem, Priority, SamplingParams
+from worker.protocol import ErrorCode, OutItem, PrefillHint, Priority, SamplingParams
 from worker.protocol.trace_context import traceparent, tracer
 
 FALLBACK_FAILOVER = "failover"
@@ -79,6 +80,7 @@ class Router:
         rng: random.Random | None = None,
         tokenizer_version: str | None = None,
         class_pools: dict[Priority, str] | None = None,
+        disagg: DisaggRule | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must be non-empty bytes")
@@ -95,6 +97,8 @@ class Router:
         self.sending = InFlightPrefixes()  # this gateway's placements not yet reported by their workers
         self.kv = KvView(block_size=block_size, tokenizer_version=tokenizer_version, clock=membership.clock,
                          request_sync=lambda mid: membership.client(mid).request_sync())
+        # prefill-role workers: off the ring, never sent a gen; offered to decode workers for long prefills
+        self.disagg = Disaggregation(membership, disagg or DisaggRule(), self.kv.refused)
         self._precision: list[PrecisionListener] = []
         membership.on_join(self._joined)
         membership.on_leave(self._left)
@@ -110,12 +114,18 @@ class Router:
         await self.membership.close()
 
     def live(self) -> list[str]:
-        """Workers that may take new requests now."""
-        return [w for w in self.membership.live() if not self.kv.refused(w)]
+        """Workers that may take new requests now (prefill-role workers take none)."""
+        pf = self.disagg.ids
+        return [w for w in self.membership.live() if not self.kv.refused(w) and w not in pf]
 
     def reporting(self) -> list[Member]:
-        """Workers with current stats, live or draining (what capacity admission counts)."""
-        return [m for m in self.membership.reporting() if not self.kv.refused(m.member_id)]
+        """Workers with current stats, live or draining (what capacity admission counts; not prefill-role ones)."""
+        pf = self.disagg.ids
+        return [m for m in self.membership.reporting() if not self.kv.refused(m.member_id) and m.member_id not in pf]
+
+    def member_ids(self) -> list[str]:
+        """Known workers that take requests while live: every member but the prefill-role ones (the ring's)."""
+        return sorted(self.policy.members)
 
     def on_precision(self, listener: PrecisionListener) -> None:
         """Call `listener(rid, worker, predicted, actual)` with each request's predicted and reported cached tokens."""
@@ -140,10 +150,11 @@ class Router:
                 self._observed(StatsEvent(mid, member.stats, member.stats_at))
 
     def _joined(self, mid: str) -> None:
-        self.policy.add(mid)
+        self.disagg.place(mid, member_role(self.membership.member(mid)), self.policy)  # on the ring unless prefill
 
     def _left(self, mid: str) -> None:
         self.policy.remove(mid)
+        self.disagg.forget(mid)
         self.loads.forget(mid)
         self.holders.forget(mid)
         self.kv.forget(mid)
@@ -151,6 +162,8 @@ class Router:
 
     def _observed(self, event: StatsEvent) -> None:
         mid, stats = event.member_id, event.stats
+        if self.disagg.place(mid, stats.role, self.policy):  # a role change moved it on or off the ring
+            self.holders.clear()  # every key returns to its ring position, as when a worker joins
         self.holders.set_capacity(mid, stats.kv_total)
         self.loads.on_stats(mid, stats, event.at)
         self.kv.observe(mid, stats)
@@ -223,7 +236,7 @@ class Router:
         key = self.key_for(req)
         # what a worker holds under `key` once it has prefilled this request
         span = key_span(req.tokens, req.stable_len, block_size=self.block_size, max_tokens=self.route_prefix_tokens)
-        matched = self.kv.matched(req.ns, req.tokens, self.policy.members)
+        matched = self.kv.matched(req.ns, req.tokens, self.policy.members | self.disagg.ids)
         exclude: frozenset[str] = frozenset()
         failed: WorkerError | None = None
         streamed: list[int] = []  # tokens the consumer has seen: a resumed attempt carries on after them
@@ -236,7 +249,7 @@ class Router:
                     raise failed from None
                 raise
             started = False
-            attempt = self._attempt(choice, req, key, span, matched.get(choice.worker_id), streamed)
+            attempt = self._attempt(choice, req, key, span, matched, streamed)
             try:
                 # aclosing: a consumer that stops early closes us, and we close the attempt at once
                 async with contextlib.aclosing(attempt) as chunks:
@@ -268,7 +281,7 @@ class Router:
                 exclude = exclude | {choice.worker_id}
 
     async def _attempt(self, choice: Choice, req: RouteRequest, key: bytes | None, span: int,
-                       reported: int | None, streamed: list[int]) -> AsyncIterator[OutItem]:
+                       matched: dict[str, int], streamed: list[int]) -> AsyncIterator[OutItem]:
         wid = choice.worker_id
         m = self.membership
         client = m.client(wid)
@@ -276,6 +289,7 @@ class Router:
         loop = asyncio.get_running_loop()
         hard_deadline = loop.time() + self._time_left(req)
         # what the worker reported holding; else what this gateway sent it (learned, in flight or not yet reported)
+        reported = matched.get(wid)
         predicted = reported if reported is not None else holders.expected_cached(wid, key)
         loads.add(wid, req.rid, req.cost, m.clock(), predicted)
         # Once this request is prefilled the worker holds its prefix: a request with the same key sent
@@ -285,9 +299,10 @@ class Router:
         metrics.REQUESTS.labels(wid).inc()
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         tokens = _with_streamed(req.tokens, streamed) if streamed else req.tokens
+        hint = self.disagg.choose(req.rid, prompt_len(tokens) - predicted, matched)  # decided afresh per attempt
         stream = client.generate(req.rid, req.ns, tokens, req.sampling, req.priority, req.deadline,
                                  fkey=req.fkey, weight=req.weight, resumed=len(streamed),
-                                 traceparent=_route_span(choice, predicted, len(streamed)))
+                                 traceparent=_route_span(choice, predicted, len(streamed), hint), prefill=hint)
         first = True
         cached = 0
         try:
@@ -297,6 +312,7 @@ class Router:
             async for chunk in stream:
                 if first:
                     first = False
+                    self.disagg.done(hint, req.rid)  # the prefill worker's part is over
                     loads.first_output(wid, req.rid, m.clock(), chunk.cached_tokens)
                     self._predicted(req.rid, wid, predicted, chunk.cached_tokens)
                     if chunk.cached_tokens > span:
@@ -311,6 +327,7 @@ class Router:
                 yield chunk
         finally:
             self.sending.remove(key, wid)
+            self.disagg.done(hint, req.rid)
             self._settle(wid, req.rid, cached)
             await stream.aclose()  # sends abort when the stream did not finish
 
@@ -336,7 +353,7 @@ class Router:
         return max(0.0, min(req.deadline - time.time() + DEADLINE_GRACE_S, self.max_stream_seconds))
 
 
-def _route_span(choice: Choice, predicted: int, resumed: int) -> str:
+def _route_span(choice: Choice, predicted: int, resumed: int, hint: PrefillHint | None) -> str:
     """Record the routing decision as a span (a child of the request's) and return its `traceparent` for the
     worker's spans; "" when tracing is off."""
     tr = tracer("switchyard.router")
@@ -345,6 +362,8 @@ def _route_span(choice: Choice, predicted: int, resumed: int) -> str:
     span = tr.start_span("route", attributes={
         "switchyard.worker": choice.worker_id, "switchyard.route.reason": choice.fallback or "home",
         "switchyard.route.predicted_cached_tokens": predicted, "switchyard.route.resumed_tokens": resumed})
+    if hint is not None:
+        span.set_attribute("switchyard.route.prefill_worker", hint.worker_id)
     span.end()
     return traceparent(span)
 
@@ -371,5 +390,6 @@ def _distinct(matched: dict[str, int], members: Iterable[str]) -> dict[str, int]
     to prefer anyone); empty when no worker holds more than the others."""
     if not matched:
         return {}
+    members = tuple(members)
     floor = min(matched.get(w, 0) for w in members)
-    return {w: t - floor for w, t in matched.items() if t > floor}
+    return {w: matched[w] - floor for w in members if matched.get(w, 0) > floor}

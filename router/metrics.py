@@ -1,4 +1,5 @@
-"""Prometheus collectors for routing decisions (`switchyard_router_*`), labelled by worker id or fallback reason.
+"""Prometheus collectors for routing decisions (`switchyard_router_*`, `switchyard_disagg_*`), labelled by worker id,
+fallback reason or outcome.
 
 Label sets stay bounded: a departed worker's series are removed, reasons are a fixed set, no tenant data appears.
 """
@@ -61,6 +62,18 @@ KV_SYNCS = Counter(
 REFUSED = Counter(
     "switchyard_router_refused_workers",
     "Workers refused for a block-hash contract unlike this gateway's, by field (block_size, hash, tokenizer)",
+    ["reason"],
+)
+
+DISAGG_REQUESTS = Counter(
+    "switchyard_disagg_requests",
+    "Routed attempts by where their prefill ran: remote (a prefill worker) or local (the decode worker itself)",
+    ["outcome"],
+)
+DISAGG_FALLBACKS = Counter(
+    "switchyard_disagg_fallbacks",
+    "Attempts prefilled locally although the pool has prefill workers, by reason (short, no_prefill_worker, "
+    "prefill_queue)",
     ["reason"],
 )
 

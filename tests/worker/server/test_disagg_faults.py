@@ -12,8 +12,15 @@ import pytest
 import torch
 import zmq
 
-from tests.worker.server.disagg_harness import BS, FakePrefill, Gateway, ServerThread, prefix_rows, reference, \
-    zmq_context
+from tests.worker.server.disagg_harness import (
+    BS,
+    FakePrefill,
+    Gateway,
+    ServerThread,
+    prefix_rows,
+    reference,
+    zmq_context,
+)
 from worker import protocol as proto
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import KvChunk, PrefillHint, SamplingParams
