@@ -127,3 +127,25 @@ def test_sigkill_of_the_prefill_worker_mid_transfer_loses_no_request(fleet) -> N
             _count(decode_url, "switchyard_worker_waiting_requests") > 0:
         assert time.monotonic() < until
         time.sleep(0.1)
+
+
+def test_a_restarted_prefill_worker_is_used_again(fleet) -> None:
+    stack, prefill, decode_metrics, key = fleet
+    if prefill.proc.poll() is None:
+        prefill.proc.kill()  # run alone: the kill test has not run
+    prefill.proc.wait(10)
+    logs = Path(tempfile.mkdtemp(prefix="sy-disagg-restart-"))
+    again = WorkerProc(logs, model="tiny-random", port=prefill.port,
+                       extra=[*WORKER, "--role", "prefill", "--max-num-batched-tokens", "64"])
+    try:
+        decode_url = f"http://127.0.0.1:{decode_metrics}"
+        done = _count(decode_url, "switchyard_worker_disagg_transfers_total", 'outcome="complete"')
+        until = time.monotonic() + 60
+        while True:  # the gateway reconnects and the decode worker's link reconnects to the same endpoint
+            complete(stack.base_url, key, prompt(int(time.monotonic() * 1000) % 10_000, 200))
+            if _count(decode_url, "switchyard_worker_disagg_transfers_total", 'outcome="complete"') > done:
+                break
+            assert time.monotonic() < until, "no transfer completed with the restarted prefill worker"
+            time.sleep(0.5)
+    finally:
+        again.stop()

@@ -167,3 +167,32 @@ def test_prefill_worker_refuses_a_mismatched_fingerprint(tiny) -> None:
         assert prefill.idle()
     finally:
         prefill.stop()
+
+
+def test_decode_worker_gone_mid_transfer_frees_the_prefill_workers_pages(tiny) -> None:
+    prefill = ServerThread(tiny, role="prefill")
+    try:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(prefill.endpoint)
+        codec = prefill.engine.exports.codec
+        n_blocks = 30  # 8 prefill steps of 64 tokens: the peer leaves after the first pages
+        req = proto.PrefillRequest(xid="gone", ns=b"ns", tokens=np.array(prompt(5, n_blocks), dtype=np.int32),
+                                   sampling=SAMPLING.to_dict(), skip=0, dest=np.arange(n_blocks, dtype=np.int32),
+                                   fingerprint=prefill.server.prefill.fingerprint, page_bytes=codec.page_bytes,
+                                   deadline=time.time() + 30)
+        sock.send(proto.encode_prefill(req))
+        got = None
+        until = time.monotonic() + 10
+        while got is None and time.monotonic() < until:
+            if sock.poll(100):
+                try:
+                    got = proto.decode_prefill_reply(sock.recv_multipart())
+                except proto.TransferFrameError:
+                    continue  # stats
+        assert isinstance(got, proto.KvChunk) and got.first == 0 and got.n > 0
+        ctx.destroy(linger=0)  # the decode worker is gone
+        assert prefill.idle(), "the prefill worker kept the request or its pages"
+        assert not prefill.server.prefill.jobs
+    finally:
+        prefill.stop()

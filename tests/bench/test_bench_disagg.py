@@ -1,0 +1,83 @@
+"""bench/disagg.py's pure parts: the seeded schedule and prompts, SLOs and goodput, greedy comparison, pinning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench.disagg import delta, pinned
+from bench.disagg_workload import (
+    Sample,
+    Slo,
+    Workload,
+    goodput,
+    greedy_compare,
+    long_prompt,
+    long_schedule,
+    short_prompt,
+    window_tokens,
+)
+
+
+def sample(kind: str, start: float, arrivals: list[float], prompt_len: int = 100, index: int = 0,
+           tokens: list[str] | None = None) -> Sample:
+    return Sample(kind, index, prompt_len, start, chunks=[(t, 1) for t in arrivals], tokens=tokens or [])
+
+
+def test_the_long_schedule_is_seeded_poisson_within_the_window() -> None:
+    w = Workload(seed=3, duration_s=6000.0, long_mean_gap_s=6.0, long_len=(2048, 4096))
+    first, again = long_schedule(w), long_schedule(w)
+    assert first == again and first != long_schedule(Workload(seed=4, duration_s=6000.0))
+    times = [a.at_s for a in first]
+    assert times == sorted(times) and 0 < times[0] and times[-1] < w.duration_s
+    assert [a.index for a in first] == list(range(len(first)))
+    assert 0.9 < len(first) * w.long_mean_gap_s / w.duration_s < 1.1  # rate 1/6 per second
+    assert all(2048 <= a.length <= 4096 for a in first)
+    assert long_prompt(w, first[0]) == long_prompt(w, first[0]) and len(long_prompt(w, first[0])) == first[0].length
+
+
+def test_prompts_are_the_same_per_index_and_share_no_prefix() -> None:
+    w = Workload(seed=0)
+    assert short_prompt(w, 2, 5) == short_prompt(Workload(seed=0, duration_s=1.0), 2, 5)
+    prompts = [short_prompt(w, s, t) for s in range(6) for t in range(4)]
+    assert all(64 <= len(p) <= 128 for p in prompts)
+    assert len({tuple(p[:4]) for p in prompts}) == len(prompts)
+
+
+def test_slo_bounds_ttft_by_kind_and_the_request_p99_gap() -> None:
+    slo = Slo(ttft_short_s=1.0, ttft_long_base_s=2.0, ttft_long_per_token_s=0.001, itl_p99_s=0.2)
+    assert slo.met(sample("short", 0.0, [0.9, 1.0, 1.1]))
+    assert not slo.met(sample("short", 0.0, [1.5, 1.6]))  # TTFT
+    assert slo.met(sample("long", 0.0, [4.9, 5.0], prompt_len=3000))  # 2 + 3 s
+    assert not slo.met(sample("long", 0.0, [5.1, 5.2], prompt_len=3000))
+    assert not slo.met(sample("short", 0.0, [0.1, 0.2, 0.8]))  # one 0.6 s gap of two: p99 over 0.2
+    assert not slo.met(sample("short", 0.0, []))
+    failed = sample("short", 0.0, [0.1])
+    failed.error = "HTTP 503"
+    assert not slo.met(failed)
+
+
+def test_goodput_and_throughput_count_the_window_only() -> None:
+    slo = Slo(ttft_short_s=1.0, itl_p99_s=1.0)
+    samples = [sample("short", 10.0, [10.5, 11.0]), sample("short", 12.0, [14.0]),  # second misses TTFT
+               sample("short", 9.0, [9.5]), sample("short", 30.0, [30.2, 30.4])]  # before and after the window
+    assert goodput(samples, slo, t0=10.0, duration_s=10.0) == pytest.approx(0.1)
+    assert window_tokens(samples, t0=10.0, duration_s=10.0) == 3
+
+
+def test_greedy_compare_reports_the_first_differing_token() -> None:
+    a = [sample("long", 0, [1.0], index=i, tokens=["a", "b", "c"]) for i in range(3)]
+    b = [sample("long", 0, [1.0], index=0, tokens=["a", "b", "c"]),
+         sample("long", 0, [1.0], index=1, tokens=["a", "x", "c"]), sample("short", 0, [1.0], index=2)]
+    assert greedy_compare(a, b) == {"compared": 2, "identical": 1, "first_difference": {"1": 1}}
+
+
+def test_metric_deltas_and_pinning() -> None:
+    after = {"requests": {"remote": 5.0, "local": 3.0}, "workers": [{"stall": 1.0}, {}]}
+    before = {"requests": {"remote": 1.0, "local": 3.0}, "workers": [{}, {}]}
+    assert delta(after, before) == {"requests": {"remote": 4.0}, "workers": [{"stall": 1.0}, {}]}
+    mask = os.sched_getaffinity(0)
+    with pinned(min(mask)):
+        assert os.sched_getaffinity(0) == {min(mask)}
+    assert os.sched_getaffinity(0) == mask
