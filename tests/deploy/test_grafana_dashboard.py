@@ -15,7 +15,7 @@ DASHBOARD = REPO / "docker" / "grafana-dashboard.json"
 HISTOGRAMS = {
     "switchyard_ttft_seconds", "switchyard_inter_token_seconds", "switchyard_e2e_seconds",
     "switchyard_queue_seconds", "switchyard_worker_prefill_seconds", "switchyard_worker_queue_seconds",
-    "switchyard_worker_step_seconds",
+    "switchyard_worker_step_seconds", "switchyard_worker_disagg_transfer_seconds",
 }
 OTHERS = {
     "switchyard_requests_total", "switchyard_prompt_tokens_total", "switchyard_completion_tokens_total",
@@ -27,6 +27,8 @@ OTHERS = {
     "switchyard_worker_batch_size", "switchyard_worker_preemptions_total",
     "switchyard_worker_prompt_tokens_total", "switchyard_worker_cached_tokens_total",
     "switchyard_worker_generated_tokens_total",
+    "switchyard_disagg_requests_total", "switchyard_disagg_fallbacks_total",
+    "switchyard_worker_disagg_fallbacks_total", "switchyard_worker_disagg_received_bytes_total",
 }
 CONTRACT = HISTOGRAMS | OTHERS
 GAUGES = {  # `_kv_pages_total` is a gauge (pages in the pool), not a counter
