@@ -229,7 +229,9 @@ class DecodeSide:
 
     def housekeeping(self, now: float) -> None:
         for lease in list(self.leases.values()):
-            if now - lease.last_progress > self.stall_s or now > lease.expires:
+            # stalled: the prefill worker is silent (its stats keep coming while it queues or computes our prompt)
+            silent = now - max(lease.last_progress, lease.link.last_heard)
+            if silent > self.stall_s or now > lease.expires:
                 log.warning("transfer %s stalled: prefilling here", lease.xid)
                 self._fallback(lease, "stall")
         self.links.housekeeping(now, {lease.link.endpoint for lease in self.leases.values()})

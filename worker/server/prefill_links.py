@@ -6,6 +6,7 @@ reporting a dropped connection at once.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class Link:
     monitor: zmq.Socket
     last_sent: float = 0.0
     last_used: float = 0.0
+    last_heard: float = 0.0  # monotonic time of its latest message (pages, stats: a live prefill worker talks)
     up: bool = False  # a handshake succeeded since the last drop
 
 
@@ -82,9 +84,11 @@ class PrefillLinks:
         for link in list(self.links.values()):
             for _ in range(MAX_REPLIES_PER_DRAIN):
                 try:
-                    yield link, link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    parts = link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
+                link.last_heard = time.monotonic()
+                yield link, parts
 
     def dropped(self) -> list[Link]:
         """Links whose connection dropped since the last call (handshakes mark them up again)."""

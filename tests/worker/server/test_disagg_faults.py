@@ -196,3 +196,28 @@ def test_decode_worker_gone_mid_transfer_frees_the_prefill_workers_pages(tiny) -
         assert not prefill.server.prefill.jobs
     finally:
         prefill.stop()
+
+
+def test_a_busy_prefill_worker_that_keeps_talking_is_not_a_stall(tiny, decode) -> None:
+    fake = FakePrefill(zmq.Context.instance())
+    stalls = count(m.DISAGG_FALLBACKS, "stall")
+    done = count(m.DISAGG_TRANSFERS, "complete")
+    toks = prompt(6, 4)
+    rows = prefix_rows(tiny, toks).numpy()
+    first = reference(tiny, toks, SamplingParams(max_tokens=1, ignore_eos=True))
+
+    def script(ident: bytes, pf: dict) -> None:
+        for _ in range(6):  # 1.2 s of queueing, over the 0.5 s stall bound, with its stats flowing
+            fake.send(ident, proto.encode_sync())
+            time.sleep(0.2)
+        fake.send(ident, *chunk(pf, 0, rows))
+        last = KvChunk(pf["xid"], len(rows), np.zeros(0, "<i4"), pf["pb"], None,
+                       first_token=proto.FirstToken(first, None, 0))
+        fake.send(ident, proto.encode_kv_header(last), b"")
+
+    out = run_against(fake, decode, "busy", toks, script)
+    assert out == reference(tiny, toks, SAMPLING)
+    assert count(m.DISAGG_FALLBACKS, "stall") == stalls
+    assert count(m.DISAGG_TRANSFERS, "complete") == done + 1
+    assert decode.idle()
+    fake.close()
