@@ -15,7 +15,7 @@ from bench.disagg_workload import (
     greedy_compare,
     long_prompt,
     long_schedule,
-    short_prompt,
+    short_turn,
     window_tokens,
 )
 
@@ -39,10 +39,11 @@ def test_the_long_schedule_is_seeded_poisson_within_the_window() -> None:
 
 def test_prompts_are_the_same_per_index_and_share_no_prefix() -> None:
     w = Workload(seed=0)
-    assert short_prompt(w, 2, 5) == short_prompt(Workload(seed=0, duration_s=1.0), 2, 5)
-    prompts = [short_prompt(w, s, t) for s in range(6) for t in range(4)]
-    assert all(64 <= len(p) <= 128 for p in prompts)
-    assert len({tuple(p[:4]) for p in prompts}) == len(prompts)
+    assert short_turn(w, 2, 5) == short_turn(Workload(seed=0, duration_s=1.0), 2, 5)
+    turns = [short_turn(w, s, t) for s in range(6) for t in range(4)]
+    assert all(64 <= len(p) <= 128 and 96 <= n <= 160 for p, n in turns)
+    assert len({tuple(p[:4]) for p, _ in turns}) == len(turns)
+    assert len({n for _, n in turns}) > 1  # streams do not restart in lockstep
 
 
 def test_slo_bounds_ttft_by_kind_and_the_request_p99_gap() -> None:
@@ -70,7 +71,8 @@ def test_greedy_compare_reports_the_first_differing_token() -> None:
     a = [sample("long", 0, [1.0], index=i, tokens=["a", "b", "c"]) for i in range(3)]
     b = [sample("long", 0, [1.0], index=0, tokens=["a", "b", "c"]),
          sample("long", 0, [1.0], index=1, tokens=["a", "x", "c"]), sample("short", 0, [1.0], index=2)]
-    assert greedy_compare(a, b) == {"compared": 2, "identical": 1, "first_difference": {"1": 1}}
+    assert greedy_compare(a, b) == {"compared": 2, "identical": 1, "tokens": 6,
+                                    "first_difference": {"1": 1}}
 
 
 def test_metric_deltas_and_pinning() -> None:
@@ -81,3 +83,15 @@ def test_metric_deltas_and_pinning() -> None:
     with pinned(min(mask)):
         assert os.sched_getaffinity(0) == {min(mask)}
     assert os.sched_getaffinity(0) == mask
+
+
+def test_counters_read_totals_by_label_and_unlabelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import disagg
+
+    text = ('switchyard_disagg_requests_total{outcome="remote"} 4.0\n'
+            'switchyard_disagg_requests_total{outcome="local"} 7.0\n'
+            'switchyard_disagg_requests_created{outcome="local"} 1.7e9\n'
+            'switchyard_worker_disagg_pushed_bytes_total 2097152.0\n')
+    monkeypatch.setattr(disagg.httpx, "get", lambda *a, **k: type("R", (), {"text": text})())
+    assert disagg.counters("u", "switchyard_disagg_requests", "outcome") == {"remote": 4.0, "local": 7.0}
+    assert disagg.transfer_mib("u") == {"pushed": 2.0}
