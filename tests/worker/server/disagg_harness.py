@@ -58,9 +58,13 @@ class ServerThread:
 class Gateway:
     """A DEALER that speaks the gateway side of the protocol to one worker."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, cluster_key: str | None = None) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if cluster_key:  # as a gateway does: the cluster's key pair, the worker as CURVE server
+            secret = cluster_key.encode()
+            self.sock.curve_secretkey = secret
+            self.sock.curve_publickey = self.sock.curve_serverkey = zmq.curve_public(secret)
         self.sock.connect(endpoint)
         self.sock.send(proto.encode_hello("test-gw"))
 
@@ -91,6 +95,24 @@ class Gateway:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """`n` seeded random token ids (prompts that share no prefix by chance)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 200, (n,), generator=g).tolist()
+
+
+def first_reply(sock: zmq.Socket, timeout: float = 10.0) -> proto.KvChunk | proto.KvError | None:
+    """The first transfer message a prefill worker sends `sock` (its stats frames skipped); None on timeout."""
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        if sock.poll(100):
+            try:
+                return proto.decode_prefill_reply(sock.recv_multipart())
+            except proto.TransferFrameError:
+                continue  # a stats frame
+    return None
 
 
 def reference(model, tokens: list[int], sampling: SamplingParams) -> list[int]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import zmq
 
-from tests.worker.server.disagg_harness import BS, Gateway, ServerThread, reference, zmq_context
+from tests.worker.server.disagg_harness import BS, Gateway, ServerThread, prompt, reference, zmq_context
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import PrefillHint, SamplingParams
 from worker.server import metrics as m
@@ -24,11 +25,6 @@ def pair(tiny):
     yield prefill, decode
     prefill.stop()
     decode.stop()
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(5, 200, (n,), generator=g).tolist()
 
 
 def test_disaggregated_greedy_matches_colocated_and_frees_pages(tiny, pair) -> None:
@@ -78,3 +74,33 @@ def test_short_prompt_or_cached_prompt_prefills_locally(tiny, pair) -> None:
         gw.close()
     assert m.DISAGG_FALLBACKS.labels("short")._value.get() == before + 1
     assert not prefill.engine.stats().prompt_tokens  # the prefill worker never saw it
+
+
+def test_worker_to_worker_link_is_curve_authenticated(tiny) -> None:
+    """With a cluster key both ports are CURVE servers: the decode worker's link presents the cluster key pair and
+    the transfer completes; a prefill worker under another key never answers, so the decode worker prefills."""
+    _, secret = zmq.curve_keypair()
+    _, other = zmq.curve_keypair()
+    key = secret.decode()
+    prefill = ServerThread(tiny, role="prefill", cluster_key=key)
+    stranger = ServerThread(tiny, role="prefill", cluster_key=other.decode())
+    decode = ServerThread(tiny, role="decode", cluster_key=key, disagg_stall_s=0.5)
+    done = m.DISAGG_TRANSFERS.labels("complete")._value.get()
+    stalls = m.DISAGG_FALLBACKS.labels("stall")._value.get()
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    try:
+        with zmq_context() as ctx:
+            gw = Gateway(ctx, decode.endpoint, cluster_key=key)
+            toks = prompt(11, 4 * BS + 3)
+            out, _, _ = gw.generate("curve", toks, sampling, PrefillHint("prefill-w", prefill.endpoint))
+            assert out == reference(tiny, toks, sampling)
+            assert m.DISAGG_TRANSFERS.labels("complete")._value.get() == done + 1
+            out, _, _ = gw.generate("forged", toks[::-1], sampling, PrefillHint("x", stranger.endpoint))
+            assert out == reference(tiny, toks[::-1], sampling)
+            assert m.DISAGG_FALLBACKS.labels("stall")._value.get() == stalls + 1
+            assert not stranger.engine.stats().prompt_tokens  # it never took work from an unauthenticated link
+            gw.close()
+        assert decode.idle() and prefill.idle()
+    finally:
+        for server in (prefill, stranger, decode):
+            server.stop()

@@ -17,10 +17,12 @@ from tests.worker.server.disagg_harness import (
     FakePrefill,
     Gateway,
     ServerThread,
+    first_reply,
     prefix_rows,
     reference,
     zmq_context,
 )
+from tests.worker.server.disagg_harness import prompt as harness_prompt
 from worker import protocol as proto
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import KvChunk, PrefillHint, SamplingParams
@@ -43,8 +45,7 @@ def decode(tiny):
 
 
 def prompt(seed: int, blocks: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(5, 200, (blocks * BS + 5,), generator=g).tolist()
+    return harness_prompt(seed, blocks * BS + 5)
 
 
 def count(metric, label: str) -> float:
@@ -154,14 +155,7 @@ def test_prefill_worker_refuses_a_mismatched_fingerprint(tiny) -> None:
                                        fingerprint=b"\0" * 16, page_bytes=prefill.engine.exports.codec.page_bytes,
                                        deadline=time.time() + 10)
             sock.send(proto.encode_prefill(req))
-            reply = None
-            until = time.monotonic() + 5
-            while reply is None and time.monotonic() < until:
-                if sock.poll(100):
-                    try:
-                        reply = proto.decode_prefill_reply(sock.recv_multipart())
-                    except proto.TransferFrameError:
-                        continue  # its stats frame
+            reply = first_reply(sock)
             assert reply is not None and reply.xid == "x1" and reply.reason == "incompatible"
             sock.close(linger=0)
         assert prefill.idle()
@@ -182,14 +176,7 @@ def test_decode_worker_gone_mid_transfer_frees_the_prefill_workers_pages(tiny) -
                                    fingerprint=prefill.server.prefill.fingerprint, page_bytes=codec.page_bytes,
                                    deadline=time.time() + 30)
         sock.send(proto.encode_prefill(req))
-        got = None
-        until = time.monotonic() + 10
-        while got is None and time.monotonic() < until:
-            if sock.poll(100):
-                try:
-                    got = proto.decode_prefill_reply(sock.recv_multipart())
-                except proto.TransferFrameError:
-                    continue  # stats
+        got = first_reply(sock)
         assert isinstance(got, proto.KvChunk) and got.first == 0 and got.n > 0
         ctx.destroy(linger=0)  # the decode worker is gone
         assert prefill.idle(), "the prefill worker kept the request or its pages"
