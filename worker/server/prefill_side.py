@@ -111,11 +111,11 @@ class PrefillSide:
         per_msg = max(1, MAX_CHUNK_BYTES // self.page_bytes)
         rows = ready.rows.numpy()
         for lo in range(0, len(rows), per_msg):
-            first = ready.first_block + lo
-            dest = job.dest[first - job.skip: first - job.skip + len(rows[lo:lo + per_msg])]
-            chunk = KvChunk(job.xid, first, dest, self.page_bytes, None)
-            self.send_parts(job.ident, [proto.encode_kv_header(chunk), rows[lo:lo + per_msg]])
-            DISAGG_PUSHED.inc(len(dest) * self.page_bytes)
+            part = rows[lo:lo + per_msg]  # a view: sent without a copy
+            at = ready.first_block + lo - job.skip
+            chunk = KvChunk(job.xid, ready.first_block + lo, job.dest[at:at + len(part)], self.page_bytes, None)
+            self.send_parts(job.ident, [proto.encode_kv_header(chunk), part])
+            DISAGG_PUSHED.inc(part.nbytes)
 
     def _finish(self, engine_rid: str, job: Job, out: StepOutput) -> None:
         self.jobs.pop(engine_rid, None)
