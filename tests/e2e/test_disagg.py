@@ -31,7 +31,7 @@ def fleet() -> Iterator[tuple[Stack, WorkerProc, int, str]]:
     decode_metrics = free_port()
     # small prefill steps: a long prompt takes many steps, so a kill lands while pages are being pushed
     prefill = WorkerProc(logs, model="tiny-random", extra=[*WORKER, "--role", "prefill", "--dtype", "float32",
-                                                           "--max-num-batched-tokens", "64"])
+                                                           "--max-num-batched-tokens", "16"])
     stack = Stack(StackConfig(port=free_port(), log_dir=logs, ready_timeout=240.0,
                               worker_args=[*WORKER, "--role", "decode", "--metrics-port", str(decode_metrics),
                                            "--disagg-stall-s", "3"]))
@@ -107,7 +107,7 @@ def test_disaggregated_completions_match_a_worker_prefilling_itself(fleet) -> No
 def test_sigkill_of_the_prefill_worker_mid_transfer_loses_no_request(fleet) -> None:
     stack, prefill, decode_metrics, key = fleet
     decode_url = f"http://127.0.0.1:{decode_metrics}"
-    prompts = [prompt(100 + i, 1200) for i in range(8)]
+    prompts = [prompt(100 + i, 2000) for i in range(8)]
     received = _count(decode_url, "switchyard_worker_disagg_received_bytes_total")
     fallbacks = _count(decode_url, "switchyard_worker_disagg_fallbacks_total")
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -140,7 +140,7 @@ def test_a_restarted_prefill_worker_is_used_again(fleet) -> None:
     prefill.proc.wait(10)
     logs = Path(tempfile.mkdtemp(prefix="sy-disagg-restart-"))
     again = WorkerProc(logs, model="tiny-random", port=prefill.port,
-                       extra=[*WORKER, "--role", "prefill", "--max-num-batched-tokens", "64"])
+                       extra=[*WORKER, "--role", "prefill", "--max-num-batched-tokens", "16"])
     try:
         decode_url = f"http://127.0.0.1:{decode_metrics}"
         done = _count(decode_url, "switchyard_worker_disagg_transfers_total", 'outcome="complete"')
