@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from router import metrics
 from router.membership import Member
@@ -72,11 +72,6 @@ def member_role(member: Member | None) -> str:
     if member.stats is not None:
         return member.stats.role
     return member.registration.role if member.registration is not None else ROLE_BOTH
-
-
-def prompt_len(tokens: Any) -> int:
-    """Tokens in a prompt given as ids or as packed little-endian int32 bytes."""
-    return len(tokens) // 4 if isinstance(tokens, bytes | bytearray | memoryview) else len(tokens)
 
 
 class MemberSource(Protocol):

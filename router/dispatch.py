@@ -17,7 +17,7 @@ import numpy as np
 from router import metrics
 from router.class_pools import SPILL, outside_pool, over_bound
 from router.client import LinkError, WorkerError
-from router.disagg import Disaggregation, DisaggRule, member_role, prompt_len
+from router.disagg import Disaggregation, DisaggRule, member_role
 from router.holders import InFlightPrefixes, PrefixHolders
 from router.kv_view import KvView
 from router.load import LoadTracker
@@ -31,7 +31,7 @@ from router.policy import (
     NoWorkerAvailable,
     RoutingPolicy,
 )
-from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, cache_key_route, key_span, prefix_key
+from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, cache_key_route, key_span, prefix_key, token_count
 from worker.protocol import ErrorCode, OutItem, PrefillHint, Priority, SamplingParams
 from worker.protocol.trace_context import traceparent, tracer
 
@@ -299,7 +299,7 @@ class Router:
         metrics.REQUESTS.labels(wid).inc()
         metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         tokens = _with_streamed(req.tokens, streamed) if streamed else req.tokens
-        hint = self.disagg.choose(req.rid, prompt_len(tokens) - predicted, matched)  # decided afresh per attempt
+        hint = self.disagg.choose(req.rid, token_count(tokens) - predicted, matched)  # decided afresh per attempt
         stream = client.generate(req.rid, req.ns, tokens, req.sampling, req.priority, req.deadline,
                                  fkey=req.fkey, weight=req.weight, resumed=len(streamed),
                                  traceparent=_route_span(choice, predicted, len(streamed), hint), prefill=hint)

@@ -13,6 +13,7 @@ import numpy as np
 from router import metrics
 from router.footprints import ReportedFootprints
 from router.kv_index import DEFAULT_MAX_BLOCKS, Applied, KvIndex
+from router.prefix import token_count
 from worker.protocol import HASH_ALGO, KvContract, WorkerStats, block_ids
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class KvView:
         if not self.active:
             return {}
         bs = self.block_size
-        n_tokens = len(tokens) // 4 if isinstance(tokens, bytes | bytearray | memoryview) else len(tokens)
+        n_tokens = token_count(tokens)
         # a worker's own match leaves out the prompt's last token (it must compute one position)
         ids = block_ids(ns, tokens, bs, min((n_tokens - 1) // bs, MAX_INDEX_BLOCKS))
         out = {w: n * bs + int(TIER_CREDIT * t * bs) for w, (n, t) in self.index.match_tiered(ids, workers).items()}

@@ -60,11 +60,15 @@ def stable_length(n_tokens: int, stable_len: int | None, *, block_size: int, max
     return limit - limit % block_size
 
 
+def token_count(tokens: Sequence[int] | np.ndarray | bytes | bytearray | memoryview) -> int:
+    """Tokens in a prompt given as ids or as packed little-endian int32 bytes."""
+    return len(tokens) // 4 if isinstance(tokens, bytes | bytearray | memoryview) else len(tokens)
+
+
 def key_span(tokens: Sequence[int] | np.ndarray | bytes, stable_len: int | None, *, block_size: int,
              max_tokens: int = DEFAULT_ROUTE_PREFIX_TOKENS) -> int:
     """`stable_length` of a prompt given as ids or packed int32 bytes: the tokens its key covers."""
-    n_tokens = len(tokens) // 4 if isinstance(tokens, bytes | bytearray | memoryview) else len(tokens)
-    return stable_length(n_tokens, stable_len, block_size=block_size, max_tokens=max_tokens)
+    return stable_length(token_count(tokens), stable_len, block_size=block_size, max_tokens=max_tokens)
 
 
 def prefix_key(

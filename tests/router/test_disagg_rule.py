@@ -14,9 +14,9 @@ from router.disagg import (
     PrefillCandidate,
     decide,
     member_role,
-    prompt_len,
 )
 from router.membership import Member
+from router.prefix import token_count
 from worker.protocol import PROTOCOL_VERSION, PrefillHint, Registration, WorkerStats
 
 RULE = DisaggRule(min_tokens=512, max_prefill_queue=4)
@@ -79,8 +79,8 @@ def test_member_role_comes_from_stats_else_registration_else_both() -> None:
     assert member_role(Member("w", "tcp://w:1", None, stats=_stats("decode"), registration=reg)) == "decode"  # type: ignore[arg-type]
 
 
-def test_prompt_len_counts_ids_and_packed_tokens() -> None:
-    assert prompt_len([1, 2, 3]) == 3 and prompt_len(b"\0" * 12) == 3
+def test_token_count_counts_ids_and_packed_tokens() -> None:
+    assert token_count([1, 2, 3]) == 3 and token_count(b"\0" * 12) == 3
 
 
 class Members:
