@@ -231,19 +231,25 @@ class Scheduler:
     def _reserve(self, seq: Sequence) -> bool:
         """Give seq its block table (cached prefix + new pages for the rest) or, if memory is short, nothing."""
         self._match_prefix(seq)
-        need = pages_for(len(seq.tokens), self.bs) - len(seq.pages)
-        reserve = need + (self.watermark if self.running else 0)
-        if not self._make_room(need, reserve):
+        pages = self.take_pages(pages_for(len(seq.tokens), self.bs) - len(seq.pages))
+        if pages is None:
             self._release_pages(seq, keep=False)  # undo the match: its pages stay cached
             seq.num_computed = 0
             return False
-        seq.pages.extend(self.pool.allocate(need))
+        seq.pages.extend(pages)
         if seq.admissions == 0:
             seq.cached_tokens = seq.num_computed
             self.admitted_prompt_tokens += seq.prompt_len
             self.cached_prompt_tokens += seq.num_computed
         seq.admissions += 1
         return True
+
+    def take_pages(self, need: int) -> list[int] | None:
+        """`need` fresh pages, keeping the watermark free for the running requests (evicting cached pages if that is
+        what it takes); None when they do not fit. Admission's rule, also for a disaggregated prefill's lease."""
+        if not self._make_room(need, need + (self.watermark if self.running else 0)):
+            return None
+        return self.pool.allocate(need)
 
     def _make_room(self, need: int, reserve: int) -> bool:
         """True when `need` pages are free now and `reserve` are free or evictable (evicts the shortfall)."""

@@ -91,7 +91,7 @@ class DecodeSide:
         if link is None:
             return "links"
         match = cache.match_prefix(ns, prompt[:held * self.bs]) if held else None
-        pages = self._lease_pages(n_full - held)
+        pages = engine.scheduler.take_pages(n_full - held)
         if pages is None:
             if match is not None:
                 pool.release(match.pages)
@@ -106,16 +106,6 @@ class DecodeSide:
         self.leases[lease.xid] = lease
         self.by_rid[entry.engine_rid] = lease.xid
         return None
-
-    def _lease_pages(self, n: int) -> list[int] | None:
-        """`n` pages now, keeping the scheduler's watermark for the running requests; None when they do not fit."""
-        sched, pool, cache = self.engine.scheduler, self.engine.pool, self.engine.cache
-        reserve = n + (sched.watermark if sched.running else 0)
-        if pool.num_free + cache.evictable_pages < reserve:  # type: ignore[union-attr]
-            return None
-        if pool.num_free < n:
-            cache.evict(n - pool.num_free)  # type: ignore[union-attr]
-        return pool.allocate(n) if pool.num_free >= n else None
 
     def _request(self, lease: Lease) -> proto.PrefillRequest:
         req = lease.req
