@@ -26,7 +26,7 @@ from worker.kvcache.kv_dtype import resolve_kv_dtype
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
 from worker.kvcache.tensors import num_pages_for
-from worker.kvcache.tiers.pages import PageCodec
+from worker.kvcache.tiers.pages import PageCodec, fingerprint
 from worker.model.loader import LoadedModel
 from worker.protocol import SamplingParams
 from worker.sample.grammar import BatchMasker, GrammarCache, grammar_tokenizer
@@ -60,10 +60,11 @@ class Engine:
         self.cache = RadixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(config, self.pool, self.cache)
         self.runner = self.runner_class(model, config, num_pages)
-        self.restorer = make_restorer(config, self.cache, self.pool, self.runner.kv, model.model_id,
-                                      model.tokenizer_version)
+        codec = PageCodec(self.runner.kv)  # pages to and from host rows: the KV tiers' and disaggregation's
+        self.kv_fingerprint = fingerprint(model.model_id, model.tokenizer_version, self.runner.kv)
+        self.restorer = make_restorer(config, self.cache, self.pool, codec, self.kv_fingerprint)
         self.scheduler.restorer = self.restorer
-        self.exports = PageExport(PageCodec(self.runner.kv), config.block_size)  # disaggregated prefill's pages
+        self.exports = PageExport(codec, config.block_size)  # disaggregated prefill's pages
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[str] = []
         self._arrivals = 0

@@ -12,9 +12,8 @@ from worker.config import EngineConfig
 from worker.engine.sequence import ScheduledBatch, Sequence
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
-from worker.kvcache.tensors import KVCache
 from worker.kvcache.tiers.disk import DiskTier
-from worker.kvcache.tiers.pages import PageCodec, fingerprint
+from worker.kvcache.tiers.pages import PageCodec
 from worker.kvcache.tiers.store import KvTiers
 from worker.protocol import chain
 
@@ -117,18 +116,16 @@ def _available_memory() -> int | None:
         return None
 
 
-def make_restorer(config: EngineConfig, cache: RadixCache | None, pool: PagePool, kv: KVCache, model_id: str,
-                  tokenizer_version: str) -> Restorer | None:
+def make_restorer(config: EngineConfig, cache: RadixCache | None, pool: PagePool, codec: PageCodec,
+                  fp: bytes) -> Restorer | None:
     """The tiers the config asks for, hooked to the cache's evictions; None without a cache or with tiers off."""
     if cache is None:
         return None
-    codec = PageCodec(kv)
     host = config.kv_host_bytes
     if host is None:
         host = default_host_bytes(pool.num_pages * codec.page_bytes)
     if host <= 0:
         return None
-    fp = fingerprint(model_id, tokenizer_version, kv)
     disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, fp) if config.kv_disk_dir else None
     tiers = KvTiers(codec, host, disk, config.kv_disk_min_hits, cache.events)
     cache.on_evict = tiers.offload

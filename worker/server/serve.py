@@ -13,7 +13,6 @@ import zmq
 from worker import protocol as proto
 from worker.engine.core import Engine
 from worker.kvcache.events import KvPromises, kv_report
-from worker.kvcache.tiers.pages import fingerprint
 from worker.protocol import ErrorCode, GenRequest, OutItem, Registration, RequestError, SamplingParams
 from worker.server.decode_side import DecodeSide
 from worker.server.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, HANDOFF_MESSAGE, Drain
@@ -59,7 +58,7 @@ class WorkerServer:
         self.metrics = WorkerMetrics(engine)
         self.spans = RequestSpans(engine, self.metrics)  # traced requests only: a no-op without a tracer provider
         self._promises = KvPromises(engine.cache, engine.config.block_size) if engine.cache is not None else None
-        fp = fingerprint(engine.model_id, engine.tokenizer_version, engine.runner.kv)
+        fp = engine.kv_fingerprint
         self.prefill = PrefillSide(engine, self.table, self._send_parts, config.role, fp)
         links = PrefillLinks(self.ctx, config.cluster_key, config.worker_id or "")
         self.decode = DecodeSide(engine, links, self._add_to_engine, self._deliver, fp, config.disagg_stall_s,
