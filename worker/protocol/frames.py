@@ -1,5 +1,6 @@
-"""Everything that crosses the gateway <-> worker boundary: msgpack frames over ZeroMQ, their typed
-records, and the Redis registration record. Both ends encode and decode through here; no torch.
+"""The gateway <-> worker frames: msgpack over ZeroMQ and their typed records. Both ends encode and decode through
+here; no torch. (The package's `__init__` re-exports these and the block-hash, grammar, Redis URL and registration
+names.)
 """
 
 from __future__ import annotations
@@ -11,27 +12,6 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from worker.protocol.block_hash import HASH_ALGO as HASH_ALGO
-from worker.protocol.block_hash import block_id as block_id
-from worker.protocol.block_hash import block_ids as block_ids
-from worker.protocol.block_hash import chain as chain
-from worker.protocol.grammar_spec import GrammarError as GrammarError
-from worker.protocol.grammar_spec import GrammarSpec as GrammarSpec
-from worker.protocol.grammar_spec import json_object_spec as json_object_spec
-from worker.protocol.grammar_spec import json_schema_spec as json_schema_spec
-from worker.protocol.grammar_spec import tool_call_spec as tool_call_spec
-from worker.protocol.redis_url import async_redis as async_redis
-from worker.protocol.redis_url import is_cluster_url as is_cluster_url
-from worker.protocol.redis_url import parse_cluster_url as parse_cluster_url
-from worker.protocol.redis_url import sync_redis as sync_redis
-from worker.protocol.registration import LEGACY_REGISTRY_KEY_PREFIX as LEGACY_REGISTRY_KEY_PREFIX
-from worker.protocol.registration import LEGACY_REGISTRY_SET_KEY as LEGACY_REGISTRY_SET_KEY
-from worker.protocol.registration import REGISTRY_KEY_PREFIX as REGISTRY_KEY_PREFIX
-from worker.protocol.registration import REGISTRY_SET_KEY as REGISTRY_SET_KEY
-from worker.protocol.registration import Registration as Registration
-from worker.protocol.registration import encode_registration as encode_registration
-from worker.protocol.registration import parse_registration as parse_registration
-from worker.protocol.registration import registration_key as registration_key
 from worker.protocol.request import PRIORITY_NAMES as PRIORITY_NAMES
 from worker.protocol.request import ErrorCode, Priority, SamplingParams
 from worker.protocol.request import RequestError as RequestError
@@ -41,21 +21,17 @@ from worker.protocol.stats import STATS, SYNC, Sync, WorkerStats, decode_kv, sta
 from worker.protocol.stats import KvContract as KvContract
 from worker.protocol.stats import KvReport as KvReport
 from worker.protocol.trace_context import valid_traceparent
-from worker.protocol.transfer import KV as KV
-from worker.protocol.transfer import PF, PF_ABORT, decode_hint, decode_prefill, hint_field
-from worker.protocol.transfer import ROLES as ROLES
-from worker.protocol.transfer import FirstToken as FirstToken
-from worker.protocol.transfer import KvChunk as KvChunk
-from worker.protocol.transfer import KvError as KvError
-from worker.protocol.transfer import PrefillAbort as PrefillAbort
-from worker.protocol.transfer import PrefillHint as PrefillHint
-from worker.protocol.transfer import PrefillRequest as PrefillRequest
-from worker.protocol.transfer import TransferFrameError as TransferFrameError
-from worker.protocol.transfer import decode_prefill_reply as decode_prefill_reply
-from worker.protocol.transfer import encode_kv_error as encode_kv_error
-from worker.protocol.transfer import encode_kv_header as encode_kv_header
-from worker.protocol.transfer import encode_prefill as encode_prefill
-from worker.protocol.transfer import encode_prefill_abort as encode_prefill_abort
+from worker.protocol.transfer import (
+    PF,
+    PF_ABORT,
+    ROLES,
+    PrefillAbort,
+    PrefillHint,
+    PrefillRequest,
+    decode_hint,
+    decode_prefill,
+    hint_field,
+)
 
 PROTOCOL_VERSION = 1
 

@@ -37,7 +37,6 @@ class Registration:
 
 
 OPTIONAL_TEXT = ("model_version", "tokenizer", "spec", "pool")
-
 MAX_TEXT = 256
 
 

@@ -89,8 +89,8 @@ class PrefillSide:
             self.engine.abort(entry.engine_rid)
 
     def forget(self, engine_rid: str) -> None:
+        """The request ended on the server's side (its engine abort drops the pages it watched)."""
         self.jobs.pop(engine_rid, None)
-        self.engine.exports.forget(engine_rid)
 
     def stepped(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """Push the pages this step computed, then each finished job's first token; returns the other outputs."""
