@@ -2,7 +2,7 @@
 
 The floor is (weight bytes + K/V bytes read) / the device-to-device copy bandwidth measured in the same run. Models
 are random-weight Llama shapes (no download): the default model's (SmolLM2-135M) and an 8B one. One JSON line.
-Run: `python -m bench.gpu_decode [--shapes smollm2-135m,llama-8b] [--fp8]`.
+Run: `python -m bench.gpu_decode [--shapes smollm2-135m,llama-8b] [--fp8] [--kv-int8] [--ctx N]`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from worker.config import EngineConfig, ModelConfig
 from worker.engine.runner import ModelRunner
-from worker.kvcache.tensors import bytes_per_token
+from worker.kvcache.tensors import bytes_per_page
 from worker.model.attention import BatchLayout
 from worker.model.cuda_graphs import DecodeInputs
 from worker.model.llama import StepContext
@@ -125,7 +125,8 @@ def prefill_tok_s(runner: ModelRunner, chunks: int, length: int) -> float:
 
 
 def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches: tuple[int, ...],
-                prefill_len: int, dev: torch.device, iters: int = 50, profile: bool = False) -> dict:
+                prefill_len: int, dev: torch.device, iters: int = 50, profile: bool = False,
+                kv_dtype: str = "model") -> dict:
     cfg = ModelConfig(max_position=8192, **SHAPES[name])
     tok = os.environ.get("SWITCHYARD_TOKENIZER", "default")
     loaded = random_model(cfg, dtype="bfloat16", device=dev, tokenizer=tok, on_device=True)
@@ -135,17 +136,19 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
         quant.quantize_model(loaded.model, quantization)
         loaded.quantization = quantization
     backend = "triton" if dev.type == "cpu" else "auto"  # CPU: the smoke run, under Triton's interpreter
-    ecfg = EngineConfig(max_num_seqs=max(BATCHES), cuda_graphs="on", attention_backend=backend)
+    ecfg = EngineConfig(max_num_seqs=max(BATCHES), cuda_graphs="on", attention_backend=backend, kv_dtype=kv_dtype)
     per_seq = -(-(ctx + ecfg.block_size) // ecfg.block_size)
     num_pages = max(BATCHES) * per_seq + 8 * (-(-prefill_len // ecfg.block_size))
     runner = ModelRunner(loaded, ecfg, num_pages)
     weights = read_bytes(loaded.model, cfg)
-    out = {"shape": name, "dtype": "bfloat16", "quantization": quantization, "attention_backend": runner.attn.name,
+    kv_token = bytes_per_page(cfg, loaded.dtype, ecfg.block_size, runner.kv.kv_dtype) / ecfg.block_size
+    out = {"shape": name, "dtype": "bfloat16", "quantization": quantization, "kv_dtype": runner.kv.kv_dtype,
+           "attention_backend": runner.attn.name,
            "cuda_graphs": runner.graphs is not None, "weight_bytes": weights, "ctx": ctx, "decode": {}}
     with torch.inference_mode():
         for b in BATCHES:
             inp = decode_inputs(b, ctx, ecfg.block_size)
-            floor = (weights + b * ctx * bytes_per_token(cfg, loaded.dtype)) / bw
+            floor = (weights + b * ctx * kv_token) / bw
             row = {"floor_ms": round(floor * 1e3, 4)}
             if runner.graphs is not None:
                 step = _time(lambda inp=inp: runner.graphs.run(inp).argmax(-1), iters)
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=512, help="context length of every decoding sequence")
     ap.add_argument("--prefill-len", type=int, default=1024, help="tokens of each of the 8 prefill chunks")
     ap.add_argument("--fp8", action="store_true", help="also each shape with fp8 weights (Hopper)")
+    ap.add_argument("--kv-int8", action="store_true", help="also each shape with int8 KV pages")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--profile", action="store_true", help="print the kernels of batch-1 graph steps (stderr)")
     ap.add_argument("--cpu-smoke", action="store_true", help="run on CPU under Triton's interpreter (checks the "
@@ -183,13 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(dev, 64 << 20 if args.cpu_smoke else 2 << 30)
     results = []
     for name in args.shapes.split(","):
-        for mode in ("none", "fp8") if args.fp8 else ("none",):
+        variants = [("none", "model")] + [("fp8", "model")] * args.fp8 + [("none", "int8")] * args.kv_int8
+        for mode, kv_dtype in variants:
             try:
                 results.append(bench_shape(name, bw, args.ctx, mode, (1, 64), args.prefill_len, dev, args.iters,
-                                           args.profile))
+                                           args.profile, kv_dtype))
             except Exception as e:  # one failing variant still reports the others
                 traceback.print_exc()
-                results.append({"shape": name, "quantization": mode, "error": f"{type(e).__name__}: {e}"[:300]})
+                results.append({"shape": name, "quantization": mode, "kv_dtype": kv_dtype,
+                                "error": f"{type(e).__name__}: {e}"[:300]})
             gc.collect()  # the shape's weights, KV cache and graphs go before the next one is built
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

@@ -32,10 +32,13 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, table_row, base, start, limit, rows_pos, scale,
-                 D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-                 CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """One online-softmax update of (acc, m, l) with the context positions [start, start + TILE) below `limit`."""
+def _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_row, base, sbase, start, limit, rows_pos,
+                 scale, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
+                 CAUSAL: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax update of (acc, m, l) with the context positions [start, start + TILE) below `limit`.
+
+    QUANT: int8 pages with one fp32 scale per (kv head, page) at ks/vs[sbase + page]; the tile's codes are cast
+    to q's dtype (exact) and the scales applied to the scores and probabilities, never to a dequantized tile."""
     n = start + tl.arange(0, TILE)
     d = tl.arange(0, D_PAD)
     valid = n < limit
@@ -45,11 +48,16 @@ def _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, table_row, base, start, limit
     k = tl.load(kc_ptr + addr, mask=kv_mask, other=0.0)
     if UPCAST:  # Triton's interpreter gets 16-bit tl.dot wrong: multiply in fp32 there
         q = q.to(tl.float32)
-        k = k.to(tl.float32)
+    k = k.to(q.dtype)
     if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k))
+    if QUANT:
+        k_scale = tl.load(ks_ptr + sbase + page, mask=valid, other=0.0)
+        s = s * (k_scale * scale)[None, :]
+    else:
+        s = s * scale
     keep = valid[None, :]
     if CAUSAL:
         keep = keep & (n[None, :] <= rows_pos[:, None])
@@ -57,21 +65,22 @@ def _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, table_row, base, start, limit
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
-    v = tl.load(vc_ptr + addr, mask=kv_mask, other=0.0)
-    if UPCAST:
-        v = v.to(tl.float32)
+    v = tl.load(vc_ptr + addr, mask=kv_mask, other=0.0).to(q.dtype)
+    pw = p
+    if QUANT:
+        pw = p * tl.load(vs_ptr + sbase + page, mask=valid, other=0.0)[None, :]
     if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
     else:
-        pv = tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(pw.to(v.dtype), v)
     return acc * alpha[:, None] + pv, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, ml_ptr, table_ptr, lens_ptr, scale, stride_qt, stride_qh,
-                   stride_ot, stride_oh, stride_tb, num_slots, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                   D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-                   SPLITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, part_ptr, ml_ptr, table_ptr, lens_ptr, scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, num_slots, GROUP: tl.constexpr,
+                   G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
+                   SPLITS: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One program per (sequence, kv head, split of the context): the GROUP query heads sharing the kv head attend
     to its pages together. With SPLITS > 1 each split leaves its unnormalized output, max and sum for the combine."""
     b = tl.program_id(0)
@@ -87,13 +96,14 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, ml_ptr, table_ptr, 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     base = h.to(tl.int64) * num_slots * D
+    sbase = h.to(tl.int64) * (num_slots // PAGE)
     table_row = table_ptr + b.to(tl.int64) * stride_tb
     per_split = tl.cdiv(tl.cdiv(ctx, TILE), SPLITS) * TILE  # an equal share of the actual context
     lo = split * per_split
     hi = tl.minimum(ctx, lo + per_split)
     for start in range(lo, hi, TILE):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, table_row, base, start, ctx, g, scale,
-                                     D, D_PAD, PAGE, TILE, False, IEEE, UPCAST)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_row, base, sbase,
+                                     start, ctx, g, scale, D, D_PAD, PAGE, TILE, False, QUANT, IEEE, UPCAST)
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # ctx 0 (a padded row): zeros
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -127,10 +137,10 @@ def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, NH: tl.cons
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_ptr, scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, num_slots, GROUP: tl.constexpr,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_ptr,
+                    scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, num_slots, GROUP: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    TILE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                    TILE: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One program per (chunk, query head, tile of BLOCK_M query rows): causal over the cached prefix + chunk."""
     c = tl.program_id(0)
     qh = tl.program_id(1)
@@ -148,12 +158,13 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, q_start_ptr, q_le
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     base = (qh // GROUP).to(tl.int64) * num_slots * D
+    sbase = (qh // GROUP).to(tl.int64) * (num_slots // PAGE)
     table_row = table_ptr + c.to(tl.int64) * stride_tb
     # the tile's last row sees positions up to past + its index; a tile past the chunk's end sees nothing
     end = tl.where(tile * BLOCK_M < q_len, tl.minimum(ctx, past + (tile + 1) * BLOCK_M), 0)
     for start in range(0, end, TILE):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, table_row, base, start, end, past + m,
-                                     scale, D, D_PAD, PAGE, TILE, True, IEEE, UPCAST)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_row, base, sbase,
+                                     start, end, past + m, scale, D, D_PAD, PAGE, TILE, True, QUANT, IEEE, UPCAST)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + qh * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_mask)
@@ -193,10 +204,12 @@ def _sm_count(index: int) -> int:
 
 
 def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 page: int, scale: float, out: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+                 page: int, scale: float, out: torch.Tensor, splits: int | None = None,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: [B, nh, hd] one token per sequence; tables [B, W] pages; lens [B] context incl. the token -> out.
 
-    `splits` (default: `decode_splits`) divides each context among programs, merged by a combine kernel."""
+    `splits` (default: `decode_splits`) divides each context among programs, merged by a combine kernel.
+    `scales`: int8 pages' K and V scales, [kvh, pages] fp32 each."""
     b, nh, hd = q.shape
     kvh = kc.shape[0]
     group = nh // kvh
@@ -207,10 +220,12 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: to
     if splits > 1:
         part = torch.empty((b, nh, splits, d_pad), dtype=torch.float32, device=q.device)
         ml = torch.empty((b, nh, splits, 2), dtype=torch.float32, device=q.device)
-    _decode_kernel[(b, kvh, splits)](q, kc, vc, out, part, ml, tables, lens, scale, q.stride(0), q.stride(1),
-                                     out.stride(0), out.stride(1), tables.stride(0), kc.shape[1], GROUP=group,
-                                     G_PAD=_pow2(group, 16), D=hd, D_PAD=d_pad, PAGE=page, TILE=max(64, page),
-                                     SPLITS=splits, **_precision(q.dtype))
+    ks, vs = scales if scales is not None else (kc, vc)
+    _decode_kernel[(b, kvh, splits)](q, kc, vc, ks, vs, out, part, ml, tables, lens, scale, q.stride(0),
+                                     q.stride(1), out.stride(0), out.stride(1), tables.stride(0), kc.shape[1],
+                                     GROUP=group, G_PAD=_pow2(group, 16), D=hd, D_PAD=d_pad, PAGE=page,
+                                     TILE=max(64, page), SPLITS=splits, QUANT=scales is not None,
+                                     **_precision(q.dtype))
     if splits > 1:
         _combine_kernel[(b, nh)](part, ml, out, out.stride(0), out.stride(1), NH=nh, D=hd, D_PAD=d_pad,
                                  SPLITS=splits, S_PAD=_pow2(splits))
@@ -219,15 +234,16 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: to
 
 def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, q_start: torch.Tensor,
                   q_len: torch.Tensor, ctx: torch.Tensor, max_q: int, page: int, scale: float,
-                  out: torch.Tensor) -> torch.Tensor:
+                  out: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Chunks of q rows ([q_start, q_start + q_len) of q [T, nh, hd]) over their pages (context `ctx` each,
-    the chunk's own K/V already written) -> the same rows of out."""
+    the chunk's own K/V already written) -> the same rows of out. `scales` as in `paged_decode`."""
     nh, hd = q.shape[1], q.shape[2]
     kvh = kc.shape[0]
     block_m = 64 if max_q > 32 else (32 if max_q > 16 else 16)
     grid = (q_len.shape[0], nh, triton.cdiv(max_q, block_m))
-    _prefill_kernel[grid](q, kc, vc, out, tables, q_start, q_len, ctx, scale, q.stride(0), q.stride(1),
+    ks, vs = scales if scales is not None else (kc, vc)
+    _prefill_kernel[grid](q, kc, vc, ks, vs, out, tables, q_start, q_len, ctx, scale, q.stride(0), q.stride(1),
                           out.stride(0), out.stride(1), tables.stride(0), kc.shape[1], GROUP=nh // kvh, D=hd,
                           D_PAD=_pow2(hd, 16), PAGE=page, BLOCK_M=block_m, TILE=max(64, page),
-                          **_precision(q.dtype))
+                          QUANT=scales is not None, **_precision(q.dtype))
     return out

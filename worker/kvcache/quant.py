@@ -28,10 +28,10 @@ def write_int8(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_
     pages = slot_mapping // block_size
     upages, inverse = torch.unique(pages, return_inverse=True)
     n = upages.numel()
-    first = torch.full((n,), block_size, dtype=torch.int64).scatter_reduce_(
+    first = torch.full((n,), block_size, dtype=torch.int64, device=x.device).scatter_reduce_(
         0, inverse, slot_mapping % block_size, "amin")
     row_max = x.float().abs().amax(-1).transpose(0, 1)  # [kvh, T]
-    amax = torch.zeros(kvh, n).scatter_reduce_(1, inverse.expand(kvh, -1), row_max, "amax")
+    amax = torch.zeros(kvh, n, device=x.device).scatter_reduce_(1, inverse.expand(kvh, -1), row_max, "amax")
     old = scales[:, upages]  # [kvh, n]
     want = amax / QMAX
     fresh = (first == 0).expand(kvh, -1)

@@ -51,8 +51,8 @@ class KVCache:
                  device: torch.device, pages_first: bool = False, kv_dtype: str = "model") -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"KV dtype {kv_dtype!r} is not one of {KV_DTYPES}")
-        if kv_dtype == "int8" and (pages_first or device.type != "cpu"):
-            raise ValueError("--kv-dtype int8 runs on CPU with the torch attention backend only")
+        if kv_dtype == "int8" and pages_first:
+            raise ValueError("--kv-dtype int8 runs with the torch (CPU) or triton attention backends")
         self.num_pages = num_pages
         self.block_size = block_size
         self.num_slots = num_pages * block_size
@@ -68,8 +68,8 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(cfg.num_layers)]
         # int8: per layer, [kv_heads, pages] fp32 scales of K and of V; empty otherwise
         scale_shape = (cfg.num_kv_heads, num_pages)
-        self.k_scale = [torch.zeros(scale_shape) for _ in self.k] if kv_dtype == "int8" else []
-        self.v_scale = [torch.zeros(scale_shape) for _ in self.v] if kv_dtype == "int8" else []
+        self.k_scale = [torch.zeros(scale_shape, device=device) for _ in self.k] if kv_dtype == "int8" else []
+        self.v_scale = [torch.zeros(scale_shape, device=device) for _ in self.v] if kv_dtype == "int8" else []
 
     @property
     def quantized(self) -> bool:

@@ -42,11 +42,13 @@ class TritonAttention:
     pages_first = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        from worker.kernels import (
-            triton_attention as triton_kernels,  # imports triton: only when this backend is chosen
+        from worker.kernels import (  # import triton: only when this backend is chosen
+            triton_attention as triton_kernels,
         )
+        from worker.kernels.triton_kv_int8 import paged_kv_write_int8
 
         self.k = triton_kernels
+        self.int8_write = paged_kv_write_int8
         self.nh, self.kvh, self.hd = num_heads, num_kv_heads, head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
 
@@ -69,13 +71,18 @@ class TritonAttention:
                 kv: KVCache, meta: TritonMeta) -> torch.Tensor:
         """q: [T, nh, hd]; k, v: [T, kvh, hd] -> [T, nh * hd]."""
         kc, vc = kv.k[layer], kv.v[layer]
-        self.k.paged_kv_write(k, v, kc, vc, meta.slot_mapping)
+        scales = None
+        if kv.quantized:  # int8 pages: the write quantizes, the attention kernels read the codes and scales
+            scales = (kv.k_scale[layer], kv.v_scale[layer])
+            self.int8_write(k, v, kc, vc, *scales, meta.slot_mapping, kv.block_size)
+        else:
+            self.k.paged_kv_write(k, v, kc, vc, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         b = meta.num_decode
         if b:
             self.k.paged_decode(q[:b], kc, vc, meta.decode_tables, meta.decode_lens, kv.block_size, self.scale,
-                                out[:b])
+                                out[:b], scales=scales)
         if meta.q_len is not None:
             self.k.paged_prefill(q[b:], kc, vc, meta.prefill_tables, meta.q_start, meta.q_len, meta.ctx_len,
-                                 meta.max_q, kv.block_size, self.scale, out[b:])
+                                 meta.max_q, kv.block_size, self.scale, out[b:], scales=scales)
         return out.view(q.shape[0], -1)
