@@ -13,27 +13,25 @@ def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> tuple[str, s
     auto: int8 on CPU where the C++ attention kernels run (the torch backend with its extension built): there it
     passed the quality gate (perplexity within 0.5% of the model dtype's, tests/worker/kvcache) and its decode
     step at 2k context took 0.5-0.6x the model dtype's (bench/kv_dtype.py, docs/engine.md); the model dtype
-    elsewhere (the triton backend reads int8 pages when asked; flash-attn has none; the torch reference would
-    dequantize every gather)."""
+    elsewhere (the triton backend reads int8 pages when asked but was not faster on an H100; flash-attn has none;
+    the pure-torch path dequantizes every gather)."""
     from worker.model.backends import choose_backend
 
     asked = config.kv_dtype
     if asked == "model":
         return "model", "asked"
     backend = choose_backend(config.attention_backend, device, config.block_size)
-    if backend == "triton":  # its kernels read int8 pages (worker/kernels/triton_kv_int8.py)
+    if backend == "flash_attn":
         if asked == "int8":
-            return "int8", "asked"
-        return "model", "triton: int8 pages halve the KV bytes, but auto keeps the model dtype (docs/gpu.md)"
-    if device.type != "cpu" or backend not in ("torch", "torch_reference"):
-        if asked == "int8":
-            raise ValueError(f"--kv-dtype int8 runs with the torch attention backend on CPU or the triton backend "
-                             f"(device {device}, backend {backend}); use --kv-dtype model or auto")
-        return "model", f"no int8 KV kernels for {device.type} / {backend}"
-    if asked == "int8":
+            raise ValueError("--kv-dtype int8 does not run with the flash_attn backend (its paged layout has no "
+                             "int8 pages); use --kv-dtype model or auto, or --attention triton")
+        return "model", "flash_attn has no int8 pages"
+    if asked == "int8":  # triton's kernels, the C++ ones on CPU, else the pure-torch path (slow)
         return "int8", "asked"
-    if backend != "torch":
-        return "model", "the torch_reference backend (no C++ kernels)"
+    if backend == "triton":
+        return "model", "triton: int8 pages halve the KV bytes but were not faster (docs/gpu.md)"
+    if device.type != "cpu" or backend == "torch_reference":
+        return "model", f"no int8 KV kernels for {device.type} / {backend}"
     from worker.kernels.cpu import extension
 
     if extension() is None:

@@ -47,8 +47,8 @@ def test_auto_resolution_and_refusals():
     assert resolve_kv_dtype(EngineConfig(kv_dtype="auto", attention_backend="torch_reference"), cpu)[0] == "model"
     assert resolve_kv_dtype(EngineConfig(kv_dtype="int8", attention_backend="torch_reference"), cpu)[0] == "int8"
     assert resolve_kv_dtype(EngineConfig(kv_dtype="model"), cuda) == ("model", "asked")
-    with pytest.raises(ValueError, match="--kv-dtype int8 runs with the torch attention backend on CPU or the triton"):
-        resolve_kv_dtype(EngineConfig(kv_dtype="int8", attention_backend="torch"), cuda)
+    assert resolve_kv_dtype(EngineConfig(kv_dtype="int8", attention_backend="torch"), cuda)[0] == "int8"
+    assert resolve_kv_dtype(EngineConfig(kv_dtype="auto", attention_backend="torch"), cuda)[0] == "model"
     with pytest.raises(ValueError, match="--kv-dtype fp8 is not supported"):
         EngineConfig(kv_dtype="fp8").validate()
     with pytest.raises(ValueError, match="unknown kv_dtype"):

@@ -110,14 +110,11 @@ def test_seeded_sampling_on_gpu_is_reproducible():
     assert all(len(out) == 12 for out in first)
 
 
-def test_int8_kv_pages_on_gpu_equal_cpu_reference_with_graphs():
-    """--kv-dtype int8 on the Triton backend: CUDA-graph decode equals eager, and both give the CPU torch
-    reference's greedy tokens over the same int8 pages (fp32)."""
+def test_int8_kv_pages_graph_decode_equals_eager():
+    """--kv-dtype int8 on the Triton backend: CUDA-graph decode (the quantizing write captured) equals eager.
+    Against the torch reference over the same pages: tests/worker/model/test_triton_kv_int8.py, on this device."""
     gpu = load_tiny_model(dtype="float32", device="cuda", tokenizer=TOKENIZER)
-    cpu = load_tiny_model(dtype="float32", device="cpu", tokenizer=TOKENIZER)
     prompts = _prompts(gpu.config.vocab_size, seed=4)
     graphs, eager = _engine(gpu, kv_dtype="int8"), _engine(gpu, kv_dtype="int8", cuda_graphs="off")
     assert graphs.kv_dtype == "int8" and graphs.runner.graphs is not None
-    want = _engine(cpu, kv_dtype="int8", attention_backend="torch_reference").generate(prompts, GREEDY)
-    assert eager.generate(prompts, GREEDY) == want
-    assert graphs.generate(prompts, GREEDY) == want
+    assert graphs.generate(prompts, GREEDY) == eager.generate(prompts, GREEDY)
