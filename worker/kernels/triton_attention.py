@@ -221,10 +221,13 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: to
         part = torch.empty((b, nh, splits, d_pad), dtype=torch.float32, device=q.device)
         ml = torch.empty((b, nh, splits, 2), dtype=torch.float32, device=q.device)
     ks, vs = scales if scales is not None else (kc, vc)
+    # 128-position tiles for int8 pages and for head dims up to 64, 64 for wider bf16 heads: fastest on an H100
+    # (docs/gpu.md, decode-attention sweep)
+    tile = max(128 if scales is not None or hd <= 64 else 64, page)
     _decode_kernel[(b, kvh, splits)](q, kc, vc, ks, vs, out, part, ml, tables, lens, scale, q.stride(0),
                                      q.stride(1), out.stride(0), out.stride(1), tables.stride(0), kc.shape[1],
                                      GROUP=group, G_PAD=_pow2(group, 16), D=hd, D_PAD=d_pad, PAGE=page,
-                                     TILE=max(64, page), SPLITS=splits, QUANT=scales is not None,
+                                     TILE=tile, SPLITS=splits, QUANT=scales is not None,
                                      **_precision(q.dtype))
     if splits > 1:
         _combine_kernel[(b, nh)](part, ml, out, out.stride(0), out.stride(1), NH=nh, D=hd, D_PAD=d_pad,
