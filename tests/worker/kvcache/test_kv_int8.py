@@ -118,7 +118,7 @@ def _run(attn: TorchAttention, lay: BatchLayout, kv: KVCache, q, k, v) -> torch.
 def test_decode_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim):
     """Contexts of 1 to 300 tokens (inside a page, on and across page edges), GQA groups of 3 and 4, the kernel's
     unrolled head sizes and a runtime one: int8 decode against the reference on dequantized gathers (fp32: within
-    the int16 rounding of the queries on the AVX-512 path)."""
+    the int16 rounding of the queries and probabilities on the AVX-512 path)."""
     kernels = _kernels(heads, kv_heads, head_dim)
     torch.manual_seed(0)
     pages = 64

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 #if defined(__AVX512BW__)
 #include <immintrin.h>
@@ -63,10 +64,68 @@ static inline __m512 widen(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// p x V in int16 x int16 -> int32 (`vpdpwssd`), two rows at a time. Probabilities (at most 1: the row max is taken
+// out) are int16 steps of 2^-15 in `p16` ([G][Lpad], zero past L); rows i and i+1 are interleaved per dimension
+// (unpacklo/hi within 128-bit lanes), so accumulator k of a row holds the dimensions `pv_dim` names. A page's int32
+// sums (at most 16 x 2 x 32767 x 127 per page of 16) go into fp32 times its V scale.
+constexpr float kP16 = 32767.f;
+
+static inline int64_t pv_dim(int64_t k, int64_t e) {  // dimension of lane e of accumulator k
+  return 32 * (k / 2) + (e / 4) * 8 + (k % 2) * 4 + e % 4;
+}
+
+template <int64_t HD, int64_t G>
+static inline void pv_page(const int16_t* p16, int64_t Lpad, int64_t pos, const int8_t* vp, int64_t n, int64_t bs,
+                           float sv, __m512 (&acc)[G][HD / 16]) {
+  constexpr int64_t C = HD / 32, K = HD / 16;
+  __m512i ai[G][K];
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t k = 0; k < K; ++k) ai[j][k] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; i += 2) {
+    const bool pair = i + 1 < bs;  // a row past the page's last (odd page sizes) reads as zeros
+    __m512i lo[C], hi[C];
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + i * HD + c * 32)));
+      const __m512i b = pair ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                   reinterpret_cast<const __m256i*>(vp + (i + 1) * HD + c * 32)))
+                             : _mm512_setzero_si512();
+      lo[c] = _mm512_unpacklo_epi16(a, b);
+      hi[c] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int64_t j = 0; j < G; ++j) {
+      int32_t two;  // (p_i, p_i+1); p past n is zero, so a stale row there adds nothing
+      std::memcpy(&two, p16 + j * Lpad + pos + i, sizeof(two));
+      const __m512i pp = _mm512_set1_epi32(two);
+      for (int64_t c = 0; c < C; ++c) {
+        ai[j][2 * c] = dot_step(ai[j][2 * c], lo[c], pp);
+        ai[j][2 * c + 1] = dot_step(ai[j][2 * c + 1], hi[c], pp);
+      }
+    }
+  }
+  const __m512 s = _mm512_set1_ps(sv / kP16);
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t k = 0; k < K; ++k) acc[j][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[j][k]), s, acc[j][k]);
+}
+
+// row j of `scores` ([G][L], softmax numerators) as int16 steps of 2^-15 into p16 ([G][Lpad], zeros past L)
+template <int64_t G>
+static inline void quantize_probs(const float* scores, int64_t L, int16_t* p16, int64_t Lpad) {
+  const __m512 k = _mm512_set1_ps(kP16);
+  for (int64_t j = 0; j < G; ++j) {
+    int64_t i = 0;
+    for (; i + 16 <= L; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + j * Lpad + i),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(scores + j * L + i), k))));
+    for (; i < L; ++i) p16[j * Lpad + i] = static_cast<int16_t>(std::nearbyint(scores[j * L + i] * kP16));
+    for (; i < Lpad; ++i) p16[j * Lpad + i] = 0;
+  }
+}
+
 template <typename T, int64_t HD, int64_t G>
 static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScales sc, const int64_t* tables,
                    const int64_t* lens, T* out, const Shape sh) {
   constexpr int64_t V = HD / 16;  // fp32 registers per V row
+  constexpr bool kPv16 = G * V <= 16;  // the int16 p x V path while its accumulators fit in registers
   const int64_t nh = sh.nh, kvh = sh.kvh, bs = sh.bs;
   std::vector<int64_t> order, bounds;
   balance_tasks(lens, sh.B, kvh, at::get_num_threads(), order, bounds);
@@ -75,6 +134,7 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
     alignas(64) int16_t q16[G * HD];
     float qscale[G], denom[G];
     std::vector<float> scores;
+    std::vector<int16_t> p16;
     for (int64_t ti = bounds[c0]; ti < bounds[c1]; ++ti) {
       const int64_t task = order[ti];
       const int64_t b = task / kvh, h = task % kvh;
@@ -105,6 +165,28 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
       __m512 acc[G][V];
       for (int64_t j = 0; j < G; ++j)
         for (int64_t c = 0; c < V; ++c) acc[j][c] = _mm512_setzero_ps();
+      if constexpr (kPv16) {  // int16 probabilities, two rows per vpdpwssd; acc in pv_dim's order
+        const int64_t Lpad = npages * bs + 2;
+        if (static_cast<int64_t>(p16.size()) < G * Lpad) p16.resize(G * Lpad);
+        quantize_probs<G>(scores.data(), L, p16.data(), Lpad);
+        for (int64_t p = 0; p < npages; ++p) {
+          const int8_t* vp = vbase + table[p] * bs * HD;
+          if (p + kKvPrefetch < npages) prefetch_bytes(vbase + table[p + kKvPrefetch] * bs * HD, bs * HD);
+          pv_page<HD, G>(p16.data(), Lpad, p * bs, vp, std::min(bs, L - p * bs), bs,
+                         page_scale(sc.v, sc.pages, h, table[p]), acc);
+        }
+        for (int64_t j = 0; j < G; ++j) {
+          alignas(64) float o[HD];
+          for (int64_t k = 0; k < V; ++k) {
+            alignas(64) float lanes[16];
+            _mm512_store_ps(lanes, acc[j][k]);
+            for (int64_t e = 0; e < 16; ++e) o[pv_dim(k, e)] = lanes[e] / denom[j];
+          }
+          T* dst = out + (b * nh + h * G + j) * HD;
+          for (int64_t d = 0; d < HD; ++d) dst[d] = from_f<T>(o[d]);
+        }
+        continue;
+      }
       for (int64_t p = 0; p < npages; ++p) {  // acc += p x V scale x v, a row at a time
         const int8_t* vp = vbase + table[p] * bs * HD;
         const int64_t n = std::min(bs, L - p * bs);
