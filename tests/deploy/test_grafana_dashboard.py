@@ -29,13 +29,21 @@ OTHERS = {
     "switchyard_worker_generated_tokens_total",
     "switchyard_disagg_requests_total", "switchyard_disagg_fallbacks_total",
     "switchyard_worker_disagg_fallbacks_total", "switchyard_worker_disagg_received_bytes_total",
+    "switchyard_worker_prefill_tokens_computed_total",
 }
+# The KV tiers below the radix cache (worker.server.metrics: TIER_*), all on the "KV tiers" row.
+KV_TIERS = {
+    "switchyard_worker_kv_tier_hits_total", "switchyard_worker_kv_tier_evictions_total",
+    "switchyard_worker_kv_tier_bytes", "switchyard_worker_kv_tier_load_seconds_total",
+    "switchyard_worker_kv_tier_restored_tokens_total",
+}
+OTHERS |= KV_TIERS
 CONTRACT = HISTOGRAMS | OTHERS
 GAUGES = {  # `_kv_pages_total` is a gauge (pages in the pool), not a counter
     "switchyard_router_outstanding_tokens", "switchyard_router_prefix_hit_rate",
     "switchyard_worker_running_requests", "switchyard_worker_waiting_requests",
     "switchyard_worker_kv_pages_used", "switchyard_worker_kv_pages_total",
-    "switchyard_worker_prefix_hit_rate", "switchyard_worker_batch_size",
+    "switchyard_worker_prefix_hit_rate", "switchyard_worker_batch_size", "switchyard_worker_kv_tier_bytes",
 }
 COUNTERS = OTHERS - GAUGES
 # The worker's model-server-protocol gauges (worker.server.msp_metrics) that Kubernetes routers read.
@@ -151,6 +159,37 @@ def test_counters_are_rated_and_labelled_panels_split_by_label(dashboard: dict) 
     assert "sum by (status) (rate(switchyard_requests_total" in joined
     assert "sum by (reason) (rate(switchyard_rate_limited_total" in joined
     assert "sum by (reason) (rate(switchyard_shed_total" in joined
+
+
+def _row(dashboard: dict, title: str) -> list[dict]:
+    """The panels under the (expanded) row titled `title`, up to the next row."""
+    panels, inside = [], False
+    for p in dashboard["panels"]:
+        if p["type"] == "row":
+            inside = p["title"] == title
+        elif inside:
+            panels.append(p)
+    return panels
+
+
+def test_kv_tiers_row_plots_every_tier_metric_the_worker_exports(dashboard: dict) -> None:
+    """The row's tier names are exactly the worker's `_kv_tier_` collectors (a new one must get a panel), and the
+    per-tier counters and the occupancy gauge are split by tier."""
+    from prometheus_client import REGISTRY
+
+    import worker.server.metrics  # noqa: F401 - registers its collectors on import
+
+    panels = _row(dashboard, "KV tiers")
+    assert len(panels) >= 5
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    used = {n for e in exprs for n in NAME.findall(e) if "_kv_tier_" in n}
+    exported = {f.name + ("_total" if f.type == "counter" else "") for f in REGISTRY.collect()
+                if f.name.startswith("switchyard_worker_kv_tier_")}
+    assert used == exported == KV_TIERS
+    joined = "\n".join(exprs)
+    for name in ("switchyard_worker_kv_tier_hits_total", "switchyard_worker_kv_tier_evictions_total"):
+        assert f"sum by (tier) (rate({name}" in joined, f"{name} not split by tier"
+    assert "tier) (switchyard_worker_kv_tier_bytes)" in joined
 
 
 def test_contract_matches_the_collectors_the_code_registers() -> None:
