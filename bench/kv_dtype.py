@@ -21,6 +21,7 @@ from worker.kvcache.tensors import KVCache, bytes_per_page, num_pages_for
 from worker.model.attention import BatchLayout
 from worker.model.llama import StepContext
 from worker.model.loader import LoadedModel, load_model
+from worker.quant.weights import resolve_mode
 
 TARGETS = {"ppl_ratio": 1.005, "decode_step_ratio_2k": 0.65, "capacity_ratio": 1.9}
 
@@ -99,9 +100,10 @@ def quality(loaded: LoadedModel, chunk: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     base = load_model("default", dtype=args.dtype, quantization="none")
-    loaded = quantized(base, args.quantization)
+    mode = resolve_mode(args.quantization, base.device)
+    loaded = quantized(base, mode)
     res: dict = {"bench": "kv_dtype", "cpu": cpu_model(), "model": loaded.model_id,
-                 "dtype": str(loaded.dtype).replace("torch.", ""), "quantization": args.quantization,
+                 "dtype": str(loaded.dtype).replace("torch.", ""), "quantization": mode,
                  "threads": torch.get_num_threads(), "rows": args.rows, "context": args.context}
     res |= quality(loaded, args.chunk)
     steps = step_ratio(loaded, args.rows, args.context, args.reps)
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--dtype", default=None, help="model dtype (default: the loader's pick for this CPU)")
-    p.add_argument("--quantization", default="none", help="weights: none (the worker's default), int8, ...")
+    p.add_argument("--quantization", default="auto", help="weights: auto (the worker's default), none, int8, ...")
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--reps", type=int, default=9, help="timed steps per KV dtype (median)")
