@@ -35,7 +35,9 @@ OTHERS = {
 KV_TIERS = {
     "switchyard_worker_kv_tier_hits_total", "switchyard_worker_kv_tier_evictions_total",
     "switchyard_worker_kv_tier_bytes", "switchyard_worker_kv_tier_load_seconds_total",
-    "switchyard_worker_kv_tier_restored_tokens_total",
+    "switchyard_worker_kv_tier_restored_tokens_total", "switchyard_worker_kv_tier_restored_bytes_total",
+    "switchyard_worker_kv_tier_disk_writes_total", "switchyard_worker_kv_tier_disk_corrupt_total",
+    "switchyard_worker_kv_tier_skipped_by_cost_total", "switchyard_worker_kv_tier_disk_full",
 }
 OTHERS |= KV_TIERS
 CONTRACT = HISTOGRAMS | OTHERS
@@ -44,6 +46,7 @@ GAUGES = {  # `_kv_pages_total` is a gauge (pages in the pool), not a counter
     "switchyard_worker_running_requests", "switchyard_worker_waiting_requests",
     "switchyard_worker_kv_pages_used", "switchyard_worker_kv_pages_total",
     "switchyard_worker_prefix_hit_rate", "switchyard_worker_batch_size", "switchyard_worker_kv_tier_bytes",
+    "switchyard_worker_kv_tier_disk_full",
 }
 COUNTERS = OTHERS - GAUGES
 # The worker's model-server-protocol gauges (worker.server.msp_metrics) that Kubernetes routers read.

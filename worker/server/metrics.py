@@ -54,6 +54,12 @@ TIER_EVICTIONS = Counter("switchyard_worker_kv_tier_evictions", "KV pages a tier
 TIER_BYTES = Gauge("switchyard_worker_kv_tier_bytes", "Bytes of KV pages a tier holds", ["tier"])
 TIER_LOAD = Counter("switchyard_worker_kv_tier_load_seconds", "Seconds spent restoring KV pages from the tiers")
 TIER_RESTORED = Counter("switchyard_worker_kv_tier_restored_tokens", "Prompt tokens restored from the KV tiers")
+TIER_RESTORED_BYTES = Counter("switchyard_worker_kv_tier_restored_bytes", "Bytes of KV pages restored from the tiers")
+TIER_DISK_WRITES = Counter("switchyard_worker_kv_tier_disk_writes", "KV page files the disk tier wrote or dropped "
+                           "(outcome: written | dropped: queue or disk full)", ["outcome"])
+TIER_DISK_CORRUPT = Counter("switchyard_worker_kv_tier_disk_corrupt", "Disk tier files found corrupt (recomputed)")
+TIER_SKIPPED = Counter("switchyard_worker_kv_tier_skipped_by_cost", "Tier restores the cost model turned down")
+TIER_DISK_FULL = Gauge("switchyard_worker_kv_tier_disk_full", "1 while the disk tier is full (writes stop)")
 DISAGG_TRANSFERS = Counter("switchyard_worker_disagg_transfers", "Disaggregated prefills this worker received pages "
                            "for, by how they ended (complete, fallback, cancelled)", ["outcome"])
 DISAGG_FALLBACKS = Counter("switchyard_worker_disagg_fallbacks", "Hinted requests prefilled here, by reason", ["reason"])
@@ -191,12 +197,18 @@ class WorkerMetrics:
                                      ("disk_hits", TIER_HITS.labels("disk"), t.disk_hits),
                                      ("ram_ev", TIER_EVICTIONS.labels("ram"), t.ram_evictions),
                                      ("disk_ev", TIER_EVICTIONS.labels("disk"), t.disk_evictions),
-                                     ("restored", TIER_RESTORED, t.restored_tokens)):
+                                     ("restored", TIER_RESTORED, t.restored_tokens),
+                                     ("restored_b", TIER_RESTORED_BYTES, t.restored_bytes),
+                                     ("written", TIER_DISK_WRITES.labels("written"), t.disk_writes),
+                                     ("dropped", TIER_DISK_WRITES.labels("dropped"), t.disk_dropped),
+                                     ("corrupt", TIER_DISK_CORRUPT, t.disk_corrupt),
+                                     ("skipped", TIER_SKIPPED, t.skipped_by_cost)):
             seen[name] = _advance(counter, seen.get(name, 0), total)
         TIER_LOAD.inc(max(0.0, t.load_seconds - self._tier_load))
         self._tier_load = max(self._tier_load, t.load_seconds)
         TIER_BYTES.labels("ram").set(t.ram_bytes)
         TIER_BYTES.labels("disk").set(t.disk_bytes)
+        TIER_DISK_FULL.set(int(t.disk_full))
 
     def _refresh_spec(self, s: EngineStats) -> None:
         seen = self._spec
