@@ -16,13 +16,14 @@ from torch import nn
 from worker.kernels.cpu import extension
 from worker.kernels.cpu_features import has_int8_dot
 
-__all__ = ["ALPHA", "CALIBRATION_TEXT", "SMALL_ROWS", "W8A8Weight", "activation_maxima", "available",
-           "small_available"]
+__all__ = ["ALPHA", "AVX2_ROWS", "CALIBRATION_TEXT", "SMALL_ROWS", "W8A8Weight", "activation_maxima", "available",
+           "avx2_available", "small_available"]
 
 ALPHA = 0.5  # SmoothQuant migration strength: 0.5 balances activation and weight ranges
 CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 CALIBRATION_TOKENS = 2048
 SMALL_ROWS = 16  # few-row kernel cutoff until `quant.calibrate` measures it
+AVX2_ROWS = 1 << 30  # the AVX2 kernel takes every row count unless `quant.calibrate_small_rows` finds otherwise
 _LINEARS = ("qkv", "o", "gate_up", "down")
 EXACT_FP32_K = (1 << 24) // (127 * 128)  # 1032: that many int8 x int8 products sum exactly in fp32
 
@@ -40,12 +41,17 @@ class W8A8Weight:
     wt: torch.Tensor  # [in, out] int8
     col_scale: torch.Tensor  # [out] fp32
     inv_smooth: torch.Tensor  # [in] fp32
-    # the same weight packed for the few-row kernel (AVX-512 VNNI, csrc/w8a8_small.cpp) and its column sums
-    small: tuple[torch.Tensor, torch.Tensor] | None = None
-    small_rows: int = 0  # calls of up to this many rows take the few-row kernel (`quant.calibrate_small_rows`)
+    # the same weight packed for a kernel of our own: "vnni" (few rows on AVX-512 VNNI, csrc/w8a8_small.cpp; with
+    # the column sums) or "avx2" (any rows on AVX2 without int8 dot products, csrc/w8a8_avx2.cpp; no sums)
+    small: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    small_kind: str = ""
+    small_rows: int = 0  # calls of up to this many rows take that kernel (`quant.calibrate_small_rows`)
 
     @classmethod
-    def build(cls, weight: torch.Tensor, act_max: torch.Tensor | None, alpha: float = ALPHA) -> W8A8Weight:
+    def build(cls, weight: torch.Tensor, act_max: torch.Tensor | None, alpha: float = ALPHA,
+              kernel: str | None = None) -> W8A8Weight:
+        """`kernel`: "vnni", "avx2" or "none" (only `_int_mm`); None picks VNNI where built, else AVX2 where the
+        CPU has no int8 dot products."""
         w = weight.detach().float()
         smooth = torch.ones(w.shape[1])
         if act_max is not None:
@@ -55,9 +61,13 @@ class W8A8Weight:
         scale = ws.abs().amax(1).clamp(min=1e-8) / 127
         wt = (ws / scale[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
         lin = cls(wt, scale.contiguous(), (1.0 / smooth).contiguous())
-        if small_available() and wt.shape[0] % 4 == 0 and wt.shape[1] % 16 == 0:
-            lin.small = extension().w8a8_small_pack(wt)
-            lin.small_rows = SMALL_ROWS
+        if kernel is None:
+            kernel = "vnni" if small_available() else "avx2" if avx2_available() and not has_int8_dot() else "none"
+        k, n = wt.shape
+        if kernel == "vnni" and k % 4 == 0 and n % 16 == 0:
+            lin.small, lin.small_kind, lin.small_rows = extension().w8a8_small_pack(wt), kernel, SMALL_ROWS
+        elif kernel == "avx2" and k % 4 == 0 and n % 8 == 0:
+            lin.small, lin.small_kind, lin.small_rows = (extension().w8a8_avx2_pack(wt), None), kernel, AVX2_ROWS
         return lin
 
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
@@ -72,8 +82,11 @@ class W8A8Weight:
         return ext.w8a8_dequantize(int8_matmul(xq, self.wt), row_scale, self.col_scale, x2)
 
     def forward_small(self, x2: torch.Tensor) -> torch.Tensor:
-        """The few-row kernel: bit-identical to `forward_int_mm`, without its per-call weight re-layout."""
+        """Our kernel: bit-identical to `forward_int_mm`, without its per-call weight re-layout (and on AVX2
+        without int8 dot products, without its fp32 GEMMs)."""
         packed, colsum = self.small
+        if self.small_kind == "avx2":
+            return extension().w8a8_avx2_linear(x2, self.inv_smooth, packed, self.col_scale)
         return extension().w8a8_small_linear(x2, self.inv_smooth, packed, colsum, self.col_scale)
 
     @property
@@ -83,7 +96,10 @@ class W8A8Weight:
     @property
     def small_nbytes(self) -> int:
         """Bytes of the few-row kernel's packed weight and column sums (0 without them)."""
-        return 0 if self.small is None else self.small[0].numel() + 4 * self.small[1].numel()
+        if self.small is None:
+            return 0
+        packed, colsum = self.small
+        return packed.numel() + (0 if colsum is None else 4 * colsum.numel())
 
 
 def int8_matmul(xq: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
@@ -106,6 +122,12 @@ def small_available() -> bool:
     """The few-row W8A8 kernel was built (AVX-512 VNNI)."""
     ext = extension()
     return ext is not None and ext.w8a8_small_available()
+
+
+def avx2_available() -> bool:
+    """The AVX2 W8A8 kernel was built (every x86-64 CPU of the last decade)."""
+    ext = extension()
+    return ext is not None and ext.w8a8_avx2_available()
 
 
 def calibration_ids(tokenizer) -> list[int]:

@@ -48,7 +48,10 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     if mode == "auto":
         if device.type != "cpu" or not _has_ops():
             return "none"
-        return "w8a8" if has_int8_dot() and smooth.available() else "int8"
+        # w8a8 on int8 dot products (VNNI, AMX), and on AVX2 through csrc/w8a8_avx2.cpp, which beat the int8 mode's
+        # weight-only kernel and its fp32 copy at every row count (docs/cpu-performance.md)
+        fast = has_int8_dot() or smooth.avx2_available()
+        return "w8a8" if fast and smooth.available() else "int8"
     if mode != "none" and (device.type != "cpu" or not _has_ops()):
         raise ValueError(f"quantization {mode!r} needs torch's packed CPU matmul ops on a CPU device "
                          f"(device {device}); choose 'none' or 'auto' here")
@@ -281,12 +284,15 @@ def calibrate_max_rows(lin: QuantLinear, candidates: tuple[int, ...] = (1, 2, 4,
 
 def calibrate_small_rows(w: smooth.W8A8Weight, dtype: torch.dtype,
                          candidates: tuple[int, ...] = (1, 4, 8, 16, 24, 32, 48, 64)) -> int:
-    """The largest row count up to which the few-row W8A8 kernel beats `_int_mm` (best of 5; once per weight
-    shape in a process). Where both read the weight from memory the few-row kernel wins at decode sizes;
-    `_int_mm` catches up once the products are compute-bound (16-32 rows on AMD Zen 4)."""
+    """The largest row count up to which our W8A8 kernel beats `_int_mm` (best of 5; once per weight shape in a
+    process). Where both read the weight from memory the few-row kernel wins at decode sizes; `_int_mm` catches
+    up once the products are compute-bound (16-32 rows on AMD Zen 4). The AVX2 kernel is measured up to 1,024
+    rows, and keeps every row count if it wins there (without int8 dot products `_int_mm` is fp32 GEMMs)."""
     if w.small is None:
         return 0
-    key = ("small", *w.wt.shape, dtype, candidates)
+    if w.small_kind == "avx2":
+        candidates = (1, 16, 64, 256, 1024)
+    key = ("small", w.small_kind, *w.wt.shape, dtype, candidates)
     if key not in _CALIBRATED:
         best = 0
         with torch.inference_mode():
@@ -295,6 +301,8 @@ def calibrate_small_rows(w: smooth.W8A8Weight, dtype: torch.dtype,
                 if _best_time(lambda x=x: w.forward_small(x)) > _best_time(lambda x=x: w.forward_int_mm(x)):
                     break
                 best = rows
+            else:
+                best = smooth.AVX2_ROWS if w.small_kind == "avx2" else best
         _CALIBRATED[key] = best
     return _CALIBRATED[key]
 

@@ -71,6 +71,43 @@ def test_few_row_kernel_is_bit_identical_to_int_mm(dtype, n, k):
         assert torch.equal(lin.forward_small(x), lin.forward_int_mm(x)), rows
 
 
+@pytest.mark.skipif(not smooth.avx2_available(), reason="the AVX2 W8A8 kernel needs AVX2")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(24, 40), (80, 576), (576, 1536)])
+def test_avx2_kernel_is_bit_identical_to_int_mm(dtype, n, k):
+    """The AVX2 kernel (the activation's sign moved onto the weight, |x| x w pairs below 2^15) gives the _int_mm
+    path's outputs bit for bit at every row count (4-row tiles and their remainders, 2-block channel tiles and a
+    lone block, more rows than one 64-row pass), the extremes too (codes of +-127 in every term)."""
+    torch.manual_seed(3)
+    w = torch.randn(n, k) * 0.05
+    w[:, 0] = 1.0  # a column of full-scale weights: +-127 codes against the activations' +-127
+    lin = smooth.W8A8Weight.build(w.to(dtype), torch.rand(k) + 0.5, kernel="avx2")
+    assert lin.small_kind == "avx2" and lin.small_rows == smooth.AVX2_ROWS
+    packed, colsum = lin.small
+    assert colsum is None and packed.shape == (n // 8, k // 4, 32)
+    assert torch.equal(packed[1, 2].view(8, 4), lin.wt[8:12, 8:16].t())  # block 1, group 2: lanes x 4 bytes
+    for rows in (1, 2, 3, 4, 5, 7, 64, 67, 130):
+        x = (torch.randn(rows, k) * torch.logspace(-1, 1, k)).to(dtype)
+        x[0] = -x[0].abs()  # a row of negative activations: every sign moves onto the weights
+        assert torch.equal(lin.forward_small(x), lin.forward_int_mm(x)), rows
+        assert torch.equal(lin(x), lin.forward_int_mm(x)), rows  # __call__ takes the kernel at every row count
+
+
+def test_auto_is_w8a8_on_avx2_without_int8_dot(monkeypatch):
+    """AVX2-only CPUs (Zen 3): auto picks w8a8 (the AVX2 kernel), and its weights build with that kernel."""
+    monkeypatch.setattr(quant, "has_int8_dot", lambda: False)
+    monkeypatch.setattr(smooth, "has_int8_dot", lambda: False)
+    monkeypatch.setattr(smooth, "small_available", lambda: False)
+    assert quant.resolve_mode("auto", torch.device("cpu")) == ("w8a8" if smooth.avx2_available() else "int8")
+    lin = quant.QuantLinear(torch.randn(96, 64) * 0.05, "w8a8", act_max=torch.rand(64) + 0.5)
+    quant.calibrate(lin)
+    assert lin.w8a8.small_kind == ("avx2" if smooth.avx2_available() else "")
+    if smooth.avx2_available():  # W8A8 throughout: no weight-only copy, every row count through the kernel
+        assert lin.max_rows == 0 and lin.qweight is None and lin.w8a8.small_rows >= 1
+        x = torch.randn(5, 64)
+        assert torch.equal(lin(x), lin.w8a8.forward_int_mm(x))
+
+
 @pytest.mark.parametrize("k", [40, 576, 1032, 1536, 2100])
 def test_fp32_int8_product_is_bit_identical_to_int_mm(k):
     """The product AVX2-only CPUs use (fp32 GEMMs over K slices of at most 1,032) equals torch._int_mm exactly,
@@ -86,8 +123,8 @@ def test_fp32_int8_product_is_bit_identical_to_int_mm(k):
 
 @pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
 def test_w8a8_mode_from_the_gguf():
-    """Decode-sized inputs take the few-row W8A8 kernel where built (else the weight-only int8 kernel),
-    prefill-sized ones `_int_mm`; no dense copy."""
+    """Decode-sized inputs take the few-row W8A8 kernel on VNNI (prefill-sized ones `_int_mm`), every size the AVX2
+    kernel on AVX2-only CPUs, else the weight-only int8 kernel; no dense copy."""
     loaded = load_model("default", device="cpu", quantization="w8a8")
     assert loaded.quantization == "w8a8"
     lin = loaded.model.layers[2].gate_up
@@ -98,7 +135,7 @@ def test_w8a8_mode_from_the_gguf():
     big = lin(x).float()
     assert lin.max_rows < 64
     assert ((big - small).norm() / small.norm()).item() < 0.05
-    if smooth.small_available():  # W8A8 throughout: the product of a row does not depend on its batch
+    if lin.w8a8.small is not None:  # W8A8 throughout: the product of a row does not depend on its batch
         assert lin.max_rows == 0 and lin.w8a8.small_rows >= 1
         assert torch.equal(big, small)
         assert lin.qweight is None  # the weight-only copy is dropped; the floor counts the packed one

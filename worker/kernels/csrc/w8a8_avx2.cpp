@@ -1,0 +1,141 @@
+// W8A8 linears on AVX2 without int8 dot-product instructions (AMD Zen 3 and other AVX2-only CPUs), any row count:
+// int8 activations times int8 weights packed once at load, 32 products per `vpmaddubsw` + `vpmaddwd` pair, as
+// llama.cpp's AVX2 Q8_0 path does. `vpmaddubsw` takes unsigned x signed bytes and saturates pairs at 16 bits, so the
+// activation's sign moves onto the weight (`vpsignb`) and |x|, |w| <= 127 keep each pair below 2^15: the int32 sums
+// equal _int_mm's exactly, and the dequantization is the same fp32 expression, so outputs are bit-identical to the
+// _int_mm path. Built on every CPU with AVX2 (so its tests run everywhere); chosen where there is no VNNI.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace w8a8_avx2 {
+
+constexpr int64_t kLanes = 8;  // output channels per block (one ymm of int32 sums)
+
+#if defined(__AVX2__)
+constexpr bool kBuilt = true;
+
+// Rows [m0, m0 + MT) against the NB channel blocks starting at `w` (each block K * 8 bytes apart), then the
+// dequantization into out[m][n0 ...].
+template <typename T, int MT, int NB>
+static inline void tile(const int8_t* xq, const int8_t* w, const float* row_scale, const float* col_scale,
+                                T* out, int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  __m256i acc[MT][NB];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t groups = K / 4, block_bytes = K * kLanes;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i wv[NB];
+    for (int j = 0; j < NB; ++j)
+      wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * block_bytes + g * 32));
+    for (int i = 0; i < MT; ++i) {
+      int32_t four;
+      std::memcpy(&four, xq + (m0 + i) * K + 4 * g, 4);
+      const __m256i xs = _mm256_set1_epi32(four);
+      const __m256i xa = _mm256_abs_epi8(xs);
+      for (int j = 0; j < NB; ++j) {
+        const __m256i pairs = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[j], xs));
+        acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n = n0 + j * kLanes;
+    const __m256 cs = _mm256_loadu_ps(col_scale + n);
+    for (int i = 0; i < MT; ++i) {
+      const __m256 y = _mm256_cvtepi32_ps(acc[i][j]);
+      alignas(32) float v[kLanes];
+      _mm256_store_ps(v, _mm256_mul_ps(_mm256_mul_ps(y, _mm256_set1_ps(row_scale[m0 + i])), cs));
+      T* o = out + (m0 + i) * N + n;
+      for (int64_t c = 0; c < kLanes; ++c) o[c] = from_f<T>(v[c]);
+    }
+  }
+}
+
+// rows [m0, m0 + MT) over channel blocks [b0, b1)
+template <typename T, int MT>
+static void rows(const int8_t* xq, const int8_t* packed, const float* rs, const float* cs, T* out, int64_t K,
+                 int64_t N, int64_t m0, int64_t b0, int64_t b1) {
+  int64_t b = b0;
+  for (; b + 2 <= b1; b += 2) tile<T, MT, 2>(xq, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
+  for (; b < b1; ++b) tile<T, MT, 1>(xq, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
+}
+
+template <typename T>
+static void linear(const int8_t* xq, const int8_t* packed, const float* rs, const float* cs, T* out, int64_t M,
+                   int64_t K, int64_t N) {
+  const int64_t blocks = N / kLanes;
+  constexpr int64_t kRowChunk = 64;  // rows per pass over a thread's blocks: their codes stay in L1/L2
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRowChunk) {
+      const int64_t r1 = std::min(M, r0 + kRowChunk);
+      int64_t m = r0;
+      for (; m + 4 <= r1; m += 4) rows<T, 4>(xq, packed, rs, cs, out, K, N, m, b0, b1);
+      switch (r1 - m) {
+        case 3: rows<T, 3>(xq, packed, rs, cs, out, K, N, m, b0, b1); break;
+        case 2: rows<T, 2>(xq, packed, rs, cs, out, K, N, m, b0, b1); break;
+        case 1: rows<T, 1>(xq, packed, rs, cs, out, K, N, m, b0, b1); break;
+        default: break;
+      }
+    }
+  });
+}
+#else
+constexpr bool kBuilt = false;
+#endif
+
+}  // namespace w8a8_avx2
+
+bool w8a8_avx2_available() { return w8a8_avx2::kBuilt; }
+
+// wt [K, N] int8 (the _int_mm operand) -> packed [N / 8, K / 4, 32] int8: block b, group g, lane c, byte j holds
+// wt[4g + j][8b + c]
+torch::Tensor w8a8_avx2_pack(torch::Tensor wt) {
+  TORCH_CHECK(wt.dim() == 2 && wt.scalar_type() == torch::kInt8, "w8a8_avx2_pack: int8 [K, N]");
+  const int64_t K = wt.size(0), N = wt.size(1);
+  TORCH_CHECK(K % 4 == 0 && N % 8 == 0, "w8a8_avx2_pack: K % 4 == 0 and N % 8 == 0");
+  return wt.view({K / 4, 4, N / 8, 8}).permute({2, 0, 3, 1}).contiguous().view({N / 8, K / 4, 32});
+}
+
+// x [M, K] bf16/fp32 -> [M, N] of x's dtype: per-row int8 quantization of x * inv_smooth (as w8a8_quantize), then
+// the product with the packed weight and the per-row / per-column scales.
+torch::Tensor w8a8_avx2_linear(torch::Tensor x, torch::Tensor inv_smooth, torch::Tensor packed,
+                               torch::Tensor col_scale) {
+  TORCH_CHECK(w8a8_avx2::kBuilt, "w8a8_avx2_linear: built without AVX2");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 3 && packed.size(2) == 32 &&
+              packed.size(1) * 4 == x.size(1), "w8a8_avx2_linear: x [M, K], packed [N / 8, K / 4, 32]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 8;
+  TORCH_CHECK(col_scale.numel() == N && col_scale.scalar_type() == torch::kFloat32,
+              "w8a8_avx2_linear: col_scale fp32 [N]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              "w8a8_avx2_linear: bfloat16 or float32");
+  TORCH_CHECK(inv_smooth.scalar_type() == torch::kFloat32 && inv_smooth.numel() == K,
+              "w8a8_avx2_linear: fp32 inv_smooth [K]");
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto rs = torch::empty({M}, x.options().dtype(torch::kFloat32));
+  auto out = torch::empty({M, N}, x.options());
+#if defined(__AVX2__)
+  const float* smooth = inv_smooth.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* rp = rs.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      rp[m] = x.scalar_type() == torch::kBFloat16
+                  ? w8a8::quantize_row(x.data_ptr<at::BFloat16>() + m * K, smooth, qp + m * K, K)
+                  : w8a8::quantize_row(x.data_ptr<float>() + m * K, smooth, qp + m * K, K);
+  });
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* cs = col_scale.data_ptr<float>();
+  if (x.scalar_type() == torch::kBFloat16)
+    w8a8_avx2::linear<at::BFloat16>(qp, wp, rp, cs, out.data_ptr<at::BFloat16>(), M, K, N);
+  else
+    w8a8_avx2::linear<float>(qp, wp, rp, cs, out.data_ptr<float>(), M, K, N);
+#endif
+  return out;
+}
