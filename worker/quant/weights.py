@@ -291,7 +291,7 @@ def calibrate_small_rows(w: smooth.W8A8Weight, dtype: torch.dtype,
     if w.small is None:
         return 0
     if w.small_kind == "avx2":
-        candidates = (1, 16, 64, 256, 1024)
+        candidates = (1, 64, 1024)
     key = ("small", w.small_kind, *w.wt.shape, dtype, candidates)
     if key not in _CALIBRATED:
         best = 0
