@@ -360,8 +360,10 @@ async def test_worker_port_needs_the_cluster_key(tmp_path: Path) -> None:
             sock.setsockopt(zmq.IDENTITY, b"keyed")  # even a known routing id gets nothing
             sock.connect(worker.endpoint)
             intruders.append(sock)
-            await sock.send(p.encode_hello("intruder"))
-            await sock.send(p.encode_gen(f"x-{len(intruders)}", b"", [5, 6, 7], LONG))
+            for frame in (p.encode_hello("intruder"), p.encode_gen(f"x-{len(intruders)}", b"", [5, 6, 7], LONG)):
+                # a refused handshake can drop the socket's only pipe, and then a send waits for a peer forever
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(sock.send(frame), 1.0)
         busy = []
         loop = asyncio.get_running_loop()
         until = loop.time() + 2.0
