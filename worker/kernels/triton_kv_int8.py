@@ -42,6 +42,7 @@ def _in_group(slot_ptr, t, i, n_tokens, page, PAGE: tl.constexpr):
 def _quantize_group(x_ptr, stride_t, stride_h, c_ptr, s_ptr, slot_ptr, t, n_tokens, page, first, leader,
                     num_slots, KVH: tl.constexpr, KVH_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                     PAGE: tl.constexpr, GROW_F: tl.constexpr, QMAX_F: tl.constexpr):
+    """The leader's group of rows of x (K or V) into the codes at c_ptr and the scales at s_ptr, every kv head."""
     h = tl.arange(0, KVH_PAD)
     d = tl.arange(0, D_PAD)
     hd_mask = (h < KVH)[:, None] & (d < D)[None, :]
