@@ -13,8 +13,8 @@ def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> tuple[str, s
     auto: int8 on CPU where the C++ attention kernels run (the torch backend with its extension built): there it
     passed the quality gate (perplexity within 0.5% of the model dtype's, tests/worker/kvcache) and its decode
     step at 2k context took 0.5-0.6x the model dtype's (bench/kv_dtype.py, docs/engine.md); the model dtype
-    elsewhere (the triton backend reads int8 pages when asked but was not faster on an H100; flash-attn has none;
-    the pure-torch path dequantizes every gather)."""
+    elsewhere (the triton backend reads int8 pages when asked; on an H100 they were faster only for large models at
+    long context; flash-attn has none; the pure-torch path dequantizes every gather)."""
     from worker.model.backends import choose_backend
 
     asked = config.kv_dtype
@@ -29,7 +29,7 @@ def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> tuple[str, s
     if asked == "int8":  # triton's kernels, the C++ ones on CPU, else the pure-torch path (slow)
         return "int8", "asked"
     if backend == "triton":
-        return "model", "triton: int8 pages halve the KV bytes but were not faster (docs/gpu.md)"
+        return "model", "triton: int8 pages were faster only for large models at long context (docs/gpu.md)"
     if device.type != "cpu" or backend == "torch_reference":
         return "model", f"no int8 KV kernels for {device.type} / {backend}"
     from worker.kernels.cpu import extension

@@ -301,8 +301,8 @@ def calibrate_small_rows(w: smooth.W8A8Weight, dtype: torch.dtype,
                 if _best_time(lambda x=x: w.forward_small(x)) > _best_time(lambda x=x: w.forward_int_mm(x)):
                     break
                 best = rows
-            else:
-                best = smooth.AVX2_ROWS if w.small_kind == "avx2" else best
+        if w.small_kind == "avx2" and best == candidates[-1]:  # won at every size: every row count
+            best = smooth.AVX2_ROWS
         _CALIBRATED[key] = best
     return _CALIBRATED[key]
 

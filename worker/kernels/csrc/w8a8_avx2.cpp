@@ -124,18 +124,15 @@ torch::Tensor w8a8_avx2_linear(torch::Tensor x, torch::Tensor inv_smooth, torch:
   const float* smooth = inv_smooth.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* rp = rs.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      rp[m] = x.scalar_type() == torch::kBFloat16
-                  ? w8a8::quantize_row(x.data_ptr<at::BFloat16>() + m * K, smooth, qp + m * K, K)
-                  : w8a8::quantize_row(x.data_ptr<float>() + m * K, smooth, qp + m * K, K);
-  });
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* cs = col_scale.data_ptr<float>();
-  if (x.scalar_type() == torch::kBFloat16)
+  if (x.scalar_type() == torch::kBFloat16) {
+    w8a8::quantize<at::BFloat16>(x.data_ptr<at::BFloat16>(), smooth, qp, rp, M, K);
     w8a8_avx2::linear<at::BFloat16>(qp, wp, rp, cs, out.data_ptr<at::BFloat16>(), M, K, N);
-  else
+  } else {
+    w8a8::quantize<float>(x.data_ptr<float>(), smooth, qp, rp, M, K);
     w8a8_avx2::linear<float>(qp, wp, rp, cs, out.data_ptr<float>(), M, K, N);
+  }
 #endif
   return out;
 }
