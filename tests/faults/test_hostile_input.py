@@ -270,7 +270,10 @@ def test_an_early_response_closes_the_connection(fault_stack):
             while not closed and time.monotonic() - start < 5:
                 readable, _, _ = select.select([sock], [], [], 0.2)
                 if readable:
-                    data = sock.recv(65536)
+                    try:
+                        data = sock.recv(65536)
+                    except ConnectionResetError:  # closed with our trickled bytes unread: the kernel sends RST
+                        data = b""
                     received += data
                     closed = not data
                 else:
@@ -278,5 +281,6 @@ def test_an_early_response_closes_the_connection(fault_stack):
                         sock.sendall(b" ")  # a slow body, one byte at a time
                     except OSError:
                         closed = True
-            assert received.split(b" ", 2)[1] in (b"401", b"404"), received[:80]
+            if received:  # an RST may overtake the answer on loopback; the close is what this test is about
+                assert received.split(b" ", 2)[1] in (b"401", b"404"), received[:80]
             assert closed, f"{path}: the connection stayed open {time.monotonic() - start:.1f}s after the answer"
