@@ -44,19 +44,23 @@ template <int64_t HD>
 static inline void scores16_bf16(const at::BFloat16* q, int64_t g, const at::BFloat16* k, int64_t n, float* out,
                                  int64_t L, float scale) {
   constexpr int64_t C = HD / 32;  // 32 bf16 per register
-  alignas(64) float res[16];
-  for (int64_t j = 0; j < g; ++j) {
+  alignas(64) at::BFloat16 part[16 * HD];
+  if (n < 16) {  // a page's last rows: copied, then zeros (the rows past n may lie outside the page)
+    std::memcpy(part, k, n * HD * sizeof(at::BFloat16));
+    std::memset(part + n * HD, 0, (16 - n) * HD * sizeof(at::BFloat16));
+    k = part;
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t j = 0; j < g; ++j) {  // 16 keys unconditionally: the accumulators stay in registers
     __m512bh qv[C];
     for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + j * HD + c * 32);
     __m512 acc[16];
-    for (int64_t i = 0; i < 16; ++i) {  // keys past n stay zero (the rows may lie outside the page)
+    for (int64_t i = 0; i < 16; ++i) {
       acc[i] = _mm512_setzero_ps();
-      if (i < n)
-        for (int64_t c = 0; c < C; ++c)
-          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(k + i * HD + c * 32), qv[c]);
+      for (int64_t c = 0; c < C; ++c)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(k + i * HD + c * 32), qv[c]);
     }
-    _mm512_store_ps(res, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
-    for (int64_t i = 0; i < n; ++i) out[j * L + i] = res[i];
+    _mm512_mask_storeu_ps(out + j * L, keep, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
   }
 }
 #endif

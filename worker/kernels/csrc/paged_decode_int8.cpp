@@ -1,11 +1,12 @@
 // Paged decode attention over int8 KV pages (kv_int8.h), read in place: no page is dequantized into a temporary.
 //
-// With AVX-512 BW and head sizes 64 or 128 (query groups up to 8): the task's queries are rounded to int16 (one
-// scale per query row: 2^-16 relative, far below the pages' own 2^-8), K rows widen int8 -> int16 in registers
-// and q.k sums in int32 (`vpdpwssd` with VNNI, else `vpmaddwd`), 16 keys at a time, times the page's K scale;
-// V rows widen int8 -> fp32 in registers against accumulators that stay in registers, probabilities times the
-// page's V scale. Elsewhere paged_decode.cpp's loops run over the int8 rows (scores x K scale, p x V scale). Both
-// prefetch the page kKvPrefetch ahead (2-3x on scattered pages: 1-2 KB each defeat the hardware prefetcher).
+// With AVX-512 BW and head sizes 64 or 128 (query groups up to 8): the task's queries are rounded to 15-16 bits
+// (one scale per query row, far below the pages' own 2^-8); q.k sums in int32, 16 keys at a time, times the page's
+// K scale: with VNNI by `vpdpbusd` on the K bytes as they lie (scores16_vnni), else K widened to int16 for
+// `vpmaddwd`. p x V: probabilities as int16 against V widened to int16, two rows per `vpdpwssd`/`vpmaddwd`, while
+// the accumulators fit in registers, else V widened to fp32; each page's sums times its V scale. Elsewhere
+// paged_decode.cpp's loops run over the int8 rows (scores x K scale, p x V scale). Both prefetch the page
+// kKvPrefetch ahead (2-3x on scattered pages: 1-2 KB each defeat the hardware prefetcher).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -60,6 +61,61 @@ static inline void scores16(const int16_t* q16, const float* qscale, int64_t g, 
   }
 }
 
+#if defined(__AVX512VNNI__)
+// The same scores by `vpdpbusd` (unsigned x signed bytes, four per int32 lane) on the int8 K rows as they lie: each
+// query is rounded to 15 bits (2^-15 of its row's largest) and split into two signed bytes, v = 256 hi + lo; a
+// key row read as k + 128 (xor 0x80) meets hi, the sum is shifted by 8 and meets lo, and 128 x the query's sum
+// comes off every score. Two instructions per 64 dims and key where widening K to int16 took four; 16 keys per
+// call unconditionally (a partial page is copied with zeros after it), so the accumulators stay in registers.
+template <int64_t HD>
+static inline void scores16_vnni(const int8_t* q8, const int32_t* qcorr, const float* qscale, int64_t g,
+                               const int8_t* k, int64_t n, float* out, int64_t L) {
+  constexpr int64_t C = HD / 64;  // 64 bytes per register
+  alignas(64) int8_t part[16 * HD];
+  if (n < 16) {  // a page's last rows: copied, then zeros (the rows past n may lie outside the page)
+    std::memcpy(part, k, n * HD);
+    std::memset(part + n * HD, 0, (16 - n) * HD);
+    k = part;
+  }
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t j = 0; j < g; ++j) {  // 16 keys unconditionally: the accumulators stay in registers
+    __m512i qh[C], ql[C], acc[16];
+    for (int64_t c = 0; c < C; ++c) qh[c] = _mm512_loadu_si512(q8 + j * 2 * HD + c * 64);
+    for (int64_t c = 0; c < C; ++c) ql[c] = _mm512_loadu_si512(q8 + j * 2 * HD + HD + c * 64);
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512i ku[C], a = _mm512_setzero_si512();
+      for (int64_t c = 0; c < C; ++c) ku[c] = _mm512_xor_si512(_mm512_loadu_si512(k + i * HD + c * 64), flip);
+      for (int64_t c = 0; c < C; ++c) a = _mm512_dpbusd_epi32(a, ku[c], qh[c]);
+      a = _mm512_slli_epi32(a, 8);
+      for (int64_t c = 0; c < C; ++c) a = _mm512_dpbusd_epi32(a, ku[c], ql[c]);
+      acc[i] = a;
+    }
+    const __m512i dots = _mm512_sub_epi32(sum16_epi32(acc), _mm512_set1_epi32(qcorr[j]));
+    _mm512_mask_storeu_ps(out + j * L, keep, _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(qscale[j])));
+  }
+}
+
+// q row `src` times `mul` rounded to 15 bits with its own scale (returned; 0 for a zero row), as hi bytes at q8 and
+// lo bytes at q8 + HD; corr = 128 x the 15-bit codes' sum
+template <typename T, int64_t HD>
+static inline float split_q15(const T* src, float mul, int8_t* q8, int32_t& corr) {
+  float m = 0.f;
+  for (int64_t d = 0; d < HD; ++d) m = std::max(m, std::fabs(to_f(src[d])));
+  const float inv = m > 0.f ? 16383.f / m : 0.f;
+  int32_t sum = 0;
+  for (int64_t d = 0; d < HD; ++d) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(to_f(src[d]) * inv));
+    const int32_t hi = (v + 128) >> 8;  // |v| <= 16383: hi in [-64, 64], lo in [-128, 127]
+    q8[d] = static_cast<int8_t>(hi);
+    q8[HD + d] = static_cast<int8_t>(v - hi * 256);
+    sum += v;
+  }
+  corr = 128 * sum;
+  return m / 16383.f * mul;
+}
+#endif
+
 static inline __m512 widen(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -78,22 +134,26 @@ template <int64_t HD, int64_t G>
 static inline void pv_page(const int16_t* p16, int64_t Lpad, int64_t pos, const int8_t* vp, int64_t n, int64_t bs,
                            float sv, __m512 (&acc)[G][HD / 16]) {
   constexpr int64_t C = HD / 32, K = HD / 16;
+  alignas(64) int8_t last[2 * HD];
   __m512i ai[G][K];
   for (int64_t j = 0; j < G; ++j)
     for (int64_t k = 0; k < K; ++k) ai[j][k] = _mm512_setzero_si512();
-  for (int64_t i = 0; i < n; i += 2) {
-    const bool pair = i + 1 < bs;  // a row past the page's last (odd page sizes) reads as zeros
+  for (int64_t i = 0; i < n; i += 2) {  // p past n is zero, so a stale row there adds nothing
+    const int8_t* r = vp + i * HD;
+    if (i + 1 == bs) {  // odd page sizes: the row past the page reads as zeros
+      std::memcpy(last, r, HD);
+      std::memset(last + HD, 0, HD);
+      r = last;
+    }
     __m512i lo[C], hi[C];
     for (int64_t c = 0; c < C; ++c) {
-      const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + i * HD + c * 32)));
-      const __m512i b = pair ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                                   reinterpret_cast<const __m256i*>(vp + (i + 1) * HD + c * 32)))
-                             : _mm512_setzero_si512();
+      const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + c * 32)));
+      const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + HD + c * 32)));
       lo[c] = _mm512_unpacklo_epi16(a, b);
       hi[c] = _mm512_unpackhi_epi16(a, b);
     }
     for (int64_t j = 0; j < G; ++j) {
-      int32_t two;  // (p_i, p_i+1); p past n is zero, so a stale row there adds nothing
+      int32_t two;  // (p_i, p_i+1)
       std::memcpy(&two, p16 + j * Lpad + pos + i, sizeof(two));
       const __m512i pp = _mm512_set1_epi32(two);
       for (int64_t c = 0; c < C; ++c) {
@@ -121,6 +181,20 @@ static inline void quantize_probs(const float* scores, int64_t L, int16_t* p16, 
   }
 }
 
+// the G output rows at dst: accumulator lanes (in `dim`'s order) over their softmax denominators
+template <typename T, int64_t HD, int64_t G>
+static inline void store_rows(const __m512 (&acc)[G][HD / 16], const float* denom, int64_t (*dim)(int64_t, int64_t),
+                              T* dst) {
+  for (int64_t j = 0; j < G; ++j) {
+    alignas(64) float o[HD], lanes[16];
+    for (int64_t k = 0; k < HD / 16; ++k) {
+      _mm512_store_ps(lanes, acc[j][k]);
+      for (int64_t e = 0; e < 16; ++e) o[dim(k, e)] = lanes[e] / denom[j];
+    }
+    for (int64_t d = 0; d < HD; ++d) dst[j * HD + d] = from_f<T>(o[d]);
+  }
+}
+
 template <typename T, int64_t HD, int64_t G>
 static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScales sc, const int64_t* tables,
                    const int64_t* lens, T* out, const Shape sh) {
@@ -132,6 +206,8 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
   const int64_t buckets = static_cast<int64_t>(bounds.size()) - 1;
   at::parallel_for(0, buckets, 1, [&](int64_t c0, int64_t c1) {
     alignas(64) int16_t q16[G * HD];
+    alignas(64) int8_t q8[2 * G * HD];  // the VNNI path's split queries
+    int32_t qcorr[G];
     float qscale[G], denom[G];
     std::vector<float> scores;
     std::vector<int16_t> p16;
@@ -140,8 +216,12 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
       const int64_t b = task / kvh, h = task % kvh;
       const int64_t L = lens[b], npages = (L + bs - 1) / bs;
       if (static_cast<int64_t>(scores.size()) < G * L) scores.resize(G * L);
-      for (int64_t j = 0; j < G; ++j) {  // q row j, times the softmax scale, as int16 with its own scale
+      for (int64_t j = 0; j < G; ++j) {  // q row j, times the softmax scale, split 15 bits (VNNI) or int16, own scale
         const T* src = q + b * sh.q_stride + (h * G + j) * HD;
+#if defined(__AVX512VNNI__)
+        qscale[j] = split_q15<T, HD>(src, sh.scale, q8 + 2 * j * HD, qcorr[j]);
+        continue;
+#endif
         float m = 0.f;
         for (int64_t d = 0; d < HD; ++d) m = std::max(m, std::fabs(to_f(src[d])));
         const float inv = m > 0.f ? 32767.f / m : 0.f;
@@ -151,6 +231,7 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
       const int8_t* kbase = kc + h * sh.slots * HD;
       const int8_t* vbase = vc + h * sh.slots * HD;
       const int64_t* table = tables + b * sh.max_pages;
+      for (int64_t p = 0; p < std::min(kKvPrefetch, npages); ++p) prefetch_bytes(kbase + table[p] * bs * HD, bs * HD);
       for (int64_t p = 0; p < npages; ++p) {
         const int8_t* kp = kbase + table[p] * bs * HD;
         const int64_t n = std::min(bs, L - p * bs);
@@ -159,8 +240,13 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
         const float sk = page_scale(sc.k, sc.pages, h, table[p]);
         for (int64_t j = 0; j < G; ++j) ps[j] = qscale[j] * sk;
         for (int64_t i0 = 0; i0 < n; i0 += 16)
+#if defined(__AVX512VNNI__)
+          scores16_vnni<HD>(q8, qcorr, ps, G, kp + i0 * HD, std::min<int64_t>(16, n - i0), scores.data() + p * bs + i0, L);
+#else
           scores16<HD>(q16, ps, G, kp + i0 * HD, std::min<int64_t>(16, n - i0), scores.data() + p * bs + i0, L);
+#endif
       }
+      for (int64_t p = 0; p < std::min(kKvPrefetch, npages); ++p) prefetch_bytes(vbase + table[p] * bs * HD, bs * HD);
       softmax_numerators(scores.data(), G, L, denom);
       __m512 acc[G][V];
       for (int64_t j = 0; j < G; ++j)
@@ -175,16 +261,7 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
           pv_page<HD, G>(p16.data(), Lpad, p * bs, vp, std::min(bs, L - p * bs), bs,
                          page_scale(sc.v, sc.pages, h, table[p]), acc);
         }
-        for (int64_t j = 0; j < G; ++j) {
-          alignas(64) float o[HD];
-          for (int64_t k = 0; k < V; ++k) {
-            alignas(64) float lanes[16];
-            _mm512_store_ps(lanes, acc[j][k]);
-            for (int64_t e = 0; e < 16; ++e) o[pv_dim(k, e)] = lanes[e] / denom[j];
-          }
-          T* dst = out + (b * nh + h * G + j) * HD;
-          for (int64_t d = 0; d < HD; ++d) dst[d] = from_f<T>(o[d]);
-        }
+        store_rows<T, HD, G>(acc, denom, pv_dim, out + (b * nh + h * G) * HD);
         continue;
       }
       for (int64_t p = 0; p < npages; ++p) {  // acc += p x V scale x v, a row at a time

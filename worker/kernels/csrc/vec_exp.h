@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 static inline float vec_exp(float x) {
   x = std::min(std::max(x, -87.3f), 88.3f);
@@ -25,12 +28,30 @@ static inline float vec_exp(float x) {
 
 // Softmax numerators and denominators of `rows` rows of `L` scores each (row j at scores + j * L): each score
 // becomes exp(score - its row's max) in place, and denom[j] the row's sum. Shared by the decode kernels.
+// The largest of x[0..L) (-inf for L = 0), in vector registers: `omp simd reduction(max)` over std::max compiled to
+// a scalar loop, 11% of the int8 decode kernel's time at 2k context.
+static inline float row_max(const float* x, int64_t L) {
+  float m = -INFINITY;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 v = _mm512_set1_ps(-INFINITY);
+  for (; t + 16 <= L; t += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + t));
+  m = _mm512_reduce_max_ps(v);
+#elif defined(__AVX2__)
+  __m256 v = _mm256_set1_ps(-INFINITY);
+  for (; t + 8 <= L; t += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (float e : lanes) m = std::max(m, e);
+#endif
+  for (; t < L; ++t) m = std::max(m, x[t]);
+  return m;
+}
+
 static inline void softmax_numerators(float* scores, int64_t rows, int64_t L, float* denom) {
   for (int64_t j = 0; j < rows; ++j) {
     float* sj = scores + j * L;
-    float m = -INFINITY;
-    #pragma omp simd reduction(max:m)
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sj[t]);
+    const float m = row_max(sj, L);
     float sum = 0.f;
     #pragma omp simd reduction(+:sum)
     for (int64_t t = 0; t < L; ++t) { const float e = vec_exp(sj[t] - m); sj[t] = e; sum += e; }
