@@ -110,8 +110,7 @@ static inline void weighted_sum(const float* p, int64_t stride, const float* con
 // softmax of row s[0, n) in place (keys past `limit` masked out); returns 1 / sum
 static inline float softmax_row(float* s, int64_t n, int64_t limit) {
   for (int64_t j = limit; j < n; ++j) s[j] = -INFINITY;
-  float m = -INFINITY;
-  for (int64_t j = 0; j < limit; ++j) m = std::max(m, s[j]);
+  const float m = row_max(s, limit);
   float sum = 0.f;
   #pragma omp simd reduction(+:sum)
   for (int64_t j = 0; j < n; ++j) {
