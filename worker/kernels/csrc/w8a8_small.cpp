@@ -5,6 +5,7 @@
 // dequantization is the same fp32 expression, so outputs are bit-identical to the _int_mm path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -52,6 +53,7 @@ static inline void tile(const uint8_t* xu, const int8_t* w, const int32_t* colsu
   }
 }
 
+// rows [m0, m0 + MT) against channel blocks [b0, b1): four at a time, then one at a time
 template <typename T, int MT>
 static void rows(const uint8_t* xu, const int8_t* packed, const int32_t* colsum, const float* rs, const float* cs,
                  T* out, int64_t K, int64_t N, int64_t m0, int64_t b0, int64_t b1) {
@@ -65,15 +67,20 @@ template <typename T>
 static void linear(const uint8_t* xu, const int8_t* packed, const int32_t* colsum, const float* rs, const float* cs,
                    T* out, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = N / kLanes;
-  // split the channel blocks between threads; every thread runs all rows over its blocks (weights read once)
+  // the channel blocks split between threads; each thread takes its blocks four at a time against every row, so
+  // a block's weights come from memory once and from cache for the later rows (rows outermost re-read them per
+  // four rows: 2x slower at 16 rows)
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) rows<T, 4>(xu, packed, colsum, rs, cs, out, K, N, m, b0, b1);
-    switch (M - m) {
-      case 3: rows<T, 3>(xu, packed, colsum, rs, cs, out, K, N, m, b0, b1); break;
-      case 2: rows<T, 2>(xu, packed, colsum, rs, cs, out, K, N, m, b0, b1); break;
-      case 1: rows<T, 1>(xu, packed, colsum, rs, cs, out, K, N, m, b0, b1); break;
-      default: break;
+    for (int64_t b = b0; b < b1; b += 4) {
+      const int64_t e = std::min(b + 4, b1);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) rows<T, 4>(xu, packed, colsum, rs, cs, out, K, N, m, b, e);
+      switch (M - m) {
+        case 3: rows<T, 3>(xu, packed, colsum, rs, cs, out, K, N, m, b, e); break;
+        case 2: rows<T, 2>(xu, packed, colsum, rs, cs, out, K, N, m, b, e); break;
+        case 1: rows<T, 1>(xu, packed, colsum, rs, cs, out, K, N, m, b, e); break;
+        default: break;
+      }
     }
   });
 }
