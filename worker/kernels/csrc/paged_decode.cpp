@@ -9,7 +9,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -65,6 +65,44 @@ static inline void scores16_bf16(const at::BFloat16* q, int64_t g, const at::BFl
 }
 #endif
 
+#if defined(__AVX2__)
+// int8 pages without the AVX-512 kernel (paged_decode_int8.cpp), i.e. on AVX2-only CPUs: the 8 lane sums of 8 int32
+// vectors, in order
+static inline __m256i sum8_epi32(const __m256i v[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// scores of G int16 query rows (q16 [G][HD]; each row's scale times the page's K scale in ps[j]) against n <= 8
+// int8 key rows, K widened to int16 in registers for `vpmaddwd`: out[j * L + i] = ps[j] * (q16_j . k_i). Eight
+// keys unconditionally (a page's last rows are copied with zeros after them), one transpose-sum per 8 scores
+// where the fp32 loop reduced every score on its own.
+template <int64_t HD, int64_t G>
+static inline void scores8_int8(const int16_t* q16, const float* ps, const int8_t* k, int64_t n, float* out,
+                                int64_t L) {
+  alignas(32) int8_t part[8 * HD];
+  if (n < 8) {
+    std::memcpy(part, k, n * HD);
+    std::memset(part + n * HD, 0, (8 - n) * HD);
+    k = part;
+  }
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int64_t j = 0; j < G; ++j) {
+    __m256i acc[8];
+    for (int64_t i = 0; i < 8; ++i) {
+      __m256i a = _mm256_setzero_si256();
+      for (int64_t c = 0; c < HD / 16; ++c)
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(
+                                    _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i * HD + c * 16))),
+                                    _mm256_load_si256(reinterpret_cast<const __m256i*>(q16 + j * HD + c * 16))));
+      acc[i] = a;
+    }
+    _mm256_maskstore_ps(out + j * L, live, _mm256_mul_ps(_mm256_cvtepi32_ps(sum8_epi32(acc)), _mm256_set1_ps(ps[j])));
+  }
+}
+#endif
+
 struct Shape {
   int64_t B, nh, kvh, slots, max_pages, bs;
   float scale;
@@ -92,6 +130,14 @@ static void balance_tasks(const int64_t* lens, int64_t B, int64_t kvh, int64_t t
   for (int64_t t = 0; t < n; ++t) order[next[owner[t]]++] = t;
 }
 
+// int8 pages take scores8_int8 for q . k where AVX2 is built and the shape is a template constant
+template <typename C, int64_t HD, int64_t G>
+#if defined(__AVX2__)
+constexpr bool kInt8Dot = std::is_same_v<C, int8_t> && HD != 0 && HD % 16 == 0 && G != 0;
+#else
+constexpr bool kInt8Dot = false;
+#endif
+
 // HD, G: head size and query heads per kv head, or 0 to read them from `hd_rt`, `g_rt`; C: the cache's element
 // type, T or int8_t (kv_int8.h: scores and probabilities times the page's K and V scales)
 template <typename T, typename C, int64_t HD, int64_t G>
@@ -99,6 +145,7 @@ static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc,
                         const int64_t* lens, T* out, const Shape sh, int64_t hd_rt, int64_t g_rt) {
   const int64_t hd = HD ? HD : hd_rt, g = G ? G : g_rt;
   const int64_t nh = sh.nh, kvh = sh.kvh, bs = sh.bs;
+
   // one bucket of (sequence, kv head) tasks per thread, balanced by context length: a static split of the
   // task range leaves one thread with the long sequences and the other waiting
   std::vector<int64_t> order, bounds;
@@ -106,6 +153,8 @@ static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc,
   const int64_t buckets = static_cast<int64_t>(bounds.size()) - 1;
   at::parallel_for(0, buckets, 1, [&](int64_t c0, int64_t c1) {
     alignas(64) float qf[kMaxGroupFloats], acc[kMaxGroupFloats], row[kMaxHead];
+    alignas(64) int16_t q16[kInt8Dot<C, HD, G> ? G * HD : 1];  // the int8-page q . k path's queries, scales
+    float qscale[kInt8Dot<C, HD, G> ? G : 1];
     std::vector<float> scores, denom(g);
     for (int64_t ti = bounds[c0]; ti < bounds[c1]; ++ti) {
       const int64_t task = order[ti];
@@ -114,6 +163,17 @@ static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc,
       if (static_cast<int64_t>(scores.size()) < g * L) scores.resize(g * L);
       row_to_float(q + b * sh.q_stride + h * g * hd, qf, g * hd);
       for (int64_t i = 0; i < g * hd; ++i) qf[i] *= sh.scale;
+#if defined(__AVX2__)
+      if constexpr (kInt8Dot<C, HD, G>) {  // each query row as int16 with its own scale (2^-15 of its largest element)
+        for (int64_t j = 0; j < G; ++j) {
+          float m = 0.f;
+          for (int64_t d = 0; d < HD; ++d) m = std::max(m, std::fabs(qf[j * HD + d]));
+          const float inv = m > 0.f ? 32767.f / m : 0.f;
+          for (int64_t d = 0; d < HD; ++d) q16[j * HD + d] = static_cast<int16_t>(std::nearbyint(qf[j * HD + d] * inv));
+          qscale[j] = m / 32767.f;
+        }
+      }
+#endif
       const C* kbase = kc + h * sh.slots * hd;
       const C* vbase = vc + h * sh.slots * hd;
       const int64_t* table = tables + b * sh.max_pages;
@@ -123,6 +183,15 @@ static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc,
         const float sk = page_scale(sc.k, sc.pages, h, table[p]);
         // every dtype: 1-4 KB pages scattered over the cache defeat the hardware prefetcher
         if (p + kKvPrefetch < npages) prefetch_bytes(kbase + table[p + kKvPrefetch] * bs * hd, bs * hd * sizeof(C));
+#if defined(__AVX2__)
+        if constexpr (kInt8Dot<C, HD, G>) {
+          float ps[G];
+          for (int64_t j = 0; j < G; ++j) ps[j] = qscale[j] * sk;
+          for (int64_t i0 = 0; i0 < n; i0 += 8)
+            scores8_int8<HD, G>(q16, ps, kp + i0 * hd, std::min<int64_t>(8, n - i0), scores.data() + p * bs + i0, L);
+          continue;
+        }
+#endif
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<C, at::BFloat16> && HD != 0 && HD % 32 == 0) {
           for (int64_t i0 = 0; i0 < n; i0 += 16)
