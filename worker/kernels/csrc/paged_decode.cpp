@@ -45,11 +45,7 @@ static inline void scores16_bf16(const at::BFloat16* q, int64_t g, const at::BFl
                                  int64_t L, float scale) {
   constexpr int64_t C = HD / 32;  // 32 bf16 per register
   alignas(64) at::BFloat16 part[16 * HD];
-  if (n < 16) {  // a page's last rows: copied, then zeros (the rows past n may lie outside the page)
-    std::memcpy(part, k, n * HD * sizeof(at::BFloat16));
-    std::memset(part + n * HD, 0, (16 - n) * HD * sizeof(at::BFloat16));
-    k = part;
-  }
+  k = key_block(k, n, 16, HD, part);
   const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
   for (int64_t j = 0; j < g; ++j) {  // 16 keys unconditionally: the accumulators stay in registers
     __m512bh qv[C];
@@ -82,11 +78,7 @@ template <int64_t HD, int64_t G>
 static inline void scores8_int8(const int16_t* q16, const float* ps, const int8_t* k, int64_t n, float* out,
                                 int64_t L) {
   alignas(32) int8_t part[8 * HD];
-  if (n < 8) {
-    std::memcpy(part, k, n * HD);
-    std::memset(part + n * HD, 0, (8 - n) * HD);
-    k = part;
-  }
+  k = key_block(k, n, 8, HD, part);
   const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (int64_t j = 0; j < G; ++j) {
     __m256i acc[8];
@@ -145,7 +137,6 @@ static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc,
                         const int64_t* lens, T* out, const Shape sh, int64_t hd_rt, int64_t g_rt) {
   const int64_t hd = HD ? HD : hd_rt, g = G ? G : g_rt;
   const int64_t nh = sh.nh, kvh = sh.kvh, bs = sh.bs;
-
   // one bucket of (sequence, kv head) tasks per thread, balanced by context length: a static split of the
   // task range leaves one thread with the long sequences and the other waiting
   std::vector<int64_t> order, bounds;
@@ -163,17 +154,8 @@ static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc,
       if (static_cast<int64_t>(scores.size()) < g * L) scores.resize(g * L);
       row_to_float(q + b * sh.q_stride + h * g * hd, qf, g * hd);
       for (int64_t i = 0; i < g * hd; ++i) qf[i] *= sh.scale;
-#if defined(__AVX2__)
-      if constexpr (kInt8Dot<C, HD, G>) {  // each query row as int16 with its own scale (2^-15 of its largest element)
-        for (int64_t j = 0; j < G; ++j) {
-          float m = 0.f;
-          for (int64_t d = 0; d < HD; ++d) m = std::max(m, std::fabs(qf[j * HD + d]));
-          const float inv = m > 0.f ? 32767.f / m : 0.f;
-          for (int64_t d = 0; d < HD; ++d) q16[j * HD + d] = static_cast<int16_t>(std::nearbyint(qf[j * HD + d] * inv));
-          qscale[j] = m / 32767.f;
-        }
-      }
-#endif
+      if constexpr (kInt8Dot<C, HD, G>)  // each query row as int16 with its own scale (2^-15 of its largest element)
+        for (int64_t j = 0; j < G; ++j) qscale[j] = quantize_query(qf + j * HD, 1.f, 32767.f, q16 + j * HD, HD);
       const C* kbase = kc + h * sh.slots * hd;
       const C* vbase = vc + h * sh.slots * hd;
       const int64_t* table = tables + b * sh.max_pages;

@@ -72,11 +72,7 @@ static inline void scores16_vnni(const int8_t* q8, const int32_t* qcorr, const f
                                const int8_t* k, int64_t n, float* out, int64_t L) {
   constexpr int64_t C = HD / 64;  // 64 bytes per register
   alignas(64) int8_t part[16 * HD];
-  if (n < 16) {  // a page's last rows: copied, then zeros (the rows past n may lie outside the page)
-    std::memcpy(part, k, n * HD);
-    std::memset(part + n * HD, 0, (16 - n) * HD);
-    k = part;
-  }
+  k = key_block(k, n, 16, HD, part);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
   for (int64_t j = 0; j < g; ++j) {  // 16 keys unconditionally: the accumulators stay in registers
@@ -100,19 +96,17 @@ static inline void scores16_vnni(const int8_t* q8, const int32_t* qcorr, const f
 // lo bytes at q8 + HD; corr = 128 x the 15-bit codes' sum
 template <typename T, int64_t HD>
 static inline float split_q15(const T* src, float mul, int8_t* q8, int32_t& corr) {
-  float m = 0.f;
-  for (int64_t d = 0; d < HD; ++d) m = std::max(m, std::fabs(to_f(src[d])));
-  const float inv = m > 0.f ? 16383.f / m : 0.f;
+  int32_t v[HD];
+  const float scale = quantize_query(src, mul, 16383.f, v, HD);
   int32_t sum = 0;
   for (int64_t d = 0; d < HD; ++d) {
-    const int32_t v = static_cast<int32_t>(std::nearbyint(to_f(src[d]) * inv));
-    const int32_t hi = (v + 128) >> 8;  // |v| <= 16383: hi in [-64, 64], lo in [-128, 127]
+    const int32_t hi = (v[d] + 128) >> 8;  // |v| <= 16383: hi in [-64, 64], lo in [-128, 127]
     q8[d] = static_cast<int8_t>(hi);
-    q8[HD + d] = static_cast<int8_t>(v - hi * 256);
-    sum += v;
+    q8[HD + d] = static_cast<int8_t>(v[d] - hi * 256);
+    sum += v[d];
   }
   corr = 128 * sum;
-  return m / 16383.f * mul;
+  return scale;
 }
 #endif
 
@@ -181,20 +175,6 @@ static inline void quantize_probs(const float* scores, int64_t L, int16_t* p16, 
   }
 }
 
-// the G output rows at dst: accumulator lanes (in `dim`'s order) over their softmax denominators
-template <typename T, int64_t HD, int64_t G>
-static inline void store_rows(const __m512 (&acc)[G][HD / 16], const float* denom, int64_t (*dim)(int64_t, int64_t),
-                              T* dst) {
-  for (int64_t j = 0; j < G; ++j) {
-    alignas(64) float o[HD], lanes[16];
-    for (int64_t k = 0; k < HD / 16; ++k) {
-      _mm512_store_ps(lanes, acc[j][k]);
-      for (int64_t e = 0; e < 16; ++e) o[dim(k, e)] = lanes[e] / denom[j];
-    }
-    for (int64_t d = 0; d < HD; ++d) dst[j * HD + d] = from_f<T>(o[d]);
-  }
-}
-
 template <typename T, int64_t HD, int64_t G>
 static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScales sc, const int64_t* tables,
                    const int64_t* lens, T* out, const Shape sh) {
@@ -205,9 +185,12 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
   balance_tasks(lens, sh.B, kvh, at::get_num_threads(), order, bounds);
   const int64_t buckets = static_cast<int64_t>(bounds.size()) - 1;
   at::parallel_for(0, buckets, 1, [&](int64_t c0, int64_t c1) {
-    alignas(64) int16_t q16[G * HD];
-    alignas(64) int8_t q8[2 * G * HD];  // the VNNI path's split queries
+#if defined(__AVX512VNNI__)
+    alignas(64) int8_t q8[2 * G * HD];  // the split queries (scores16_vnni)
     int32_t qcorr[G];
+#else
+    alignas(64) int16_t q16[G * HD];
+#endif
     float qscale[G], denom[G];
     std::vector<float> scores;
     std::vector<int16_t> p16;
@@ -220,13 +203,9 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
         const T* src = q + b * sh.q_stride + (h * G + j) * HD;
 #if defined(__AVX512VNNI__)
         qscale[j] = split_q15<T, HD>(src, sh.scale, q8 + 2 * j * HD, qcorr[j]);
-        continue;
+#else
+        qscale[j] = quantize_query(src, sh.scale, 32767.f, q16 + j * HD, HD);
 #endif
-        float m = 0.f;
-        for (int64_t d = 0; d < HD; ++d) m = std::max(m, std::fabs(to_f(src[d])));
-        const float inv = m > 0.f ? 32767.f / m : 0.f;
-        for (int64_t d = 0; d < HD; ++d) q16[j * HD + d] = static_cast<int16_t>(std::nearbyint(to_f(src[d]) * inv));
-        qscale[j] = m / 32767.f * sh.scale;
       }
       const int8_t* kbase = kc + h * sh.slots * HD;
       const int8_t* vbase = vc + h * sh.slots * HD;
@@ -261,7 +240,16 @@ static void decode(const T* q, const int8_t* kc, const int8_t* vc, const KvScale
           pv_page<HD, G>(p16.data(), Lpad, p * bs, vp, std::min(bs, L - p * bs), bs,
                          page_scale(sc.v, sc.pages, h, table[p]), acc);
         }
-        store_rows<T, HD, G>(acc, denom, pv_dim, out + (b * nh + h * G) * HD);
+        for (int64_t j = 0; j < G; ++j) {
+          alignas(64) float o[HD];
+          for (int64_t k = 0; k < V; ++k) {
+            alignas(64) float lanes[16];
+            _mm512_store_ps(lanes, acc[j][k]);
+            for (int64_t e = 0; e < 16; ++e) o[pv_dim(k, e)] = lanes[e] / denom[j];
+          }
+          T* dst = out + (b * nh + h * G + j) * HD;
+          for (int64_t d = 0; d < HD; ++d) dst[d] = from_f<T>(o[d]);
+        }
         continue;
       }
       for (int64_t p = 0; p < npages; ++p) {  // acc += p x V scale x v, a row at a time
