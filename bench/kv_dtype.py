@@ -59,7 +59,7 @@ def step_fn(engine: Engine, rows: int, context: int):
     def step() -> None:
         with torch.inference_mode():
             ctx = StepContext(pos, out_rows, runner.attn, runner.attn.prepare(lay, runner.device), runner.kv,
-                              runner.ops)
+                              runner.ops, runner.stack)
             runner.model(ids, ctx)
 
     return step

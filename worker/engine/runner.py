@@ -17,6 +17,7 @@ from worker.kvcache.tensors import KVCache
 from worker.model.attention import BatchLayout
 from worker.model.backends import make_backend, make_ops
 from worker.model.cuda_graphs import DecodeGraphs, DecodeInputs
+from worker.model.decode_stack import DecodeStack
 from worker.model.llama import StepContext
 from worker.model.loader import LoadedModel
 from worker.sample.grammar import BatchMasker
@@ -49,6 +50,7 @@ class ModelRunner:
                           pages_first=self.attn.pages_first, kv_dtype=resolve_kv_dtype(config, loaded.device)[0])
         self.masker: BatchMasker | None = None  # set by the engine with its first grammar request
         self.ops = make_ops(config.fused_ops == "on", loaded.device, loaded.dtype)
+        self.stack = DecodeStack.build(self.model, self.attn, self.kv, self.ops)
         self.graphs = self._capture_graphs(loaded, config)
 
     def _capture_graphs(self, loaded: LoadedModel, config: EngineConfig) -> DecodeGraphs | None:
@@ -136,7 +138,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
         pos_t = torch.cat(positions).to(dev)
         rows_t = torch.tensor(rows, dtype=torch.int64).to(dev)
-        return input_ids, StepContext(pos_t, rows_t, self.attn, meta, self.kv, self.ops), sampled
+        return input_ids, StepContext(pos_t, rows_t, self.attn, meta, self.kv, self.ops, self.stack), sampled
 
     @staticmethod
     def _sampling_batch(seqs: list[Sequence], steps: list[int] | None, dev: torch.device,

@@ -22,11 +22,11 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("bf16.h", "vec_exp.h", "kv_int8.h", "paged_decode.cpp", "paged_prefill.cpp", "paged_prefill_entry.cpp",
             "kv_int8.cpp", "paged_decode_int8.cpp", "race_sample.cpp", "fused_ops.cpp", "w8a8.cpp", "w8a8_small.cpp",
-            "w8a8_avx2.cpp")
+            "w8a8_avx2.cpp", "decode_stack.cpp")
 _FUNCTIONS = ["paged_decode", "paged_kv_write", "paged_prefill", "paged_decode_int8", "paged_kv_write_int8",
               "paged_prefill_int8", "race_sample", "add_rms_norm", "silu_mul", "rope_", "w8a8_quantize",
               "w8a8_dequantize", "w8a8_small_available", "w8a8_small_pack", "w8a8_small_linear",
-              "w8a8_avx2_available", "w8a8_avx2_pack", "w8a8_avx2_linear"]
+              "w8a8_avx2_available", "w8a8_avx2_pack", "w8a8_avx2_linear", "decode_stack"]
 _SRC = "\n".join((_CSRC / name).read_text() for name in _SOURCES)
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]

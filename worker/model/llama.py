@@ -16,6 +16,7 @@ from torch import nn
 from worker.config import ModelConfig
 from worker.kvcache.tensors import KVCache
 from worker.model.attention import BatchLayout, FlashAttention, FlashMeta, TorchAttention, TorchMeta
+from worker.model.decode_stack import DecodeStack
 from worker.model.fused import EagerOps, Rope
 
 
@@ -29,6 +30,7 @@ class StepContext:
     meta: TorchMeta | FlashMeta  # the backend's metadata for this step
     kv: KVCache
     ops: EagerOps  # the layer's elementwise ops: eager (reference) or fused (`worker.model.fused`)
+    stack: DecodeStack | None = None  # decode-only steps' layers in one C++ call where it covers them (CPU)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -115,9 +117,12 @@ class LlamaModel(nn.Module):
         if self._rope_cos is None:
             self.build_rope()
         x = self.embed(input_ids)
-        rope = ctx.ops.prepare_rope(Rope(ctx.positions, self._rope_cos, self._rope_sin), x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, ctx)
+        if ctx.stack is not None and ctx.stack.covers(ctx.meta, x.shape[0]):
+            x = ctx.stack.run(x, ctx.positions, ctx.meta)
+        else:
+            rope = ctx.ops.prepare_rope(Rope(ctx.positions, self._rope_cos, self._rope_sin), x.dtype)
+            for layer in self.layers:
+                x = layer(x, rope, ctx)
         rows = ctx.logits_rows
         if rows is None or rows.numel() == 0:
             return None

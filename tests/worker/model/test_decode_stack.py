@@ -1,0 +1,148 @@
+"""The C++ decode stack (`worker.model.decode_stack`): a decode-only step through it gives the Python layer loop's
+logits bit for bit, for every linear kind it runs and both KV page dtypes; steps it does not cover take the loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.config import ModelConfig
+from worker.kernels.cpu import extension
+from worker.kernels.cpu_features import has_int8_dot
+from worker.kvcache.tensors import KVCache
+from worker.model import decode_stack as ds
+from worker.model.attention import BatchLayout
+from worker.model.backends import make_backend, make_ops
+from worker.model.llama import StepContext
+from worker.model.tiny_model import random_model
+from worker.quant import w8a8 as smooth
+from worker.quant import weights as quant
+
+pytestmark = pytest.mark.skipif(extension() is None, reason="needs the C++ CPU kernels")
+
+BS, CONTEXT = 16, 70
+# the default model's attention shape (3 query heads per KV head, 64 wide) on a small, fast model
+CFG = ModelConfig(vocab_size=512, hidden_size=192, intermediate_size=384, num_layers=3, num_heads=6,
+                  num_kv_heads=2, head_dim=64, max_position=1024, tie_word_embeddings=True)
+
+
+def _model(mode: str):
+    loaded = random_model(CFG, dtype=torch.bfloat16, seed=7)
+    quant.quantize_model(loaded.model, mode)
+    return loaded.model
+
+
+def _linears(model) -> list[quant.QuantLinear]:
+    return [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+
+
+def _setup(model, kv_dtype: str):
+    dev = torch.device("cpu")
+    attn = make_backend("torch", CFG.num_heads, CFG.num_kv_heads, CFG.head_dim, BS, dev)
+    pages = 160  # 17 sequences of up to 6 pages
+    kv = KVCache(CFG, pages, BS, torch.bfloat16, dev, kv_dtype=kv_dtype)
+    g = torch.Generator().manual_seed(3)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8) if kv.quantized
+                else torch.randn(t.shape, generator=g))
+    for s in kv.k_scale + kv.v_scale:
+        s.fill_(0.02)
+    ops = make_ops(True, dev, torch.bfloat16)
+    return attn, kv, ops, ds.DecodeStack.build(model, attn, kv, ops)
+
+
+def _forward(model, attn, kv, ops, stack, rows: int, prefill: int = 0):
+    """Logits of `rows` decoding sequences (distinct pages, contexts CONTEXT + i) and, with `prefill`, one prompt
+    chunk of that many tokens after them."""
+    per = -(-(CONTEXT + rows + 1) // BS)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
+    lens = [CONTEXT + i for i in range(rows)]
+    slots = [t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens, strict=True)]
+    pos = [n - 1 for n in lens]
+    pf_tables, pf_q, pf_ctx = [], [], []
+    if prefill:
+        table = list(range(rows * per, rows * per + -(-prefill // BS)))
+        slots += [table[i // BS] * BS + i % BS for i in range(prefill)]
+        pos += list(range(prefill))
+        pf_tables, pf_q, pf_ctx = [table], [prefill], [prefill]
+    lay = BatchLayout(BS, torch.tensor(slots), tables, lens, pf_tables, pf_q, pf_ctx)
+    ids = torch.randint(0, CFG.vocab_size, (len(pos),), generator=torch.Generator().manual_seed(rows))
+    out_rows = torch.arange(len(pos))
+    with torch.inference_mode():
+        ctx = StepContext(torch.tensor(pos), out_rows, attn, attn.prepare(lay, kv.k[0].device), kv, ops, stack)
+        return model(ids, ctx)
+
+
+def _same_as_loop(model, kv_dtype: str, rows: int, want_kind: int) -> None:
+    attn, kv, ops, stack = _setup(model, kv_dtype)
+    assert stack is not None and stack.plan(rows) is not None
+    assert set(stack.plan(rows)[1]) == {want_kind}
+    snapshot = [t.clone() for t in kv.k + kv.v + kv.k_scale + kv.v_scale]
+    loop = _forward(model, attn, kv, ops, None, rows)
+    after_loop = [t.clone() for t in kv.k + kv.v + kv.k_scale + kv.v_scale]
+    for t, s in zip(kv.k + kv.v + kv.k_scale + kv.v_scale, snapshot, strict=True):
+        t.copy_(s)
+    got = _forward(model, attn, kv, ops, stack, rows)
+    assert torch.equal(got, loop)
+    # the same K/V rows (and int8 page scales) written
+    assert all(torch.equal(a, b) for a, b in zip(after_loop, kv.k + kv.v + kv.k_scale + kv.v_scale, strict=True))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "model"])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_w8a8_few_row_kernel(kv_dtype, rows):
+    if not smooth.small_available():
+        pytest.skip("the few-row VNNI kernel needs AVX-512 VNNI")
+    model = _model("w8a8")
+    for m in _linears(model):
+        m.w8a8.small_rows = 64  # whatever the calibration measured here: the kernel for these rows
+    _same_as_loop(model, kv_dtype, rows, ds.VNNI)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_w8a8_avx2_kernel(monkeypatch, rows):
+    """Every x86-64 CPU has AVX2: the kernel Zen 3 runs is checked on all of them."""
+    monkeypatch.setattr(smooth, "small_available", lambda: False)
+    monkeypatch.setattr(smooth, "has_int8_dot", lambda: False)
+    if not smooth.avx2_available():
+        pytest.skip("the AVX2 kernel was not built")
+    model = _model("w8a8")
+    for m in _linears(model):
+        m.w8a8.small_rows = smooth.AVX2_ROWS  # whatever the calibration measured on this CPU
+    _same_as_loop(model, "int8", rows, ds.AVX2)
+
+
+def test_int_mm_above_the_few_row_cutoff():
+    if not has_int8_dot():
+        pytest.skip("torch._int_mm is the large-row path only with int8 dot products")
+    model = _model("w8a8")
+    for m in _linears(model):
+        m.max_rows, m.w8a8.small_rows = 0, 0
+    _same_as_loop(model, "int8", 6, ds.INT_MM)
+
+
+def test_weight_only_int8():
+    model = _model("int8")
+    for m in _linears(model):
+        m.max_rows = 64
+    _same_as_loop(model, "model", 4, ds.WEIGHT_ONLY)
+
+
+def test_steps_it_does_not_cover_take_the_loop():
+    model = _model("w8a8")
+    attn, kv, ops, stack = _setup(model, "int8")
+    # a step with a prompt chunk: not decode-only
+    calls = []
+    real = stack.run
+    stack.run = lambda *a: calls.append(1) or real(*a)
+    with_chunk = _forward(model, attn, kv, ops, stack, 3, prefill=20)
+    assert with_chunk.shape[0] == 3 + 20 and not calls
+    _forward(model, attn, kv, ops, stack, 3)
+    assert calls == [1]
+    # an int4 model has no kernel of the stack's: no plan, the loop
+    model4 = _model("int4")
+    for m in _linears(model4):
+        m.max_rows = 64
+    assert ds.DecodeStack.build(model4, attn, kv, ops).plan(2) is None
+    # eager ops (--fused-ops off): no stack at all
+    assert ds.DecodeStack.build(model, attn, kv, make_ops(False, torch.device("cpu"), torch.bfloat16)) is None
