@@ -26,8 +26,8 @@ CFG = ModelConfig(vocab_size=512, hidden_size=192, intermediate_size=384, num_la
                   num_kv_heads=2, head_dim=64, max_position=1024, tie_word_embeddings=True)
 
 
-def _model(mode: str):
-    loaded = random_model(CFG, dtype=torch.bfloat16, seed=7)
+def _model(mode: str, dtype: torch.dtype = torch.bfloat16):
+    loaded = random_model(CFG, dtype=dtype, seed=7)
     quant.quantize_model(loaded.model, mode)
     return loaded.model
 
@@ -37,17 +37,17 @@ def _linears(model) -> list[quant.QuantLinear]:
 
 
 def _setup(model, kv_dtype: str):
-    dev = torch.device("cpu")
+    dev, dtype = torch.device("cpu"), model.norm.weight.dtype
     attn = make_backend("torch", CFG.num_heads, CFG.num_kv_heads, CFG.head_dim, BS, dev)
     pages = 160  # 17 sequences of up to 6 pages
-    kv = KVCache(CFG, pages, BS, torch.bfloat16, dev, kv_dtype=kv_dtype)
+    kv = KVCache(CFG, pages, BS, dtype, dev, kv_dtype=kv_dtype)
     g = torch.Generator().manual_seed(3)
     for t in kv.k + kv.v:
         t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8) if kv.quantized
                 else torch.randn(t.shape, generator=g))
     for s in kv.k_scale + kv.v_scale:
         s.fill_(0.02)
-    ops = make_ops(True, dev, torch.bfloat16)
+    ops = make_ops(True, dev, dtype)
     return attn, kv, ops, ds.DecodeStack.build(model, attn, kv, ops)
 
 
@@ -99,14 +99,15 @@ def test_w8a8_few_row_kernel(kv_dtype, rows):
     _same_as_loop(model, kv_dtype, rows, ds.VNNI)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 7])
-def test_w8a8_avx2_kernel(monkeypatch, rows):
-    """Every x86-64 CPU has AVX2: the kernel Zen 3 runs is checked on all of them."""
+def test_w8a8_avx2_kernel(monkeypatch, rows, dtype):
+    """Every x86-64 CPU has AVX2: the kernel Zen 3 runs (in fp32 there) is checked on all of them."""
     monkeypatch.setattr(smooth, "small_available", lambda: False)
     monkeypatch.setattr(smooth, "has_int8_dot", lambda: False)
     if not smooth.avx2_available():
         pytest.skip("the AVX2 kernel was not built")
-    model = _model("w8a8")
+    model = _model("w8a8", dtype)
     for m in _linears(model):
         m.w8a8.small_rows = smooth.AVX2_ROWS  # whatever the calibration measured on this CPU
     _same_as_loop(model, "int8", rows, ds.AVX2)
@@ -146,3 +147,22 @@ def test_steps_it_does_not_cover_take_the_loop():
     assert ds.DecodeStack.build(model4, attn, kv, ops).plan(2) is None
     # eager ops (--fused-ops off): no stack at all
     assert ds.DecodeStack.build(model, attn, kv, make_ops(False, torch.device("cpu"), torch.bfloat16)) is None
+
+
+def test_a_bad_call_raises_and_leaves_the_process_usable():
+    """The stack runs without the GIL; its checks come back as Python exceptions, before anything is written."""
+    model = _model("w8a8")
+    attn, kv, ops, stack = _setup(model, "int8")
+    weights, kinds = stack.plan(2)
+    x = torch.zeros(2, CFG.hidden_size, dtype=torch.bfloat16)
+    meta_args = (torch.zeros(2, dtype=torch.int64), model._rope_cos, model._rope_sin, torch.zeros(2, dtype=torch.int64),
+                 torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int64), CFG.num_heads,
+                 CFG.num_kv_heads, BS, 0.125, 1e-5, True, 2.0)
+    before = [t.clone() for t in kv.k + kv.v]
+    for bad in (weights[:-1], weights + [weights[0]]):
+        with pytest.raises(RuntimeError, match="decode_stack: .* tensors where the kinds need"):
+            stack.ext.decode_stack(x, bad, kinds, *meta_args)
+    with pytest.raises(RuntimeError, match="unknown linear kind"):
+        stack.ext.decode_stack(x, weights, [9] + kinds[1:], *meta_args)
+    assert torch.equal(x, torch.zeros_like(x)) and all(torch.equal(a, b) for a, b in zip(before, kv.k + kv.v, strict=True))
+    assert _forward(model, attn, kv, ops, stack, 2).shape == (2, CFG.vocab_size)

@@ -46,15 +46,18 @@ torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> weights, 
                            torch::Tensor slot_mapping, torch::Tensor tables, torch::Tensor lens, int64_t nh,
                            int64_t kvh, int64_t bs, double scale, double eps, bool int8_kv, double grow) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && kinds.size() % 4 == 0, "decode_stack: x [B, hidden], 4 kinds a layer");
-  const int64_t layers = static_cast<int64_t>(kinds.size()) / 4, B = x.size(0);
+  const int64_t layers = static_cast<int64_t>(kinds.size()) / 4, B = x.size(0), per_layer = 2 + (int8_kv ? 4 : 2);
+  size_t total = 0;  // checked before any layer runs: a malformed call writes nothing
+  for (int64_t kind : kinds) total += stack::arity(kind);
+  total += layers * per_layer;
+  TORCH_CHECK(total == weights.size(), "decode_stack: ", weights.size(), " tensors where the kinds need ", total);
   pybind11::gil_scoped_release no_gil;
   const auto none = torch::empty({0}, x.options());
   size_t at = 0;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t* k4 = kinds.data() + 4 * l;
-    int64_t need = 2 + (int8_kv ? 4 : 2);
+    int64_t need = per_layer;
     for (int j = 0; j < 4; ++j) need += stack::arity(k4[j]);
-    TORCH_CHECK(at + need <= weights.size(), "decode_stack: ", weights.size(), " tensors for ", layers, " layers");
     const torch::Tensor* w = weights.data() + at;
     const torch::Tensor* lin[4];
     const torch::Tensor* p = w + 2;
@@ -79,6 +82,5 @@ torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> weights, 
     h = add_rms_norm(x, stack::linear(attn.view({B, nh * hd}), k4[1], lin[1]), w[1], eps);
     x.add_(stack::linear(silu_mul(stack::linear(h, k4[2], lin[2])), k4[3], lin[3]));
   }
-  TORCH_CHECK(at == weights.size(), "decode_stack: ", weights.size() - at, " tensors left over");
   return x;
 }
