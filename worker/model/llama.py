@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +17,15 @@ from torch import nn
 from worker.config import ModelConfig
 from worker.kvcache.tensors import KVCache
 from worker.model.attention import BatchLayout, FlashAttention, FlashMeta, TorchAttention, TorchMeta
-from worker.model.decode_stack import DecodeStack
 from worker.model.fused import EagerOps, Rope
+
+
+class LayerStack(Protocol):
+    """Every decoder layer of the steps it covers in one call (`worker.model.decode_stack.DecodeStack` on CPU)."""
+
+    def covers(self, meta: object, rows: int) -> bool: ...
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -30,7 +38,7 @@ class StepContext:
     meta: TorchMeta | FlashMeta  # the backend's metadata for this step
     kv: KVCache
     ops: EagerOps  # the layer's elementwise ops: eager (reference) or fused (`worker.model.fused`)
-    stack: DecodeStack | None = None  # decode-only steps' layers in one C++ call where it covers them (CPU)
+    stack: LayerStack | None = None  # decode-only steps' layers in one C++ call where it covers them (CPU)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
