@@ -7,8 +7,6 @@ quantized linears whose path at the step's row count is a kernel (`linear_kind`)
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from worker.kernels.cpu_features import has_int8_dot
@@ -19,7 +17,6 @@ from worker.model.fused import FusedOps
 from worker.quant.weights import QuantLinear
 
 __all__ = ["DecodeStack", "linear_kind"]
-log = logging.getLogger(__name__)
 
 VNNI, AVX2, WEIGHT_ONLY, INT_MM = 0, 1, 2, 3  # csrc/decode_stack.cpp's `stack::Kind`
 _LINEARS = ("qkv", "o", "gate_up", "down")

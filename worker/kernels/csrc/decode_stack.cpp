@@ -46,26 +46,22 @@ torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> weights, 
                            torch::Tensor slot_mapping, torch::Tensor tables, torch::Tensor lens, int64_t nh,
                            int64_t kvh, int64_t bs, double scale, double eps, bool int8_kv, double grow) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && kinds.size() % 4 == 0, "decode_stack: x [B, hidden], 4 kinds a layer");
-  const int64_t layers = static_cast<int64_t>(kinds.size()) / 4, B = x.size(0), per_layer = 2 + (int8_kv ? 4 : 2);
-  size_t total = 0;  // checked before any layer runs: a malformed call writes nothing
+  const int64_t layers = static_cast<int64_t>(kinds.size()) / 4, B = x.size(0), kv_tensors = int8_kv ? 4 : 2;
+  size_t total = layers * (2 + kv_tensors);  // checked before any layer runs: a malformed call writes nothing
   for (int64_t kind : kinds) total += stack::arity(kind);
-  total += layers * per_layer;
   TORCH_CHECK(total == weights.size(), "decode_stack: ", weights.size(), " tensors where the kinds need ", total);
   pybind11::gil_scoped_release no_gil;
   const auto none = torch::empty({0}, x.options());
-  size_t at = 0;
-  for (int64_t l = 0; l < layers; ++l) {
+  const torch::Tensor* w = weights.data();  // the layer's norms, then its linears' tensors, then its caches
+  for (int64_t l = 0; l < layers; ++l, w += kv_tensors) {
     const int64_t* k4 = kinds.data() + 4 * l;
-    int64_t need = per_layer;
-    for (int j = 0; j < 4; ++j) need += stack::arity(k4[j]);
-    const torch::Tensor* w = weights.data() + at;
     const torch::Tensor* lin[4];
-    const torch::Tensor* p = w + 2;
-    for (int j = 0; j < 4; ++j) { lin[j] = p; p += stack::arity(k4[j]); }
-    const torch::Tensor* kv = p;
-    at += need;
+    const torch::Tensor* norms = w;
+    w += 2;
+    for (int j = 0; j < 4; ++j) { lin[j] = w; w += stack::arity(k4[j]); }
+    const torch::Tensor* kv = w;
 
-    auto h = add_rms_norm(x, none, w[0], eps);
+    auto h = add_rms_norm(x, none, norms[0], eps);
     auto qkv = stack::linear(h, k4[0], lin[0]);
     const int64_t hd = qkv.size(1) / (nh + 2 * kvh);
     qkv = qkv.view({B, nh + 2 * kvh, hd});
@@ -79,7 +75,7 @@ torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> weights, 
       paged_kv_write(k, v, kv[0], kv[1], slot_mapping);
       attn = paged_decode(q, kv[0], kv[1], tables, lens, bs, scale);
     }
-    h = add_rms_norm(x, stack::linear(attn.view({B, nh * hd}), k4[1], lin[1]), w[1], eps);
+    h = add_rms_norm(x, stack::linear(attn.view({B, nh * hd}), k4[1], lin[1]), norms[1], eps);
     x.add_(stack::linear(silu_mul(stack::linear(h, k4[2], lin[2])), k4[3], lin[3]));
   }
   return x;
