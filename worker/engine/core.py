@@ -52,7 +52,7 @@ class Engine:
         self.tokenizer_version = model.tokenizer_version
         self.vocab_size = model.config.vocab_size
         self.max_context = model.max_context
-        self.kv_dtype, why = resolve_kv_dtype(config, model.device)
+        self.kv_dtype, why = resolve_kv_dtype(config, model.device, model.config, model.dtype)
         num_pages = num_pages_for(model.config, config, model.dtype, model.device, self.kv_dtype)
         log.info("KV cache: %s pages (asked %s: %s), %d pages of %d tokens", self.kv_dtype, config.kv_dtype, why,
                  num_pages, config.block_size)
@@ -337,6 +337,7 @@ class Engine:
             evicted_pages=cache.evicted_pages if cache is not None else 0,
             quantization=self.loaded.quantization, attention_backend=self.runner.attn.name,
             cuda_graphs=self.runner.graphs is not None,
+            prefill_attention=getattr(self.runner.attn, "prefill_path", ""),
             spec_proposed_tokens=self._spec[0], spec_accepted_tokens=self._spec[1], spec_verify_steps=self._spec[2],
             tiers=self.restorer.tiers.snapshot_stats() if self.restorer is not None else None,
         )

@@ -43,6 +43,7 @@ class EngineStats:
     quantization: str = "none"  # weight mode actually in use (worker.quant.weights)
     attention_backend: str = "torch"  # the backend chosen (worker.model.backends.choose_backend)
     cuda_graphs: bool = False  # decode steps replay CUDA graphs (worker.model.cuda_graphs)
+    prefill_attention: str = ""  # torch backend: "kernel" (C++) or "sdpa" (worker.model.prefill_choice)
     spec_proposed_tokens: int = 0  # n-gram drafts verified
     spec_accepted_tokens: int = 0  # drafts the target agreed with
     spec_verify_steps: int = 0  # sequence-steps that verified drafts

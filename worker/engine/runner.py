@@ -20,6 +20,7 @@ from worker.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from worker.model.decode_stack import DecodeStack
 from worker.model.llama import StepContext
 from worker.model.loader import LoadedModel
+from worker.model.prefill_choice import choose_prefill
 from worker.sample.grammar import BatchMasker
 from worker.sample.logit_adjust import build_adjust
 from worker.sample.sampler import SamplingBatch, sample
@@ -47,7 +48,8 @@ class ModelRunner:
         self.attn = make_backend(config.attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                  config.block_size, loaded.device)
         self.kv = KVCache(cfg, num_pages, config.block_size, loaded.dtype, loaded.device,
-                          pages_first=self.attn.pages_first, kv_dtype=resolve_kv_dtype(config, loaded.device)[0])
+                          pages_first=self.attn.pages_first, kv_dtype=resolve_kv_dtype(config, loaded.device, cfg, loaded.dtype)[0])
+        self.attn = choose_prefill(self.attn, cfg, self.kv)
         self.masker: BatchMasker | None = None  # set by the engine with its first grammar request
         self.ops = make_ops(config.fused_ops == "on", loaded.device, loaded.dtype)
         self.stack = DecodeStack.build(self.model, self.attn, self.kv, self.ops)

@@ -87,6 +87,8 @@ class TorchAttention:
         self.prefill_kernel = prefill_kernel  # cpu_kernels.paged_prefill or None
         self.kv_write = kv_write  # cpu_kernels.paged_kv_write (one call for a layer's new K/V rows) or None
         self.int8 = int8  # the same kernels over int8 pages: used for what the model-dtype ones are given
+        # "kernel": prefill chunks on the C++ kernel; "sdpa": torch's SDPA per chunk (`worker.model.prefill_choice`)
+        self.prefill_path = "kernel" if prefill_kernel is not None else "sdpa"
 
     def prepare(self, lay: BatchLayout, device: torch.device) -> TorchMeta:
         bs = lay.block_size

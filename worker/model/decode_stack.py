@@ -40,6 +40,8 @@ def linear_kind(lin: object, rows: int) -> tuple[int, list[torch.Tensor]] | None
         if w.small_kind == "vnni":
             return VNNI, [w.inv_smooth, packed, colsum, w.col_scale]
         return AVX2, [w.inv_smooth, packed, w.col_scale]
+    if w.onednn is not None:  # oneDNN's product (AMX) was measured faster than `_int_mm`: the Python path runs it
+        return None
     return (INT_MM, [w.inv_smooth, w.wt, w.col_scale]) if has_int8_dot() else None
 
 

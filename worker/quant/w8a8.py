@@ -15,6 +15,7 @@ from torch import nn
 
 from worker.kernels.cpu import extension
 from worker.kernels.cpu_features import has_int8_dot
+from worker.quant.onednn_int8 import OnednnInt8Weight, padded_rows
 
 __all__ = ["ALPHA", "AVX2_ROWS", "CALIBRATION_TEXT", "SMALL_ROWS", "W8A8Weight", "activation_maxima", "available",
            "avx2_available", "small_available"]
@@ -46,6 +47,9 @@ class W8A8Weight:
     small: tuple[torch.Tensor, torch.Tensor | None] | None = None
     small_kind: str = ""
     small_rows: int = 0  # calls of up to this many rows take that kernel (`quant.calibrate_small_rows`)
+    # the same weight prepacked for oneDNN (AMX where the CPU has it), set where `quant.calibrate_int8_gemm`
+    # measured it faster than `_int_mm` on prefill-sized calls
+    onednn: OnednnInt8Weight | None = None
 
     @classmethod
     def build(cls, weight: torch.Tensor, act_max: torch.Tensor | None, alpha: float = ALPHA,
@@ -77,9 +81,15 @@ class W8A8Weight:
         return self.forward_int_mm(x2)
 
     def forward_int_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        ext = extension()
-        xq, row_scale = ext.w8a8_quantize(x2, self.inv_smooth)
-        return ext.w8a8_dequantize(int8_matmul(xq, self.wt), row_scale, self.col_scale, x2)
+        """The large-row path: quantize, the int8 product (oneDNN's where set, else `_int_mm`), dequantize."""
+        ext, rows = extension(), x2.shape[0]
+        if self.onednn is not None:
+            xq, row_scale = ext.w8a8_quantize(x2, self.inv_smooth, padded_rows(rows))
+            acc = self.onednn.matmul(xq)[:rows]
+        else:
+            xq, row_scale = ext.w8a8_quantize(x2, self.inv_smooth, 0)
+            acc = int8_matmul(xq, self.wt)
+        return ext.w8a8_dequantize(acc, row_scale, self.col_scale, x2)
 
     def forward_small(self, x2: torch.Tensor) -> torch.Tensor:
         """Our kernel: bit-identical to `forward_int_mm`, without its per-call weight re-layout (and on AVX2
@@ -91,7 +101,8 @@ class W8A8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.wt.numel() + 4 * (self.col_scale.numel() + self.inv_smooth.numel())
+        extra = 0 if self.onednn is None else self.onednn.nbytes
+        return self.wt.numel() + 4 * (self.col_scale.numel() + self.inv_smooth.numel()) + extra
 
     @property
     def small_nbytes(self) -> int:

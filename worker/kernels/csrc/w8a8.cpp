@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -54,12 +55,14 @@ static void quantize(const T* x, const float* smooth, int8_t* q, float* row_scal
   });
 }
 
-template <typename T>
-static void dequantize(const int32_t* y, const float* row_scale, const float* col_scale, T* out, int64_t M,
+// Acc: int32 products (torch._int_mm) or the same integers as fp32 (oneDNN's int8 product at unit scales):
+// static_cast<float> of either gives the same value, so both give the same bits
+template <typename T, typename Acc>
+static void dequantize(const Acc* y, const float* row_scale, const float* col_scale, T* out, int64_t M,
                        int64_t N) {
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / N), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const int32_t* ym = y + m * N;
+      const Acc* ym = y + m * N;
       T* om = out + m * N;
       const float rs = row_scale[m];
       #pragma omp simd
@@ -70,12 +73,14 @@ static void dequantize(const int32_t* y, const float* row_scale, const float* co
 
 }  // namespace w8a8
 
-// x [M, K] bf16/fp32, smooth [K] fp32 (1 / SmoothQuant factor) -> (int8 [M, K], per-row scales [M] fp32)
-std::tuple<torch::Tensor, torch::Tensor> w8a8_quantize(torch::Tensor x, torch::Tensor smooth) {
+// x [M, K] bf16/fp32, smooth [K] fp32 (1 / SmoothQuant factor) -> (int8 [max(M, pad_rows), K] (rows past M are
+// zeros), per-row scales [M] fp32)
+std::tuple<torch::Tensor, torch::Tensor> w8a8_quantize(torch::Tensor x, torch::Tensor smooth, int64_t pad_rows = 0) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && smooth.scalar_type() == torch::kFloat32 &&
               smooth.is_contiguous() && smooth.numel() == x.size(1), "w8a8_quantize: x [M, K], fp32 smooth [K]");
-  const int64_t M = x.size(0), K = x.size(1);
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  const int64_t M = x.size(0), K = x.size(1), rows = std::max(M, pad_rows);
+  auto q = torch::empty({rows, K}, x.options().dtype(torch::kInt8));
+  if (rows > M) std::memset(q.data_ptr<int8_t>() + M * K, 0, (rows - M) * K);
   auto rs = torch::empty({M}, x.options().dtype(torch::kFloat32));
   if (x.scalar_type() == torch::kBFloat16) {
     w8a8::quantize<at::BFloat16>(x.data_ptr<at::BFloat16>(), smooth.data_ptr<float>(), q.data_ptr<int8_t>(),
@@ -88,21 +93,34 @@ std::tuple<torch::Tensor, torch::Tensor> w8a8_quantize(torch::Tensor x, torch::T
   return {q, rs};
 }
 
-// y [M, N] int32 products, row_scale [M], col_scale [N] fp32 -> [M, N] of `like`'s dtype
+template <typename Acc>
+static void dequantize_as(const torch::Tensor& y, const torch::Tensor& row_scale, const torch::Tensor& col_scale,
+                          torch::Tensor& out) {
+  const int64_t M = y.size(0), N = y.size(1);
+  if (out.scalar_type() == torch::kBFloat16) {
+    w8a8::dequantize<at::BFloat16, Acc>(y.data_ptr<Acc>(), row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
+                                        out.data_ptr<at::BFloat16>(), M, N);
+  } else {
+    TORCH_CHECK(out.scalar_type() == torch::kFloat32, "w8a8_dequantize: bfloat16 or float32");
+    w8a8::dequantize<float, Acc>(y.data_ptr<Acc>(), row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
+                                 out.data_ptr<float>(), M, N);
+  }
+}
+
+// y [M, N] int32 products (or the same integers as fp32), row_scale [M], col_scale [N] fp32 -> [M, N] of `like`'s
+// dtype
 torch::Tensor w8a8_dequantize(torch::Tensor y, torch::Tensor row_scale, torch::Tensor col_scale, torch::Tensor like) {
-  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == torch::kInt32, "w8a8_dequantize: int32 [M, N]");
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() &&
+              (y.scalar_type() == torch::kInt32 || y.scalar_type() == torch::kFloat32),
+              "w8a8_dequantize: int32 or fp32 [M, N]");
   TORCH_CHECK(row_scale.numel() == y.size(0) && col_scale.numel() == y.size(1) &&
               row_scale.scalar_type() == torch::kFloat32 && col_scale.scalar_type() == torch::kFloat32,
               "w8a8_dequantize: fp32 scales [M], [N]");
-  const int64_t M = y.size(0), N = y.size(1);
-  auto out = torch::empty({M, N}, like.options());
-  if (like.scalar_type() == torch::kBFloat16) {
-    w8a8::dequantize<at::BFloat16>(y.data_ptr<int32_t>(), row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
-                                   out.data_ptr<at::BFloat16>(), M, N);
+  auto out = torch::empty({y.size(0), y.size(1)}, like.options());
+  if (y.scalar_type() == torch::kInt32) {
+    dequantize_as<int32_t>(y, row_scale, col_scale, out);
   } else {
-    TORCH_CHECK(like.scalar_type() == torch::kFloat32, "w8a8_dequantize: bfloat16 or float32");
-    w8a8::dequantize<float>(y.data_ptr<int32_t>(), row_scale.data_ptr<float>(), col_scale.data_ptr<float>(),
-                            out.data_ptr<float>(), M, N);
+    dequantize_as<float>(y, row_scale, col_scale, out);
   }
   return out;
 }
