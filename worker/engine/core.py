@@ -52,7 +52,7 @@ class Engine:
         self.tokenizer_version = model.tokenizer_version
         self.vocab_size = model.config.vocab_size
         self.max_context = model.max_context
-        self.kv_dtype, why = resolve_kv_dtype(config, model.device, model.config, model.dtype)
+        self.kv_dtype, why = resolve_kv_dtype(config, model.device)
         num_pages = num_pages_for(model.config, config, model.dtype, model.device, self.kv_dtype)
         log.info("KV cache: %s pages (asked %s: %s), %d pages of %d tokens", self.kv_dtype, config.kv_dtype, why,
                  num_pages, config.block_size)

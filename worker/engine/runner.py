@@ -48,7 +48,7 @@ class ModelRunner:
         self.attn = make_backend(config.attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                  config.block_size, loaded.device)
         self.kv = KVCache(cfg, num_pages, config.block_size, loaded.dtype, loaded.device,
-                          pages_first=self.attn.pages_first, kv_dtype=resolve_kv_dtype(config, loaded.device, cfg, loaded.dtype)[0])
+                          pages_first=self.attn.pages_first, kv_dtype=resolve_kv_dtype(config, loaded.device)[0])
         self.attn = choose_prefill(self.attn, cfg, self.kv)
         self.masker: BatchMasker | None = None  # set by the engine with its first grammar request
         self.ops = make_ops(config.fused_ops == "on", loaded.device, loaded.dtype)

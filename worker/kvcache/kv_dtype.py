@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from worker.config import EngineConfig, ModelConfig
+from worker.config import EngineConfig
 
 
-def resolve_kv_dtype(config: EngineConfig, device: torch.device, model: ModelConfig | None = None,
-                     dtype: torch.dtype | None = None) -> tuple[str, str]:
+def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> tuple[str, str]:
     """("model" | "int8", why). An explicit int8 that cannot run here raises ValueError naming the flag.
 
     auto: int8 on CPU where the C++ attention kernels run (the torch backend with its extension built): there it
     passed the quality gate (perplexity within 0.5% of the model dtype's, tests/worker/kvcache) and its decode
     step at 2k context took 0.5-0.6x the model dtype's (bench/kv_dtype.py, docs/engine.md); the model dtype
     elsewhere (the triton backend reads int8 pages when asked; on an H100 they were faster only for large models at
-    long context; flash-attn has none; the pure-torch path dequantizes every gather). Given the `model`'s shape and
-    `dtype`, auto is the model dtype where SDPA prefill over model-dtype pages beats the C++ kernel
-    (`worker.model.prefill_choice`: a CPU with AMX, where it is about 2x the int8 prefill kernel)."""
+    long context; flash-attn has none; the pure-torch path dequantizes every gather)."""
     from worker.model.backends import choose_backend
 
     asked = config.kv_dtype
@@ -39,9 +36,4 @@ def resolve_kv_dtype(config: EngineConfig, device: torch.device, model: ModelCon
 
     if extension() is None:
         return "model", "the C++ kernels are unavailable"
-    if model is not None and dtype is not None:
-        from worker.model.prefill_choice import sdpa_wins
-
-        if sdpa_wins(model, dtype, config.block_size, "model"):
-            return "model", "SDPA prefill over model-dtype pages measured faster than the C++ kernels (AMX)"
     return "int8", "CPU with the C++ int8 kernels"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = ["EagerOps", "FusedOps", "Rope"]
 log = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ class EagerOps:
         g, u = gate_up.chunk(2, dim=-1)
         return F.silu(g) * u
 
+    def mlp(self, h: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.Tensor:
+        """down(silu(gate) * up) of h."""
+        return down(self.silu_mul(gate_up(h)))
+
 
 class FusedOps(EagerOps):
     """The same ops, one C++ pass each; only for a CPU model in bf16 or fp32 (`worker.model.backends.make_ops` decides once). The
@@ -81,3 +86,23 @@ class FusedOps(EagerOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ext.silu_mul(gate_up)
+
+    def mlp(self, h: torch.Tensor, gate_up: nn.Module, down: nn.Module) -> torch.Tensor:
+        """Where both linears take W8A8's large-row path: gate_up's sums go to `down`'s int8 codes in one pass
+        (dequantize, SiLU·mul and quantize fused; the same bits as the three passes)."""
+        rows = h.shape[0]
+        g, d = _large_w8a8(gate_up, rows), _large_w8a8(down, rows)
+        if g is None or d is None:
+            return down(self.silu_mul(gate_up(h)))
+        xq, row_scale = g.quantize(h)
+        hq, h_scale = self.ext.w8a8_silu_mul_quantize(g.product(xq, rows), row_scale, g.col_scale, d.inv_smooth, h,
+                                                      d.pad_rows(rows))
+        return self.ext.w8a8_dequantize(d.product(hq, rows), h_scale, d.col_scale, h)
+
+
+def _large_w8a8(lin: nn.Module, rows: int):
+    """`lin`'s W8A8 weight where `rows` rows of it run the large-row int8 product, else None."""
+    w = getattr(lin, "w8a8", None)
+    if w is None or rows <= lin.max_rows or not w.large_rows(rows):
+        return None
+    return w

@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
         qk = ops.rope(qkv, nh + kvh, rope)
         attn_out = ctx.attn.forward(self.index, qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:], ctx.kv, ctx.meta)
         h = ops.add_rms_norm_(x, self.o(attn_out), self.post_attn_norm.weight, self.post_attn_norm.eps)
-        return x.add_(self.down(ops.silu_mul(self.gate_up(h))))
+        return x.add_(ops.mlp(h, self.gate_up, self.down))
 
 
 class LlamaModel(nn.Module):

@@ -12,8 +12,9 @@ import torch
 
 __all__ = ["ROW_BUCKET", "OnednnInt8Weight", "available", "padded_rows"]
 
-# oneDNN builds a kernel per row count on first sight (~1-3 ms per linear shape): rows are padded up to a
-# multiple of this, so a server meets a bounded set of shapes and each one once
+# oneDNN builds a kernel per row count on first sight (~1-3 ms per linear shape) and the worker bounds its cache
+# at 256 kernels (worker.server.memory): rows are padded up to a multiple of 16 up to 128 rows, of 32 up to 512 and
+# of 64 above (28 shapes per linear up to 1,024 rows, at most ~6% padding on average)
 ROW_BUCKET = 16
 
 
@@ -30,7 +31,8 @@ def available() -> bool:
 
 
 def padded_rows(rows: int) -> int:
-    return -(-rows // ROW_BUCKET) * ROW_BUCKET
+    step = ROW_BUCKET if rows <= 128 else 2 * ROW_BUCKET if rows <= 512 else 4 * ROW_BUCKET
+    return -(-rows // step) * step
 
 
 @dataclass(slots=True)

@@ -76,20 +76,32 @@ class W8A8Weight:
 
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [rows, in] (bf16 or fp32, contiguous) -> [rows, out] of x2's dtype."""
-        if x2.shape[0] <= self.small_rows:
+        if not self.large_rows(x2.shape[0]):
             return self.forward_small(x2)
         return self.forward_int_mm(x2)
 
     def forward_int_mm(self, x2: torch.Tensor) -> torch.Tensor:
         """The large-row path: quantize, the int8 product (oneDNN's where set, else `_int_mm`), dequantize."""
-        ext, rows = extension(), x2.shape[0]
+        xq, row_scale = self.quantize(x2)
+        return extension().w8a8_dequantize(self.product(xq, x2.shape[0]), row_scale, self.col_scale, x2)
+
+    def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x2's int8 codes (rows padded as `product` wants them) and per-row scales."""
+        return extension().w8a8_quantize(x2, self.inv_smooth, self.pad_rows(x2.shape[0]))
+
+    def pad_rows(self, rows: int) -> int:
+        """The code rows `product` takes for `rows` rows (0: no padding)."""
+        return padded_rows(rows) if self.onednn is not None else 0
+
+    def product(self, xq: torch.Tensor, rows: int) -> torch.Tensor:
+        """[rows, out] int8 sums of codes `xq` (int32, or the same integers as fp32 from oneDNN)."""
         if self.onednn is not None:
-            xq, row_scale = ext.w8a8_quantize(x2, self.inv_smooth, padded_rows(rows))
-            acc = self.onednn.matmul(xq)[:rows]
-        else:
-            xq, row_scale = ext.w8a8_quantize(x2, self.inv_smooth, 0)
-            acc = int8_matmul(xq, self.wt)
-        return ext.w8a8_dequantize(acc, row_scale, self.col_scale, x2)
+            return self.onednn.matmul(xq)[:rows]
+        return int8_matmul(xq, self.wt)
+
+    def large_rows(self, rows: int) -> bool:
+        """`rows` rows take the large-row path (`forward_int_mm`)."""
+        return rows > self.small_rows
 
     def forward_small(self, x2: torch.Tensor) -> torch.Tensor:
         """Our kernel: bit-identical to `forward_int_mm`, without its per-call weight re-layout (and on AVX2

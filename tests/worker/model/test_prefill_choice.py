@@ -9,7 +9,6 @@ import torch
 from worker.config import EngineConfig, ModelConfig
 from worker.engine.core import Engine
 from worker.kernels.cpu import extension
-from worker.kvcache.kv_dtype import resolve_kv_dtype
 from worker.kvcache.tensors import KVCache
 from worker.model import prefill_choice
 from worker.model.attention import BatchLayout
@@ -57,10 +56,6 @@ def test_the_measurement_runs_once_per_shape(monkeypatch):
     monkeypatch.setattr(prefill_choice, "_measure", lambda *a: pytest.fail("measured twice"))
     again = prefill_choice.choose_prefill(make_backend("torch", 6, 2, 64, 16, CPU), cfg, kv)
     assert again.prefill_path == first.prefill_path
-    # auto KV pages follow the same answer: the model dtype where SDPA won, else int8
-    want = "model" if first.prefill_path == "sdpa" else "int8"
-    assert resolve_kv_dtype(EngineConfig(kv_dtype="auto"), CPU, cfg, torch.bfloat16)[0] == want
-    assert resolve_kv_dtype(EngineConfig(kv_dtype="auto"), CPU)[0] == "int8"  # no shape given: no probe
 
 
 def test_int8_pages_keep_the_kernel_unless_asked(monkeypatch):

@@ -51,7 +51,9 @@ def test_quantize_pads_rows_with_zero_codes():
     assert q.shape == (16, 64) and rs.shape == (5,)
     assert torch.equal(q[:5], q0) and torch.equal(rs, rs0)
     assert not q[5:].any()
-    assert onednn_int8.padded_rows(1) == 16 and onednn_int8.padded_rows(16) == 16 and onednn_int8.padded_rows(17) == 32
+    pads = {n: onednn_int8.padded_rows(n) for n in (1, 16, 17, 128, 129, 512, 513, 1000)}
+    assert pads == {1: 16, 16: 16, 17: 32, 128: 128, 129: 160, 512: 512, 513: 576, 1000: 1024}
+    assert len({onednn_int8.padded_rows(n) for n in range(1, 1025)}) == 28  # kernels per linear shape
 
 
 def test_dequantize_takes_int32_or_fp32_sums_alike():

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -71,6 +72,29 @@ static void dequantize(const Acc* y, const float* row_scale, const float* col_sc
   });
 }
 
+// gate_up's sums y [>= M, 2n] -> the int8 codes of silu(gate) * up for the next linear: per row, the dequantize,
+// silu_mul (fused_ops.cpp) and quantize passes in order, each rounding to T where it does, in buffers that stay
+// in cache (the same bits as the three passes, without writing and reading back two [M, n..2n] tensors)
+template <typename T, typename Acc>
+static void silu_mul_quantize(const Acc* y, const float* row_scale, const float* col_scale, const float* smooth,
+                              int8_t* q, float* q_scale, int64_t M, int64_t n) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / n), [&](int64_t begin, int64_t end) {
+    std::vector<T> gu(2 * n), h(n);
+    for (int64_t m = begin; m < end; ++m) {
+      const Acc* ym = y + m * 2 * n;
+      const float rs = row_scale[m];
+      #pragma omp simd
+      for (int64_t j = 0; j < 2 * n; ++j) gu[j] = from_f<T>(static_cast<float>(ym[j]) * rs * col_scale[j]);
+      #pragma omp simd
+      for (int64_t d = 0; d < n; ++d) {
+        const float gv = to_f(gu[d]);
+        h[d] = from_f<T>(gv / (1.f + vec_exp(-gv)) * to_f(gu[n + d]));
+      }
+      q_scale[m] = quantize_row(h.data(), smooth, q + m * n, n);
+    }
+  });
+}
+
 }  // namespace w8a8
 
 // x [M, K] bf16/fp32, smooth [K] fp32 (1 / SmoothQuant factor) -> (int8 [max(M, pad_rows), K] (rows past M are
@@ -123,4 +147,36 @@ torch::Tensor w8a8_dequantize(torch::Tensor y, torch::Tensor row_scale, torch::T
     dequantize_as<float>(y, row_scale, col_scale, out);
   }
   return out;
+}
+
+// y [>= M, 2n] gate_up sums (int32 or fp32), row_scale [M], col_scale [2n], smooth [n] (the next linear's inverse
+// factors), like: the model dtype -> (int8 [max(M, pad_rows), n] with zero rows past M, [M] fp32 scales)
+std::tuple<torch::Tensor, torch::Tensor> w8a8_silu_mul_quantize(torch::Tensor y, torch::Tensor row_scale,
+                                                                torch::Tensor col_scale, torch::Tensor smooth,
+                                                                torch::Tensor like, int64_t pad_rows) {
+  const int64_t M = row_scale.numel(), n = smooth.numel();
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.size(0) >= M && y.size(1) == 2 * n &&
+              (y.scalar_type() == torch::kInt32 || y.scalar_type() == torch::kFloat32),
+              "w8a8_silu_mul_quantize: int32 or fp32 sums [>= M, 2n]");
+  TORCH_CHECK(row_scale.scalar_type() == torch::kFloat32 && col_scale.scalar_type() == torch::kFloat32 &&
+              smooth.scalar_type() == torch::kFloat32 && col_scale.numel() == 2 * n && smooth.is_contiguous() &&
+              col_scale.is_contiguous() && row_scale.is_contiguous(),
+              "w8a8_silu_mul_quantize: fp32 scales [M], [2n] and smoothing [n]");
+  const int64_t rows = std::max(M, pad_rows);
+  auto q = torch::empty({rows, n}, y.options().dtype(torch::kInt8));
+  if (rows > M) std::memset(q.data_ptr<int8_t>() + M * n, 0, (rows - M) * n);
+  auto qs = torch::empty({M}, y.options().dtype(torch::kFloat32));
+  const float *rs = row_scale.data_ptr<float>(), *cs = col_scale.data_ptr<float>(), *sm = smooth.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* qsp = qs.data_ptr<float>();
+  const bool bf16 = like.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || like.scalar_type() == torch::kFloat32, "w8a8_silu_mul_quantize: bfloat16 or float32");
+  if (y.scalar_type() == torch::kInt32) {
+    if (bf16) w8a8::silu_mul_quantize<at::BFloat16>(y.data_ptr<int32_t>(), rs, cs, sm, qp, qsp, M, n);
+    else w8a8::silu_mul_quantize<float>(y.data_ptr<int32_t>(), rs, cs, sm, qp, qsp, M, n);
+  } else {
+    if (bf16) w8a8::silu_mul_quantize<at::BFloat16>(y.data_ptr<float>(), rs, cs, sm, qp, qsp, M, n);
+    else w8a8::silu_mul_quantize<float>(y.data_ptr<float>(), rs, cs, sm, qp, qsp, M, n);
+  }
+  return {q, qs};
 }
