@@ -111,7 +111,7 @@ def quality(loaded: LoadedModel, chunk: int) -> dict:
     ids = eval_ids(loaded)
     with _prefill_path("kernel"):
         ref, got = score(loaded, ids, chunk), score(loaded, ids, chunk, kv_dtype="int8")
-    served = score(loaded, ids, chunk) if sdpa_wins(loaded.config, loaded.dtype, 16, "model") else ref
+    served = score(loaded, ids, chunk) if sdpa_wins(loaded.config, loaded.dtype, 16) else ref
     return {"eval_tokens": len(ids), "ppl_model": round(ref.perplexity, 4), "ppl_int8": round(got.perplexity, 4),
             "ppl_ratio": round(got.perplexity / ref.perplexity, 5),
             "top1_agreement": round((got.top1 == ref.top1).float().mean().item(), 4),

@@ -28,15 +28,15 @@ def without_prefill_kernels(attn: TorchAttention) -> TorchAttention:
     return TorchAttention(attn.nh, attn.kvh, attn.hd, attn.kernel, None, attn.kv_write, int8)
 
 
-def sdpa_wins(cfg: ModelConfig, dtype: torch.dtype, block_size: int, kv_dtype: str) -> bool:
-    """SDPA per chunk beat the C++ prefill kernel by 10% on a one-layer probe of this shape (measured once per
-    process and key; `SWITCHYARD_PREFILL_ATTENTION` fixes the answer)."""
+def sdpa_wins(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> bool:
+    """Over model-dtype pages, SDPA per chunk beat the C++ prefill kernel by 10% on a one-layer probe of this shape
+    (measured once per process and key; `SWITCHYARD_PREFILL_ATTENTION` fixes the answer)."""
     path = os.environ.get(PATH_ENV)
     if path in ("kernel", "sdpa"):
         return path == "sdpa"
-    key = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, block_size, kv_dtype)
+    key = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, block_size)
     if key not in _CHOSEN:
-        _CHOSEN[key] = _measure(cfg, dtype, block_size, kv_dtype)
+        _CHOSEN[key] = _measure(cfg, dtype, block_size)
     return _CHOSEN[key] == "sdpa"
 
 
@@ -54,23 +54,23 @@ def choose_prefill(attn: object, cfg: ModelConfig, kv: KVCache) -> object:
     if kv.quantized:
         sdpa = os.environ.get(PATH_ENV) == "sdpa"
     else:
-        sdpa = sdpa_wins(cfg, kv.dtype, kv.block_size, kv.kv_dtype)
+        sdpa = sdpa_wins(cfg, kv.dtype, kv.block_size)
     chosen = without_prefill_kernels(attn) if sdpa else attn
     chosen.prefill_path = "sdpa" if sdpa else "kernel"
     log.info("prefill attention: %s", "torch SDPA per chunk" if sdpa else "the C++ paged kernel")
     return chosen
 
 
-def _measure(cfg: ModelConfig, dtype: torch.dtype, bs: int, kv_dtype: str) -> str:
-    """Time one layer of the probe step both ways on scratch pages (best of 3 after a warm-up)."""
+def _measure(cfg: ModelConfig, dtype: torch.dtype, bs: int) -> str:
+    """Time one layer of the probe step both ways on scratch model-dtype pages (best of 3 after a warm-up)."""
     from worker.model.backends import make_backend
 
     cpu = torch.device("cpu")
     attn = make_backend("torch", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bs, cpu)
-    if (attn.int8.prefill if kv_dtype == "int8" and attn.int8 is not None else attn.prefill_kernel) is None:
+    if attn.prefill_kernel is None:
         return "sdpa"
     pages = sum(-(-ctx // bs) for _, ctx in PROBE_CHUNKS)
-    scratch = KVCache(dataclasses.replace(cfg, num_layers=1), pages, bs, dtype, cpu, kv_dtype=kv_dtype)
+    scratch = KVCache(dataclasses.replace(cfg, num_layers=1), pages, bs, dtype, cpu)
     tables, q_lens, ctx_lens, slots, fill = [], [], [], [], []
     first = 0
     for q_len, ctx in PROBE_CHUNKS:
@@ -101,6 +101,6 @@ def _measure(cfg: ModelConfig, dtype: torch.dtype, bs: int, kv_dtype: str) -> st
                 a.forward(0, q, k, v, scratch, meta)
                 best = min(best, time.perf_counter() - t0)
             times[path] = best
-    log.info("prefill attention probe (%s pages, one layer): C++ kernel %.2f ms, SDPA %.2f ms", kv_dtype,
+    log.info("prefill attention probe (model-dtype pages, one layer): C++ kernel %.2f ms, SDPA %.2f ms",
              times["kernel"] * 1e3, times["sdpa"] * 1e3)
     return "sdpa" if times["sdpa"] < 0.9 * times["kernel"] else "kernel"

@@ -318,18 +318,17 @@ def calibrate_int8_gemm(w: smooth.W8A8Weight, dtype: torch.dtype, rows: tuple[in
     if not (has_int8_dot() and onednn_int8.available()) or env == "int_mm":
         return
     key = ("onednn", *w.wt.shape, dtype, rows)
+    packed = onednn_int8.OnednnInt8Weight.pack(w.wt) if env == "onednn" or _CALIBRATED.get(key, 1) else None
     if env != "onednn" and key not in _CALIBRATED:
-        packed, times = onednn_int8.OnednnInt8Weight.pack(w.wt), [0.0, 0.0]
+        times = [0.0, 0.0]
         with torch.inference_mode():
             for n in rows:
                 x = torch.randn(n, w.wt.shape[0], dtype=dtype)
                 for i, choice in enumerate((None, packed)):
                     w.onednn = choice
                     times[i] += _best_time(lambda x=x: w.forward_int_mm(x))
-        w.onednn = None
         _CALIBRATED[key] = int(times[1] < 0.95 * times[0])
-    if env == "onednn" or _CALIBRATED[key]:
-        w.onednn = onednn_int8.OnednnInt8Weight.pack(w.wt)
+    w.onednn = packed if env == "onednn" or _CALIBRATED[key] else None
 
 
 _KERNEL_DTYPES: dict[tuple, torch.dtype] = {}  # per process: the kernel's activation dtype by mode and shape

@@ -97,14 +97,21 @@ static void silu_mul_quantize(const Acc* y, const float* row_scale, const float*
 
 }  // namespace w8a8
 
+// int8 [max(M, pad_rows), K] for M rows of codes: the rows past M zeroed (oneDNN's padded row count)
+static torch::Tensor padded_codes(int64_t M, int64_t pad_rows, int64_t K, const torch::TensorOptions& like) {
+  const int64_t rows = std::max(M, pad_rows);
+  auto q = torch::empty({rows, K}, like.dtype(torch::kInt8));
+  if (rows > M) std::memset(q.data_ptr<int8_t>() + M * K, 0, (rows - M) * K);
+  return q;
+}
+
 // x [M, K] bf16/fp32, smooth [K] fp32 (1 / SmoothQuant factor) -> (int8 [max(M, pad_rows), K] (rows past M are
 // zeros), per-row scales [M] fp32)
 std::tuple<torch::Tensor, torch::Tensor> w8a8_quantize(torch::Tensor x, torch::Tensor smooth, int64_t pad_rows = 0) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && smooth.scalar_type() == torch::kFloat32 &&
               smooth.is_contiguous() && smooth.numel() == x.size(1), "w8a8_quantize: x [M, K], fp32 smooth [K]");
-  const int64_t M = x.size(0), K = x.size(1), rows = std::max(M, pad_rows);
-  auto q = torch::empty({rows, K}, x.options().dtype(torch::kInt8));
-  if (rows > M) std::memset(q.data_ptr<int8_t>() + M * K, 0, (rows - M) * K);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = padded_codes(M, pad_rows, K, x.options());
   auto rs = torch::empty({M}, x.options().dtype(torch::kFloat32));
   if (x.scalar_type() == torch::kBFloat16) {
     w8a8::quantize<at::BFloat16>(x.data_ptr<at::BFloat16>(), smooth.data_ptr<float>(), q.data_ptr<int8_t>(),
@@ -162,9 +169,7 @@ std::tuple<torch::Tensor, torch::Tensor> w8a8_silu_mul_quantize(torch::Tensor y,
               smooth.scalar_type() == torch::kFloat32 && col_scale.numel() == 2 * n && smooth.is_contiguous() &&
               col_scale.is_contiguous() && row_scale.is_contiguous(),
               "w8a8_silu_mul_quantize: fp32 scales [M], [2n] and smoothing [n]");
-  const int64_t rows = std::max(M, pad_rows);
-  auto q = torch::empty({rows, n}, y.options().dtype(torch::kInt8));
-  if (rows > M) std::memset(q.data_ptr<int8_t>() + M * n, 0, (rows - M) * n);
+  auto q = padded_codes(M, pad_rows, n, y.options());
   auto qs = torch::empty({M}, y.options().dtype(torch::kFloat32));
   const float *rs = row_scale.data_ptr<float>(), *cs = col_scale.data_ptr<float>(), *sm = smooth.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
