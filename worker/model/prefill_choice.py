@@ -28,11 +28,19 @@ def without_prefill_kernels(attn: TorchAttention) -> TorchAttention:
     return TorchAttention(attn.nh, attn.kvh, attn.hd, attn.kernel, None, attn.kv_write, int8)
 
 
+def fixed_path() -> str | None:
+    """`SWITCHYARD_PREFILL_ATTENTION` ("kernel" or "sdpa"), None when unset; any other value is an error."""
+    path = os.environ.get(PATH_ENV) or None
+    if path not in (None, "kernel", "sdpa"):
+        raise ValueError(f"{PATH_ENV}={path!r}: use kernel or sdpa, or leave it unset (measured)")
+    return path
+
+
 def sdpa_wins(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> bool:
     """Over model-dtype pages, SDPA per chunk beat the C++ prefill kernel by 10% on a one-layer probe of this shape
     (measured once per process and key; `SWITCHYARD_PREFILL_ATTENTION` fixes the answer)."""
-    path = os.environ.get(PATH_ENV)
-    if path in ("kernel", "sdpa"):
+    path = fixed_path()
+    if path is not None:
         return path == "sdpa"
     key = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, block_size)
     if key not in _CHOSEN:
@@ -52,7 +60,7 @@ def choose_prefill(attn: object, cfg: ModelConfig, kv: KVCache) -> object:
         attn.prefill_path = "sdpa"
         return attn
     if kv.quantized:
-        sdpa = os.environ.get(PATH_ENV) == "sdpa"
+        sdpa = fixed_path() == "sdpa"
     else:
         sdpa = sdpa_wins(cfg, kv.dtype, kv.block_size)
     chosen = without_prefill_kernels(attn) if sdpa else attn

@@ -314,7 +314,9 @@ def calibrate_int8_gemm(w: smooth.W8A8Weight, dtype: torch.dtype, rows: tuple[in
     """Prepack `w` for oneDNN's int8 product where it beats `_int_mm` by 5% over prefill-sized calls (best of 5;
     once per weight shape in a process). oneDNN runs AMX tiles where the CPU has them (Intel Xeon 4th gen on),
     about 1.4-2.8x `_int_mm`'s VNNI rate there; `SWITCHYARD_INT8_GEMM` (onednn|int_mm) fixes the choice."""
-    env = os.environ.get(INT8_GEMM_ENV)
+    env = os.environ.get(INT8_GEMM_ENV) or None
+    if env not in (None, "onednn", "int_mm"):
+        raise ValueError(f"{INT8_GEMM_ENV}={env!r}: use onednn or int_mm, or leave it unset (measured)")
     if not (has_int8_dot() and onednn_int8.available()) or env == "int_mm":
         return
     key = ("onednn", *w.wt.shape, dtype, rows)

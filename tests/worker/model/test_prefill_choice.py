@@ -97,3 +97,11 @@ def test_engine_stats_name_the_prefill_path(monkeypatch):
     monkeypatch.setenv(prefill_choice.PATH_ENV, "sdpa")
     engine = Engine(load_tiny_model(), EngineConfig(kv_cache_bytes=8 << 20))
     assert engine.stats().prefill_attention == "sdpa"
+
+
+@pytest.mark.parametrize("kv_dtype", ["model", "int8"])
+def test_an_unknown_path_is_refused(monkeypatch, kv_dtype):
+    monkeypatch.setenv(prefill_choice.PATH_ENV, "flash")
+    cfg, attn, kv = _attn_and_cache(kv_dtype)
+    with pytest.raises(ValueError, match="SWITCHYARD_PREFILL_ATTENTION='flash'"):
+        prefill_choice.choose_prefill(attn, cfg, kv)

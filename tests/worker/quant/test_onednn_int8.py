@@ -99,6 +99,12 @@ def test_the_environment_fixes_the_choice(monkeypatch, env, want):
     assert (w.onednn is not None) == want
 
 
+def test_an_unknown_choice_is_refused(monkeypatch):
+    monkeypatch.setenv(quant.INT8_GEMM_ENV, "amx")
+    with pytest.raises(ValueError, match="SWITCHYARD_INT8_GEMM='amx'"):
+        quant.calibrate_int8_gemm(_weight(64, 32), torch.float32)
+
+
 def test_decode_stack_leaves_onednn_linears_to_python():
     """Above the few-row cutoff a oneDNN-packed linear is not one of the C++ stack's kernels."""
     lin = quant.QuantLinear(torch.randn(64, 32) * 0.05, "w8a8", quant.INT4_GROUP, torch.rand(32) + 0.5)
