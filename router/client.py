@@ -198,18 +198,22 @@ class WorkerClient:
         queue: asyncio.Queue[OutItem | WorkerError] = asyncio.Queue()
         self._streams[rid] = queue
         ended = False
+        # Before the first item the request may wait its turn in the worker's queue: that wait is bounded by the
+        # request's deadline (a live worker's queue is not a stall; a dead or frozen one is lost by its stats)
+        wait = max(self.inter_token_timeout, deadline - time.time()) if deadline > 0 else self.inter_token_timeout
         try:
             self._send_soon(encode_gen(rid, ns, tokens, sampling, priority, deadline, fkey, weight, resumed,
                                        traceparent, prefill))
             while True:
                 if queue.empty():
                     try:
-                        async with asyncio.timeout(self.inter_token_timeout):
+                        async with asyncio.timeout(wait):
                             item = await queue.get()
                     except TimeoutError:
-                        raise WorkerError(LinkError.TIMEOUT, f"no tokens for {self.inter_token_timeout}s", True) from None
+                        raise WorkerError(LinkError.TIMEOUT, f"no tokens for {wait:.0f}s", True) from None
                 else:
                     item = queue.get_nowait()
+                wait = self.inter_token_timeout
                 if isinstance(item, WorkerError):
                     # worker-side errors end the request there; link errors may not have
                     ended = isinstance(item.code, ErrorCode)

@@ -7,6 +7,7 @@ own behaviour: demultiplexing, errors, deadlines, abort on early exit, version r
 from __future__ import annotations
 
 import asyncio
+import time
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -163,6 +164,34 @@ async def test_inter_token_timeout(link: tuple[Peer, WorkerClient]) -> None:
     assert 0.9 <= loop.time() - start < 3.0
     _, abort = await peer.recv("abort")
     assert abort.rid == "r5"
+
+
+async def test_queued_request_waits_for_its_first_token_until_its_deadline(link: tuple[Peer, WorkerClient]) -> None:
+    """A request queued behind others gets its first token after more than inter_token_timeout (1 s here): the
+    wait before it is bounded by the request's deadline instead; gaps after it by inter_token_timeout again."""
+    peer, client = link
+    loop = asyncio.get_running_loop()
+    stream = client.generate("r7", b"", [1], p.SamplingParams(max_tokens=4), deadline=time.time() + 4.0)
+    first = asyncio.create_task(stream.__anext__())
+    ident, _ = await peer.recv("gen")
+
+    async def keep_alive() -> None:
+        while True:
+            await peer.stats(ident)
+            await asyncio.sleep(0.1)
+
+    beat = asyncio.create_task(keep_alive())
+    try:
+        await asyncio.sleep(1.6)
+        assert not first.done()
+        await peer.send(ident, p.encode_out([p.OutItem("r7", [5], None, 0, None)]))
+        assert (await asyncio.wait_for(first, 2)).tokens == [5]
+        start = loop.time()
+        with pytest.raises(WorkerError) as info:
+            await asyncio.wait_for(stream.__anext__(), 5)
+        assert info.value.code == "timeout" and 0.9 <= loop.time() - start < 1.8
+    finally:
+        beat.cancel()
 
 
 async def test_worker_loss_ends_streams(link: tuple[Peer, WorkerClient]) -> None:
