@@ -75,8 +75,8 @@ def test_few_row_kernel_is_bit_identical_to_int_mm(dtype, n, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(24, 40), (80, 576), (576, 1536)])
 def test_avx2_kernel_is_bit_identical_to_int_mm(dtype, n, k):
-    """The AVX2 kernel (the activation's sign moved onto the weight, |x| x w pairs below 2^15) gives the _int_mm
-    path's outputs bit for bit at every row count (4-row tiles and their remainders, 2-block channel tiles and a
+    """The AVX2 kernels (`vpmaddubsw`: the activation's sign moved onto the weight, |x| x w pairs below 2^15; and
+    the int16 products over sign-extended codes) give the _int_mm path's outputs bit for bit at every row count (4-row tiles and their remainders, 2-block channel tiles and a
     lone block, more rows than one 64-row pass), the extremes too (codes of +-127 in every term)."""
     torch.manual_seed(3)
     w = torch.randn(n, k) * 0.05
@@ -86,11 +86,18 @@ def test_avx2_kernel_is_bit_identical_to_int_mm(dtype, n, k):
     packed, colsum = lin.small
     assert colsum is None and packed.shape == (n // 8, k // 4, 32)
     assert torch.equal(packed[1, 2].view(8, 4), lin.wt[8:12, 8:16].t())  # block 1, group 2: lanes x 4 bytes
-    for rows in (1, 2, 3, 4, 5, 7, 64, 67, 130):
-        x = (torch.randn(rows, k) * torch.logspace(-1, 1, k)).to(dtype)
-        x[0] = -x[0].abs()  # a row of negative activations: every sign moves onto the weights
-        assert torch.equal(lin.forward_small(x), lin.forward_int_mm(x)), rows
-        assert torch.equal(lin(x), lin.forward_int_mm(x)), rows  # __call__ takes the kernel at every row count
+    ext = extension()
+    default = ext.w8a8_avx2_wide_rows(0)
+    try:
+        for wide_from in (1, 1 << 30):  # the int16-product kernel at every row count, then `vpmaddubsw`'s
+            ext.w8a8_avx2_wide_rows(wide_from)
+            for rows in (1, 2, 3, 4, 5, 7, 64, 67, 130):
+                x = (torch.randn(rows, k) * torch.logspace(-1, 1, k)).to(dtype)
+                x[0] = -x[0].abs()  # a row of negative activations: every sign moves onto the weights
+                assert torch.equal(lin.forward_small(x), lin.forward_int_mm(x)), (wide_from, rows)
+                assert torch.equal(lin(x), lin.forward_int_mm(x)), rows  # __call__ takes the kernel at every rows
+    finally:
+        ext.w8a8_avx2_wide_rows(default)
 
 
 def test_auto_is_w8a8_on_avx2_without_int8_dot(monkeypatch):

@@ -54,6 +54,10 @@ static void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t n) {
       const T* g = gu + i * 2 * n;
       const T* u = g + n;
       T* o = out + i * n;
+      if constexpr (std::is_same_v<T, float>) {
+        silu_mul_f32(g, u, o, n);
+        continue;
+      }
       #pragma omp simd
       for (int64_t d = 0; d < n; ++d) {
         const float gv = to_f(g[d]);

@@ -109,15 +109,8 @@ static inline void weighted_sum(const float* p, int64_t stride, const float* con
 
 // softmax of row s[0, n) in place (keys past `limit` masked out); returns 1 / sum
 static inline float softmax_row(float* s, int64_t n, int64_t limit) {
-  for (int64_t j = limit; j < n; ++j) s[j] = -INFINITY;
-  const float m = row_max(s, limit);
-  float sum = 0.f;
-  #pragma omp simd reduction(+:sum)
-  for (int64_t j = 0; j < n; ++j) {
-    const float e = j < limit ? vec_exp(s[j] - m) : 0.f;
-    s[j] = e;
-    sum += e;
-  }
+  const float sum = exp_row(s, limit, row_max(s, limit));
+  for (int64_t j = limit; j < n; ++j) s[j] = 0.f;
   return 1.f / sum;
 }
 

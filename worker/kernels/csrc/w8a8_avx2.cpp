@@ -16,6 +16,11 @@
 namespace w8a8_avx2 {
 
 constexpr int64_t kLanes = 8;  // output channels per block (one ymm of int32 sums)
+// rows per int16-product tile (4 x 2 accumulators; 5 measured the same and 6 slower on AMD Zen 3)
+constexpr int kWideTile = 4;
+// row counts from which the int16 products run: 0.8-1.0x the `vpmaddubsw` kernel's time at 512 rows on AMD Zen 3
+// (interleaved in one process), even at 16, slower below 8 (w8a8_avx2_wide_rows changes it: tests, measurement)
+static int64_t kWideRows = 32;
 
 #if defined(__AVX2__)
 constexpr bool kBuilt = true;
@@ -58,6 +63,39 @@ static inline void tile(const int8_t* xq, const int8_t* w, const float* row_scal
   }
 }
 
+// The same product for many rows, by int16 multiplies: `vpmaddubsw` needs the `vpsignb` per row and block above,
+// `vpmaddwd` on sign-extended codes does not. One block of 8 channels: each 4-k group's 32 bytes become two vectors
+// of 4 channels x 4 k in int16 (`vpmovsxbw`, once per MT rows), the row's 4 codes (pre-widened to int16) are
+// broadcast, and each channel's sum lands in two int32 lanes, added at the end. Exact, as above.
+template <typename T, int MT>
+static inline void tile16(const int16_t* x16, const int8_t* w, const float* row_scale, const float* col_scale,
+                          T* out, int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  __m256i lo[MT], hi[MT];
+  for (int i = 0; i < MT; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
+  const int64_t groups = K / 4;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(w + g * 32);
+    const __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128(p));      // channels 0-3, k 0-3
+    const __m256i wh = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));  // channels 4-7
+    for (int i = 0; i < MT; ++i) {
+      int64_t four;
+      std::memcpy(&four, x16 + (m0 + i) * K + 4 * g, 8);
+      const __m256i xs = _mm256_set1_epi64x(four);
+      lo[i] = _mm256_add_epi32(lo[i], _mm256_madd_epi16(wl, xs));
+      hi[i] = _mm256_add_epi32(hi[i], _mm256_madd_epi16(wh, xs));
+    }
+  }
+  const __m256 cs = _mm256_loadu_ps(col_scale + n0);
+  for (int i = 0; i < MT; ++i) {
+    // lanes (2c, 2c + 1) of lo / hi hold channel c's two partial sums: pairwise adds give [c0 c1 c4 c5 | c2 c3 c6 c7]
+    const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[i], hi[i]), 0xD8);
+    alignas(32) float v[kLanes];
+    _mm256_store_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(row_scale[m0 + i])), cs));
+    T* o = out + (m0 + i) * N + n0;
+    for (int64_t c = 0; c < kLanes; ++c) o[c] = from_f<T>(v[c]);
+  }
+}
+
 // rows [m0, m0 + MT) over channel blocks [b0, b1)
 template <typename T, int MT>
 static void rows(const int8_t* xq, const int8_t* packed, const float* rs, const float* cs, T* out, int64_t K,
@@ -65,6 +103,28 @@ static void rows(const int8_t* xq, const int8_t* packed, const float* rs, const 
   int64_t b = b0;
   for (; b + 2 <= b1; b += 2) tile<T, MT, 2>(xq, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
   for (; b < b1; ++b) tile<T, MT, 1>(xq, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
+}
+
+template <typename T, int MT>
+static void rows16(const int16_t* x16, const int8_t* packed, const float* rs, const float* cs, T* out, int64_t K,
+                   int64_t N, int64_t m0, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) tile16<T, MT>(x16, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
+}
+
+// M >= kWideRows: int16 products over codes widened once (x16 [M, K])
+template <typename T>
+static void linear16(const int16_t* x16, const int8_t* packed, const float* rs, const float* cs, T* out, int64_t M,
+                     int64_t K, int64_t N) {
+  const int64_t blocks = N / kLanes;
+  constexpr int64_t kRowChunk = 64;
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRowChunk) {
+      const int64_t r1 = std::min(M, r0 + kRowChunk);
+      int64_t m = r0;
+      for (; m + kWideTile <= r1; m += kWideTile) rows16<T, kWideTile>(x16, packed, rs, cs, out, K, N, m, b0, b1);
+      for (; m < r1; ++m) rows16<T, 1>(x16, packed, rs, cs, out, K, N, m, b0, b1);
+    }
+  });
 }
 
 template <typename T>
@@ -93,6 +153,16 @@ constexpr bool kBuilt = false;
 }  // namespace w8a8_avx2
 
 bool w8a8_avx2_available() { return w8a8_avx2::kBuilt; }
+
+// the row count from which w8a8_avx2_linear multiplies in int16 (the same sums; for tests and measurement)
+int64_t w8a8_avx2_wide_rows(int64_t rows) {
+#if defined(__AVX2__)
+  if (rows > 0) w8a8_avx2::kWideRows = rows;
+  return w8a8_avx2::kWideRows;
+#else
+  return rows;
+#endif
+}
 
 // wt [K, N] int8 (the _int_mm operand) -> packed [N / 8, K / 4, 32] int8: block b, group g, lane c, byte j holds
 // wt[4g + j][8b + c]
@@ -126,11 +196,20 @@ torch::Tensor w8a8_avx2_linear(torch::Tensor x, torch::Tensor inv_smooth, torch:
   float* rp = rs.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* cs = col_scale.data_ptr<float>();
-  if (x.scalar_type() == torch::kBFloat16) {
+  if (x.scalar_type() == torch::kBFloat16)
     w8a8::quantize<at::BFloat16>(x.data_ptr<at::BFloat16>(), smooth, qp, rp, M, K);
+  else
+    w8a8::quantize<float>(x.data_ptr<float>(), smooth, qp, rp, M, K);
+  if (M >= w8a8_avx2::kWideRows) {
+    auto x16 = q.to(torch::kInt16);
+    const int16_t* xp = x16.data_ptr<int16_t>();
+    if (x.scalar_type() == torch::kBFloat16)
+      w8a8_avx2::linear16<at::BFloat16>(xp, wp, rp, cs, out.data_ptr<at::BFloat16>(), M, K, N);
+    else
+      w8a8_avx2::linear16<float>(xp, wp, rp, cs, out.data_ptr<float>(), M, K, N);
+  } else if (x.scalar_type() == torch::kBFloat16) {
     w8a8_avx2::linear<at::BFloat16>(qp, wp, rp, cs, out.data_ptr<at::BFloat16>(), M, K, N);
   } else {
-    w8a8::quantize<float>(x.data_ptr<float>(), smooth, qp, rp, M, K);
     w8a8_avx2::linear<float>(qp, wp, rp, cs, out.data_ptr<float>(), M, K, N);
   }
 #endif
