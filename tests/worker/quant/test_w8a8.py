@@ -148,3 +148,17 @@ def test_w8a8_mode_from_the_gguf():
         assert lin.qweight is None  # the weight-only copy is dropped; the floor counts the packed one
         int8 = load_model("default", quantization="int8")
         assert quant.weight_bytes(loaded.model) > 0.9 * quant.weight_bytes(int8.model)
+
+
+@pytest.mark.parametrize("int_mm_share,expect_all", [(0.97, True), (0.5, False)])
+def test_small_rows_calibration_keeps_the_kernel_unless_int_mm_is_clearly_faster(int_mm_share, expect_all):
+    """`_int_mm` 3% faster (within host noise) leaves the AVX2 kernel every row count; twice as fast takes over."""
+    import time
+    from types import SimpleNamespace
+
+    kernel_s = 0.004
+    w = SimpleNamespace(small=object(), small_kind="avx2", wt=torch.zeros(4, 12 if expect_all else 20),
+                        forward_small=lambda x: time.sleep(kernel_s),
+                        forward_int_mm=lambda x: time.sleep(kernel_s * int_mm_share))
+    rows = quant.calibrate_small_rows(w, torch.float32)
+    assert rows == (smooth.AVX2_ROWS if expect_all else 0)
