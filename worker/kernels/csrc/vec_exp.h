@@ -28,8 +28,8 @@ static inline float vec_exp(float x) {
 }
 
 #if defined(__AVX2__)
-// vec_exp in 8 lanes, written out: GCC left `omp simd` loops over vec_exp scalar (the float -> int -> float bit
-// trick), which made the prefill softmax half of that kernel's time on AMD Zen 3
+// vec_exp in 8 lanes, written out: GCC left `omp simd` loops over vec_exp scalar (the objects for -march=native on
+// Zen 3 and for -march=sapphirerapids alike), which made the prefill softmax half of that kernel's time on Zen 3
 static inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
   const __m256 shift = _mm256_set1_ps(12582912.f);
