@@ -9,10 +9,13 @@ write and read 8-bit pages.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,33 +36,45 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # Named by the source and flags: checkouts with different kernel versions never rebuild each other's
 # copy in the shared torch extensions folder.
 _NAME = "switchyard_cpu_" + hashlib.sha256((_SRC + " ".join(_CFLAGS)).encode()).hexdigest()[:12]
-STALE_LOCK_S = 600.0  # a build lock this old belongs to a compile that was killed: remove it
+STALE_LOCK_S = 600.0  # the longest wait for another live build of the kernels
 
 _module: object | None = None
 _tried = False
 
 
-def _wait_for_build_lock(name: str) -> None:
-    """Wait (bounded) for another process's build of `name`; a lock older than STALE_LOCK_S is removed.
+@contextlib.contextmanager
+def _build_turn(name: str) -> Iterator[None]:
+    """Hold this kernel's builder lock (a `flock`, released by the kernel when its holder dies) while building.
 
-    torch waits on the lock file without a deadline, so a compile killed mid-way would hang every worker."""
+    torch waits on its own lock file without a deadline, and a compile killed mid-way leaves that file behind.
+    Every build here goes through this lock, so once we hold it a torch lock file is stale and removed at once
+    (it used to wait STALE_LOCK_S). Another live builder is waited for up to STALE_LOCK_S, then built past."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        build = Path(_get_build_directory(name, verbose=False))
     except Exception:  # noqa: BLE001 - a private helper; without it, torch's own wait applies
+        yield
         return
-    deadline = time.monotonic() + STALE_LOCK_S
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > STALE_LOCK_S or time.monotonic() > deadline:
-            log.warning("removing a stale kernel build lock (%.0fs old): %s", age, lock)
+    fd = os.open(build.parent / f"{name}.builder", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        deadline = time.monotonic() + STALE_LOCK_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("another kernel build held its lock for %.0fs; building anyway", STALE_LOCK_S)
+                    break
+                time.sleep(0.5)
+        lock = build / "lock"
+        if lock.exists():
+            log.warning("removing a kernel build lock left by a killed build: %s", lock)
             lock.unlink(missing_ok=True)
-            return
-        time.sleep(0.5)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def _load_built(name: str):
@@ -91,9 +106,10 @@ def extension():
 
         _module = _load_built(_NAME)
         if _module is None:
-            _wait_for_build_lock(_NAME)
-            _module = load_inline(name=_NAME, cpp_sources=[_SRC], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
-                                  extra_ldflags=["-fopenmp"], verbose=False)
+            with _build_turn(_NAME):  # another process may have built it while we waited: load that
+                _module = _load_built(_NAME) or load_inline(
+                    name=_NAME, cpp_sources=[_SRC], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler / headers: fall back to pure torch
         log.warning("CPU kernels unavailable, using the torch paths: %s", exc)
         _module = None
