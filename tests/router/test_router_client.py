@@ -7,8 +7,8 @@ own behaviour: demultiplexing, errors, deadlines, abort on early exit, version r
 from __future__ import annotations
 
 import asyncio
-import time
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import msgpack

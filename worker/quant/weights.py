@@ -231,7 +231,7 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
              "(LM head: %s), %s above", mode, head, str(first.kernel_dtype).removeprefix("torch."),
              first.max_rows, getattr(lm_head, "max_rows", "-"), above)
     if first.w8a8 is not None and first.w8a8.small is not None:
-        kind = "AVX2 vpmaddubsw" if first.w8a8.small_kind == "avx2" else "AVX-512 VNNI"
+        kind = "AVX2 vpmaddubsw / vpmaddwd" if first.w8a8.small_kind == "avx2" else "AVX-512 VNNI"
         log.info("W8A8 few-row kernel (%s, prepacked) up to %d rows, %s above", kind, first.w8a8.small_rows,
                  "oneDNN's int8 product" if first.w8a8.onednn is not None else "torch._int_mm")
 
