@@ -368,13 +368,7 @@ def _interleaved_best(fns: list, runs: int = 5) -> list[float]:
 
 
 def _best_time(fn, runs: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return _interleaved_best([fn], runs)[0]
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -52,17 +52,7 @@ static void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* g = gu + i * 2 * n;
-      const T* u = g + n;
-      T* o = out + i * n;
-      if constexpr (std::is_same_v<T, float>) {
-        silu_mul_f32(g, u, o, n);
-        continue;
-      }
-      #pragma omp simd
-      for (int64_t d = 0; d < n; ++d) {
-        const float gv = to_f(g[d]);
-        o[d] = from_f<T>(gv / (1.f + vec_exp(-gv)) * to_f(u[d]));
-      }
+      silu_mul_row<T>(g, g + n, out + i * n, n);
     }
   });
 }

@@ -82,6 +82,20 @@ static inline void silu_mul_f32(const float* g, const float* u, float* o, int64_
   for (; d < n; ++d) o[d] = g[d] / (1.f + vec_exp(-g[d])) * u[d];
 }
 
+// o[d] = silu(g[d]) * u[d] in T, math in fp32 and rounded once: fp32 rows in AVX2 lanes, others by the plain loop
+template <typename T>
+static inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    silu_mul_f32(g, u, o, n);
+  } else {
+    #pragma omp simd
+    for (int64_t d = 0; d < n; ++d) {
+      const float gv = to_f(g[d]);
+      o[d] = from_f<T>(gv / (1.f + vec_exp(-gv)) * to_f(u[d]));
+    }
+  }
+}
+
 // Softmax numerators and denominators of `rows` rows of `L` scores each (row j at scores + j * L): each score
 // becomes exp(score - its row's max) in place, and denom[j] the row's sum. Shared by the decode kernels.
 // The largest of x[0..L) (-inf for L = 0), in vector registers: `omp simd reduction(max)` over std::max compiled to

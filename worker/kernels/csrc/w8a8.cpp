@@ -85,15 +85,7 @@ static void silu_mul_quantize(const Acc* y, const float* row_scale, const float*
       const float rs = row_scale[m];
       #pragma omp simd
       for (int64_t j = 0; j < 2 * n; ++j) gu[j] = from_f<T>(static_cast<float>(ym[j]) * rs * col_scale[j]);
-      if constexpr (std::is_same_v<T, float>) {
-        silu_mul_f32(gu.data(), gu.data() + n, h.data(), n);
-      } else {
-        #pragma omp simd
-        for (int64_t d = 0; d < n; ++d) {
-          const float gv = to_f(gu[d]);
-          h[d] = from_f<T>(gv / (1.f + vec_exp(-gv)) * to_f(gu[n + d]));
-        }
-      }
+      silu_mul_row<T>(gu.data(), gu.data() + n, h.data(), n);
       q_scale[m] = quantize_row(h.data(), smooth, q + m * n, n);
     }
   });

@@ -26,6 +26,15 @@ static int64_t kWideRows = 32;
 #if defined(__AVX2__)
 constexpr bool kBuilt = true;
 
+// One row's 8 int32 sums -> out row o[0, 8): sum * row scale * column scale in fp32, rounded to T (the _int_mm path's
+// expression, so both tiles below give its bits)
+template <typename T>
+static inline void store_row(__m256i sums, float row_scale, __m256 cs, T* o) {
+  alignas(32) float v[kLanes];
+  _mm256_store_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(row_scale)), cs));
+  for (int64_t c = 0; c < kLanes; ++c) o[c] = from_f<T>(v[c]);
+}
+
 // Rows [m0, m0 + MT) against the NB channel blocks starting at `w` (each block K * 8 bytes apart), then the
 // dequantization into out[m][n0 ...].
 template <typename T, int MT, int NB>
@@ -54,13 +63,7 @@ static inline void tile(const int8_t* xq, const int8_t* w, const float* row_scal
   for (int j = 0; j < NB; ++j) {
     const int64_t n = n0 + j * kLanes;
     const __m256 cs = _mm256_loadu_ps(col_scale + n);
-    for (int i = 0; i < MT; ++i) {
-      const __m256 y = _mm256_cvtepi32_ps(acc[i][j]);
-      alignas(32) float v[kLanes];
-      _mm256_store_ps(v, _mm256_mul_ps(_mm256_mul_ps(y, _mm256_set1_ps(row_scale[m0 + i])), cs));
-      T* o = out + (m0 + i) * N + n;
-      for (int64_t c = 0; c < kLanes; ++c) o[c] = from_f<T>(v[c]);
-    }
+    for (int i = 0; i < MT; ++i) store_row<T>(acc[i][j], row_scale[m0 + i], cs, out + (m0 + i) * N + n);
   }
 }
 
@@ -90,10 +93,7 @@ static inline void tile16(const int16_t* x16, const int8_t* w, const float* row_
   for (int i = 0; i < MT; ++i) {
     // lanes (2c, 2c + 1) of lo / hi hold channel c's two partial sums: pairwise adds give [c0 c1 c4 c5 | c2 c3 c6 c7]
     const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[i], hi[i]), 0xD8);
-    alignas(32) float v[kLanes];
-    _mm256_store_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(row_scale[m0 + i])), cs));
-    T* o = out + (m0 + i) * N + n0;
-    for (int64_t c = 0; c < kLanes; ++c) o[c] = from_f<T>(v[c]);
+    store_row<T>(sums, row_scale[m0 + i], cs, out + (m0 + i) * N + n0);
   }
 }
 
@@ -152,6 +152,18 @@ static void linear(const int8_t* xq, const int8_t* packed, const float* rs, cons
     }
   });
 }
+// x [M, K] -> out [M, N]: per-row int8 codes of x * inv_smooth (q, rs: scratch), then the product by the kernel for M
+template <typename T>
+static void forward(const T* x, const float* smooth, const int8_t* packed, const float* cs, T* out, int8_t* q,
+                    float* rs, int64_t M, int64_t K, int64_t N) {
+  w8a8::quantize<T>(x, smooth, q, rs, M, K);
+  if (M < kWideRows) {
+    linear<T>(q, packed, rs, cs, out, M, K, N);
+    return;
+  }
+  std::vector<int16_t> x16(q, q + M * K);  // the codes widened once
+  linear16<T>(x16.data(), packed, rs, cs, out, M, K, N);
+}
 #else
 constexpr bool kBuilt = false;
 #endif
@@ -198,26 +210,15 @@ torch::Tensor w8a8_avx2_linear(torch::Tensor x, torch::Tensor inv_smooth, torch:
   auto out = torch::empty({M, N}, x.options());
 #if defined(__AVX2__)
   const float* smooth = inv_smooth.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* rp = rs.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* cs = col_scale.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* rp = rs.data_ptr<float>();
   if (x.scalar_type() == torch::kBFloat16)
-    w8a8::quantize<at::BFloat16>(x.data_ptr<at::BFloat16>(), smooth, qp, rp, M, K);
+    w8a8_avx2::forward<at::BFloat16>(x.data_ptr<at::BFloat16>(), smooth, wp, cs, out.data_ptr<at::BFloat16>(), qp, rp,
+                                     M, K, N);
   else
-    w8a8::quantize<float>(x.data_ptr<float>(), smooth, qp, rp, M, K);
-  if (M >= w8a8_avx2::kWideRows) {
-    auto x16 = q.to(torch::kInt16);
-    const int16_t* xp = x16.data_ptr<int16_t>();
-    if (x.scalar_type() == torch::kBFloat16)
-      w8a8_avx2::linear16<at::BFloat16>(xp, wp, rp, cs, out.data_ptr<at::BFloat16>(), M, K, N);
-    else
-      w8a8_avx2::linear16<float>(xp, wp, rp, cs, out.data_ptr<float>(), M, K, N);
-  } else if (x.scalar_type() == torch::kBFloat16) {
-    w8a8_avx2::linear<at::BFloat16>(qp, wp, rp, cs, out.data_ptr<at::BFloat16>(), M, K, N);
-  } else {
-    w8a8_avx2::linear<float>(qp, wp, rp, cs, out.data_ptr<float>(), M, K, N);
-  }
+    w8a8_avx2::forward<float>(x.data_ptr<float>(), smooth, wp, cs, out.data_ptr<float>(), qp, rp, M, K, N);
 #endif
   return out;
 }
