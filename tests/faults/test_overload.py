@@ -22,7 +22,8 @@ import pytest
 from tests.faults.client import completion_body, metric, p99, stream_completion
 from tests.faults.cluster import FaultCluster, unattributed_errors
 
-pytestmark = pytest.mark.timeout(480)  # includes the shared cluster start-up
+# a long fault scenario (`make test-heavy`); the timeout includes the shared cluster start-up
+pytestmark = [pytest.mark.timeout(480), pytest.mark.heavy]
 LONG_PROMPT, BATCH_MAX_TOKENS, BURST = 1000, 64, 230
 CHAT_CLIENTS, CHAT_REQUESTS, CHAT_MAX_TOKENS = 3, 8, 8
 # Interactive TTFT p99 under the burst may grow at most this much over its same-run baseline. The

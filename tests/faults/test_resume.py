@@ -19,7 +19,7 @@ import pytest
 from tests.faults.client import completion_body, metric
 from tests.faults.cluster import FaultCluster
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.heavy]  # long fault scenarios: `make test-heavy`
 STREAMS, MAX_TOKENS, PROMPT_LEN = 8, 300, 12
 
 

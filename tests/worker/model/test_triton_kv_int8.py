@@ -125,6 +125,7 @@ def test_attention_over_int8_pages_matches_reference(dtype, tol):
     assert err <= tol, f"max abs error {err} > {tol}"
 
 
+@pytest.mark.heavy  # ~20 s under the interpreter: `make test-heavy` (and `make test-gpu` natively)
 def test_engine_greedy_on_int8_pages_triton_equals_torch_reference():
     """The engine with --kv-dtype int8 (chunked prefill, a prefix-cache extend, decode): the Triton backend gives
     the torch reference's tokens, and reports int8 pages."""
