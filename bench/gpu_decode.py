@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print(json.dumps({"bench": "gpu_decode", "error": "no CUDA device"}))
         return 1
+    if args.cpu_smoke:  # the Triton backend runs on CPU tensors only under the interpreter
+        os.environ["TRITON_INTERPRET"] = "1"
     import triton
 
     t0 = time.monotonic()

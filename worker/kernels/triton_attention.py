@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["decode_splits", "paged_decode", "paged_kv_write", "paged_prefill"]
+__all__ = ["decode_splits", "paged_decode", "paged_kv_write", "paged_prefill", "paged_rope_kv_write"]
 
 
 @triton.jit
@@ -29,6 +29,40 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     tl.store(kc_ptr + dst, k, mask=mask)
     tl.store(vc_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _rope_kv_write_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t, stride_h, num_slots,
+                          NH: tl.constexpr, KVH: tl.constexpr, N_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
+                          HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """One token: q and k heads of x [T, heads, 2 * HALF] rotated in place (`triton_ops._rope_kernel`'s math),
+    then its rotated k and its v written to their slot (-1: none). One kernel for what took two."""
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, N_PAD)
+    i = tl.arange(0, HALF_PAD)
+    cos = tl.load(cos_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :]
+    mask = (h < NH + KVH)[:, None] & (i < HALF)[None, :]
+    p1 = x_ptr + t.to(tl.int64) * stride_t + h[:, None] * stride_h + i[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    r1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+    r2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    tl.store(p1, r1, mask=mask)
+    tl.store(p1 + HALF, r2, mask=mask)
+    row_ok = (i * 0 + slot) >= 0
+    kmask = ((h >= NH) & (h < NH + KVH))[:, None] & ((i < HALF) & row_ok)[None, :]
+    kdst = kc_ptr + (h - NH).to(tl.int64)[:, None] * num_slots * 2 * HALF + slot * 2 * HALF + i[None, :]
+    tl.store(kdst, r1.to(kc_ptr.dtype.element_ty), mask=kmask)
+    tl.store(kdst + HALF, r2.to(kc_ptr.dtype.element_ty), mask=kmask)
+    g = tl.arange(0, KVH_PAD)
+    vmask = (g < KVH)[:, None] & ((i < HALF) & row_ok)[None, :]
+    vsrc = x_ptr + t.to(tl.int64) * stride_t + (NH + KVH + g)[:, None] * stride_h + i[None, :]
+    vdst = vc_ptr + g.to(tl.int64)[:, None] * num_slots * 2 * HALF + slot * 2 * HALF + i[None, :]
+    tl.store(vdst, tl.load(vsrc, mask=vmask), mask=vmask)
+    tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=vmask), mask=vmask)
 
 
 @triton.jit
@@ -186,6 +220,20 @@ def paged_kv_write(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch
         return
     _kv_write_kernel[(t,)](k, v, kc, vc, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.shape[1],
                            KVH=kvh, KVH_PAD=_pow2(kvh), D=hd, D_PAD=_pow2(hd, 16))
+
+
+def paged_rope_kv_write(qkv: torch.Tensor, nh: int, positions: torch.Tensor, cos_table: torch.Tensor,
+                        sin_table: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:
+    """qkv [T, nh + 2 kvh, hd] (last dim contiguous): q and k rotated in place by the fp32 tables at `positions`,
+    k and v written to kc, vc [kvh, slots, hd] at `slots` [T] (-1: skip the row)."""
+    t, heads, hd = qkv.shape
+    kvh = (heads - nh) // 2
+    if t == 0:
+        return
+    half = hd // 2
+    _rope_kv_write_kernel[(t,)](qkv, positions, cos_table, sin_table, kc, vc, slots, qkv.stride(0), qkv.stride(1),
+                                kc.shape[1], NH=nh, KVH=kvh, N_PAD=_pow2(nh + kvh), KVH_PAD=_pow2(kvh), HALF=half,
+                                HALF_PAD=_pow2(half))
 
 
 def decode_splits(programs: int, width_tokens: int, device: torch.device) -> int:

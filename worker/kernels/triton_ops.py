@@ -99,6 +99,12 @@ class TritonOps(EagerOps):
                                HALF_PAD=triton.next_power_of_2(half))
         return qkv[:, :n_rot]
 
+    def attend(self, attn, layer: int, qkv: torch.Tensor, nh: int, rope: Rope, kv, meta) -> torch.Tensor:
+        """On the Triton backend's model-dtype pages, RoPE and the K/V write are one kernel (the same bits)."""
+        if getattr(attn, "name", "") == "triton" and not kv.quantized:
+            return attn.forward_rope(layer, qkv, rope, kv, meta)
+        return super().attend(attn, layer, qkv, nh, rope, kv, meta)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm(x, None, weight, eps)
 

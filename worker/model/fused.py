@@ -45,6 +45,13 @@ class EagerOps:
         cos, sin = rope.cos, rope.sin
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
+    def attend(self, attn, layer: int, qkv: torch.Tensor, nh: int, rope: Rope, kv, meta) -> torch.Tensor:
+        """qkv [T, nh + 2 kvh, hd] -> attention output [T, nh * hd]: RoPE on q and k, then the backend writes
+        this step's K/V and attends."""
+        kvh = (qkv.shape[1] - nh) // 2
+        qk = self.rope(qkv, nh + kvh, rope)
+        return attn.forward(layer, qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:], kv, meta)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 

@@ -87,15 +87,20 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.index = index
 
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: StepContext) -> torch.Tensor:
-        """x [T, hidden] is updated in place (the residual stream) and returned."""
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope: Rope,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] is the residual stream, updated in place; `pending` is the previous layer's MLP output,
+        added in the same pass as this layer's input norm (one kernel fewer per layer). Returns x and this
+        layer's MLP output, not yet added."""
         nh, kvh, hd, ops = self.nh, self.kvh, self.hd, ctx.ops
-        h = ops.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+        if pending is None:
+            h = ops.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+        else:
+            h = ops.add_rms_norm_(x, pending, self.input_norm.weight, self.input_norm.eps)
         qkv = self.qkv(h).view(x.shape[0], nh + 2 * kvh, hd)
-        qk = ops.rope(qkv, nh + kvh, rope)
-        attn_out = ctx.attn.forward(self.index, qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:], ctx.kv, ctx.meta)
+        attn_out = ops.attend(ctx.attn, self.index, qkv, nh, rope, ctx.kv, ctx.meta)
         h = ops.add_rms_norm_(x, self.o(attn_out), self.post_attn_norm.weight, self.post_attn_norm.eps)
-        return x.add_(ops.mlp(h, self.gate_up, self.down))
+        return x, ops.mlp(h, self.gate_up, self.down)
 
 
 class LlamaModel(nn.Module):
@@ -129,8 +134,11 @@ class LlamaModel(nn.Module):
             x = ctx.stack.run(x, ctx.positions, ctx.meta)
         else:
             rope = ctx.ops.prepare_rope(Rope(ctx.positions, self._rope_cos, self._rope_sin), x.dtype)
+            pending = None
             for layer in self.layers:
-                x = layer(x, rope, ctx)
+                x, pending = layer(x, pending, rope, ctx)
+            if pending is not None:
+                x.add_(pending)
         rows = ctx.logits_rows
         if rows is None or rows.numel() == 0:
             return None

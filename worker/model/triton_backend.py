@@ -12,6 +12,7 @@ import torch
 
 from worker.kvcache.tensors import KVCache
 from worker.model.attention import BatchLayout, padded_table
+from worker.model.fused import Rope
 
 
 @dataclass(slots=True)
@@ -71,12 +72,24 @@ class TritonAttention:
                 kv: KVCache, meta: TritonMeta) -> torch.Tensor:
         """q: [T, nh, hd]; k, v: [T, kvh, hd] -> [T, nh * hd]."""
         kc, vc = kv.k[layer], kv.v[layer]
-        scales = None
         if kv.quantized:  # int8 pages: the write quantizes, the attention kernels read the codes and scales
-            scales = (kv.k_scale[layer], kv.v_scale[layer])
-            self.int8_write(k, v, kc, vc, *scales, meta.slot_mapping, kv.block_size)
+            self.int8_write(k, v, kc, vc, kv.k_scale[layer], kv.v_scale[layer], meta.slot_mapping, kv.block_size)
         else:
             self.k.paged_kv_write(k, v, kc, vc, meta.slot_mapping)
+        return self.attend(layer, q, kv, meta)
+
+    def forward_rope(self, layer: int, qkv: torch.Tensor, rope: Rope, kv: KVCache,
+                     meta: TritonMeta) -> torch.Tensor:
+        """qkv [T, nh + 2 kvh, hd] before RoPE, on model-dtype pages: the rotation and the K/V write in one
+        kernel (`TritonOps.attend` calls this), then attention -> [T, nh * hd]."""
+        self.k.paged_rope_kv_write(qkv, self.nh, rope.positions, rope.cos_table, rope.sin_table, kv.k[layer],
+                                   kv.v[layer], meta.slot_mapping)
+        return self.attend(layer, qkv[:, :self.nh], kv, meta)
+
+    def attend(self, layer: int, q: torch.Tensor, kv: KVCache, meta: TritonMeta) -> torch.Tensor:
+        """q [T, nh, hd] over the pages (this step's K/V already written) -> [T, nh * hd]."""
+        kc, vc = kv.k[layer], kv.v[layer]
+        scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.quantized else None
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         b = meta.num_decode
         if b:

@@ -101,6 +101,56 @@ def test_kv_write_skips_padded_rows():
     assert kc.abs().sum(dim=(0, 2)).nonzero().flatten().tolist() == [5, 30]  # row 1 (slot -1) wrote nothing
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh,kvh", [(9, 3), (4, 4)])
+def test_rope_and_kv_write_in_one_kernel_equal_the_two(dtype, nh, kvh):
+    """`paged_rope_kv_write` (what `TritonOps.attend` runs on model-dtype pages) gives the bits of TritonOps' RoPE
+    followed by `paged_kv_write`: q and k rotated in place, k and v in their slots, a padded row (-1) skipped."""
+    from worker.kernels.triton_attention import paged_kv_write, paged_rope_kv_write
+    from worker.kernels.triton_ops import TritonOps
+    from worker.model.fused import Rope
+
+    g = torch.Generator().manual_seed(nh)
+    hd, t = 64, 4
+    qkv = torch.randn(t, nh + 2 * kvh, hd, generator=g).to(dtype).to(DEVICE)
+    cos, sin = torch.rand(64, hd // 2, generator=g).to(DEVICE), torch.rand(64, hd // 2, generator=g).to(DEVICE)
+    pos, slots = torch.tensor([0, 63, 17, 5], device=DEVICE), torch.tensor([7, -1, 40, 3], device=DEVICE)
+    caches = [torch.zeros(kvh, 48, hd, dtype=dtype, device=DEVICE) for _ in range(4)]
+    want = qkv.clone()
+    TritonOps().rope(want, nh + kvh, Rope(pos, cos, sin))
+    paged_kv_write(want[:, nh:nh + kvh], want[:, nh + kvh:], caches[0], caches[1], slots)
+    got = qkv.clone()
+    paged_rope_kv_write(got, nh, pos, cos, sin, caches[2], caches[3], slots)
+    assert torch.equal(got, want) and not torch.equal(got[:, :nh], qkv[:, :nh])
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert caches[2].abs().sum(dim=(0, 2)).nonzero().flatten().tolist() == [3, 7, 40]
+
+
+def test_triton_ops_attend_fuses_only_where_the_bits_match():
+    """TritonOps.attend on the Triton backend (a mixed step, model-dtype pages): the fused kernel's output and
+    pages equal the RoPE-then-forward path's; int8 pages take that path."""
+    from worker.kernels.triton_ops import TritonOps
+    from worker.model.fused import EagerOps, Rope
+
+    nh, kvh, hd, page = 6, 2, 32, 16
+    lay, t = _layout(page, 32, [3, 40], [(20, 20)], random.Random(5))
+    tri, ops = TritonAttention(nh, kvh, hd), TritonOps()
+    rope = Rope(torch.randint(0, 64, (t,), device=DEVICE), torch.rand(64, hd // 2, device=DEVICE),
+                torch.rand(64, hd // 2, device=DEVICE))
+    qkv = torch.randn(t, nh + 2 * kvh, hd, device=DEVICE)
+    caches = [KVCache(_Cfg(kvh, hd), 32, page, torch.float32, DEVICE) for _ in range(2)]
+    meta = tri.prepare(lay, DEVICE)
+    calls = []
+    tri.forward_rope = lambda *a, real=tri.forward_rope: calls.append(1) or real(*a)
+    got = ops.attend(tri, 0, qkv.clone(), nh, rope, caches[0], meta)
+    want = EagerOps.attend(ops, tri, 0, qkv.clone(), nh, rope, caches[1], meta)
+    assert calls == [1] and torch.equal(got, want)
+    assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
+    int8 = KVCache(_Cfg(kvh, hd), 32, page, torch.float32, DEVICE, kv_dtype="int8")
+    ops.attend(tri, 0, qkv.clone(), nh, rope, int8, meta)
+    assert calls == [1]
+
+
 def test_decode_padded_row_gives_zeros():
     from worker.kernels.triton_attention import paged_decode
 
