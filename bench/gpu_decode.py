@@ -126,7 +126,7 @@ def prefill_tok_s(runner: ModelRunner, chunks: int, length: int) -> float:
 
 def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches: tuple[int, ...],
                 prefill_len: int, dev: torch.device, iters: int = 50, profile: bool = False,
-                kv_dtype: str = "model") -> dict:
+                kv_dtype: str = "model", batches: tuple[int, ...] = BATCHES) -> dict:
     cfg = ModelConfig(max_position=8192, **SHAPES[name])
     tok = os.environ.get("SWITCHYARD_TOKENIZER", "default")
     loaded = random_model(cfg, dtype="bfloat16", device=dev, tokenizer=tok, on_device=True)
@@ -136,9 +136,9 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
         quant.quantize_model(loaded.model, quantization)
         loaded.quantization = quantization
     backend = "triton" if dev.type == "cpu" else "auto"  # CPU: the smoke run, under Triton's interpreter
-    ecfg = EngineConfig(max_num_seqs=max(BATCHES), cuda_graphs="on", attention_backend=backend, kv_dtype=kv_dtype)
+    ecfg = EngineConfig(max_num_seqs=max(batches), cuda_graphs="on", attention_backend=backend, kv_dtype=kv_dtype)
     per_seq = -(-(ctx + ecfg.block_size) // ecfg.block_size)
-    num_pages = max(BATCHES) * per_seq + 8 * (-(-prefill_len // ecfg.block_size))
+    num_pages = max(batches) * per_seq + 8 * (-(-prefill_len // ecfg.block_size))
     runner = ModelRunner(loaded, ecfg, num_pages)
     weights = read_bytes(loaded.model, cfg)
     kv_token = bytes_per_page(cfg, loaded.dtype, ecfg.block_size, runner.kv.kv_dtype) / ecfg.block_size
@@ -146,7 +146,7 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
            "attention_backend": runner.attn.name,
            "cuda_graphs": runner.graphs is not None, "weight_bytes": weights, "ctx": ctx, "decode": {}}
     with torch.inference_mode():
-        for b in BATCHES:
+        for b in batches:
             inp = decode_inputs(b, ctx, ecfg.block_size)
             floor = (weights + b * ctx * kv_token) / bw
             row = {"floor_ms": round(floor * 1e3, 4)}
@@ -167,16 +167,21 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="smollm2-135m,llama-8b")
-    ap.add_argument("--ctx", type=int, default=512, help="context length of every decoding sequence")
-    ap.add_argument("--prefill-len", type=int, default=1024, help="tokens of each of the 8 prefill chunks")
+    ap.add_argument("--shapes", help="comma-separated (default smollm2-135m,llama-8b; tiny with --cpu-smoke)")
+    ap.add_argument("--ctx", type=int, help="context length of every decoding sequence (default 512; 32 smoke)")
+    ap.add_argument("--prefill-len", type=int, help="tokens of each of the 8 prefill chunks (default 1024; 16 smoke)")
     ap.add_argument("--fp8", action="store_true", help="also each shape with fp8 weights (Hopper)")
     ap.add_argument("--kv-int8", action="store_true", help="also each shape with int8 KV pages")
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--iters", type=int, help="timed steps (default 50; 1 smoke)")
     ap.add_argument("--profile", action="store_true", help="print the kernels of batch-1 graph steps (stderr)")
     ap.add_argument("--cpu-smoke", action="store_true", help="run on CPU under Triton's interpreter (checks the "
                     "bench itself; its times mean nothing)")
     args = ap.parse_args(argv)
+    smoke = args.cpu_smoke  # the interpreter runs a 135M step in minutes: the smoke run is small (batches 1, 2)
+    args.shapes = args.shapes or ("tiny" if smoke else "smollm2-135m,llama-8b")
+    args.ctx = args.ctx or (32 if smoke else 512)
+    args.prefill_len = args.prefill_len or (16 if smoke else 1024)
+    args.iters = args.iters or (1 if smoke else 50)
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print(json.dumps({"bench": "gpu_decode", "error": "no CUDA device"}))
         return 1
@@ -192,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         variants = [("none", "model")] + [("fp8", "model")] * args.fp8 + [("none", "int8")] * args.kv_int8
         for mode, kv_dtype in variants:
             try:
-                results.append(bench_shape(name, bw, args.ctx, mode, (1, 64), args.prefill_len, dev, args.iters,
-                                           args.profile, kv_dtype))
+                results.append(bench_shape(name, bw, args.ctx, mode, (1, 2) if smoke else (1, 64), args.prefill_len,
+                                           dev, args.iters, args.profile, kv_dtype, (1, 2) if smoke else BATCHES))
             except Exception as e:  # one failing variant still reports the others
                 traceback.print_exc()
                 results.append({"shape": name, "quantization": mode, "kv_dtype": kv_dtype,
