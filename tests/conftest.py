@@ -9,9 +9,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from config.launcher import free_port, wait_for_port  # noqa: F401 - re-exported to the tests
-from tests.gateway_stack import GatewayStack, shared_stack, stop_shared_stack
+# Triton kernels run on CPU tensors only under its interpreter, and triton takes the switch when a kernel is
+# defined: set it before any test module can import triton, whatever the collection order (`make test-gpu`
+# runs with --noconftest, so natively)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from config.launcher import free_port, wait_for_port  # noqa: E402, F401 - re-exported to the tests
+from tests.gateway_stack import GatewayStack, shared_stack, stop_shared_stack  # noqa: E402
 
 
 class RedisServer:
