@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args.ctx = args.ctx or (32 if smoke else 512)
     args.prefill_len = args.prefill_len or (16 if smoke else 1024)
     args.iters = args.iters or (1 if smoke else 50)
+    batches, eager_batches = ((1, 2), (1, 2)) if smoke else (BATCHES, (1, 64))
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print(json.dumps({"bench": "gpu_decode", "error": "no CUDA device"}))
         return 1
@@ -197,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         variants = [("none", "model")] + [("fp8", "model")] * args.fp8 + [("none", "int8")] * args.kv_int8
         for mode, kv_dtype in variants:
             try:
-                results.append(bench_shape(name, bw, args.ctx, mode, (1, 2) if smoke else (1, 64), args.prefill_len,
-                                           dev, args.iters, args.profile, kv_dtype, (1, 2) if smoke else BATCHES))
+                results.append(bench_shape(name, bw, args.ctx, mode, eager_batches, args.prefill_len, dev,
+                                           args.iters, args.profile, kv_dtype, batches))
             except Exception as e:  # one failing variant still reports the others
                 traceback.print_exc()
                 results.append({"shape": name, "quantization": mode, "kv_dtype": kv_dtype,

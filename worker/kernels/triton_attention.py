@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kernels.triton_ops import rotate_heads
+
 __all__ = ["decode_splits", "paged_decode", "paged_kv_write", "paged_prefill", "paged_rope_kv_write"]
 
 
@@ -35,23 +37,12 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
 def _rope_kv_write_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t, stride_h, num_slots,
                           NH: tl.constexpr, KVH: tl.constexpr, N_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
                           HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """One token: q and k heads of x [T, heads, 2 * HALF] rotated in place (`triton_ops._rope_kernel`'s math),
-    then its rotated k and its v written to their slot (-1: none). One kernel for what took two."""
+    """One token: q and k heads of x [T, heads, 2 * HALF] rotated in place (`triton_ops.rotate_heads`, which the
+    RoPE kernel runs), then its rotated k and its v written to their slot (-1: none). One kernel for two."""
     t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    h = tl.arange(0, N_PAD)
-    i = tl.arange(0, HALF_PAD)
-    cos = tl.load(cos_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :]
-    sin = tl.load(sin_ptr + pos * HALF + i, mask=i < HALF, other=0.0)[None, :]
-    mask = (h < NH + KVH)[:, None] & (i < HALF)[None, :]
-    p1 = x_ptr + t.to(tl.int64) * stride_t + h[:, None] * stride_h + i[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    r1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
-    r2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
-    tl.store(p1, r1, mask=mask)
-    tl.store(p1 + HALF, r2, mask=mask)
+    h, i, r1, r2 = rotate_heads(x_ptr, t, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, NH + KVH, N_PAD, HALF,
+                                HALF_PAD)
     row_ok = (i * 0 + slot) >= 0
     kmask = ((h >= NH) & (h < NH + KVH))[:, None] & ((i < HALF) & row_ok)[None, :]
     kdst = kc_ptr + (h - NH).to(tl.int64)[:, None] * num_slots * 2 * HALF + slot * 2 * HALF + i[None, :]

@@ -15,9 +15,10 @@ from worker.model.fused import EagerOps, Rope
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT: tl.constexpr, N_PAD: tl.constexpr,
-                 HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    t = tl.program_id(0)
+def rotate_heads(x_ptr, t, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT: tl.constexpr,
+                 N_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Token t's first N_ROT heads of x rotated in place by the fp32 tables at its position (fp32 math, rounded
+    once); returns the head and lane indices and the rotated halves, for a caller that writes them elsewhere too."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     h = tl.arange(0, N_PAD)
     i = tl.arange(0, HALF_PAD)
@@ -27,8 +28,17 @@ def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT: tl
     p1 = x_ptr + t.to(tl.int64) * stride_t + h[:, None] * stride_h + i[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    r1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+    r2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    tl.store(p1, r1, mask=mask)
+    tl.store(p1 + HALF, r2, mask=mask)
+    return h, i, r1, r2
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT: tl.constexpr, N_PAD: tl.constexpr,
+                 HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    rotate_heads(x_ptr, tl.program_id(0), pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT, N_PAD, HALF, HALF_PAD)
 
 
 @triton.jit
