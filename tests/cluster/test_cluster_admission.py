@@ -82,14 +82,15 @@ async def test_noscript_is_answered_on_the_node_that_owns_the_slot(r, cluster_ur
 
 
 async def _hammer(budgets: list[Budget], tenant: Tenant, seconds: float, hold_s: float,
-                  workers: int) -> tuple[int, int, int, list[BaseException]]:
-    """Reserve (and settle after `hold_s`) from every budget at once; (admitted, denied, max active, errors)."""
-    admitted = denied = max_active = 0
+                  workers: int) -> tuple[int, int, int, list[BaseException], int]:
+    """Reserve (and settle after `hold_s`) from every budget at once; (admitted, denied, max active, errors,
+    unsettled: admitted requests whose settle failed, whose leases wait out their TTL)."""
+    admitted = denied = max_active = unsettled = 0
     errors: list[BaseException] = []
     deadline = time.monotonic() + seconds
 
     async def one(budget: Budget) -> None:
-        nonlocal admitted, denied, max_active
+        nonlocal admitted, denied, max_active, unsettled
         while time.monotonic() < deadline:
             try:
                 res = await budget.reserve(tenant, 1, 1)
@@ -108,9 +109,10 @@ async def _hammer(budgets: list[Budget], tenant: Tenant, seconds: float, hold_s:
                 await budget.settle(res)
             except QuotaServiceUnavailable as exc:  # the lease then expires by its TTL
                 errors.append(exc)
+                unsettled += 1
 
     await asyncio.gather(*(one(b) for b in budgets for _ in range(workers)))
-    return admitted, denied, max_active, errors
+    return admitted, denied, max_active, errors, unsettled
 
 
 def _allowed(rpm: int, seconds: float) -> int:
@@ -130,7 +132,7 @@ async def test_concurrent_gateways_never_over_admit(r, cluster_url) -> None:
     finally:
         for c in clients:
             await c.aclose()
-    for name, (admitted, denied, max_active, errors) in zip(names, results, strict=True):
+    for name, (admitted, denied, max_active, errors, _unsettled) in zip(names, results, strict=True):
         assert errors == [], (name, errors[:3])
         assert denied > 0 and 40 <= admitted <= _allowed(40, elapsed), (name, admitted)
         assert max_active <= 3, (name, max_active)
@@ -150,7 +152,7 @@ async def test_slot_migration_under_load_keeps_the_limits(r, cluster_url, redis_
         load = asyncio.ensure_future(_hammer(budgets, t, 2.5, 0.003, 4))
         await asyncio.sleep(0.5)
         moved = await asyncio.to_thread(redis_cluster.migrate_slot, slot, source, target)
-        admitted, denied, max_active, errors = await load
+        admitted, denied, max_active, errors, unsettled = await load
     finally:
         for c in clients:
             await c.aclose()
@@ -161,7 +163,8 @@ async def test_slot_migration_under_load_keeps_the_limits(r, cluster_url, redis_
     assert len(errors) <= 5, errors[:5]
     assert denied > 0 and admitted <= _allowed(rpm, 2.5 + 0.5), admitted
     assert max_active <= max_concurrent
-    assert r.zcard(leases_key("mover")) == 0
+    # every settled lease is gone; a settle refused mid-migration (a 503) leaves its lease to the 30 s TTL
+    assert r.zcard(leases_key("mover")) == unsettled
     assert float(r.hget(bucket_key("mover"), "req")) < 1  # the limit was reached and held across the move
 
 
