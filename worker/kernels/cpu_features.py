@@ -34,6 +34,11 @@ def has_int8_dot() -> bool:
     return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
+def has_amx_int8() -> bool:
+    """AMX int8 tiles (Intel Xeon 4th generation on): where oneDNN's int8 products beat `torch._int_mm`."""
+    return "amx_int8" in cpu_flags()
+
+
 def describe() -> str:
     """One line for logs and CI: the relevant flags, each present (+) or absent (-)."""
     flags = cpu_flags()

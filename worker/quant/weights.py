@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.kernels.cpu_features import has_int8_dot
+from worker.kernels.cpu_features import has_amx_int8, has_int8_dot
 from worker.quant import fp8, onednn_int8
 from worker.quant import w8a8 as smooth
 from worker.quant.calibration_cache import cached_maxima
@@ -31,6 +31,7 @@ CHOICES = ("none", "int8", "int4", "w8a8", "fp8", "auto")
 INT4_GROUP = 32  # int4 group size along the input dimension (576 = 18 x 32; 128 does not divide it)
 PACKED_MAX_ROWS = 4  # default: above this many rows the int8/int4 kernels lose to the packed bf16 GEMM
 MAX_ROWS_ENV = "SWITCHYARD_QUANT_MAX_ROWS"  # an integer fixes the cutoff; unset: calibrated at load
+PROBE_LOSS = 4.0  # a candidate this many times slower at the first size is not timed further
 INT8_GEMM_ENV = "SWITCHYARD_INT8_GEMM"  # "onednn" or "int_mm" fixes W8A8's large-row product; unset: measured
 KEEP_KERNEL_MARGIN = 0.9  # `_int_mm` takes a row count from our W8A8 kernel only when 10% faster there
 _BLOCK_N = 64  # output rows per block in torch's CPU int4 packing (checked at runtime)
@@ -315,25 +316,36 @@ def calibrate_small_rows(w: smooth.W8A8Weight, dtype: torch.dtype,
 
 def calibrate_int8_gemm(w: smooth.W8A8Weight, dtype: torch.dtype, rows: tuple[int, ...] = (64, 512)) -> None:
     """Prepack `w` for oneDNN's int8 product where it beats `_int_mm` by 5% over prefill-sized calls (best of 5;
-    once per weight shape in a process). oneDNN runs AMX tiles where the CPU has them (Intel Xeon 4th gen on),
-    about 1.4-2.8x `_int_mm`'s VNNI rate there; `SWITCHYARD_INT8_GEMM` (onednn|int_mm) fixes the choice."""
+    once per weight shape in a process). Considered only on CPUs with AMX int8 tiles, where oneDNN ran 1.4-2.8x
+    `_int_mm`'s VNNI rate (Intel Xeon 4th gen on): elsewhere `_int_mm` already is oneDNN's VNNI GEMM, and the
+    quantized linear's calls fell to oneDNN's reference loops on AMD Zen 4 (`ref_int8`, ~1,000x slower: measuring
+    it cost 134 s of every start). `SWITCHYARD_INT8_GEMM` (onednn|int_mm) fixes the choice."""
     env = os.environ.get(INT8_GEMM_ENV) or None
     if env not in (None, "onednn", "int_mm"):
         raise ValueError(f"{INT8_GEMM_ENV}={env!r}: use onednn or int_mm, or leave it unset (measured)")
-    if not (has_int8_dot() and onednn_int8.available()) or env == "int_mm":
+    if not (has_int8_dot() and onednn_int8.available()) or env == "int_mm" or (env is None and not has_amx_int8()):
         return
     key = ("onednn", *w.wt.shape, dtype, rows)
     packed = onednn_int8.OnednnInt8Weight.pack(w.wt) if env == "onednn" or _CALIBRATED.get(key, 1) else None
     if env != "onednn" and key not in _CALIBRATED:
-        times = [0.0, 0.0]
-        with torch.inference_mode():
-            for n in rows:
-                x = torch.randn(n, w.wt.shape[0], dtype=dtype)
-                for i, choice in enumerate((None, packed)):
-                    w.onednn = choice
-                    times[i] += _best_time(lambda x=x: w.forward_int_mm(x))
-        _CALIBRATED[key] = int(times[1] < 0.95 * times[0])
+        _CALIBRATED[key] = int(_onednn_wins(w, packed, dtype, rows))
     w.onednn = packed if env == "onednn" or _CALIBRATED[key] else None
+
+
+def _onednn_wins(w: smooth.W8A8Weight, packed: onednn_int8.OnednnInt8Weight, dtype: torch.dtype,
+                 rows: tuple[int, ...]) -> bool:
+    """oneDNN's product beats `_int_mm` by 5% summed over `rows`; a loss by PROBE_LOSS at the first row count ends
+    the measurement there (a reference kernel would otherwise take seconds a call at 512 rows)."""
+    times = [0.0, 0.0]
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(n, w.wt.shape[0], dtype=dtype)
+            for i, choice in enumerate((None, packed)):
+                w.onednn = choice
+                times[i] += _best_time(lambda x=x: w.forward_int_mm(x))
+            if times[1] > PROBE_LOSS * times[0]:
+                return False
+    return times[1] < 0.95 * times[0]
 
 
 _KERNEL_DTYPES: dict[tuple, torch.dtype] = {}  # per process: the kernel's activation dtype by mode and shape

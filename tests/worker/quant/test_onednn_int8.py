@@ -73,6 +73,7 @@ def test_the_choice_follows_the_measurement(monkeypatch, onednn_faster):
     """Timed with a stand-in clock that makes one path faster: the weight is prepacked only where oneDNN won."""
     monkeypatch.delenv(quant.INT8_GEMM_ENV, raising=False)
     monkeypatch.setattr(quant, "has_int8_dot", lambda: True)
+    monkeypatch.setattr(quant, "has_amx_int8", lambda: True)
     monkeypatch.setattr(quant, "_CALIBRATED", {})
     w = _weight(64, 32)
 
@@ -87,6 +88,36 @@ def test_the_choice_follows_the_measurement(monkeypatch, onednn_faster):
     monkeypatch.setattr(quant, "_best_time", lambda fn, runs=5: pytest.fail("measured twice"))
     quant.calibrate_int8_gemm(other, torch.bfloat16)
     assert (other.onednn is not None) == onednn_faster
+
+
+def test_a_far_slower_first_size_ends_the_measurement(monkeypatch):
+    """oneDNN 10x slower at 64 rows (its reference loops): the 512-row calls are never timed, nothing is packed."""
+    monkeypatch.delenv(quant.INT8_GEMM_ENV, raising=False)
+    monkeypatch.setattr(quant, "has_int8_dot", lambda: True)
+    monkeypatch.setattr(quant, "has_amx_int8", lambda: True)
+    monkeypatch.setattr(quant, "_CALIBRATED", {})
+    w = _weight(64, 32)
+    timed: list[tuple[int, bool]] = []
+
+    def fake_time(fn, runs=5):
+        timed.append((w.onednn is not None, len(timed)))
+        return 10.0 if w.onednn is not None else 1.0
+
+    monkeypatch.setattr(quant, "_best_time", fake_time)
+    quant.calibrate_int8_gemm(w, torch.bfloat16, rows=(64, 512))
+    assert w.onednn is None and len(timed) == 2  # one size, both candidates
+
+
+def test_without_amx_onednn_is_not_measured(monkeypatch):
+    """On VNNI CPUs without AMX (AMD Zen 4: oneDNN's reference loops) the weight keeps `_int_mm`, untimed."""
+    monkeypatch.delenv(quant.INT8_GEMM_ENV, raising=False)
+    monkeypatch.setattr(quant, "has_int8_dot", lambda: True)
+    monkeypatch.setattr(quant, "has_amx_int8", lambda: False)
+    monkeypatch.setattr(quant, "_CALIBRATED", {})
+    monkeypatch.setattr(quant, "_best_time", lambda fn, runs=5: pytest.fail("measured without AMX"))
+    w = _weight(64, 32)
+    quant.calibrate_int8_gemm(w, torch.bfloat16)
+    assert w.onednn is None
 
 
 @pytest.mark.parametrize("env,want", [("onednn", True), ("int_mm", False)])
