@@ -93,6 +93,11 @@ def _load_built(name: str):
         return None
 
 
+def build_name() -> str:
+    """The extension's name: a digest of its sources and compiler flags (what timings of its kernels depend on)."""
+    return _NAME
+
+
 def extension():
     """The compiled extension module, or None if unavailable (built at most once per process)."""
     global _module, _tried

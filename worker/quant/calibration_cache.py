@@ -1,10 +1,11 @@
-"""On-disk cache of W8A8 calibration (each linear's input maxima over the calibration text), keyed by a digest
-of the model's weights, their dtype, the calibration tokens, the CPU and torch: a restarted worker skips that
-prefill (about 20% of a default-model load).
+"""On-disk caches of what a load measures: W8A8 calibration (each linear's input maxima over the calibration text,
+keyed by a digest of the model's weights, their dtype, the calibration tokens, the CPU and torch) and the timed
+kernel choices (`worker.quant.calibrate`), so that a restarted worker neither prefills nor times them again.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -17,10 +18,12 @@ import torch
 import xxhash
 from torch import nn
 
+from worker.kernels.cpu import build_name
+
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
-MAX_FILES = 16  # calibrations kept (one per model weights and dtype); the oldest go first
+MAX_FILES = 16  # files of each kind kept (maxima per model and dtype, choices per CPU and build); oldest go first
 Maxima = dict[tuple[int, str], torch.Tensor]
 
 
@@ -90,12 +93,58 @@ def _store(path: Path, maxima: Maxima) -> None:
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
             torch.save({k: v.contiguous() for k, v in maxima.items()}, f)
         os.replace(f.name, path)
-        _prune(path.parent)
+        _prune(path.parent, "act-max-*.pt")
     except OSError as exc:
         log.warning("could not write the calibration cache: %s", exc)
 
 
-def _prune(folder: Path) -> None:
-    files = sorted(folder.glob("act-max-*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
+def _prune(folder: Path, pattern: str) -> None:
+    files = sorted(folder.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in files[MAX_FILES:]:
         old.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- kernel choices (`worker.quant.calibrate`)
+
+CHOICES_FORMAT = 1
+RECALIBRATE_ENV = "SWITCHYARD_RECALIBRATE"  # set (non-empty): time every kernel choice again and store the new ones
+
+
+def choices_path() -> Path:
+    """This machine's file of kernel choices: named by a digest of the CPU, torch, the C++ kernels' build (their
+    sources and flags) and torch's thread count, every one of which moves the timings."""
+    key = f"c{CHOICES_FORMAT}|{torch.__version__}|{build_name()}|{torch.get_num_threads()}|{cpu_id()}"
+    return cache_dir() / f"kernel-choices-{xxhash.xxh3_64_hexdigest(key.encode())}.json"
+
+
+def load_choices() -> dict[str, int]:
+    """The stored choices (key -> integer), empty where there are none, the file is unreadable or malformed, or
+    `SWITCHYARD_RECALIBRATE` asks for new measurements."""
+    if os.environ.get(RECALIBRATE_ENV):
+        return {}
+    path = choices_path()
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring kernel choices %s: %s", path.name, exc)
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and type(v) is int for k, v in raw.items()):
+        log.warning("ignoring kernel choices %s: not a map of names to integers", path.name)
+        return {}
+    log.info("kernel choices from the cache (%s, %d entries)", path.name, len(raw))
+    return raw
+
+
+def store_choices(choices: dict[str, int]) -> None:
+    """Write `choices` whole (atomically); a cache that cannot be written is only logged."""
+    path = choices_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump(choices, f, sort_keys=True)
+        os.replace(f.name, path)
+        _prune(path.parent, "kernel-choices-*.json")
+    except OSError as exc:
+        log.warning("could not write the kernel choices: %s", exc)

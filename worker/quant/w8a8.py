@@ -23,8 +23,8 @@ __all__ = ["ALPHA", "AVX2_ROWS", "CALIBRATION_TEXT", "SMALL_ROWS", "W8A8Weight",
 ALPHA = 0.5  # SmoothQuant migration strength: 0.5 balances activation and weight ranges
 CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 CALIBRATION_TOKENS = 2048
-SMALL_ROWS = 16  # few-row kernel cutoff until `quant.calibrate` measures it
-AVX2_ROWS = 1 << 30  # the AVX2 kernel takes every row count unless `quant.calibrate_small_rows` finds otherwise
+SMALL_ROWS = 16  # few-row kernel cutoff until `calibrate.calibrate` measures it
+AVX2_ROWS = 1 << 30  # the AVX2 kernel takes every row count unless `calibrate.calibrate_small_rows` finds otherwise
 _LINEARS = ("qkv", "o", "gate_up", "down")
 EXACT_FP32_K = (1 << 24) // (127 * 128)  # 1032: that many int8 x int8 products sum exactly in fp32
 
@@ -46,8 +46,8 @@ class W8A8Weight:
     # the column sums) or "avx2" (any rows on AVX2 without int8 dot products, csrc/w8a8_avx2.cpp; no sums)
     small: tuple[torch.Tensor, torch.Tensor | None] | None = None
     small_kind: str = ""
-    small_rows: int = 0  # calls of up to this many rows take that kernel (`quant.calibrate_small_rows`)
-    # the same weight prepacked for oneDNN (AMX where the CPU has it), set where `quant.calibrate_int8_gemm`
+    small_rows: int = 0  # calls of up to this many rows take that kernel (`calibrate.calibrate_small_rows`)
+    # the same weight prepacked for oneDNN (AMX where the CPU has it), set where `calibrate.calibrate_int8_gemm`
     # measured it faster than `_int_mm` on prefill-sized calls
     onednn: OnednnInt8Weight | None = None
 

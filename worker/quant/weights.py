@@ -10,30 +10,25 @@ measured at load.
 from __future__ import annotations
 
 import logging
-import os
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.kernels.cpu_features import has_amx_int8, has_int8_dot
-from worker.quant import fp8, onednn_int8
+from worker.kernels.cpu_features import has_int8_dot
+from worker.quant import fp8
 from worker.quant import w8a8 as smooth
+from worker.quant.calibrate import calibrate, restore_choices, save_choices
 from worker.quant.calibration_cache import cached_maxima
 from worker.quant.packed import PackedLinear, can_pack, pack, packed_linear
 
 __all__ = ["CHOICES", "INT4_GROUP", "PACKED_MAX_ROWS", "QuantEmbedding", "QuantLinear", "quantize_model",
-           "calibrate", "calibrate_max_rows", "calibrate_small_rows", "resolve_mode", "weight_bytes"]
+           "resolve_mode", "weight_bytes"]
 log = logging.getLogger(__name__)
 
 CHOICES = ("none", "int8", "int4", "w8a8", "fp8", "auto")
 INT4_GROUP = 32  # int4 group size along the input dimension (576 = 18 x 32; 128 does not divide it)
 PACKED_MAX_ROWS = 4  # default: above this many rows the int8/int4 kernels lose to the packed bf16 GEMM
-MAX_ROWS_ENV = "SWITCHYARD_QUANT_MAX_ROWS"  # an integer fixes the cutoff; unset: calibrated at load
-PROBE_LOSS = 4.0  # a candidate this many times slower at the first size is not timed further
-INT8_GEMM_ENV = "SWITCHYARD_INT8_GEMM"  # "onednn" or "int_mm" fixes W8A8's large-row product; unset: measured
-KEEP_KERNEL_MARGIN = 0.9  # `_int_mm` takes a row count from our W8A8 kernel only when 10% faster there
 _BLOCK_N = 64  # output rows per block in torch's CPU int4 packing (checked at runtime)
 
 
@@ -210,6 +205,7 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
     maxima: dict = {}
     if mode == "w8a8" and calibration_ids:
         maxima = cached_maxima(model, calibration_ids, lambda: smooth.activation_maxima(model, calibration_ids))
+    restore_choices()
     with torch.inference_mode(False), torch.no_grad():
         for i, layer in enumerate(model.layers):
             for name in ("qkv", "o", "gate_up", "down"):
@@ -225,6 +221,7 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
         for m in model.modules():
             if isinstance(m, QuantLinear):
                 calibrate(m)
+    save_choices()
     first, lm_head = model.layers[0].gate_up, model.lm_head
     above = ("int8 x int8 products (SmoothQuant, per-row activation scales)" if first.w8a8 is not None
              else "dequantized prepacked bf16 weights" if first.packed else "dequantized dense weights")
@@ -247,140 +244,6 @@ def _quantize_fp8(model: nn.Module) -> None:
     dev = model.embed.weight.device
     log.info("quantized linear layers to fp8 (e4m3, per-channel weight and per-token activation scales; %s); "
              "embedding and LM head unquantized", "torch._scaled_mm" if fp8.device_supported(dev) else "emulated")
-
-
-def calibrate(lin: QuantLinear) -> None:
-    """Set `lin`'s kernel activation dtype (fp32 models: the faster at one row, once per weight shape in a
-    process) and its row cutoff (`calibrate_max_rows`, measured with that dtype)."""
-    if lin.dtype == torch.float32:
-        key = (lin.mode, lin.out_features, lin.in_features)
-        if key not in _KERNEL_DTYPES:
-            x = torch.randn(1, lin.in_features)
-            times = {}
-            for dtype in (torch.float32, torch.bfloat16):
-                lin.use_kernel_dtype(dtype)
-                times[dtype] = _best_time(lambda: lin.forward_quantized(x))
-            _KERNEL_DTYPES[key] = min(times, key=times.get)
-        lin.use_kernel_dtype(_KERNEL_DTYPES[key])
-    if lin.w8a8 is not None:
-        calibrate_int8_gemm(lin.w8a8, lin.dtype)
-    if lin.w8a8 is not None and lin.w8a8.small is not None and not os.environ.get(MAX_ROWS_ENV):
-        # the few-row W8A8 kernel beats the weight-only one at every row count: W8A8 throughout, and the
-        # weight-only int8 copy is not kept (one int8 copy fewer: ~107 MB for the default model)
-        lin.max_rows = 0
-        lin.w8a8.small_rows = calibrate_small_rows(lin.w8a8, lin.dtype)
-        lin.qweight = None
-    else:
-        lin.max_rows = calibrate_max_rows(lin)
-
-
-def calibrate_max_rows(lin: QuantLinear, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)) -> int:
-    """The largest row count up to which `lin`'s int8/int4 kernel beats its dequantized copy (best of 5 runs).
-
-    `SWITCHYARD_QUANT_MAX_ROWS` fixes it instead. About 50 ms on the default model; the kernel's cost
-    relative to bf16 depends on the CPU (the int8 one loses from ~8 rows on AMD Zen 4 without AMX)."""
-    env = os.environ.get(MAX_ROWS_ENV)
-    if env:
-        return max(0, int(env))
-    key = (lin.mode, lin.out_features, lin.in_features, lin.dtype, lin.kernel_dtype, candidates)
-    if key not in _CALIBRATED:  # once per process: two models loaded here choose the same kernels
-        _CALIBRATED[key] = _measure_max_rows(lin, candidates)
-    return _CALIBRATED[key]
-
-
-def calibrate_small_rows(w: smooth.W8A8Weight, dtype: torch.dtype,
-                         candidates: tuple[int, ...] = (1, 4, 8, 16, 24, 32, 48, 64)) -> int:
-    """The largest row count up to which our W8A8 kernel is within 10% of `_int_mm` (best of 5, in turns; once per
-    weight shape in a process). Where both read the weight from memory the few-row kernel wins at decode sizes; `_int_mm` catches
-    up once the products are compute-bound (16-32 rows on AMD Zen 4). The AVX2 kernel is measured up to 1,024
-    rows, and keeps every row count if it wins there (without int8 dot products `_int_mm` is fp32 GEMMs)."""
-    if w.small is None:
-        return 0
-    if w.small_kind == "avx2":
-        candidates = (1, 64, 1024)
-    key = ("small", w.small_kind, *w.wt.shape, dtype, candidates)
-    if key not in _CALIBRATED:
-        best = 0
-        with torch.inference_mode():
-            for rows in candidates:
-                x = torch.randn(rows, w.wt.shape[0], dtype=dtype)
-                t_kernel, t_int_mm = _interleaved_best([lambda x=x: w.forward_small(x), lambda x=x: w.forward_int_mm(x)])
-                if t_int_mm < KEEP_KERNEL_MARGIN * t_kernel:
-                    break
-                best = rows
-        if w.small_kind == "avx2" and best == candidates[-1]:  # won at every size: every row count
-            best = smooth.AVX2_ROWS
-        _CALIBRATED[key] = best
-    return _CALIBRATED[key]
-
-
-def calibrate_int8_gemm(w: smooth.W8A8Weight, dtype: torch.dtype, rows: tuple[int, ...] = (64, 512)) -> None:
-    """Prepack `w` for oneDNN's int8 product where it beats `_int_mm` by 5% over prefill-sized calls (best of 5;
-    once per weight shape in a process). Considered only on CPUs with AMX int8 tiles, where oneDNN ran 1.4-2.8x
-    `_int_mm`'s VNNI rate (Intel Xeon 4th gen on): elsewhere `_int_mm` already is oneDNN's VNNI GEMM, and the
-    quantized linear's calls fell to oneDNN's reference loops on AMD Zen 4 (`ref_int8`, ~1,000x slower: measuring
-    it cost 134 s of every start). `SWITCHYARD_INT8_GEMM` (onednn|int_mm) fixes the choice."""
-    env = os.environ.get(INT8_GEMM_ENV) or None
-    if env not in (None, "onednn", "int_mm"):
-        raise ValueError(f"{INT8_GEMM_ENV}={env!r}: use onednn or int_mm, or leave it unset (measured)")
-    if not (has_int8_dot() and onednn_int8.available()) or env == "int_mm" or (env is None and not has_amx_int8()):
-        return
-    key = ("onednn", *w.wt.shape, dtype, rows)
-    packed = onednn_int8.OnednnInt8Weight.pack(w.wt) if env == "onednn" or _CALIBRATED.get(key, 1) else None
-    if env != "onednn" and key not in _CALIBRATED:
-        _CALIBRATED[key] = int(_onednn_wins(w, packed, dtype, rows))
-    w.onednn = packed if env == "onednn" or _CALIBRATED[key] else None
-
-
-def _onednn_wins(w: smooth.W8A8Weight, packed: onednn_int8.OnednnInt8Weight, dtype: torch.dtype,
-                 rows: tuple[int, ...]) -> bool:
-    """oneDNN's product beats `_int_mm` by 5% summed over `rows`; a loss by PROBE_LOSS at the first row count ends
-    the measurement there (a reference kernel would otherwise take seconds a call at 512 rows)."""
-    times = [0.0, 0.0]
-    with torch.inference_mode():
-        for n in rows:
-            x = torch.randn(n, w.wt.shape[0], dtype=dtype)
-            for i, choice in enumerate((None, packed)):
-                w.onednn = choice
-                times[i] += _best_time(lambda x=x: w.forward_int_mm(x))
-            if times[1] > PROBE_LOSS * times[0]:
-                return False
-    return times[1] < 0.95 * times[0]
-
-
-_KERNEL_DTYPES: dict[tuple, torch.dtype] = {}  # per process: the kernel's activation dtype by mode and shape
-_CALIBRATED: dict[tuple, int] = {}  # per process: row cutoffs by mode (or "small"), shape and dtypes
-
-
-def _measure_max_rows(lin: QuantLinear, candidates: tuple[int, ...]) -> int:
-    best = 0
-    with torch.inference_mode():
-        for rows in candidates:
-            x = torch.randn(rows, lin.in_features, dtype=lin.dtype)
-            t_q = _best_time(lambda x=x: lin.forward_quantized(x))
-            t_d = _best_time(lambda x=x: lin.forward_dense(x))
-            if t_q > t_d:
-                break
-            best = rows
-    return best
-
-
-def _interleaved_best(fns: list, runs: int = 5) -> list[float]:
-    """Best time of each of `fns`, run in turns after a warm-up (a slow spell of a shared host hits them alike; timed
-    one after the other, the AVX2 kernel's 1,024-row check flipped between starts on a noisy AMD Zen 3 VM)."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(runs):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
-
-
-def _best_time(fn, runs: int = 5) -> float:
-    return _interleaved_best([fn], runs)[0]
 
 
 def weight_bytes(model: nn.Module) -> int:

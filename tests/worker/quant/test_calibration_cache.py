@@ -65,8 +65,13 @@ def test_the_key_follows_the_weights(tiny) -> None:
 
 
 def test_old_files_are_pruned(tmp_path) -> None:
+    """Each kind of file is bounded on its own: pruning the maxima leaves the kernel choices, and the reverse."""
     folder = tmp_path
     for i in range(cc.MAX_FILES + 5):
         (folder / f"act-max-{i:04d}.pt").write_bytes(b"x")
-    cc._prune(folder)
+        (folder / f"kernel-choices-{i:04d}.json").write_text("{}")
+    cc._prune(folder, "act-max-*.pt")
     assert len(list(folder.glob("act-max-*.pt"))) == cc.MAX_FILES
+    assert len(list(folder.glob("kernel-choices-*.json"))) == cc.MAX_FILES + 5
+    cc._prune(folder, "kernel-choices-*.json")
+    assert len(list(folder.glob("kernel-choices-*.json"))) == cc.MAX_FILES

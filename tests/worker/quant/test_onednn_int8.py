@@ -9,6 +9,7 @@ import torch
 from worker.kernels.cpu import extension
 from worker.kernels.cpu_features import has_int8_dot
 from worker.model.decode_stack import linear_kind
+from worker.quant import calibrate as cal
 from worker.quant import onednn_int8
 from worker.quant import w8a8 as smooth
 from worker.quant import weights as quant
@@ -71,31 +72,31 @@ def test_dequantize_takes_int32_or_fp32_sums_alike():
 @pytest.mark.parametrize("onednn_faster", [True, False])
 def test_the_choice_follows_the_measurement(monkeypatch, onednn_faster):
     """Timed with a stand-in clock that makes one path faster: the weight is prepacked only where oneDNN won."""
-    monkeypatch.delenv(quant.INT8_GEMM_ENV, raising=False)
-    monkeypatch.setattr(quant, "has_int8_dot", lambda: True)
-    monkeypatch.setattr(quant, "has_amx_int8", lambda: True)
-    monkeypatch.setattr(quant, "_CALIBRATED", {})
+    monkeypatch.delenv(cal.INT8_GEMM_ENV, raising=False)
+    monkeypatch.setattr(cal, "has_int8_dot", lambda: True)
+    monkeypatch.setattr(cal, "has_amx_int8", lambda: True)
+    monkeypatch.setattr(cal, "_CALIBRATED", {})
     w = _weight(64, 32)
 
     def fake_time(fn, runs=5):
         fn()
         return 1.0 if (w.onednn is not None) == onednn_faster else 2.0
 
-    monkeypatch.setattr(quant, "_best_time", fake_time)
-    quant.calibrate_int8_gemm(w, torch.bfloat16)
+    monkeypatch.setattr(cal, "_best_time", fake_time)
+    cal.calibrate_int8_gemm(w, torch.bfloat16)
     assert (w.onednn is not None) == onednn_faster
     other = _weight(64, 32, seed=3)  # the same shape again: the remembered choice, no new timing
-    monkeypatch.setattr(quant, "_best_time", lambda fn, runs=5: pytest.fail("measured twice"))
-    quant.calibrate_int8_gemm(other, torch.bfloat16)
+    monkeypatch.setattr(cal, "_best_time", lambda fn, runs=5: pytest.fail("measured twice"))
+    cal.calibrate_int8_gemm(other, torch.bfloat16)
     assert (other.onednn is not None) == onednn_faster
 
 
 def test_a_far_slower_first_size_ends_the_measurement(monkeypatch):
     """oneDNN 10x slower at 64 rows (its reference loops): the 512-row calls are never timed, nothing is packed."""
-    monkeypatch.delenv(quant.INT8_GEMM_ENV, raising=False)
-    monkeypatch.setattr(quant, "has_int8_dot", lambda: True)
-    monkeypatch.setattr(quant, "has_amx_int8", lambda: True)
-    monkeypatch.setattr(quant, "_CALIBRATED", {})
+    monkeypatch.delenv(cal.INT8_GEMM_ENV, raising=False)
+    monkeypatch.setattr(cal, "has_int8_dot", lambda: True)
+    monkeypatch.setattr(cal, "has_amx_int8", lambda: True)
+    monkeypatch.setattr(cal, "_CALIBRATED", {})
     w = _weight(64, 32)
     timed: list[tuple[int, bool]] = []
 
@@ -103,37 +104,37 @@ def test_a_far_slower_first_size_ends_the_measurement(monkeypatch):
         timed.append((w.onednn is not None, len(timed)))
         return 10.0 if w.onednn is not None else 1.0
 
-    monkeypatch.setattr(quant, "_best_time", fake_time)
-    quant.calibrate_int8_gemm(w, torch.bfloat16, rows=(64, 512))
+    monkeypatch.setattr(cal, "_best_time", fake_time)
+    cal.calibrate_int8_gemm(w, torch.bfloat16, rows=(64, 512))
     assert w.onednn is None and len(timed) == 2  # one size, both candidates
 
 
 def test_without_amx_onednn_is_not_measured(monkeypatch):
     """On VNNI CPUs without AMX (AMD Zen 4: oneDNN's reference loops) the weight keeps `_int_mm`, untimed."""
-    monkeypatch.delenv(quant.INT8_GEMM_ENV, raising=False)
-    monkeypatch.setattr(quant, "has_int8_dot", lambda: True)
-    monkeypatch.setattr(quant, "has_amx_int8", lambda: False)
-    monkeypatch.setattr(quant, "_CALIBRATED", {})
-    monkeypatch.setattr(quant, "_best_time", lambda fn, runs=5: pytest.fail("measured without AMX"))
+    monkeypatch.delenv(cal.INT8_GEMM_ENV, raising=False)
+    monkeypatch.setattr(cal, "has_int8_dot", lambda: True)
+    monkeypatch.setattr(cal, "has_amx_int8", lambda: False)
+    monkeypatch.setattr(cal, "_CALIBRATED", {})
+    monkeypatch.setattr(cal, "_best_time", lambda fn, runs=5: pytest.fail("measured without AMX"))
     w = _weight(64, 32)
-    quant.calibrate_int8_gemm(w, torch.bfloat16)
+    cal.calibrate_int8_gemm(w, torch.bfloat16)
     assert w.onednn is None
 
 
 @pytest.mark.parametrize("env,want", [("onednn", True), ("int_mm", False)])
 def test_the_environment_fixes_the_choice(monkeypatch, env, want):
-    monkeypatch.setenv(quant.INT8_GEMM_ENV, env)
-    monkeypatch.setattr(quant, "has_int8_dot", lambda: True)
-    monkeypatch.setattr(quant, "_best_time", lambda fn, runs=5: pytest.fail("measured despite the override"))
+    monkeypatch.setenv(cal.INT8_GEMM_ENV, env)
+    monkeypatch.setattr(cal, "has_int8_dot", lambda: True)
+    monkeypatch.setattr(cal, "_best_time", lambda fn, runs=5: pytest.fail("measured despite the override"))
     w = _weight(64, 32)
-    quant.calibrate_int8_gemm(w, torch.float32)
+    cal.calibrate_int8_gemm(w, torch.float32)
     assert (w.onednn is not None) == want
 
 
 def test_an_unknown_choice_is_refused(monkeypatch):
-    monkeypatch.setenv(quant.INT8_GEMM_ENV, "amx")
+    monkeypatch.setenv(cal.INT8_GEMM_ENV, "amx")
     with pytest.raises(ValueError, match="SWITCHYARD_INT8_GEMM='amx'"):
-        quant.calibrate_int8_gemm(_weight(64, 32), torch.float32)
+        cal.calibrate_int8_gemm(_weight(64, 32), torch.float32)
 
 
 def test_decode_stack_leaves_onednn_linears_to_python():
@@ -144,5 +145,5 @@ def test_decode_stack_leaves_onednn_linears_to_python():
     w.onednn = onednn_int8.OnednnInt8Weight.pack(w.wt)
     assert linear_kind(lin, w.small_rows + 1) is None
     w.onednn = None
-    if quant.has_int8_dot():
+    if cal.has_int8_dot():
         assert linear_kind(lin, w.small_rows + 1)[0] == 3  # INT_MM

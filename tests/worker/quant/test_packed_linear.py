@@ -12,6 +12,7 @@ from worker.config import EngineConfig
 from worker.engine.debug import DebugEngine
 from worker.model.loader import load_any
 from worker.protocol import SamplingParams
+from worker.quant import calibrate as cal
 from worker.quant import weights as quant
 from worker.quant.packed import PackedLinear, can_pack, pack_model
 
@@ -54,7 +55,7 @@ def test_packed_tiny_model_generates_the_same_greedy_tokens():
 
 
 def test_int8_cutoff_from_environment(monkeypatch):
-    monkeypatch.setenv(quant.MAX_ROWS_ENV, "3")
+    monkeypatch.setenv(cal.MAX_ROWS_ENV, "3")
     loaded = load_any("tiny-random", dtype="bfloat16", quantization="int8")
     lin = loaded.model.layers[0].gate_up
     assert isinstance(lin, quant.QuantLinear) and lin.max_rows == 3 and lin.dense is not None
@@ -70,7 +71,7 @@ def test_int8_cutoff_from_environment(monkeypatch):
 
 
 def test_int8_cutoff_calibrates_without_environment(monkeypatch):
-    monkeypatch.delenv(quant.MAX_ROWS_ENV, raising=False)
+    monkeypatch.delenv(cal.MAX_ROWS_ENV, raising=False)
     lin = quant.QuantLinear(torch.randn(256, 128, dtype=torch.bfloat16) * 0.05, "int8")
-    rows = quant.calibrate_max_rows(lin, candidates=(1, 2, 4))
+    rows = cal.calibrate_max_rows(lin, candidates=(1, 2, 4))
     assert rows in (0, 1, 2, 4)

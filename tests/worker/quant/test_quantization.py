@@ -18,6 +18,7 @@ from worker.config import EngineConfig
 from worker.engine.debug import DebugEngine
 from worker.model.loader import load_any, load_model
 from worker.protocol import SamplingParams
+from worker.quant import calibrate as cal
 from worker.quant import fp8
 from worker.quant import weights as quant
 
@@ -59,7 +60,7 @@ def test_packed_kernel_matches_dequantized_path(mode, dtype):
     torch.manual_seed(0)
     w = torch.randn(192, 128, dtype=dtype) * 0.05
     lin = quant.QuantLinear(w, mode)
-    quant.calibrate(lin)  # fp32: the kernel may take bf16 activations (the faster here), never changing the dtype out
+    cal.calibrate(lin)  # fp32: the kernel may take bf16 activations (the faster here), never changing the dtype out
     assert lin.kernel_dtype in ((dtype,) if dtype == torch.bfloat16 else (torch.float32, torch.bfloat16))
     lin.max_rows = quant.PACKED_MAX_ROWS
     x = torch.randn(quant.PACKED_MAX_ROWS + 8, 128, dtype=dtype)

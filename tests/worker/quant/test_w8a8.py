@@ -8,6 +8,7 @@ import torch
 
 from worker.kernels.cpu import extension
 from worker.model.loader import load_model
+from worker.quant import calibrate as cal
 from worker.quant import w8a8 as smooth
 from worker.quant import weights as quant
 
@@ -107,7 +108,7 @@ def test_auto_is_w8a8_on_avx2_without_int8_dot(monkeypatch):
     monkeypatch.setattr(smooth, "small_available", lambda: False)
     assert quant.resolve_mode("auto", torch.device("cpu")) == ("w8a8" if smooth.avx2_available() else "int8")
     lin = quant.QuantLinear(torch.randn(96, 64) * 0.05, "w8a8", act_max=torch.rand(64) + 0.5)
-    quant.calibrate(lin)
+    cal.calibrate(lin)
     assert lin.w8a8.small_kind == ("avx2" if smooth.avx2_available() else "")
     if smooth.avx2_available():  # W8A8 throughout: no weight-only copy (which rows take the kernel is measured)
         assert lin.max_rows == 0 and lin.qweight is None
@@ -160,5 +161,5 @@ def test_small_rows_calibration_keeps_the_kernel_unless_int_mm_is_clearly_faster
     w = SimpleNamespace(small=object(), small_kind="avx2", wt=torch.zeros(4, 12 if expect_all else 20),
                         forward_small=lambda x: time.sleep(kernel_s),
                         forward_int_mm=lambda x: time.sleep(kernel_s * int_mm_share))
-    rows = quant.calibrate_small_rows(w, torch.float32)
+    rows = cal.calibrate_small_rows(w, torch.float32)
     assert rows == (smooth.AVX2_ROWS if expect_all else 0)
