@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from worker.kernels.cpu_features import has_amx_int8, has_int8_dot
 from worker.quant import onednn_int8
 from worker.quant import w8a8 as smooth
 from worker.quant.calibration_cache import load_choices, store_choices
-
-if TYPE_CHECKING:
-    from worker.quant.weights import QuantLinear
 
 __all__ = ["INT8_GEMM_ENV", "KEEP_KERNEL_MARGIN", "MAX_ROWS_ENV", "PROBE_LOSS", "calibrate", "calibrate_int8_gemm",
            "calibrate_max_rows", "calibrate_small_rows", "restore_choices", "save_choices"]
@@ -58,8 +55,8 @@ def save_choices() -> None:
         _measured = False
 
 
-def calibrate(lin: QuantLinear) -> None:
-    """Set `lin`'s kernel activation dtype (fp32 models: the faster at one row, once per weight shape) and its
+def calibrate(lin: nn.Module) -> None:
+    """Set `lin`'s (a `weights.QuantLinear`; not imported here, which imports this module) kernel activation dtype (fp32 models: the faster at one row, once per weight shape) and its
     row cutoffs (`calibrate_small_rows` for W8A8's few-row kernel, else `calibrate_max_rows`)."""
     if lin.dtype == torch.float32:
         key = _key("dtype", lin.mode, lin.out_features, lin.in_features)
@@ -83,7 +80,7 @@ def calibrate(lin: QuantLinear) -> None:
         lin.max_rows = calibrate_max_rows(lin)
 
 
-def calibrate_max_rows(lin: QuantLinear, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)) -> int:
+def calibrate_max_rows(lin: nn.Module, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)) -> int:
     """The largest row count up to which `lin`'s int8/int4 kernel beats its dequantized copy (best of 5 runs).
 
     `SWITCHYARD_QUANT_MAX_ROWS` fixes it instead. About 50 ms on the default model; the kernel's cost
@@ -161,7 +158,7 @@ _KERNEL_DTYPES: dict[tuple, torch.dtype] = {}  # per process: the kernel's activ
 _CALIBRATED: dict[tuple, int] = {}  # per process: row cutoffs by mode (or "small"), shape and dtypes
 
 
-def _measure_max_rows(lin: QuantLinear, candidates: tuple[int, ...]) -> int:
+def _measure_max_rows(lin: nn.Module, candidates: tuple[int, ...]) -> int:
     best = 0
     with torch.inference_mode():
         for rows in candidates:
