@@ -166,9 +166,16 @@ struct F32Path {
 #if defined(__AVX512BF16__)
 // bf16 models on CPUs with AVX512-BF16: both products by `vdpbf16ps` (pairs of bf16 into fp32 lanes, twice the
 // fp32 FMA's work per instruction). K packs as [HD/2][16 keys][2] per block, V as [keys/2][HD][2]; q . k is exact
-// in fp32 as with SDPA on bf16 inputs; P is rounded to bf16 for P.V, as SDPA does in bf16.
+// in fp32 as with SDPA on bf16 inputs; P is rounded to bf16 for P.V, as SDPA does in bf16. int8 pages pack their
+// codes as they are (integers up to 127 are exact in bf16) and each key's page scales beside them: the K scale
+// multiplies the fp32 scores and the V scale the probabilities before their bf16 rounding, so the only rounding
+// added to the model-dtype path's is the codes' own (K x scale rounded to bf16 had cost 0.3% perplexity).
 struct Bf16DotPath {
-  static constexpr int64_t kBlockFloats = kKeys;  // x HD: K and V in bf16 take the floats of one fp32 copy
+  // x HD: K and V in bf16 take the floats of one fp32 copy; one more HD (>= 32 floats) holds 16 K, then 16 V scales
+  static constexpr int64_t kBlockFloats = kKeys + 1;
+  static const float* k_scales(const void* block, int64_t hd) {
+    return reinterpret_cast<const float*>(block) + kKeys * hd;
+  }
   template <typename C, int64_t HD>
   static void pack(const C* kc, const C* vc, const KvScales& sc, const Chunk& c, int64_t h, int64_t slots,
                    int64_t bs, int64_t kb, float* block) {
@@ -177,17 +184,20 @@ struct Bf16DotPath {
     for (int64_t i = 0; i < kKeys; ++i) {
       const int64_t key = kb * kKeys + i;
       uint16_t* vdst = vp + (i / 2) * HD * 2 + (i & 1);
+      float* scales = block + kKeys * HD;  // K scales [16], then V scales [16]
       if (key >= c.ctx) {
         for (int64_t d = 0; d < HD; ++d) { kt[(d / 2) * 2 * kKeys + i * 2 + (d & 1)] = 0; vdst[d * 2] = 0; }
+        scales[i] = scales[kKeys + i] = 0.f;
         continue;
       }
       const int64_t page = c.table[key / bs], slot = page * bs + key % bs;
       const C* krow = kc + (h * slots + slot) * HD;
       const C* vrow = vc + (h * slots + slot) * HD;
-      const float sk = page_scale(sc.k, sc.pages, h, page), sv = page_scale(sc.v, sc.pages, h, page);
-      for (int64_t d = 0; d < HD; ++d) {  // int8: the element times its scale, rounded to bf16 (2^-9 relative)
-        kt[(d / 2) * 2 * kKeys + i * 2 + (d & 1)] = from_f<at::BFloat16>(to_f(krow[d]) * sk).x;
-        vdst[d * 2] = from_f<at::BFloat16>(to_f(vrow[d]) * sv).x;
+      scales[i] = page_scale(sc.k, sc.pages, h, page);  // 1 for model-dtype pages
+      scales[kKeys + i] = page_scale(sc.v, sc.pages, h, page);
+      for (int64_t d = 0; d < HD; ++d) {  // exact: bf16 values, or int8 codes
+        kt[(d / 2) * 2 * kKeys + i * 2 + (d & 1)] = from_f<at::BFloat16>(to_f(krow[d])).x;
+        vdst[d * 2] = from_f<at::BFloat16>(to_f(vrow[d])).x;
       }
     }
   }
@@ -208,9 +218,10 @@ struct Bf16DotPath {
         for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], k[b], qv);
       }
     }
-    const __m512 vs = _mm512_set1_ps(scale);
-    for (int b = 0; b < NB; ++b)
+    for (int b = 0; b < NB; ++b) {  // the softmax scale times each key's K scale (1 on model-dtype pages)
+      const __m512 vs = _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_loadu_ps(k_scales(ktb[b], HD)));
       for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(s + r * stride + b * kKeys, _mm512_mul_ps(acc[b][r], vs));
+    }
   }
 
   template <int64_t HD, int Rows>
@@ -244,7 +255,7 @@ struct Bf16DotPath {
     const int64_t rows = t.ntok * g, past = c.ctx - c.q_len;
     const int64_t nk = past + t.tok0 + t.ntok;
     const int64_t nkb = (nk + kKeys - 1) / kKeys, stride = nkb * kKeys;
-    if (static_cast<int64_t>(sbuf.size()) < Rows * stride) sbuf.resize(Rows * stride);
+    if (static_cast<int64_t>(sbuf.size()) < (Rows + 1) * stride) sbuf.resize((Rows + 1) * stride);  // + V scales
     if (static_cast<int64_t>(pbuf.size()) < Rows * stride) pbuf.resize(Rows * stride);
     float* s = sbuf.data();
     for (int r = 0; r < Rows; ++r) {
@@ -262,12 +273,14 @@ struct Bf16DotPath {
       else scores<HD, Rows, 1>(qp, kt, s + kb * kKeys, stride, scale);
     }
     uint16_t* p16 = pbuf.data();
+    float* sv = sbuf.data() + Rows * stride;  // each key's V scale, folded into its probability before rounding
+    for (int64_t kb = 0; kb < nkb; ++kb) std::memcpy(sv + kb * kKeys, k_scales(blocks[kb], HD) + kKeys, kKeys * 4);
     for (int r = 0; r < Rows; ++r) {
       float* sr = s + r * stride;
       inv[r] = r < rows ? softmax_row(sr, stride, past + t.tok0 + r / g + 1) : (std::fill(sr, sr + stride, 0.f), 0.f);
       uint16_t* pr = p16 + r * stride;
       #pragma omp simd
-      for (int64_t j = 0; j < stride; ++j) pr[j] = from_f<at::BFloat16>(sr[j]).x;
+      for (int64_t j = 0; j < stride; ++j) pr[j] = from_f<at::BFloat16>(sr[j] * sv[j]).x;
     }
     weighted_sum<HD, Rows>(reinterpret_cast<const uint32_t*>(p16), stride / 2,
                            reinterpret_cast<const uint16_t* const*>(vblocks.data()), nk, of);
