@@ -35,10 +35,9 @@ def _key(*parts: object) -> str:
     return "|".join(map(str, parts))
 
 
-def _remember(key: str, value: int) -> int:
+def _remember(key: str, value: int) -> None:
     global _measured
     _CALIBRATED[key], _measured = value, True
-    return value
 
 
 def restore_choices() -> None:
@@ -56,8 +55,9 @@ def save_choices() -> None:
 
 
 def calibrate(lin: nn.Module) -> None:
-    """Set `lin`'s (a `weights.QuantLinear`; not imported here, which imports this module) kernel activation dtype (fp32 models: the faster at one row, once per weight shape) and its
-    row cutoffs (`calibrate_small_rows` for W8A8's few-row kernel, else `calibrate_max_rows`)."""
+    """Set `lin`'s kernel activation dtype (fp32 models: the faster at one row, once per weight shape) and its row
+    cutoffs (`calibrate_small_rows` for W8A8's few-row kernel, else `calibrate_max_rows`). `lin` is a
+    `weights.QuantLinear`, not imported here: weights.py imports this module."""
     if lin.dtype == torch.float32:
         key = _key("dtype", lin.mode, lin.out_features, lin.in_features)
         if key not in _CALIBRATED:
@@ -152,10 +152,6 @@ def _onednn_wins(w: smooth.W8A8Weight, packed: onednn_int8.OnednnInt8Weight, dty
             if times[1] > PROBE_LOSS * times[0]:
                 return False
     return times[1] < 0.95 * times[0]
-
-
-_KERNEL_DTYPES: dict[tuple, torch.dtype] = {}  # per process: the kernel's activation dtype by mode and shape
-_CALIBRATED: dict[tuple, int] = {}  # per process: row cutoffs by mode (or "small"), shape and dtypes
 
 
 def _measure_max_rows(lin: nn.Module, candidates: tuple[int, ...]) -> int:
