@@ -18,7 +18,7 @@ from worker.quant.weights import QuantLinear
 
 __all__ = ["DecodeStack", "linear_kind"]
 
-VNNI, AVX2, WEIGHT_ONLY, INT_MM = 0, 1, 2, 3  # csrc/decode_stack.cpp's `stack::Kind`
+VNNI, AVX2, WEIGHT_ONLY, INT_MM, A16 = 0, 1, 2, 3, 4  # csrc/decode_stack.cpp's `stack::Kind`
 _LINEARS = ("qkv", "o", "gate_up", "down")
 MAX_PLANS = 256  # row counts remembered (a step has at most max_num_seqs decode rows)
 
@@ -29,6 +29,8 @@ def linear_kind(lin: object, rows: int) -> tuple[int, list[torch.Tensor]] | None
     if not isinstance(lin, QuantLinear):
         return None
     if rows <= lin.max_rows:
+        if lin.a16 is not None:
+            return A16, [lin.a16.packed, lin.a16.col_scale]
         if lin.mode == "int4" or lin.qweight is None:
             return None
         return WEIGHT_ONLY, [lin.qweight, lin.kernel_scales]

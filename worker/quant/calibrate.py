@@ -14,10 +14,11 @@ from torch import nn
 from worker.kernels.cpu_features import has_amx_int8, has_int8_dot
 from worker.quant import onednn_int8
 from worker.quant import w8a8 as smooth
+from worker.quant.a16 import A16Weight
 from worker.quant.calibration_cache import load_choices, store_choices
 
-__all__ = ["INT8_GEMM_ENV", "KEEP_KERNEL_MARGIN", "MAX_ROWS_ENV", "PROBE_LOSS", "calibrate", "calibrate_int8_gemm",
-           "calibrate_max_rows", "calibrate_small_rows", "restore_choices", "save_choices"]
+__all__ = ["INT8_GEMM_ENV", "KEEP_KERNEL_MARGIN", "MAX_ROWS_ENV", "PROBE_LOSS", "calibrate", "calibrate_a16",
+           "calibrate_int8_gemm", "calibrate_max_rows", "calibrate_small_rows", "restore_choices", "save_choices"]
 
 MAX_ROWS_ENV = "SWITCHYARD_QUANT_MAX_ROWS"  # an integer fixes the cutoff; unset: calibrated at load
 PROBE_LOSS = 4.0  # a candidate this many times slower at the first size is not timed further
@@ -68,6 +69,8 @@ def calibrate(lin: nn.Module) -> None:
                 times.append(_best_time(lambda: lin.forward_quantized(x)))
             _remember(key, times.index(min(times)))
         lin.use_kernel_dtype(_DTYPES[_CALIBRATED[key]])
+    if lin.mode == "int8":
+        calibrate_a16(lin)
     if lin.w8a8 is not None:
         calibrate_int8_gemm(lin.w8a8, lin.dtype)
     if lin.w8a8 is not None and lin.w8a8.small is not None and not os.environ.get(MAX_ROWS_ENV):
@@ -80,6 +83,24 @@ def calibrate(lin: nn.Module) -> None:
         lin.max_rows = calibrate_max_rows(lin)
 
 
+def calibrate_a16(lin: nn.Module, rows: tuple[int, ...] = (1, 16)) -> None:
+    """Give an int8 weight-only `lin` int16 activation rows on AVX2 (`worker.quant.a16`) where that beats torch's
+    int8 kernel over `rows` (best of 5, in turns; once per weight shape): 3-4x on the LM head on AMD Zen 3."""
+    a16 = A16Weight.build(lin.qweight, lin.scales)
+    if a16 is None:
+        return
+    key = _key("a16", lin.out_features, lin.in_features, lin.dtype, lin.kernel_dtype, rows)
+    if key not in _CALIBRATED:
+        times = [0.0, 0.0]
+        with torch.inference_mode():
+            for n in rows:
+                x = torch.randn(n, lin.in_features, dtype=lin.dtype)
+                pair = _interleaved_best([lambda x=x: lin.forward_quantized(x), lambda x=x: a16(x)])
+                times = [t + p for t, p in zip(times, pair, strict=True)]
+        _remember(key, int(times[1] < times[0]))
+    lin.a16 = a16 if _CALIBRATED[key] else None
+
+
 def calibrate_max_rows(lin: nn.Module, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)) -> int:
     """The largest row count up to which `lin`'s int8/int4 kernel beats its dequantized copy (best of 5 runs).
 
@@ -88,7 +109,10 @@ def calibrate_max_rows(lin: nn.Module, candidates: tuple[int, ...] = (1, 2, 4, 8
     env = os.environ.get(MAX_ROWS_ENV)
     if env:
         return max(0, int(env))
-    key = _key("max_rows", lin.mode, lin.out_features, lin.in_features, lin.dtype, lin.kernel_dtype, candidates)
+    if lin.a16 is not None:  # int16 rows: ~2.5x the dense fp32 GEMM at 64 rows on AMD Zen 3
+        candidates = (*candidates, 64)
+    kernel = "a16" if lin.a16 is not None else lin.kernel_dtype
+    key = _key("max_rows", lin.mode, lin.out_features, lin.in_features, lin.dtype, kernel, candidates)
     if key not in _CALIBRATED:  # once: two models loaded here choose the same kernels
         _remember(key, _measure_max_rows(lin, candidates))
     return _CALIBRATED[key]

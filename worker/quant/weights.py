@@ -18,6 +18,7 @@ from torch import nn
 from worker.kernels.cpu_features import has_int8_dot
 from worker.quant import fp8
 from worker.quant import w8a8 as smooth
+from worker.quant.a16 import A16Weight
 from worker.quant.calibrate import calibrate, restore_choices, save_choices
 from worker.quant.calibration_cache import cached_maxima
 from worker.quant.packed import PackedLinear, can_pack, pack, packed_linear
@@ -93,6 +94,7 @@ class QuantLinear(nn.Module):
         self.packed = self.w8a8 is None and can_pack(self.dtype, weight.device)
         self.dense = None if self.w8a8 is not None else pack(self.dequantize()) if self.packed else self.dequantize()
         self.kernel_scales = self.scales  # the scales in the kernel's activation dtype (`use_kernel_dtype`)
+        self.a16: A16Weight | None = None  # int16 activation rows on AVX2, where `calibrate` measured it faster
 
     @property
     def kernel_dtype(self) -> torch.dtype:
@@ -119,6 +121,8 @@ class QuantLinear(nn.Module):
 
     def forward_quantized(self, x2: torch.Tensor) -> torch.Tensor:
         """The int8/int4 kernel itself, whatever the row count."""
+        if self.a16 is not None:
+            return self.a16(x2)
         xk = x2.to(self.kernel_dtype)
         if self.mode != "int4":
             y = torch._weight_int8pack_mm(xk, self.qweight, self.kernel_scales)
@@ -226,12 +230,18 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
     above = ("int8 x int8 products (SmoothQuant, per-row activation scales)" if first.w8a8 is not None
              else "dequantized prepacked bf16 weights" if first.packed else "dequantized dense weights")
     log.info("quantized linear layers to %s (LM head: %s); weight-only kernel (%s activations) up to %d rows "
-             "(LM head: %s), %s above", mode, head, str(first.kernel_dtype).removeprefix("torch."),
-             first.max_rows, getattr(lm_head, "max_rows", "-"), above)
+             "(LM head: %s, %s activations), %s above", mode, head, _activations(first), first.max_rows,
+             getattr(lm_head, "max_rows", "-"), _activations(lm_head), above)
     if first.w8a8 is not None and first.w8a8.small is not None:
         kind = "AVX2 vpmaddubsw / vpmaddwd" if first.w8a8.small_kind == "avx2" else "AVX-512 VNNI"
         log.info("W8A8 few-row kernel (%s, prepacked) up to %d rows, %s above", kind, first.w8a8.small_rows,
                  "oneDNN's int8 product" if first.w8a8.onednn is not None else "torch._int_mm")
+
+
+def _activations(lin: nn.Module) -> str:
+    if not isinstance(lin, QuantLinear):
+        return "-"
+    return "int16 rows (AVX2)" if lin.a16 is not None else str(lin.kernel_dtype).removeprefix("torch.")
 
 
 def _quantize_fp8(model: nn.Module) -> None:

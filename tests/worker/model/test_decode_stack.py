@@ -15,6 +15,7 @@ from worker.model.attention import BatchLayout
 from worker.model.backends import make_backend, make_ops
 from worker.model.llama import StepContext
 from worker.model.tiny_model import random_model
+from worker.quant import a16
 from worker.quant import w8a8 as smooth
 from worker.quant import weights as quant
 
@@ -137,8 +138,18 @@ def test_int_mm_above_the_few_row_cutoff():
 def test_weight_only_int8():
     model = _model("int8")
     for m in _linears(model):
-        m.max_rows = 64
+        m.max_rows, m.a16 = 64, None  # torch's kernel, whatever the calibration measured here
     _same_as_loop(model, "model", 4, ds.WEIGHT_ONLY)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_only_int8_on_int16_rows(dtype):
+    if not a16.available():
+        pytest.skip("the W8A16 kernel needs AVX2")
+    model = _model("int8", dtype)
+    for m in _linears(model):
+        m.max_rows, m.a16 = 64, a16.A16Weight.build(m.qweight, m.scales)
+    _same_as_loop(model, "model", 5, ds.A16)
 
 
 def test_steps_it_does_not_cover_take_the_loop():

@@ -10,6 +10,7 @@ enum Kind : int64_t {
   kAvx2 = 1,       // w8a8_avx2_linear: inv_smooth, packed, col_scale
   kWeightOnly = 2, // torch._weight_int8pack_mm on activations of the scales' dtype: qweight, scales
   kIntMm = 3,      // w8a8_quantize, torch._int_mm, w8a8_dequantize: inv_smooth, wt, col_scale
+  kA16 = 4,        // w8a16_avx2_linear (int8 weight-only on int16 rows): packed, col_scale
 };
 
 static int64_t arity(int64_t kind) {
@@ -18,6 +19,7 @@ static int64_t arity(int64_t kind) {
     case kAvx2: return 3;
     case kWeightOnly: return 2;
     case kIntMm: return 3;
+    case kA16: return 2;
     default: TORCH_CHECK(false, "decode_stack: unknown linear kind ", kind);
   }
 }
@@ -28,6 +30,7 @@ static torch::Tensor linear(const torch::Tensor& x, int64_t kind, const torch::T
     case kVnni: return w8a8_small_linear(x, t[0], t[1], t[2], t[3]);
     case kAvx2: return w8a8_avx2_linear(x, t[0], t[1], t[2]);
     case kWeightOnly: return at::_weight_int8pack_mm(x.to(t[1].scalar_type()), t[0], t[1]).to(x.scalar_type());
+    case kA16: return w8a16_avx2_linear(x, t[0], t[1]);
     default: {
       auto [xq, row_scale] = w8a8_quantize(x, t[0]);
       return w8a8_dequantize(at::_int_mm(xq, t[1]), row_scale, t[2], x);

@@ -112,6 +112,20 @@ static void rows16(const int16_t* x16, const int8_t* packed, const float* rs, co
   for (int64_t b = b0; b < b1; ++b) tile16<T, MT>(x16, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
 }
 
+// rows [r0, r1) over channel blocks [b0, b1): tiles of kWideTile rows, then one tile of the 1-3 left
+template <typename T>
+static void span16(const int16_t* x16, const int8_t* packed, const float* rs, const float* cs, T* out, int64_t K,
+                   int64_t N, int64_t r0, int64_t r1, int64_t b0, int64_t b1) {
+  int64_t m = r0;
+  for (; m + kWideTile <= r1; m += kWideTile) rows16<T, kWideTile>(x16, packed, rs, cs, out, K, N, m, b0, b1);
+  switch (r1 - m) {
+    case 3: rows16<T, 3>(x16, packed, rs, cs, out, K, N, m, b0, b1); break;
+    case 2: rows16<T, 2>(x16, packed, rs, cs, out, K, N, m, b0, b1); break;
+    case 1: rows16<T, 1>(x16, packed, rs, cs, out, K, N, m, b0, b1); break;
+    default: break;
+  }
+}
+
 // M >= kWideRows: int16 products over codes widened once (x16 [M, K]). Tasks of 64 rows x 64 channels go to the
 // threads from a shared counter, a channel slice's row chunks in a row (its weights stay in cache): with half the
 // channels per thread, the threads waited on each other for 12% of a prefill step on a shared 2-core VM.
@@ -126,9 +140,7 @@ static void linear16(const int16_t* x16, const int8_t* packed, const float* rs, 
     for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
       const int64_t b0 = (t / row_tiles) * kBlockChunk, b1 = std::min(blocks, b0 + kBlockChunk);
       const int64_t r0 = (t % row_tiles) * kRowChunk, r1 = std::min(M, r0 + kRowChunk);
-      int64_t m = r0;
-      for (; m + kWideTile <= r1; m += kWideTile) rows16<T, kWideTile>(x16, packed, rs, cs, out, K, N, m, b0, b1);
-      for (; m < r1; ++m) rows16<T, 1>(x16, packed, rs, cs, out, K, N, m, b0, b1);
+      span16<T>(x16, packed, rs, cs, out, K, N, r0, r1, b0, b1);
     }
   });
 }
@@ -164,9 +176,31 @@ static void forward(const T* x, const float* smooth, const int8_t* packed, const
   std::vector<int16_t> x16(q, q + M * K);  // the codes widened once
   linear16<T>(x16.data(), packed, rs, cs, out, M, K, N);
 }
+
+// W8A16: x [M, K] -> int16 codes per row (|code| <= bound, the row scale amax / bound), then the int16 products
+template <typename T>
+static void forward_a16(const T* x, const int8_t* packed, const float* cs, T* out, int64_t M, int64_t K, int64_t N,
+                        int64_t bound) {
+  std::vector<int16_t> x16(M * K);
+  std::vector<float> rs(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f(row[k])));
+    const float scale = std::max(amax, 1e-30f) / static_cast<float>(bound), inv = 1.f / scale;
+    int16_t* q = x16.data() + m * K;
+    for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(to_f(row[k]) * inv));
+    rs[m] = scale;
+  }
+  linear16<T>(x16.data(), packed, rs.data(), cs, out, M, K, N);
+}
 #else
 constexpr bool kBuilt = false;
 #endif
+
+// the largest |code| of a W8A16 activation row of K features: every int32 sum of K products with int8 weights
+// (|w| <= 127) stays exact; 14 bits where K <= 1,057, 12 at K = 4,096
+static int64_t a16_bound(int64_t K) { return std::min<int64_t>(16383, 2147483647LL / (127 * K)); }
 
 }  // namespace w8a8_avx2
 
@@ -222,3 +256,33 @@ torch::Tensor w8a8_avx2_linear(torch::Tensor x, torch::Tensor inv_smooth, torch:
 #endif
   return out;
 }
+
+// W8A16 (int8 weight-only linears, e.g. the LM head, on AVX2): x [M, K] bf16/fp32 -> [M, N] of x's dtype. The rows
+// are quantized to int16 per row (`a16_bound`: finer than bf16's 8-bit mantissa below K = 16k), then multiplied by
+// the int8 weight packed by w8a8_avx2_pack (the weight's transpose) in the int16 products above; col_scale is the
+// weight's per-channel scale in fp32.
+torch::Tensor w8a16_avx2_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale) {
+  TORCH_CHECK(w8a8_avx2::kBuilt, "w8a16_avx2_linear: built without AVX2");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 3 && packed.size(2) == 32 &&
+              packed.size(1) * 4 == x.size(1), "w8a16_avx2_linear: x [M, K], packed [N / 8, K / 4, 32]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 8;
+  TORCH_CHECK(col_scale.numel() == N && col_scale.scalar_type() == torch::kFloat32,
+              "w8a16_avx2_linear: col_scale fp32 [N]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              "w8a16_avx2_linear: bfloat16 or float32");
+  auto out = torch::empty({M, N}, x.options());
+#if defined(__AVX2__)
+  const int64_t bound = w8a8_avx2::a16_bound(K);
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* cs = col_scale.data_ptr<float>();
+  if (x.scalar_type() == torch::kBFloat16)
+    w8a8_avx2::forward_a16<at::BFloat16>(x.data_ptr<at::BFloat16>(), wp, cs, out.data_ptr<at::BFloat16>(), M, K, N,
+                                         bound);
+  else
+    w8a8_avx2::forward_a16<float>(x.data_ptr<float>(), wp, cs, out.data_ptr<float>(), M, K, N, bound);
+#endif
+  return out;
+}
+
+// the largest |code| w8a16_avx2_linear gives a row of K features (tests)
+int64_t w8a16_avx2_bound(int64_t K) { return w8a8_avx2::a16_bound(K); }
