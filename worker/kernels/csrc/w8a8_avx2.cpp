@@ -112,20 +112,6 @@ static void rows16(const int16_t* x16, const int8_t* packed, const float* rs, co
   for (int64_t b = b0; b < b1; ++b) tile16<T, MT>(x16, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
 }
 
-// rows [r0, r1) over channel blocks [b0, b1): tiles of kWideTile rows, then one tile of the 1-3 left
-template <typename T>
-static void span16(const int16_t* x16, const int8_t* packed, const float* rs, const float* cs, T* out, int64_t K,
-                   int64_t N, int64_t r0, int64_t r1, int64_t b0, int64_t b1) {
-  int64_t m = r0;
-  for (; m + kWideTile <= r1; m += kWideTile) rows16<T, kWideTile>(x16, packed, rs, cs, out, K, N, m, b0, b1);
-  switch (r1 - m) {
-    case 3: rows16<T, 3>(x16, packed, rs, cs, out, K, N, m, b0, b1); break;
-    case 2: rows16<T, 2>(x16, packed, rs, cs, out, K, N, m, b0, b1); break;
-    case 1: rows16<T, 1>(x16, packed, rs, cs, out, K, N, m, b0, b1); break;
-    default: break;
-  }
-}
-
 // M >= kWideRows: int16 products over codes widened once (x16 [M, K]). Tasks of 64 rows x 64 channels go to the
 // threads from a shared counter, a channel slice's row chunks in a row (its weights stay in cache): with half the
 // channels per thread, the threads waited on each other for 12% of a prefill step on a shared 2-core VM.
@@ -140,7 +126,9 @@ static void linear16(const int16_t* x16, const int8_t* packed, const float* rs, 
     for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
       const int64_t b0 = (t / row_tiles) * kBlockChunk, b1 = std::min(blocks, b0 + kBlockChunk);
       const int64_t r0 = (t % row_tiles) * kRowChunk, r1 = std::min(M, r0 + kRowChunk);
-      span16<T>(x16, packed, rs, cs, out, K, N, r0, r1, b0, b1);
+      int64_t m = r0;
+      for (; m + kWideTile <= r1; m += kWideTile) rows16<T, kWideTile>(x16, packed, rs, cs, out, K, N, m, b0, b1);
+      for (; m < r1; ++m) rows16<T, 1>(x16, packed, rs, cs, out, K, N, m, b0, b1);
     }
   });
 }
