@@ -29,11 +29,16 @@ class A16Weight:
     packed: torch.Tensor  # [out / 8, in / 4, 32] int8: the weight's transpose as `w8a8_avx2_pack` lays it out
     col_scale: torch.Tensor  # [out] fp32: the weight's per-channel scale
 
+    @staticmethod
+    def fits(qweight: torch.Tensor) -> bool:
+        """The kernel was built and takes an int8 [out, in] weight of this shape."""
+        out_features, in_features = qweight.shape
+        return available() and in_features % 4 == 0 and out_features % 8 == 0 and in_features <= MAX_IN_FEATURES
+
     @classmethod
     def build(cls, qweight: torch.Tensor, scales: torch.Tensor) -> A16Weight | None:
         """From an int8 [out, in] weight and its per-channel scales; None where the kernel cannot take it."""
-        out_features, in_features = qweight.shape
-        if not available() or in_features % 4 or out_features % 8 or in_features > MAX_IN_FEATURES:
+        if not cls.fits(qweight):
             return None
         packed = extension().w8a8_avx2_pack(qweight.t().contiguous())
         return cls(packed, scales.float().contiguous())

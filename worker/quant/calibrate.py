@@ -86,10 +86,12 @@ def calibrate(lin: nn.Module) -> None:
 def calibrate_a16(lin: nn.Module, rows: tuple[int, ...] = (1, 16)) -> None:
     """Give an int8 weight-only `lin` int16 activation rows on AVX2 (`worker.quant.a16`) where that beats torch's
     int8 kernel over `rows` (best of 5, in turns; once per weight shape): 3-4x on the LM head on AMD Zen 3."""
-    a16 = A16Weight.build(lin.qweight, lin.scales)
-    if a16 is None:
+    if not A16Weight.fits(lin.qweight):
         return
     key = _key("a16", lin.out_features, lin.in_features, lin.dtype, lin.kernel_dtype, rows)
+    if _CALIBRATED.get(key) == 0:  # measured slower before: nothing to pack
+        return
+    a16 = A16Weight.build(lin.qweight, lin.scales)
     if key not in _CALIBRATED:
         times = [0.0, 0.0]
         with torch.inference_mode():
