@@ -100,6 +100,7 @@ def test_calibration_takes_int16_rows_only_where_faster(fresh, monkeypatch, a16_
     assert (again.a16 is not None) == a16_faster
 
 
+@pytest.mark.heavy  # a quality gate on the default model (36 s of make test on AMD Zen 3): `make test-heavy`
 def test_default_model_head_on_int16_rows_keeps_its_perplexity():
     """The default model's int8 LM head scored 64 positions a step (its quantized path) on int16 rows, against the
     same int8 weight as a dequantized model-dtype product: the same perplexity within 0.1%, the same next token
