@@ -29,8 +29,8 @@ _SOURCES = ("bf16.h", "vec_exp.h", "kv_int8.h", "paged_decode.cpp", "paged_prefi
 _FUNCTIONS = ["paged_decode", "paged_kv_write", "paged_prefill", "paged_decode_int8", "paged_kv_write_int8",
               "paged_prefill_int8", "race_sample", "add_rms_norm", "silu_mul", "rope_", "w8a8_quantize",
               "w8a8_dequantize", "w8a8_silu_mul_quantize", "w8a8_small_available", "w8a8_small_pack", "w8a8_small_linear",
-              "w8a8_avx2_available", "w8a8_avx2_pack", "w8a8_avx2_linear", "w8a8_avx2_wide_rows", "w8a16_avx2_linear", "w8a16_avx2_bound",
-              "decode_stack"]
+              "w8a8_avx2_available", "w8a8_avx2_pack", "w8a8_avx2_linear", "w8a8_avx2_wide_rows", "w8a16_avx2_linear",
+              "w8a16_avx2_bound", "decode_stack"]
 _SRC = "\n".join((_CSRC / name).read_text() for name in _SOURCES)
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]

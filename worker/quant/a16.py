@@ -10,18 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from worker.kernels.cpu import extension
+from worker.quant.w8a8 import avx2_available
 
-__all__ = ["MAX_IN_FEATURES", "A16Weight", "available"]
+__all__ = ["MAX_IN_FEATURES", "A16Weight"]
 
 # the widest input taking int16 rows: 12-bit codes at 4,128 features (exact int32 sums of K products with int8
 # weights); below ~1,000 features they have 14 bits, finer than bf16's 8-bit mantissa everywhere
 MAX_IN_FEATURES = 4128
-
-
-def available() -> bool:
-    """The AVX2 kernels were built (every x86-64 CPU of the last decade)."""
-    ext = extension()
-    return ext is not None and ext.w8a8_avx2_available()
 
 
 @dataclass(slots=True)
@@ -33,7 +28,7 @@ class A16Weight:
     def fits(qweight: torch.Tensor) -> bool:
         """The kernel was built and takes an int8 [out, in] weight of this shape."""
         out_features, in_features = qweight.shape
-        return available() and in_features % 4 == 0 and out_features % 8 == 0 and in_features <= MAX_IN_FEATURES
+        return avx2_available() and in_features % 4 == 0 and out_features % 8 == 0 and in_features <= MAX_IN_FEATURES
 
     @classmethod
     def build(cls, qweight: torch.Tensor, scales: torch.Tensor) -> A16Weight | None:
@@ -46,7 +41,3 @@ class A16Weight:
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
         """[rows, in] bf16/fp32 -> [rows, out] of x2's dtype."""
         return extension().w8a16_avx2_linear(x2.contiguous(), self.packed, self.col_scale)
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() + 4 * self.col_scale.numel()

@@ -144,7 +144,7 @@ def test_weight_only_int8():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_weight_only_int8_on_int16_rows(dtype):
-    if not a16.available():
+    if not smooth.avx2_available():
         pytest.skip("the W8A16 kernel needs AVX2")
     model = _model("int8", dtype)
     for m in _linears(model):

@@ -9,9 +9,10 @@ import torch
 from worker.kernels.cpu import extension
 from worker.quant import a16
 from worker.quant import calibrate as cal
+from worker.quant import w8a8 as smooth
 from worker.quant.weights import QuantLinear
 
-pytestmark = pytest.mark.skipif(not a16.available(), reason="the W8A16 kernel needs AVX2")
+pytestmark = pytest.mark.skipif(not smooth.avx2_available(), reason="the W8A16 kernel needs AVX2")
 
 
 def _reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -190,6 +190,18 @@ constexpr bool kBuilt = false;
 // (|w| <= 127) stays exact; 14 bits where K <= 1,057, 12 at K = 4,096
 static int64_t a16_bound(int64_t K) { return std::min<int64_t>(16383, 2147483647LL / (127 * K)); }
 
+// what both entry points take: the kernel built, x [M, K] bf16/fp32 rows, the packed weight for K, fp32 col_scale [N]
+static void check_args(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
+                       const torch::Tensor& col_scale) {
+  TORCH_CHECK(kBuilt, name, ": built without AVX2");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 3 && packed.size(2) == 32 &&
+              packed.size(1) * 4 == x.size(1), name, ": x [M, K], packed [N / 8, K / 4, 32]");
+  TORCH_CHECK(col_scale.numel() == packed.size(0) * 8 && col_scale.scalar_type() == torch::kFloat32,
+              name, ": col_scale fp32 [N]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              name, ": bfloat16 or float32");
+}
+
 }  // namespace w8a8_avx2
 
 bool w8a8_avx2_available() { return w8a8_avx2::kBuilt; }
@@ -217,14 +229,8 @@ torch::Tensor w8a8_avx2_pack(torch::Tensor wt) {
 // the product with the packed weight and the per-row / per-column scales.
 torch::Tensor w8a8_avx2_linear(torch::Tensor x, torch::Tensor inv_smooth, torch::Tensor packed,
                                torch::Tensor col_scale) {
-  TORCH_CHECK(w8a8_avx2::kBuilt, "w8a8_avx2_linear: built without AVX2");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 3 && packed.size(2) == 32 &&
-              packed.size(1) * 4 == x.size(1), "w8a8_avx2_linear: x [M, K], packed [N / 8, K / 4, 32]");
+  w8a8_avx2::check_args("w8a8_avx2_linear", x, packed, col_scale);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 8;
-  TORCH_CHECK(col_scale.numel() == N && col_scale.scalar_type() == torch::kFloat32,
-              "w8a8_avx2_linear: col_scale fp32 [N]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
-              "w8a8_avx2_linear: bfloat16 or float32");
   TORCH_CHECK(inv_smooth.scalar_type() == torch::kFloat32 && inv_smooth.numel() == K,
               "w8a8_avx2_linear: fp32 inv_smooth [K]");
   auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
@@ -250,14 +256,8 @@ torch::Tensor w8a8_avx2_linear(torch::Tensor x, torch::Tensor inv_smooth, torch:
 // the int8 weight packed by w8a8_avx2_pack (the weight's transpose) in the int16 products above; col_scale is the
 // weight's per-channel scale in fp32.
 torch::Tensor w8a16_avx2_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale) {
-  TORCH_CHECK(w8a8_avx2::kBuilt, "w8a16_avx2_linear: built without AVX2");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 3 && packed.size(2) == 32 &&
-              packed.size(1) * 4 == x.size(1), "w8a16_avx2_linear: x [M, K], packed [N / 8, K / 4, 32]");
+  w8a8_avx2::check_args("w8a16_avx2_linear", x, packed, col_scale);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 8;
-  TORCH_CHECK(col_scale.numel() == N && col_scale.scalar_type() == torch::kFloat32,
-              "w8a16_avx2_linear: col_scale fp32 [N]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
-              "w8a16_avx2_linear: bfloat16 or float32");
   auto out = torch::empty({M, N}, x.options());
 #if defined(__AVX2__)
   const int64_t bound = w8a8_avx2::a16_bound(K);
