@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL_S = 0.05
 MAX_FRAME_BYTES = 16 << 20
 MAX_FRAMES_PER_DRAIN = 4096  # bound one drain so that a flood cannot starve the running streams
-DRAIN_BUDGET_S = 0.05  # ... and its time: the loop gets back to steps and stats at least this often
+DRAIN_BUDGET_S = 0.05  # ... and its time: the loop gets back to steps at least this often (to stats when due)
 COMPILE_POLL_S = 0.005  # idle wait while only grammar compiles are pending
 
 
@@ -159,21 +159,21 @@ class WorkerServer:
         if self.decode.links.links:
             self.decode.drain()
         recv = self.sock.recv_multipart
-        until = time.monotonic() + DRAIN_BUDGET_S
+        until = min(time.monotonic() + DRAIN_BUDGET_S, self._next_stats)  # stats due: report first
         for _ in range(MAX_FRAMES_PER_DRAIN):
-            if time.monotonic() >= until:
-                return  # the rest waits in the socket while the loop steps and reports
             try:
                 parts = recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(parts) != 2:
                 log.warning("dropping message with %d parts (want identity + one frame)", len(parts))
-                continue
-            try:
-                self._handle(parts[0], parts[1])
-            except Exception:  # a frame must never take the worker down
-                log.exception("unexpected error handling a frame from gateway %r", parts[0][:64])
+            else:
+                try:
+                    self._handle(parts[0], parts[1])
+                except Exception:  # a frame must never take the worker down
+                    log.exception("unexpected error handling a frame from gateway %r", parts[0][:64])
+            if time.monotonic() >= until:
+                return  # the rest waits in the socket while the loop steps and reports
 
     def _handle(self, ident: bytes, data: bytes) -> None:
         if self.table.seen(ident, time.monotonic()):
@@ -262,7 +262,7 @@ class WorkerServer:
     def _step(self) -> None:
         started = time.monotonic()
         if self._pulse is not None and self._last_stats:
-            self._pulse.arm(self._last_stats, self.table.live_gateways())
+            self._pulse.arm(self._last_stats, self.table.live_gateways(), self._next_stats)
         try:
             outputs = self.engine.step()
         except Exception:

@@ -19,14 +19,17 @@ class StatsPulse:
         self._wake = threading.Condition(threading.Lock())
         self._frame: bytes | None = None
         self._idents: list[bytes] = []
-        self._armed_at = 0.0
+        self._due_at = 0.0
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="stats-pulse", daemon=True)
         self._thread.start()
 
-    def arm(self, frame: bytes, idents: list[bytes]) -> None:
+    def arm(self, frame: bytes, idents: list[bytes], due_at: float | None = None) -> None:
+        """Send `frame` at `due_at` (the loop's next stats time; default one interval from now), then
+        every interval, until disarmed."""
         with self._wake:
-            self._frame, self._idents, self._armed_at = frame, idents, time.monotonic()
+            self._frame, self._idents = frame, idents
+            self._due_at = time.monotonic() + self._interval if due_at is None else due_at
             self._wake.notify()
 
     def disarm(self) -> None:
@@ -40,18 +43,21 @@ class StatsPulse:
         self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
-        last_sent = 0.0
         while True:
             with self._wake:
                 if self._stop:
                     return
-                self._wake.wait(self._interval)
-                due = self._frame is not None and time.monotonic() - max(last_sent, self._armed_at) >= self._interval
-            if due:
-                with self._lock:
-                    if self._frame is not None:
-                        self._send(self._frame, self._idents)
-                        last_sent = time.monotonic()
+                if self._frame is None:
+                    self._wake.wait()  # until armed or closed
+                    continue
+                remaining = self._due_at - time.monotonic()
+                if remaining > 0:
+                    self._wake.wait(remaining)  # re-armed meanwhile: look at the new due time
+                    continue
+                self._due_at = time.monotonic() + self._interval
+            with self._lock:
+                if self._frame is not None:
+                    self._send(self._frame, self._idents)
 
     def _send(self, frame: bytes, idents: list[bytes]) -> None:
         for ident in idents:

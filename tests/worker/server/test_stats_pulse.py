@@ -1,5 +1,5 @@
-"""StatsPulse keeps stats frames flowing on a real ROUTER socket while the loop is busy, and stops
-when disarmed (so the loop can use the socket alone again)."""
+"""StatsPulse keeps stats frames flowing on a real ROUTER socket while the loop is busy, from the loop's
+own next stats time on, and stops when disarmed (so the loop can use the socket alone again)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,26 @@ def test_pulse_sends_while_armed_and_stops_when_disarmed() -> None:
         pulse.arm(b"quick", [ident])
         pulse.disarm()  # a step shorter than one interval sends nothing
         assert _drain(dealer, 150) == []
+    finally:
+        pulse.close()
+        dealer.close(0)
+        router.close(0)
+        ctx.term()
+
+
+def test_the_first_pulse_comes_when_the_loops_stats_are_due_not_an_interval_after_arming() -> None:
+    ctx = zmq.Context()
+    router, dealer, ident = _pair(ctx)
+    pulse = StatsPulse(router, interval_s=0.5)
+    try:
+        armed = time.monotonic()
+        pulse.arm(b"due-soon", [ident], due_at=armed + 0.05)  # the loop's stats were due 50 ms into the step
+        assert dealer.poll(400), "no pulse before the loop's stats time plus 350 ms"
+        assert dealer.recv() == b"due-soon"
+        assert time.monotonic() - armed >= 0.045  # not before it was due
+        pulse.arm(b"re-armed", [ident], due_at=time.monotonic() + 0.05)  # the next step: a new due time
+        assert dealer.poll(400) and dealer.recv() == b"re-armed"
+        pulse.disarm()
     finally:
         pulse.close()
         dealer.close(0)
