@@ -153,7 +153,8 @@ async def test_draining_worker_gets_no_new_requests(tmp_path: Path, redis_url: s
         busy = [asyncio.create_task(run_one(router, make_request(f"busy-{p}", p, max_tokens=160))) for p in mine]
         await membership.wait_until(lambda m: router.loads.inflight_count(drainer) >= 1, timeout=30)
         procs[drainer].signal(signal.SIGTERM)
-        await membership.wait_until(lambda m: m.status(drainer) == "draining", timeout=10)
+        # its next stats say so, after the step it is in: three workers share 2 vCPUs here (10 s ran out once)
+        await membership.wait_until(lambda m: m.status(drainer) == "draining", timeout=30)
         before = requests_to(drainer)
         results = await asyncio.wait_for(
             asyncio.gather(*(run_one(router, make_request(f"new-{i}", p, 4)) for i, p in enumerate(mine * 2))), 60)
