@@ -111,8 +111,10 @@ def test_slot_migration_under_http_load(stack: ClusterStack) -> None:
     mover = threading.Thread(target=lambda: (time.sleep(1.0), cluster.migrate_slot(
         cluster.slot(config_key("mover")), source, target)))
     mover.start()
-    statuses = asyncio.run(_load(stack.gateways, key, seconds, 6))
+    statuses, broken = asyncio.run(_load(stack.gateways, key, seconds, 6))
     mover.join(timeout=30)
+    # a connection closed without an answer (seen once in CI, not reproduced in 12 runs): say what the gateways said
+    assert not broken, (broken[:3], [g.proc.poll() for g in stack.gateways], log_tails(stack.log_dir))
     assert cluster.owner(config_key("mover")) is target
     counts = Counter(statuses)
     assert not [s for s in counts if s >= 500 and s != 503], counts  # never a 500
@@ -122,16 +124,22 @@ def test_slot_migration_under_http_load(stack: ClusterStack) -> None:
     assert counts[429] > 0 and rpm * 0.5 <= counts[200] <= rpm + seconds * rpm / 60 + 1, counts
 
 
-async def _load(gateways: list[GatewayProc], key: str, seconds: float, per_gateway: int) -> list[int]:
+async def _load(gateways: list[GatewayProc], key: str, seconds: float,
+                per_gateway: int) -> tuple[list[int], list[str]]:
     statuses: list[int] = []
+    broken: list[str] = []  # requests that got no HTTP answer at all
     deadline = time.monotonic() + seconds
     async with httpx.AsyncClient(timeout=30) as http:
         async def one(gw: GatewayProc) -> None:
             while time.monotonic() < deadline:
-                resp = await http.post(gw.base_url + "/v1/completions", json=BODY,
-                                       headers={"authorization": f"Bearer {key}"})
+                try:
+                    resp = await http.post(gw.base_url + "/v1/completions", json=BODY,
+                                           headers={"authorization": f"Bearer {key}"})
+                except httpx.TransportError as exc:
+                    broken.append(f"{gw.base_url}: {exc!r} at {time.monotonic() - deadline + seconds:.2f} s")
+                    continue
                 statuses.append(resp.status_code)
                 if resp.status_code == 429:
                     await asyncio.sleep(0.01)
         await asyncio.gather(*(one(g) for g in gateways for _ in range(per_gateway)))
-    return statuses
+    return statuses, broken
