@@ -14,10 +14,11 @@ import torch
 
 from worker.config import ModelConfig
 from worker.model.build import LoadedModel, build_model, pick_device, pick_dtype
+from worker.model.gguf_index import read_index
 from worker.quant import w8a8 as smooth
 from worker.quant import weights as quant
 from worker.quant.packed import pack_model
-from worker.text.model_source import ModelSource, default_model_path, gguf_metadata, hf_config, resolve
+from worker.text.model_source import ModelSource, default_model_path, hf_config, resolve
 from worker.text.tokenizer import load_tokenizer
 
 __all__ = ["LoadedModel", "default_model_path", "load_any", "load_model", "pick_device", "pick_dtype"]
@@ -102,14 +103,13 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _read_gguf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    import gguf
     from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(str(src.path))
-    cfg = gguf_config(gguf_metadata(src.path, reader))
+    index = read_index(src.path)
+    cfg = gguf_config(index.meta)
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type)
+    for t, data in index.arrays(src.path):
+        w = dequantize(data, t.qtype)
         name = t.name
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"

@@ -19,6 +19,7 @@ import xxhash
 from torch import nn
 
 from worker.kernels.cpu import build_name
+from worker.text.model_source import cache_base, prune_oldest
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,7 @@ Maxima = dict[tuple[int, str], torch.Tensor]
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("SWITCHYARD_CACHE") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "switchyard" / "calibration"
+    return cache_base() / "calibration"
 
 
 def cpu_id() -> str:
@@ -93,15 +93,9 @@ def _store(path: Path, maxima: Maxima) -> None:
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
             torch.save({k: v.contiguous() for k, v in maxima.items()}, f)
         os.replace(f.name, path)
-        _prune(path.parent, "act-max-*.pt")
+        prune_oldest(path.parent, "act-max-*.pt", MAX_FILES)
     except OSError as exc:
         log.warning("could not write the calibration cache: %s", exc)
-
-
-def _prune(folder: Path, pattern: str) -> None:
-    files = sorted(folder.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in files[MAX_FILES:]:
-        old.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- kernel choices (`worker.quant.calibrate`)
@@ -145,6 +139,6 @@ def store_choices(choices: dict[str, int]) -> None:
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
             json.dump(choices, f, sort_keys=True)
         os.replace(f.name, path)
-        _prune(path.parent, "kernel-choices-*.json")
+        prune_oldest(path.parent, "kernel-choices-*.json", MAX_FILES)
     except OSError as exc:
         log.warning("could not write the kernel choices: %s", exc)

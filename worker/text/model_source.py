@@ -5,9 +5,11 @@ Torch-free, because the gateway loads tokenizers through it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,28 @@ def resolve(spec: str | Path = "default") -> ModelSource:
     raise FileNotFoundError(f"not a .gguf file or an HF model folder with config.json: {spec}")
 
 
+def cache_base() -> Path:
+    """Where the on-disk caches live: $SWITCHYARD_CACHE, else $XDG_CACHE_HOME, else ~/.cache; then switchyard/."""
+    base = os.environ.get("SWITCHYARD_CACHE") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "switchyard"
+
+
+def prune_oldest(folder: Path, pattern: str, keep: int) -> None:
+    """Bound an on-disk cache: the files matching `pattern` in `folder` past the `keep` newest go."""
+    files = sorted(folder.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in files[keep:]:
+        old.unlink(missing_ok=True)
+
+
 def file_digest(path: Path) -> str:
+    """SHA-256 of the file's bytes (once per process for an unchanged file: the tokenizer and the GGUF index both
+    key their caches by it)."""
+    st = Path(path).stat()
+    return _digest(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: str, _size: int, _mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):

@@ -19,14 +19,13 @@ from worker.text.chat_template import (
 )
 from worker.text.chat_template import native_messages as native_messages
 from worker.text.chat_template import special_texts as special_texts
-from worker.text.model_source import ModelSource, file_digest, gguf_metadata, hf_config, resolve
+from worker.text.model_source import ModelSource, cache_base, file_digest, gguf_metadata, hf_config, resolve
 
 _CACHE_FORMAT = 1
 
 
 def _cache_root() -> Path:
-    base = os.environ.get("SWITCHYARD_CACHE") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "switchyard" / "tokenizers"
+    return cache_base() / "tokenizers"
 
 
 class Tokenizer:

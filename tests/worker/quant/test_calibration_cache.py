@@ -9,6 +9,7 @@ import torch
 from worker.model.tiny_model import load_tiny_model
 from worker.quant import calibration_cache as cc
 from worker.quant import w8a8 as smooth
+from worker.text.model_source import prune_oldest
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,8 @@ def test_old_files_are_pruned(tmp_path) -> None:
     for i in range(cc.MAX_FILES + 5):
         (folder / f"act-max-{i:04d}.pt").write_bytes(b"x")
         (folder / f"kernel-choices-{i:04d}.json").write_text("{}")
-    cc._prune(folder, "act-max-*.pt")
+    prune_oldest(folder, "act-max-*.pt", cc.MAX_FILES)
     assert len(list(folder.glob("act-max-*.pt"))) == cc.MAX_FILES
     assert len(list(folder.glob("kernel-choices-*.json"))) == cc.MAX_FILES + 5
-    cc._prune(folder, "kernel-choices-*.json")
+    prune_oldest(folder, "kernel-choices-*.json", cc.MAX_FILES)
     assert len(list(folder.glob("kernel-choices-*.json"))) == cc.MAX_FILES
