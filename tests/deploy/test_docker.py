@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -41,3 +43,30 @@ def test_dockerfiles_pin_torch_and_use_the_cli() -> None:
     assert '"switchyard", "gateway"' in gateway
     assert '"switchyard", "worker"' in worker and "[gpu]" in worker
     assert worker.startswith("#") and "FROM nvidia/cuda" in worker
+
+
+def _warm_snippets() -> dict[str, str]:
+    """The `python -c` cache-warming step of each Dockerfile (line continuations joined)."""
+    out = {}
+    for name in ("Dockerfile.gateway", "Dockerfile.worker"):
+        text = (DOCKER / name).read_text().replace("\\\n", "")
+        line = next(ln for ln in text.splitlines() if ln.startswith('RUN python -c "'))
+        out[name] = line[len('RUN python -c "'):line.rindex('"')]
+    return out
+
+
+def test_images_warm_the_model_caches_as_the_runtime_user() -> None:
+    for name, code in _warm_snippets().items():
+        compile(code, name, "exec")
+        text = (DOCKER / name).read_text()
+        assert text.index("USER switchyard") < text.index('RUN python -c "'), name  # the cache in its home
+    assert "read_index" in _warm_snippets()["Dockerfile.worker"]
+
+
+@pytest.mark.heavy
+def test_the_warming_steps_fill_the_caches(tmp_path) -> None:
+    env = {**os.environ, "SWITCHYARD_CACHE": str(tmp_path)}
+    for code in _warm_snippets().values():
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300, cwd=REPO)
+    assert list((tmp_path / "switchyard" / "tokenizers").glob("*/tokenizer.json"))
+    assert list((tmp_path / "switchyard" / "gguf").glob("*.json"))
