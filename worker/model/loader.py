@@ -9,11 +9,11 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from worker.config import ModelConfig
 from worker.model.build import LoadedModel, build_model, pick_device, pick_dtype
+from worker.model.gguf_dequant import dequantize
 from worker.model.gguf_index import read_index
 from worker.quant import w8a8 as smooth
 from worker.quant import weights as quant
@@ -96,15 +96,13 @@ def gguf_config(md: dict) -> ModelConfig:
     )
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> rotate-half halves)."""
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
 def _read_gguf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from gguf.quants import dequantize
-
     index = read_index(src.path)
     cfg = gguf_config(index.meta)
     tensors: dict[str, torch.Tensor] = {}
@@ -128,7 +126,7 @@ def _read_gguf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             hf = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.weight"
         else:
             continue
-        tensors[hf] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        tensors[hf] = w.contiguous()
     cfg.tie_word_embeddings = "lm_head.weight" not in tensors
     if not cfg.vocab_size:
         cfg.vocab_size = tensors["model.embed_tokens.weight"].shape[0]
