@@ -35,14 +35,15 @@ def kv_bytes_per_token(model: str, dtype: str | None) -> int:
     from worker.kvcache.tensors import bytes_per_token
     from worker.model.loader import gguf_config, pick_dtype
     from worker.model.tiny_model import TINY_SPEC, tiny_config
-    from worker.text.model_source import gguf_metadata, resolve
+    from worker.text.gguf_index import read_index
+    from worker.text.model_source import resolve
 
     if model == TINY_SPEC:
         return bytes_per_token(tiny_config(1, None, None), pick_dtype(dtype or "float32", torch.device("cpu")))
     src = resolve(model)
     if src.kind != "gguf":
         raise SystemExit("pass --kv-bytes-per-token for a Hugging Face folder model")
-    return bytes_per_token(gguf_config(gguf_metadata(src.path)), pick_dtype(dtype, torch.device("cpu")))
+    return bytes_per_token(gguf_config(read_index(src.path).meta), pick_dtype(dtype, torch.device("cpu")))
 
 
 @dataclass(slots=True)

@@ -14,10 +14,10 @@ import torch
 from worker.config import ModelConfig
 from worker.model.build import LoadedModel, build_model, pick_device, pick_dtype
 from worker.model.gguf_dequant import dequantize
-from worker.model.gguf_index import read_index
 from worker.quant import w8a8 as smooth
 from worker.quant import weights as quant
 from worker.quant.packed import pack_model
+from worker.text.gguf_index import read_index
 from worker.text.model_source import ModelSource, default_model_path, hf_config, resolve
 from worker.text.tokenizer import load_tokenizer
 

@@ -12,7 +12,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -74,26 +73,6 @@ def _digest(path: str, _size: int, _mtime_ns: int) -> str:
             h.update(chunk)
     return h.hexdigest()
 
-
-_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
-
-
-def gguf_metadata(path: Path, reader: Any = None) -> dict:
-    """Scalar metadata of a GGUF file (the large tokenizer arrays are skipped); `reader`: a `gguf.GGUFReader`
-    of it already open (parsing the file's fields takes seconds: once per load)."""
-    import gguf
-
-    if reader is None:
-        reader = gguf.GGUFReader(str(path))
-    meta: dict = {}
-    for key, fld in reader.fields.items():
-        if key in _BIG_ARRAYS:
-            continue
-        try:
-            meta[key] = fld.contents()
-        except Exception:  # noqa: BLE001 - exotic field types are not needed
-            continue
-    return meta
 
 
 def hf_config(path: Path) -> dict:

@@ -19,7 +19,8 @@ from worker.text.chat_template import (
 )
 from worker.text.chat_template import native_messages as native_messages
 from worker.text.chat_template import special_texts as special_texts
-from worker.text.model_source import ModelSource, cache_base, file_digest, gguf_metadata, hf_config, resolve
+from worker.text.gguf_index import read_index
+from worker.text.model_source import ModelSource, cache_base, file_digest, hf_config, resolve
 
 _CACHE_FORMAT = 1
 
@@ -147,7 +148,7 @@ def _convert_gguf_tokenizer(path: Path, cache: Path) -> None:
     from transformers import AutoTokenizer
 
     hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    md = gguf_metadata(path)
+    md = read_index(path).meta  # the model load's parse of the file, or one it then reuses
     arch = md.get("general.architecture", "llama")
     meta = {
         "chat_template": md.get("tokenizer.chat_template") or getattr(hf_tok, "chat_template", None),

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from worker.model.gguf_dequant import dequantize
-from worker.model.gguf_index import read_index
+from worker.text.gguf_index import read_index
 from worker.text.model_source import default_model_path
 
 

@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
-from worker.model import gguf_index
-from worker.text.model_source import file_digest, gguf_metadata
+from worker.text import gguf_index
+from worker.text.model_source import file_digest
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def write_gguf(path: Path, seed: int = 0) -> Path:
 
 def _same_as_reader(index: gguf_index.GGUFIndex, path: Path) -> None:
     reader = gguf.GGUFReader(str(path))
-    assert index.meta == gguf_metadata(path, reader) and index.meta["general.name"].startswith("tiny")
+    assert index.meta == gguf_index.scalar_metadata(reader) and index.meta["general.name"].startswith("tiny")
     arrays = index.arrays(path)
     assert [t.name for t, _ in arrays] == [t.name for t in reader.tensors] and len(arrays) == 2
     for (t, data), ref in zip(arrays, reader.tensors, strict=True):

@@ -12,14 +12,16 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from worker.text.model_source import cache_base, file_digest, gguf_metadata, prune_oldest
+from worker.text.model_source import cache_base, file_digest, prune_oldest
 
 log = logging.getLogger(__name__)
 INDEX_FORMAT = 1
 MAX_FILES = 16  # indexes kept (one per model file); the oldest go first
+_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
 
 
 @dataclass(slots=True)
@@ -68,7 +70,20 @@ def _parse(path: Path) -> GGUFIndex:
     reader = gguf.GGUFReader(str(path))
     tensors = [GGUFTensor(t.name, int(t.tensor_type), int(t.data_offset), t.data.dtype.str, list(t.data.shape))
                for t in reader.tensors]
-    return GGUFIndex(gguf_metadata(path, reader), tensors)
+    return GGUFIndex(scalar_metadata(reader), tensors)
+
+
+def scalar_metadata(reader: Any) -> dict:
+    """A `gguf.GGUFReader`'s fields but the tokenizer's large arrays, as Python values."""
+    meta: dict = {}
+    for key, fld in reader.fields.items():
+        if key in _BIG_ARRAYS:
+            continue
+        try:
+            meta[key] = fld.contents()
+        except Exception:  # noqa: BLE001 - exotic field types are not needed
+            continue
+    return meta
 
 
 def _write(cached: Path, index: GGUFIndex) -> None:
