@@ -48,14 +48,24 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     return _DTYPES[dtype]
 
 
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """The model with uninitialized weights of `dtype` on `device` (tied weights tied), ready to be filled in.
+
+    Built on the meta device, then given real storage by `torch.empty` per tensor: `Module.to_empty` calls
+    `empty_like` on meta tensors, whose first call imports torch's decompositions and sympy (0.5 s of a start)."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                               device=device))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model
+
+
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
            device: torch.device) -> LlamaModel:
     """tensors use HF names (model.layers.N.self_attn.q_proj.weight, ...)."""
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
+    model = empty_model(cfg, dtype, device)
 
     def put(param: torch.Tensor, *names: str) -> None:
         src = torch.cat([tensors.pop(n) for n in names], dim=0) if len(names) > 1 else tensors.pop(names[0])

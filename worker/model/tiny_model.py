@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from worker.config import ModelConfig
-from worker.model.build import LoadedModel, build_model, pick_device, pick_dtype
+from worker.model.build import LoadedModel, build_model, empty_model, pick_device, pick_dtype
 from worker.model.llama import LlamaModel
 from worker.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -71,11 +71,7 @@ def random_model(cfg: ModelConfig, *, dtype: str | torch.dtype | None = "float32
 
 
 def _build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> LlamaModel:
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
+    model = empty_model(cfg, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):

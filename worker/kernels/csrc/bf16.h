@@ -1,6 +1,7 @@
 // bf16 <-> fp32 by bit operations, so loops over them vectorize (c10's conversions keep them scalar).
-// Concatenated first by worker/cpu_kernels.py: every kernel source below uses these.
-#include <torch/extension.h>
+// Every kernel source uses these.
+#pragma once
+#include "aten.h"
 #include <cstdint>
 #include <cstring>
 

@@ -1,7 +1,11 @@
 // A decode-only step's decoder layers in one call: the same kernels, in the same order and on the same tensors as
 // the Python layer loop (`worker.model.llama.DecoderLayer` with fused ops, W8A8 or int8 linears and the C++ paged
 // attention), so outputs are bit-identical; what goes is ~25 Python-dispatched calls a layer, during which the
-// other OpenMP threads only spin. The GIL is released for the whole stack.
+// other OpenMP threads only spin. It runs without the GIL (bindings.cpp).
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 namespace stack {
 
 // How one linear runs at this step's row count (`worker.model.decode_stack.linear_kind`), and the tensors it takes
@@ -53,7 +57,6 @@ torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> weights, 
   size_t total = layers * (2 + kv_tensors);  // checked before any layer runs: a malformed call writes nothing
   for (int64_t kind : kinds) total += stack::arity(kind);
   TORCH_CHECK(total == weights.size(), "decode_stack: ", weights.size(), " tensors where the kinds need ", total);
-  pybind11::gil_scoped_release no_gil;
   const auto none = torch::empty({0}, x.options());
   const torch::Tensor* w = weights.data();  // the layer's norms, then its linears' tensors, then its caches
   for (int64_t l = 0; l < layers; ++l, w += kv_tensors) {

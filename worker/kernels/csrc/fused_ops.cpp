@@ -2,7 +2,10 @@
 // path (worker/fused.py, EagerOps) makes three to ten. Math in fp32, rounded once to the tensor's dtype
 // (`to_f` / `from_f`, bf16.h); RoPE's products are not contracted into FMAs, so in fp32 it matches the eager
 // formula bit for bit.
-#include <torch/extension.h>
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

@@ -5,7 +5,10 @@
 // appended past a page's start whose absmax exceeds 127 x scale grows the scale to max(absmax / 127, GROW x scale)
 // and requantizes the rows before it in place. Error: half a step per element for a page that never grows, at most
 // GROW / (GROW - 1) / 2 steps of the final scale after any number of growths.
-#include <torch/extension.h>
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

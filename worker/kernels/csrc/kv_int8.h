@@ -1,6 +1,8 @@
 // 8-bit KV pages (worker.kvcache.quant): int8 rows, one fp32 scale per (kv head, page) for K and one for V; an
-// element is int8 x its page's scale. Concatenated after vec_exp.h: the attention kernels read caches through these.
-#include <torch/extension.h>
+// element is int8 x its page's scale. The attention kernels read caches through these.
+#pragma once
+#include "aten.h"
+#include "bf16.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

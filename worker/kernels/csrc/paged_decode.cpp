@@ -2,7 +2,10 @@
 //
 // Head size and query group size are template constants for the common shapes (loops fully unrolled and
 // vectorized: 2x faster than with runtime sizes); other shapes take the same code with runtime sizes.
-#include <torch/extension.h>
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

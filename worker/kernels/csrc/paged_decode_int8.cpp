@@ -7,7 +7,10 @@
 // the accumulators fit in registers, else V widened to fp32; each page's sums times its V scale. Elsewhere
 // paged_decode.cpp's loops run over the int8 rows (scores x K scale, p x V scale). Both prefetch the page
 // kKvPrefetch ahead (2-3x on scattered pages: 1-2 KB each defeat the hardware prefetcher).
-#include <torch/extension.h>
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

@@ -7,7 +7,10 @@
 // query heads of one kv head); scores for 16 keys at a time are `Rows` vector accumulators over the head size
 // (broadcast q[r][d] times a row of K^T), then an exact softmax over the row and P.V in register tiles. Tasks
 // run longest first from a shared counter, so the causal triangle's uneven tasks balance across threads.
-#include <torch/extension.h>
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>

@@ -1,5 +1,8 @@
 // The prefill kernel's entry points (paged_prefill.cpp): argument checks, the chunk list, the dtype dispatch.
-#include <torch/extension.h>
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 #include <vector>
 
 // q [T, nh, hd]: the prefill rows of a step, chunk after chunk; kc, vc [kvh, slots, hd] (q's dtype, or int8 with the

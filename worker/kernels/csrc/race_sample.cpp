@@ -4,7 +4,10 @@
 //
 // Most tokens are skipped without a logarithm: -log(u) >= 1 - u, so p / (1 - u) bounds a token's race value
 // from above, and a token whose bound is below the best value so far cannot win.
-#include <torch/extension.h>
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

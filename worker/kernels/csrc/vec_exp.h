@@ -1,6 +1,9 @@
 // exp(x) written so that loops over it vectorize (std::exp is a scalar call): Cody-Waite range reduction and a
-// degree-6 polynomial (Cephes' expf), within 2 ulp of expf over the range that matters. Concatenated after
-// bf16.h by worker/kernels/cpu.py; used by the SiLU (fused_ops.cpp) and the softmaxes of the attention kernels.
+// degree-6 polynomial (Cephes' expf), within 2 ulp of expf over the range that matters.
+// Used by the SiLU (fused_ops.cpp) and the softmaxes of the attention kernels.
+#pragma once
+#include "aten.h"
+#include "bf16.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -1,7 +1,10 @@
 // The two passes around an int8 x int8 -> int32 matrix product (`torch._int_mm`, VNNI on CPUs that have it) for
 // activation-and-weight int8 linears (worker/quant.py, W8A8): quantize the activation rows with a per-channel
 // smoothing factor (SmoothQuant) and a per-row scale, then turn the int32 products back into the model dtype.
-#include <torch/extension.h>
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
@@ -103,7 +106,7 @@ static torch::Tensor padded_codes(int64_t M, int64_t pad_rows, int64_t K, const 
 
 // x [M, K] bf16/fp32, smooth [K] fp32 (1 / SmoothQuant factor) -> (int8 [max(M, pad_rows), K] (rows past M are
 // zeros), per-row scales [M] fp32)
-std::tuple<torch::Tensor, torch::Tensor> w8a8_quantize(torch::Tensor x, torch::Tensor smooth, int64_t pad_rows = 0) {
+std::tuple<torch::Tensor, torch::Tensor> w8a8_quantize(torch::Tensor x, torch::Tensor smooth, int64_t pad_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && smooth.scalar_type() == torch::kFloat32 &&
               smooth.is_contiguous() && smooth.numel() == x.size(1), "w8a8_quantize: x [M, K], fp32 smooth [K]");
   const int64_t M = x.size(0), K = x.size(1);

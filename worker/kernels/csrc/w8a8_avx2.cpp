@@ -4,7 +4,10 @@
 // activation's sign moves onto the weight (`vpsignb`) and |x|, |w| <= 127 keep each pair below 2^15: the int32 sums
 // equal _int_mm's exactly, and the dequantization is the same fp32 expression, so outputs are bit-identical to the
 // _int_mm path. Built on every CPU with AVX2 (so its tests run everywhere); chosen where there is no VNNI.
-#include <torch/extension.h>
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 #include <ATen/Parallel.h>
 #include <atomic>
 #include <cstdint>

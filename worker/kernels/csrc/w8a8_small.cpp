@@ -3,7 +3,10 @@
 // here the weight is read once per call in the layout `vpdpbusd` consumes. The int32 sums equal _int_mm's exactly
 // (activations are offset by 128 to unsigned and the offset removed with the packed column sums), and the
 // dequantization is the same fp32 expression, so outputs are bit-identical to the _int_mm path.
-#include <torch/extension.h>
+#include "kernels.h"
+#include "bf16.h"
+#include "vec_exp.h"
+#include "kv_int8.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
