@@ -70,6 +70,43 @@ static inline void tile(const int8_t* xq, const int8_t* w, const float* row_scal
   }
 }
 
+// tile<T, 4, 2> (the few-row path's main tile: 4 rows x 16 channels, decode steps) written as tile16x4 below is,
+// for the same reason (two of its accumulators were kept on the stack): the eight accumulators as named variables, a register barrier after each row, one index for weights and rows.
+template <typename T>
+static inline void tile4x2(const int8_t* xq, const int8_t* w, const float* row_scale, const float* col_scale, T* out,
+                           int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+  const int8_t* r0 = xq + m0 * K;
+  const int8_t* r1 = r0 + K;
+  const int8_t* r2 = r1 + K;
+  const int8_t* r3 = r2 + K;
+  const int8_t* w0 = w;                // block 0: 32 bytes a group of 4 k, at w0 + 8k
+  const int8_t* w1 = w + K * kLanes;   // block 1
+  const __m256i ones = _mm256_set1_epi16(1);
+#define SY_ROW8(acc0, acc1, r)                                                                        \
+  {                                                                                                  \
+    int32_t four;                                                                                    \
+    std::memcpy(&four, r + k, 4);                                                                    \
+    const __m256i xs = _mm256_set1_epi32(four);                                                      \
+    const __m256i xa = _mm256_abs_epi8(xs);                                                          \
+    acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv0, xs)), ones)); \
+    acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv1, xs)), ones)); \
+    __asm__("" : "+x"(acc0), "+x"(acc1));                                                            \
+  }
+  for (int64_t k = 0; k < K; k += 4) {
+    const __m256i wv0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + 8 * k));
+    const __m256i wv1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + 8 * k));
+    SY_ROW8(a00, a01, r0) SY_ROW8(a10, a11, r1) SY_ROW8(a20, a21, r2) SY_ROW8(a30, a31, r3)
+  }
+#undef SY_ROW8
+  const __m256i acc[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+  for (int j = 0; j < 2; ++j) {
+    const int64_t n = n0 + j * kLanes;
+    const __m256 cs = _mm256_loadu_ps(col_scale + n);
+    for (int i = 0; i < 4; ++i) store_row<T>(acc[i][j], row_scale[m0 + i], cs, out + (m0 + i) * N + n);
+  }
+}
+
 // The same product for many rows, by int16 multiplies: `vpmaddubsw` needs the `vpsignb` per row and block above,
 // `vpmaddwd` on sign-extended codes does not. One block of 8 channels: each 4-k group's 32 bytes become two vectors
 // of 4 channels x 4 k in int16 (`vpmovsxbw`, once per MT rows), the row's 4 codes (pre-widened to int16) are
@@ -143,7 +180,10 @@ template <typename T, int MT>
 static void rows(const int8_t* xq, const int8_t* packed, const float* rs, const float* cs, T* out, int64_t K,
                  int64_t N, int64_t m0, int64_t b0, int64_t b1) {
   int64_t b = b0;
-  for (; b + 2 <= b1; b += 2) tile<T, MT, 2>(xq, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
+  for (; b + 2 <= b1; b += 2) {
+    if constexpr (MT == 4) tile4x2<T>(xq, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
+    else tile<T, MT, 2>(xq, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
+  }
   for (; b < b1; ++b) tile<T, MT, 1>(xq, packed + b * K * kLanes, rs, cs, out, K, N, m0, b * kLanes);
 }
 
