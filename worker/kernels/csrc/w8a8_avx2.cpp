@@ -71,7 +71,8 @@ static inline void tile(const int8_t* xq, const int8_t* w, const float* row_scal
 }
 
 // tile<T, 4, 2> (the few-row path's main tile: 4 rows x 16 channels, decode steps) written as tile16x4 below is,
-// for the same reason (two of its accumulators were kept on the stack): the eight accumulators as named variables, a register barrier after each row, one index for weights and rows.
+// for the same reason (two of its accumulators were kept on the stack): the eight accumulators as named variables,
+// a register barrier after each row, one index for weights and rows.
 template <typename T>
 static inline void tile4x2(const int8_t* xq, const int8_t* w, const float* row_scale, const float* col_scale, T* out,
                            int64_t K, int64_t N, int64_t m0, int64_t n0) {
