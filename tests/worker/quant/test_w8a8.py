@@ -58,8 +58,9 @@ def test_smoothed_product_is_close_and_beats_unsmoothed_on_outlier_channels(dtyp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(48, 40), (80, 576), (960, 576)])
 def test_few_row_kernel_is_bit_identical_to_int_mm(dtype, n, k):
-    """Same int32 sums and the same fp32 dequantization as the _int_mm path at every row count (1-4 row tiles with
-    their remainders, 4-block channel tiles with theirs); the packed layout is what vpdpbusd reads."""
+    """Same int32 sums and the same fp32 dequantization as the _int_mm path at every row count (8-row passes over
+    block pairs, then 4-row tiles and their remainders, and a lone block's tiles); the packed layout is what
+    vpdpbusd reads."""
     torch.manual_seed(2)
     w = torch.randn(n, k) * 0.05
     lin = smooth.W8A8Weight.build(w.to(dtype), torch.rand(k) + 0.5)
@@ -67,7 +68,7 @@ def test_few_row_kernel_is_bit_identical_to_int_mm(dtype, n, k):
     packed, colsum = lin.small
     assert packed.shape == (n // 16, k // 4, 64) and torch.equal(colsum, lin.wt.int().sum(0).int())
     assert torch.equal(packed[1, 2].view(16, 4), lin.wt[8:12, 16:32].t())  # block 1, group 2: lanes x 4 bytes
-    for rows in (1, 2, 3, 4, 5, 7, 9, 17):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 27):
         x = (torch.randn(rows, k) * torch.logspace(-1, 1, k)).to(dtype)
         assert torch.equal(lin.forward_small(x), lin.forward_int_mm(x)), rows
 

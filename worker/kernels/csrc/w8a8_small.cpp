@@ -23,6 +23,24 @@ constexpr int64_t kLanes = 16;  // output channels per block (one zmm of int32 s
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kBuilt = true;
 
+static inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+
+// 16 lanes to bf16 as `from_f` rounds them (nearest even), in vector registers: the scalar loop cost a third of
+// the few-row kernel's time at 16 rows
+static inline void store16(at::BFloat16* o, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// One channel block's int32 sums for row m into out[m][n ...]: remove the 128 offset, times row and column scales.
+template <typename T>
+static inline void store_block(__m512i acc, __m512i offset, __m512 cs, float row_scale, T* o) {
+  const __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, offset));
+  store16(o, _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(row_scale)), cs));
+}
+
 // Rows [m0, m0 + MT) against the NB channel blocks starting at `w` (each block K * 16 bytes apart), then the
 // dequantization into out[m][n0 ...].
 template <typename T, int MT, int NB>
@@ -46,23 +64,62 @@ static inline void tile(const uint8_t* xu, const int8_t* w, const int32_t* colsu
     const int64_t n = n0 + j * kLanes;
     const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n), 7);  // 128 * column sum
     const __m512 cs = _mm512_loadu_ps(col_scale + n);
-    for (int i = 0; i < MT; ++i) {
-      const __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], offset));
-      alignas(64) float v[kLanes];
-      _mm512_store_ps(v, _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(row_scale[m0 + i])), cs));
-      T* o = out + (m0 + i) * N + n;
-      for (int64_t c = 0; c < kLanes; ++c) o[c] = from_f<T>(v[c]);
-    }
+    for (int i = 0; i < MT; ++i) store_block(acc[i][j], offset, cs, row_scale[m0 + i], out + (m0 + i) * N + n);
   }
 }
 
-// rows [m0, m0 + MT) against channel blocks [b0, b1): four at a time, then one at a time
+static inline __m512i bcast4(const uint8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return _mm512_set1_epi32(four);
+}
+
+// `tile<T, 8, 2>` with its 16 accumulators named: as an array GCC kept one on the stack (a store-to-load chain
+// in every group) and copied the others twice per group. Eight rows share each weight load, two blocks each
+// activation broadcast: 10 loads for 16 vpdpbusd.
+template <typename T>
+static inline void tile8x2(const uint8_t* xu, const int8_t* w, const int32_t* colsum, const float* row_scale,
+                           const float* col_scale, T* out, int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  const __m512i z = _mm512_setzero_si512();
+  __m512i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;
+  __m512i a40 = z, a41 = z, a50 = z, a51 = z, a60 = z, a61 = z, a70 = z, a71 = z;
+  const uint8_t* x = xu + m0 * K;
+  const int8_t* w1 = w + K * kLanes;
+  const int64_t ahead = 4 * K * kLanes;  // two block pairs ahead, at the same depth, into L2
+  for (int64_t k = 0; k < K; k += 4) {
+    const __m512i v0 = _mm512_loadu_si512(w + 16 * k), v1 = _mm512_loadu_si512(w1 + 16 * k);
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * k + ahead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + 16 * k + ahead), _MM_HINT_T1);
+#define SY_ROW(i)                                          \
+  {                                                        \
+    const __m512i a = bcast4(x + (i) * K + k);             \
+    a##i##0 = _mm512_dpbusd_epi32(a##i##0, a, v0);         \
+    a##i##1 = _mm512_dpbusd_epi32(a##i##1, a, v1);         \
+  }
+    SY_ROW(0) SY_ROW(1) SY_ROW(2) SY_ROW(3) SY_ROW(4) SY_ROW(5) SY_ROW(6) SY_ROW(7)
+#undef SY_ROW
+  }
+  const __m512i off0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0), 7);  // 128 * column sum
+  const __m512i off1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0 + kLanes), 7);
+  const __m512 cs0 = _mm512_loadu_ps(col_scale + n0), cs1 = _mm512_loadu_ps(col_scale + n0 + kLanes);
+  const __m512i acc[8][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31},
+                             {a40, a41}, {a50, a51}, {a60, a61}, {a70, a71}};
+  for (int i = 0; i < 8; ++i) {
+    T* o = out + (m0 + i) * N + n0;
+    store_block(acc[i][0], off0, cs0, row_scale[m0 + i], o);
+    store_block(acc[i][1], off1, cs1, row_scale[m0 + i], o + kLanes);
+  }
+}
+
+// rows [m0, m0 + MT) against channel blocks [b0, b1): four at a time, then two, then one
 template <typename T, int MT>
 static void rows(const uint8_t* xu, const int8_t* packed, const int32_t* colsum, const float* rs, const float* cs,
                  T* out, int64_t K, int64_t N, int64_t m0, int64_t b0, int64_t b1) {
   int64_t b = b0;
   for (; b + 4 <= b1; b += 4)
     tile<T, MT, 4>(xu, packed + b * K * kLanes, colsum, rs, cs, out, K, N, m0, b * kLanes);
+  for (; b + 2 <= b1; b += 2)
+    tile<T, MT, 2>(xu, packed + b * K * kLanes, colsum, rs, cs, out, K, N, m0, b * kLanes);
   for (; b < b1; ++b) tile<T, MT, 1>(xu, packed + b * K * kLanes, colsum, rs, cs, out, K, N, m0, b * kLanes);
 }
 
@@ -70,13 +127,18 @@ template <typename T>
 static void linear(const uint8_t* xu, const int8_t* packed, const int32_t* colsum, const float* rs, const float* cs,
                    T* out, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = N / kLanes;
-  // the channel blocks split between threads; each thread takes its blocks four at a time against every row, so
-  // a block's weights come from memory once and from cache for the later rows (rows outermost re-read them per
-  // four rows: 2x slower at 16 rows)
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b += 4) {
-      const int64_t e = std::min(b + 4, b1);
+  // The channel blocks split between threads; each thread walks its blocks in strips against every row, so a
+  // strip's weights come from memory once and from cache for the later rows (rows outermost re-read them per
+  // four rows: 2x slower at 16 rows). From 8 rows, strips of two blocks in 8-row passes (`tile8x2`); below,
+  // strips of four, whose 4-row tiles broadcast each activation against four weight vectors.
+  const int64_t strip = M >= 8 ? 2 : 4;
+  at::parallel_for(0, blocks, strip, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b += strip) {
+      const int64_t e = std::min(b + strip, b1);
       int64_t m = 0;
+      if (strip == 2 && e - b == 2) {
+        for (; m + 8 <= M; m += 8) tile8x2<T>(xu, packed + b * K * kLanes, colsum, rs, cs, out, K, N, m, b * kLanes);
+      }
       for (; m + 4 <= M; m += 4) rows<T, 4>(xu, packed, colsum, rs, cs, out, K, N, m, b, e);
       switch (M - m) {
         case 3: rows<T, 3>(xu, packed, colsum, rs, cs, out, K, N, m, b, e); break;
