@@ -18,7 +18,7 @@ from worker.quant.weights import QuantLinear
 
 __all__ = ["DecodeStack", "linear_kind"]
 
-VNNI, AVX2, WEIGHT_ONLY, INT_MM, A16 = 0, 1, 2, 3, 4  # csrc/decode_stack.cpp's `stack::Kind`
+VNNI, AVX2, WEIGHT_ONLY, INT_MM, A16, A16_VNNI = 0, 1, 2, 3, 4, 5  # csrc/decode_stack.cpp's `stack::Kind`
 _LINEARS = ("qkv", "o", "gate_up", "down")
 MAX_PLANS = 256  # row counts remembered (a step has at most max_num_seqs decode rows)
 
@@ -29,6 +29,8 @@ def linear_kind(lin: object, rows: int) -> tuple[int, list[torch.Tensor]] | None
     if not isinstance(lin, QuantLinear):
         return None
     if rows <= lin.max_rows:
+        if lin.a16 is not None and lin.a16.kind == "vnni":
+            return A16_VNNI, [lin.a16.packed, lin.a16.colsum, lin.a16.col_scale]
         if lin.a16 is not None:
             return A16, [lin.a16.packed, lin.a16.col_scale]
         if lin.mode == "int4" or lin.qweight is None:

@@ -84,14 +84,16 @@ def calibrate(lin: nn.Module) -> None:
 
 
 def calibrate_a16(lin: nn.Module, rows: tuple[int, ...] = (1, 16)) -> None:
-    """Give an int8 weight-only `lin` int16 activation rows on AVX2 (`worker.quant.a16`) where that beats torch's
-    int8 kernel over `rows` (best of 5, in turns; once per weight shape): 3-4x on the LM head on AMD Zen 3."""
-    if not A16Weight.fits(lin.qweight):
+    """Give an int8 weight-only `lin` int16 activation rows (`worker.quant.a16`: VNNI, else AVX2) where that beats
+    torch's int8 kernel over `rows` (best of 5, in turns; once per weight shape and kernel): 3-4x on the LM head on
+    AMD Zen 3."""
+    kind = A16Weight.pick(lin.qweight)
+    if kind is None:
         return
-    key = _key("a16", lin.out_features, lin.in_features, lin.dtype, lin.kernel_dtype, rows)
+    key = _key("a16", kind, lin.out_features, lin.in_features, lin.dtype, lin.kernel_dtype, rows)
     if _CALIBRATED.get(key) == 0:  # measured slower before: nothing to pack
         return
-    a16 = A16Weight.build(lin.qweight, lin.scales)
+    a16 = A16Weight.build(lin.qweight, lin.scales, kind)
     if key not in _CALIBRATED:
         times = [0.0, 0.0]
         with torch.inference_mode():
@@ -113,7 +115,7 @@ def calibrate_max_rows(lin: nn.Module, candidates: tuple[int, ...] = (1, 2, 4, 8
         return max(0, int(env))
     if lin.a16 is not None:  # int16 rows: ~2.5x the dense fp32 GEMM at 64 rows on AMD Zen 3
         candidates = (*candidates, 64)
-    kernel = "a16" if lin.a16 is not None else lin.kernel_dtype
+    kernel = f"a16-{lin.a16.kind}" if lin.a16 is not None else lin.kernel_dtype
     key = _key("max_rows", lin.mode, lin.out_features, lin.in_features, lin.dtype, kernel, candidates)
     if key not in _CALIBRATED:  # once: two models loaded here choose the same kernels
         _remember(key, _measure_max_rows(lin, candidates))

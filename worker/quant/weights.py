@@ -94,7 +94,7 @@ class QuantLinear(nn.Module):
         self.packed = self.w8a8 is None and can_pack(self.dtype, weight.device)
         self.dense = None if self.w8a8 is not None else pack(self.dequantize()) if self.packed else self.dequantize()
         self.kernel_scales = self.scales  # the scales in the kernel's activation dtype (`use_kernel_dtype`)
-        self.a16: A16Weight | None = None  # int16 activation rows on AVX2, where `calibrate` measured it faster
+        self.a16: A16Weight | None = None  # int16 activation rows, where `calibrate` measured them faster
 
     @property
     def kernel_dtype(self) -> torch.dtype:
@@ -241,7 +241,9 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
 def _activations(lin: nn.Module) -> str:
     if not isinstance(lin, QuantLinear):
         return "-"
-    return "int16 rows (AVX2)" if lin.a16 is not None else str(lin.kernel_dtype).removeprefix("torch.")
+    if lin.a16 is not None:
+        return "int16 rows (" + ("AVX-512 VNNI" if lin.a16.kind == "vnni" else "AVX2") + ")"
+    return str(lin.kernel_dtype).removeprefix("torch.")
 
 
 def _quantize_fp8(model: nn.Module) -> None:

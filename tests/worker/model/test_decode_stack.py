@@ -142,14 +142,15 @@ def test_weight_only_int8():
     _same_as_loop(model, "model", 4, ds.WEIGHT_ONLY)
 
 
+@pytest.mark.parametrize("kind", ["avx2", "vnni"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_weight_only_int8_on_int16_rows(dtype):
-    if not smooth.avx2_available():
-        pytest.skip("the W8A16 kernel needs AVX2")
+def test_weight_only_int8_on_int16_rows(dtype, kind):
+    if not a16.A16Weight.fits(torch.zeros(64, 64, dtype=torch.int8), kind):
+        pytest.skip(f"the {kind} W8A16 kernel is not built on this CPU")
     model = _model("int8", dtype)
     for m in _linears(model):
-        m.max_rows, m.a16 = 64, a16.A16Weight.build(m.qweight, m.scales)
-    _same_as_loop(model, "model", 5, ds.A16)
+        m.max_rows, m.a16 = 64, a16.A16Weight.build(m.qweight, m.scales, kind)
+    _same_as_loop(model, "model", 5, ds.A16 if kind == "avx2" else ds.A16_VNNI)
 
 
 def test_steps_it_does_not_cover_take_the_loop():

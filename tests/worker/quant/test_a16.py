@@ -1,5 +1,6 @@
-"""W8A16 on AVX2 (`worker.quant.a16`, csrc/w8a8_avx2.cpp `w8a16_avx2_linear`): int16 activation rows times int8
-weights, exact integer sums; chosen by measurement for int8 weight-only linears such as the LM head."""
+"""W8A16 (`worker.quant.a16`: csrc/w8a8_avx2.cpp `w8a16_avx2_linear` on AVX2, csrc/w8a8_small.cpp
+`w8a16_small_linear` on AVX-512 VNNI): int16 activation rows times int8 weights, exact integer sums, the same bits
+from both kernels; chosen by measurement for int8 weight-only linears such as the LM head."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from worker.quant import w8a8 as smooth
 from worker.quant.weights import QuantLinear
 
 pytestmark = pytest.mark.skipif(not smooth.avx2_available(), reason="the W8A16 kernel needs AVX2")
+# each kernel built here (VNNI only on AVX-512 VNNI CPUs)
+KINDS = [pytest.param("avx2"), pytest.param("vnni", marks=pytest.mark.skipif(
+    not smooth.small_available(), reason="the VNNI W8A16 kernel needs AVX-512 VNNI"))]
 
 
 def _reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -32,14 +36,19 @@ def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return q, torch.rand(n, generator=g) * 0.01 + 1e-3
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 14, 65, 130])
-@pytest.mark.parametrize("k,n", [(576, 200), (64, 8), (1536, 64)])
-def test_kernel_is_bit_identical_to_its_integer_arithmetic(dtype, rows, k, n):
+@pytest.mark.parametrize("k,n", [(576, 208), (64, 16), (1536, 64), (576, 48)])
+def test_kernel_is_bit_identical_to_its_integer_arithmetic(kind, dtype, rows, k, n):
+    """Every row remainder (4-row passes, 1-3 rows left) and, on VNNI, a lone block after the block pairs (208, 48)."""
     q, scales = _weight(n, k)
     x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
     x[0, 5] = 57.0  # an outlier channel, as at the default model's head input
-    got = a16.A16Weight.build(q, scales)(x)
+    x[-1, 6] = -57.0  # and a negative one: high bytes below zero
+    lin = a16.A16Weight.build(q, scales, kind)
+    assert lin.kind == kind
+    got = lin(x)
     assert got.dtype == dtype and got.shape == (rows, n)
     assert torch.equal(got, _reference(x, q, scales))
 
@@ -55,23 +64,37 @@ def test_close_to_the_fp32_product_with_outliers():
     assert err < 5e-4 and err < err_bf16 / 4, (err, err_bf16)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [576, 4128])
-def test_the_largest_sums_stay_exact(k):
+def test_the_largest_sums_stay_exact(kind, k):
     """Every weight at +-127 and every activation at the row maximum: the int32 sums reach their bound."""
     bound = extension().w8a16_avx2_bound(k)
     assert bound * 127 * k < 2**31 and (bound == 16383 or (bound + 1) * 127 * k >= 2**31)
     q = torch.full((16, k), 127, dtype=torch.int8)
     q[8:] = -127
     x = torch.full((2, k), 2.0)
-    out = a16.A16Weight.build(q, torch.ones(16))(x)
+    x[1] = -2.0  # codes of -bound: the most negative high bytes
+    out = a16.A16Weight.build(q, torch.ones(16), kind)(x)
     expect = torch.tensor([127.0 * bound * k] * 8 + [-127.0 * bound * k] * 8) * (2.0 / bound)
-    assert torch.allclose(out, expect.expand(2, 16), rtol=1e-6)
+    assert torch.allclose(out, torch.stack([expect, -expect]), rtol=1e-6)
 
 
 def test_shapes_the_kernel_cannot_take_are_left_to_torch():
     assert a16.A16Weight.build(*_weight(12, 576)) is None  # out not a multiple of 8
     assert a16.A16Weight.build(*_weight(16, 570)) is None  # in not a multiple of 4
     assert a16.A16Weight.build(*_weight(16, a16.MAX_IN_FEATURES + 4)) is None  # codes would fall below 12 bits
+    assert a16.A16Weight.build(*_weight(24, 576), "vnni") is None  # VNNI blocks are 16 channels
+    assert a16.A16Weight.build(*_weight(24, 576)).kind == "avx2"  # so such a weight takes the AVX2 kernel
+
+
+@pytest.mark.skipif(not smooth.small_available(), reason="the VNNI W8A16 kernel needs AVX-512 VNNI")
+def test_vnni_and_avx2_kernels_give_the_same_bits():
+    q, scales = _weight(4096, 576, seed=4)
+    x = torch.randn(16, 576, dtype=torch.bfloat16) * 4
+    x[:, 3] = 57.0
+    ours, theirs = (a16.A16Weight.build(q, scales, k) for k in ("vnni", "avx2"))
+    for rows in (1, 4, 7, 16):
+        assert torch.equal(ours(x[:rows]), theirs(x[:rows])), rows
 
 
 @pytest.fixture

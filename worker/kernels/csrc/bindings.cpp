@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   SY_BIND(w8a8_small_available);
   SY_BIND(w8a8_small_pack);
   SY_BIND(w8a8_small_linear);
+  SY_BIND(w8a16_small_linear);
   SY_BIND(w8a8_avx2_available);
   SY_BIND(w8a8_avx2_pack);
   SY_BIND(w8a8_avx2_linear);

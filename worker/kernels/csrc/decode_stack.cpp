@@ -15,6 +15,7 @@ enum Kind : int64_t {
   kWeightOnly = 2, // torch._weight_int8pack_mm on activations of the scales' dtype: qweight, scales
   kIntMm = 3,      // w8a8_quantize, torch._int_mm, w8a8_dequantize: inv_smooth, wt, col_scale
   kA16 = 4,        // w8a16_avx2_linear (int8 weight-only on int16 rows): packed, col_scale
+  kA16Vnni = 5,    // w8a16_small_linear (the same on VNNI): packed, colsum, col_scale
 };
 
 static int64_t arity(int64_t kind) {
@@ -24,6 +25,7 @@ static int64_t arity(int64_t kind) {
     case kWeightOnly: return 2;
     case kIntMm: return 3;
     case kA16: return 2;
+    case kA16Vnni: return 3;
     default: TORCH_CHECK(false, "decode_stack: unknown linear kind ", kind);
   }
 }
@@ -35,6 +37,7 @@ static torch::Tensor linear(const torch::Tensor& x, int64_t kind, const torch::T
     case kAvx2: return w8a8_avx2_linear(x, t[0], t[1], t[2]);
     case kWeightOnly: return at::_weight_int8pack_mm(x.to(t[1].scalar_type()), t[0], t[1]).to(x.scalar_type());
     case kA16: return w8a16_avx2_linear(x, t[0], t[1]);
+    case kA16Vnni: return w8a16_small_linear(x, t[0], t[1], t[2]);
     default: {
       auto [xq, row_scale] = w8a8_quantize(x, t[0]);
       return w8a8_dequantize(at::_int_mm(xq, t[1]), row_scale, t[2], x);

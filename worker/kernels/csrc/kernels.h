@@ -33,6 +33,7 @@ bool w8a8_small_available();
 std::tuple<torch::Tensor, torch::Tensor> w8a8_small_pack(torch::Tensor wt);
 torch::Tensor w8a8_small_linear(torch::Tensor x, torch::Tensor inv_smooth, torch::Tensor packed, torch::Tensor colsum,
                                 torch::Tensor col_scale);
+torch::Tensor w8a16_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum, torch::Tensor col_scale);
 bool w8a8_avx2_available();
 torch::Tensor w8a8_avx2_pack(torch::Tensor wt);
 torch::Tensor w8a8_avx2_linear(torch::Tensor x, torch::Tensor inv_smooth, torch::Tensor packed,

@@ -6,6 +6,7 @@
 #include "vec_exp.h"
 #include "kv_int8.h"
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -92,6 +93,26 @@ static void silu_mul_quantize(const Acc* y, const float* row_scale, const float*
       q_scale[m] = quantize_row(h.data(), smooth, q + m * n, n);
     }
   });
+}
+
+// W8A16 (int8 weight-only linears on int16 activation rows, csrc/w8a8_avx2.cpp and w8a8_small.cpp): the largest
+// |code| of a row of K features such that every int32 sum of K products with int8 weights (|w| <= 127) stays
+// exact; 14 bits where K <= 1,057, 12 at K = 4,096
+static int64_t a16_bound(int64_t K) { return std::min<int64_t>(16383, 2147483647LL / (127 * K)); }
+
+// x [M, K] -> int16 codes per row (|code| <= bound), row scale amax / bound; both W8A16 kernels quantize here, so
+// their outputs are the same bits
+template <typename T>
+static void quantize_a16(const T* x, int16_t* q, float* rs, int64_t M, int64_t K, int64_t bound) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f(row[k])));
+    const float scale = std::max(amax, 1e-30f) / static_cast<float>(bound), inv = 1.f / scale;
+    int16_t* qm = q + m * K;
+    for (int64_t k = 0; k < K; ++k) qm[k] = static_cast<int16_t>(std::nearbyint(to_f(row[k]) * inv));
+    rs[m] = scale;
+  }
 }
 
 }  // namespace w8a8

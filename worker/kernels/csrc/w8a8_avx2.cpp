@@ -250,30 +250,18 @@ static void forward(const T* x, const float* smooth, const int8_t* packed, const
   linear16<T>(x16.data(), packed, rs, cs, out, M, K, N);
 }
 
-// W8A16: x [M, K] -> int16 codes per row (|code| <= bound, the row scale amax / bound), then the int16 products
+// W8A16: x [M, K] -> int16 codes per row (`w8a8::quantize_a16`), then the int16 products
 template <typename T>
 static void forward_a16(const T* x, const int8_t* packed, const float* cs, T* out, int64_t M, int64_t K, int64_t N,
                         int64_t bound) {
   std::vector<int16_t> x16(M * K);
   std::vector<float> rs(M);
-  for (int64_t m = 0; m < M; ++m) {
-    const T* row = x + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f(row[k])));
-    const float scale = std::max(amax, 1e-30f) / static_cast<float>(bound), inv = 1.f / scale;
-    int16_t* q = x16.data() + m * K;
-    for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(to_f(row[k]) * inv));
-    rs[m] = scale;
-  }
+  w8a8::quantize_a16(x, x16.data(), rs.data(), M, K, bound);
   linear16<T>(x16.data(), packed, rs.data(), cs, out, M, K, N);
 }
 #else
 constexpr bool kBuilt = false;
 #endif
-
-// the largest |code| of a W8A16 activation row of K features: every int32 sum of K products with int8 weights
-// (|w| <= 127) stays exact; 14 bits where K <= 1,057, 12 at K = 4,096
-static int64_t a16_bound(int64_t K) { return std::min<int64_t>(16383, 2147483647LL / (127 * K)); }
 
 // what both entry points take: the kernel built, x [M, K] bf16/fp32 rows, the packed weight for K, fp32 col_scale [N]
 static void check_args(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
@@ -345,7 +333,7 @@ torch::Tensor w8a16_avx2_linear(torch::Tensor x, torch::Tensor packed, torch::Te
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 8;
   auto out = torch::empty({M, N}, x.options());
 #if defined(__AVX2__)
-  const int64_t bound = w8a8_avx2::a16_bound(K);
+  const int64_t bound = w8a8::a16_bound(K);
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* cs = col_scale.data_ptr<float>();
   if (x.scalar_type() == torch::kBFloat16)
@@ -358,4 +346,4 @@ torch::Tensor w8a16_avx2_linear(torch::Tensor x, torch::Tensor packed, torch::Te
 }
 
 // the largest |code| w8a16_avx2_linear gives a row of K features (tests)
-int64_t w8a16_avx2_bound(int64_t K) { return w8a8_avx2::a16_bound(K); }
+int64_t w8a16_avx2_bound(int64_t K) { return w8a8::a16_bound(K); }

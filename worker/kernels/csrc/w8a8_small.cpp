@@ -149,6 +149,115 @@ static void linear(const uint8_t* xu, const int8_t* packed, const int32_t* colsu
     }
   });
 }
+// W8A16 on VNNI (int8 weight-only linears such as the LM head, on int16 activation rows): a code c = 256 hi + lo
+// goes in as two unsigned bytes, hi + 128 and lo, each multiplied by the weights in its own accumulator; the sum
+// is ((sum_hi - 128 * column sum) << 8) + sum_lo, exact for codes within `w8a8::a16_bound` (the vector ops wrap
+// modulo 2^32 and the true sum fits in int32): the same integers as w8a8_avx2.cpp's int16 products and the same
+// dequantization, so the same bits.
+template <typename T>
+static inline void store_a16(__m512i hi, __m512i lo, __m512i offset, __m512 cs, float row_scale, T* o) {
+  const __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(hi, offset), 8), lo);
+  store16(o, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(row_scale)), cs));
+}
+
+// rows [m0, m0 + MT) of the split codes (xh: hi + 128, xl: lo) against NB channel blocks from `w`
+template <typename T, int MT, int NB>
+static inline void a16_tile(const uint8_t* xh, const uint8_t* xl, const int8_t* w, const int32_t* colsum,
+                            const float* row_scale, const float* col_scale, T* out, int64_t K, int64_t N,
+                            int64_t m0, int64_t n0) {
+  __m512i hi[MT][NB], lo[MT][NB];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NB; ++j) hi[i][j] = lo[i][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 4) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * K * kLanes + 16 * k);
+    for (int i = 0; i < MT; ++i) {
+      const __m512i ah = bcast4(xh + (m0 + i) * K + k), al = bcast4(xl + (m0 + i) * K + k);
+      for (int j = 0; j < NB; ++j) {
+        hi[i][j] = _mm512_dpbusd_epi32(hi[i][j], ah, wv[j]);
+        lo[i][j] = _mm512_dpbusd_epi32(lo[i][j], al, wv[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n = n0 + j * kLanes;
+    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n), 7);
+    const __m512 cs = _mm512_loadu_ps(col_scale + n);
+    for (int i = 0; i < MT; ++i)
+      store_a16(hi[i][j], lo[i][j], offset, cs, row_scale[m0 + i], out + (m0 + i) * N + n);
+  }
+}
+
+// `a16_tile<T, 4, 2>` with its 16 accumulators named (see tile8x2), prefetching two block pairs ahead
+template <typename T>
+static inline void a16_tile4x2(const uint8_t* xh, const uint8_t* xl, const int8_t* w, const int32_t* colsum,
+                               const float* row_scale, const float* col_scale, T* out, int64_t K, int64_t N,
+                               int64_t m0, int64_t n0) {
+  const __m512i z = _mm512_setzero_si512();
+  __m512i h00 = z, h01 = z, h10 = z, h11 = z, h20 = z, h21 = z, h30 = z, h31 = z;
+  __m512i l00 = z, l01 = z, l10 = z, l11 = z, l20 = z, l21 = z, l30 = z, l31 = z;
+  const uint8_t* ph = xh + m0 * K;
+  const uint8_t* pl = xl + m0 * K;
+  const int8_t* w1 = w + K * kLanes;
+  const int64_t ahead = 4 * K * kLanes;
+  for (int64_t k = 0; k < K; k += 4) {
+    const __m512i v0 = _mm512_loadu_si512(w + 16 * k), v1 = _mm512_loadu_si512(w1 + 16 * k);
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * k + ahead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + 16 * k + ahead), _MM_HINT_T1);
+#define SY_ROW(i)                                                                        \
+  {                                                                                      \
+    const __m512i ah = bcast4(ph + (i) * K + k), al = bcast4(pl + (i) * K + k);          \
+    h##i##0 = _mm512_dpbusd_epi32(h##i##0, ah, v0);                                      \
+    h##i##1 = _mm512_dpbusd_epi32(h##i##1, ah, v1);                                      \
+    l##i##0 = _mm512_dpbusd_epi32(l##i##0, al, v0);                                      \
+    l##i##1 = _mm512_dpbusd_epi32(l##i##1, al, v1);                                      \
+  }
+    SY_ROW(0) SY_ROW(1) SY_ROW(2) SY_ROW(3)
+#undef SY_ROW
+  }
+  const __m512i off0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0), 7);
+  const __m512i off1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0 + kLanes), 7);
+  const __m512 cs0 = _mm512_loadu_ps(col_scale + n0), cs1 = _mm512_loadu_ps(col_scale + n0 + kLanes);
+  const __m512i hs[4][2] = {{h00, h01}, {h10, h11}, {h20, h21}, {h30, h31}};
+  const __m512i ls[4][2] = {{l00, l01}, {l10, l11}, {l20, l21}, {l30, l31}};
+  for (int i = 0; i < 4; ++i) {
+    T* o = out + (m0 + i) * N + n0;
+    store_a16(hs[i][0], ls[i][0], off0, cs0, row_scale[m0 + i], o);
+    store_a16(hs[i][1], ls[i][1], off1, cs1, row_scale[m0 + i], o + kLanes);
+  }
+}
+
+template <typename T, int MT>
+static void a16_rows(const uint8_t* xh, const uint8_t* xl, const int8_t* packed, const int32_t* colsum,
+                     const float* rs, const float* cs, T* out, int64_t K, int64_t N, int64_t m0, int64_t b,
+                     int64_t e) {
+  for (; b + 2 <= e; b += 2)
+    a16_tile<T, MT, 2>(xh, xl, packed + b * K * kLanes, colsum, rs, cs, out, K, N, m0, b * kLanes);
+  if (b < e) a16_tile<T, MT, 1>(xh, xl, packed + b * K * kLanes, colsum, rs, cs, out, K, N, m0, b * kLanes);
+}
+
+// every row against block pairs split between threads: 4-row passes, then the 1-3 rows left
+template <typename T>
+static void linear_a16(const uint8_t* xh, const uint8_t* xl, const int8_t* packed, const int32_t* colsum,
+                       const float* rs, const float* cs, T* out, int64_t M, int64_t K, int64_t N) {
+  at::parallel_for(0, N / kLanes, 2, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b += 2) {
+      const int64_t e = std::min(b + 2, b1);
+      int64_t m = 0;
+      if (e - b == 2) {
+        for (; m + 4 <= M; m += 4)
+          a16_tile4x2<T>(xh, xl, packed + b * K * kLanes, colsum, rs, cs, out, K, N, m, b * kLanes);
+      }
+      for (; m + 4 <= M; m += 4) a16_rows<T, 4>(xh, xl, packed, colsum, rs, cs, out, K, N, m, b, e);
+      switch (M - m) {
+        case 3: a16_rows<T, 3>(xh, xl, packed, colsum, rs, cs, out, K, N, m, b, e); break;
+        case 2: a16_rows<T, 2>(xh, xl, packed, colsum, rs, cs, out, K, N, m, b, e); break;
+        case 1: a16_rows<T, 1>(xh, xl, packed, colsum, rs, cs, out, K, N, m, b, e); break;
+        default: break;
+      }
+    }
+  });
+}
 #else
 constexpr bool kBuilt = false;
 #endif
@@ -205,6 +314,48 @@ torch::Tensor w8a8_small_linear(torch::Tensor x, torch::Tensor inv_smooth, torch
     w8a8_small::linear<float>(xp, wp, colsum.data_ptr<int32_t>(), rs.data(), col_scale.data_ptr<float>(),
                               out.data_ptr<float>(), M, K, N);
   }
+#endif
+  return out;
+}
+
+// W8A16 on VNNI: x [M, K] bf16/fp32 -> [M, N] of x's dtype, for an int8 weight-only linear (the LM head) whose
+// weight (the transpose of its int8 [N, K]) `w8a8_small_pack` packed; col_scale is the weight's per-channel scale.
+// The rows are quantized as w8a16_avx2_linear quantizes them, and the outputs are its bits.
+torch::Tensor w8a16_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum, torch::Tensor col_scale) {
+  TORCH_CHECK(w8a8_small::kBuilt, "w8a16_small_linear: built without AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 3 && packed.size(2) == 64 &&
+              packed.size(1) * 4 == x.size(1), "w8a16_small_linear: x [M, K], packed [N / 16, K / 4, 64]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(colsum.numel() == N && col_scale.numel() == N && colsum.scalar_type() == torch::kInt32 &&
+              col_scale.scalar_type() == torch::kFloat32, "w8a16_small_linear: colsum int32 [N], col_scale fp32 [N]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              "w8a16_small_linear: bfloat16 or float32");
+  thread_local std::vector<int16_t> q;
+  thread_local std::vector<uint8_t> xh, xl;
+  thread_local std::vector<float> rs;
+  q.resize(M * K);
+  xh.resize(M * K);
+  xl.resize(M * K);
+  rs.resize(M);
+  const int64_t bound = w8a8::a16_bound(K);
+  if (x.scalar_type() == torch::kBFloat16)
+    w8a8::quantize_a16(x.data_ptr<at::BFloat16>(), q.data(), rs.data(), M, K, bound);
+  else
+    w8a8::quantize_a16(x.data_ptr<float>(), q.data(), rs.data(), M, K, bound);
+  for (int64_t i = 0; i < M * K; ++i) {
+    xh[i] = static_cast<uint8_t>((q[i] >> 8) + 128);
+    xl[i] = static_cast<uint8_t>(q[i] & 0xFF);
+  }
+  auto out = torch::empty({M, N}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* sums = colsum.data_ptr<int32_t>();
+  const float* cs = col_scale.data_ptr<float>();
+  if (x.scalar_type() == torch::kBFloat16)
+    w8a8_small::linear_a16<at::BFloat16>(xh.data(), xl.data(), wp, sums, rs.data(), cs, out.data_ptr<at::BFloat16>(),
+                                         M, K, N);
+  else
+    w8a8_small::linear_a16<float>(xh.data(), xl.data(), wp, sums, rs.data(), cs, out.data_ptr<float>(), M, K, N);
 #endif
   return out;
 }
