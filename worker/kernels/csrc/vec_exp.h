@@ -51,10 +51,40 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// exp8's operations in 16 lanes (the same results lane for lane)
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 shift = _mm512_set1_ps(12582912.f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shift), shift);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // x[0, L) = exp(x - m) in place; returns their sum
 static inline float exp_row(float* x, int64_t L, float m) {
   float sum = 0.f;
   int64_t t = 0;
+#if defined(__AVX512F__)
+  const __m512 vm16 = _mm512_set1_ps(m);
+  __m512 acc16 = _mm512_setzero_ps();
+  for (; t + 16 <= L; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), vm16));
+    _mm512_storeu_ps(x + t, e);
+    acc16 = _mm512_add_ps(acc16, e);
+  }
+  sum = _mm512_reduce_add_ps(acc16);
+#endif
 #if defined(__AVX2__)
   const __m256 vm = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
@@ -67,7 +97,7 @@ static inline float exp_row(float* x, int64_t L, float m) {
   _mm256_store_ps(lanes, acc);
   for (float e : lanes) sum += e;
 #endif
-  for (; t < L; ++t) { const float e = vec_exp(x[t] - m); x[t] = e; sum += e; }
+  for (; t < L; ++t) { const float e = vec_exp(x[t] - m); x[t] = e; sum += e; }  // AVX-512: 16 lanes, then 8
   return sum;
 }
 
@@ -85,14 +115,26 @@ static inline void silu_mul_f32(const float* g, const float* u, float* o, int64_
   for (; d < n; ++d) o[d] = g[d] / (1.f + vec_exp(-g[d])) * u[d];
 }
 
-// o[d] = silu(g[d]) * u[d] in T, math in fp32 and rounded once: fp32 rows in AVX2 lanes, others by the plain loop
+// o[d] = silu(g[d]) * u[d] in T, math in fp32 and rounded once: fp32 rows in AVX2 lanes, bf16 rows in AVX-512
+// lanes where built, others (and the tails) by the plain loop
 template <typename T>
 static inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     silu_mul_f32(g, u, o, n);
   } else {
-    #pragma omp simd
-    for (int64_t d = 0; d < n; ++d) {
+    int64_t d = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    // bf16 rows in 16 lanes: the `omp simd` loop below stays scalar (GCC does not vectorize over vec_exp)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; d + 16 <= n; d += 16) {
+        const __m512 gv = load_bf16x16(g + d);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        store_bf16x16(o + d, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), load_bf16x16(u + d)));
+      }
+    }
+#endif
+    for (; d < n; ++d) {
       const float gv = to_f(g[d]);
       o[d] = from_f<T>(gv / (1.f + vec_exp(-gv)) * to_f(u[d]));
     }

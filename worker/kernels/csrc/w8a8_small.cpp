@@ -25,14 +25,8 @@ constexpr bool kBuilt = true;
 
 static inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
 
-// 16 lanes to bf16 as `from_f` rounds them (nearest even), in vector registers: the scalar loop cost a third of
-// the few-row kernel's time at 16 rows
-static inline void store16(at::BFloat16* o, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
+// 16 lanes to bf16 in vector registers (the scalar loop cost a third of the few-row kernel's time at 16 rows)
+static inline void store16(at::BFloat16* o, __m512 v) { store_bf16x16(o, v); }
 
 // One channel block's int32 sums for row m into out[m][n ...]: remove the 128 offset, times row and column scales.
 template <typename T>
