@@ -123,11 +123,13 @@ def calibrate_max_rows(lin: nn.Module, candidates: tuple[int, ...] = (1, 2, 4, 8
 
 
 def calibrate_small_rows(w: smooth.W8A8Weight, dtype: torch.dtype,
-                         candidates: tuple[int, ...] = (1, 4, 8, 16, 24, 32, 48, 64)) -> int:
+                         candidates: tuple[int, ...] = (1, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)) -> int:
     """The largest row count up to which our W8A8 kernel is within 10% of `_int_mm` (best of 5, in turns; once per
-    weight shape). Where both read the weight from memory the few-row kernel wins at decode sizes; `_int_mm`
-    catches up once the products are compute-bound (16-32 rows on AMD Zen 4). The AVX2 kernel is measured up to
-    1,024 rows, and keeps every row count if it wins there (without int8 dot products `_int_mm` is fp32 GEMMs)."""
+    weight shape; the first loss ends the scan). Where both read the weight from memory the few-row kernel wins at
+    decode sizes; with its 8-row tile it also kept up with `_int_mm` (oneDNN's VNNI GEMM) at prefill sizes on AMD
+    Zen 4 (a 512-token prefill 428 -> 411 ms taking it at every size), while oneDNN's AMX product, where
+    `calibrate_int8_gemm` chose it, wins from a few dozen rows. The AVX2 kernel is measured up to 1,024 rows, and
+    keeps every row count if it wins there (without int8 dot products `_int_mm` is fp32 GEMMs)."""
     if w.small is None:
         return 0
     if w.small_kind == "avx2":
