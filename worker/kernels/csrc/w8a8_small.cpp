@@ -68,6 +68,16 @@ static inline __m512i bcast4(const uint8_t* p) {
   return _mm512_set1_epi32(four);
 }
 
+// a block pair's weight vectors at depth k (blocks w0, w1), prefetching the pair two ahead into L2: the strips
+// (18-49 KB) are too short for the hardware prefetcher
+static inline void pair_at(const int8_t* w0, const int8_t* w1, int64_t k, int64_t K, __m512i& v0, __m512i& v1) {
+  const int64_t ahead = 4 * K * kLanes;
+  v0 = _mm512_loadu_si512(w0 + 16 * k);
+  v1 = _mm512_loadu_si512(w1 + 16 * k);
+  _mm_prefetch(reinterpret_cast<const char*>(w0 + 16 * k + ahead), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(w1 + 16 * k + ahead), _MM_HINT_T1);
+}
+
 // `tile<T, 8, 2>` with its 16 accumulators named: as an array GCC kept one on the stack (a store-to-load chain
 // in every group) and copied the others twice per group. Eight rows share each weight load, two blocks each
 // activation broadcast: 10 loads for 16 vpdpbusd.
@@ -79,11 +89,9 @@ static inline void tile8x2(const uint8_t* xu, const int8_t* w, const int32_t* co
   __m512i a40 = z, a41 = z, a50 = z, a51 = z, a60 = z, a61 = z, a70 = z, a71 = z;
   const uint8_t* x = xu + m0 * K;
   const int8_t* w1 = w + K * kLanes;
-  const int64_t ahead = 4 * K * kLanes;  // two block pairs ahead, at the same depth, into L2
   for (int64_t k = 0; k < K; k += 4) {
-    const __m512i v0 = _mm512_loadu_si512(w + 16 * k), v1 = _mm512_loadu_si512(w1 + 16 * k);
-    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * k + ahead), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + 16 * k + ahead), _MM_HINT_T1);
+    __m512i v0, v1;
+    pair_at(w, w1, k, K, v0, v1);
 #define SY_ROW(i)                                          \
   {                                                        \
     const __m512i a = bcast4(x + (i) * K + k);             \
@@ -193,11 +201,9 @@ static inline void a16_tile4x2(const uint8_t* xh, const uint8_t* xl, const int8_
   const uint8_t* ph = xh + m0 * K;
   const uint8_t* pl = xl + m0 * K;
   const int8_t* w1 = w + K * kLanes;
-  const int64_t ahead = 4 * K * kLanes;
   for (int64_t k = 0; k < K; k += 4) {
-    const __m512i v0 = _mm512_loadu_si512(w + 16 * k), v1 = _mm512_loadu_si512(w1 + 16 * k);
-    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * k + ahead), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + 16 * k + ahead), _MM_HINT_T1);
+    __m512i v0, v1;
+    pair_at(w, w1, k, K, v0, v1);
 #define SY_ROW(i)                                                                        \
   {                                                                                      \
     const __m512i ah = bcast4(ph + (i) * K + k), al = bcast4(pl + (i) * K + k);          \
@@ -256,6 +262,20 @@ static void linear_a16(const uint8_t* xh, const uint8_t* xl, const int8_t* packe
 constexpr bool kBuilt = false;
 #endif
 
+// what both entry points take: the kernel built, x [M, K] bf16/fp32 rows, the weight packed for K, int32 column
+// sums and fp32 scales [N]
+static void check_args(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
+                       const torch::Tensor& colsum, const torch::Tensor& col_scale) {
+  TORCH_CHECK(kBuilt, name, ": built without AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 3 && packed.size(2) == 64 &&
+              packed.size(1) * 4 == x.size(1), name, ": x [M, K], packed [N / 16, K / 4, 64]");
+  const int64_t N = packed.size(0) * 16;
+  TORCH_CHECK(colsum.numel() == N && col_scale.numel() == N && colsum.scalar_type() == torch::kInt32 &&
+              col_scale.scalar_type() == torch::kFloat32, name, ": colsum int32 [N], col_scale fp32 [N]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              name, ": bfloat16 or float32");
+}
+
 }  // namespace w8a8_small
 
 bool w8a8_small_available() { return w8a8_small::kBuilt; }
@@ -274,14 +294,8 @@ std::tuple<torch::Tensor, torch::Tensor> w8a8_small_pack(torch::Tensor wt) {
 // the product with the packed weight and the per-row / per-column scales.
 torch::Tensor w8a8_small_linear(torch::Tensor x, torch::Tensor inv_smooth, torch::Tensor packed, torch::Tensor colsum,
                                 torch::Tensor col_scale) {
-  TORCH_CHECK(w8a8_small::kBuilt, "w8a8_small_linear: built without AVX-512 VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 3 && packed.size(2) == 64 &&
-              packed.size(1) * 4 == x.size(1), "w8a8_small_linear: x [M, K], packed [N / 16, K / 4, 64]");
+  w8a8_small::check_args("w8a8_small_linear", x, packed, colsum, col_scale);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  TORCH_CHECK(colsum.numel() == N && col_scale.numel() == N && colsum.scalar_type() == torch::kInt32 &&
-              col_scale.scalar_type() == torch::kFloat32, "w8a8_small_linear: colsum int32 [N], col_scale fp32 [N]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
-              "w8a8_small_linear: bfloat16 or float32");
   TORCH_CHECK(inv_smooth.scalar_type() == torch::kFloat32 && inv_smooth.numel() == K,
               "w8a8_small_linear: fp32 inv_smooth [K]");
   // codes as in w8a8_quantize, offset to unsigned for vpdpbusd (u8 x s8): q + 128 == q ^ 0x80 as a byte
@@ -316,14 +330,8 @@ torch::Tensor w8a8_small_linear(torch::Tensor x, torch::Tensor inv_smooth, torch
 // weight (the transpose of its int8 [N, K]) `w8a8_small_pack` packed; col_scale is the weight's per-channel scale.
 // The rows are quantized as w8a16_avx2_linear quantizes them, and the outputs are its bits.
 torch::Tensor w8a16_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum, torch::Tensor col_scale) {
-  TORCH_CHECK(w8a8_small::kBuilt, "w8a16_small_linear: built without AVX-512 VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 3 && packed.size(2) == 64 &&
-              packed.size(1) * 4 == x.size(1), "w8a16_small_linear: x [M, K], packed [N / 16, K / 4, 64]");
+  w8a8_small::check_args("w8a16_small_linear", x, packed, colsum, col_scale);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  TORCH_CHECK(colsum.numel() == N && col_scale.numel() == N && colsum.scalar_type() == torch::kInt32 &&
-              col_scale.scalar_type() == torch::kFloat32, "w8a16_small_linear: colsum int32 [N], col_scale fp32 [N]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
-              "w8a16_small_linear: bfloat16 or float32");
   thread_local std::vector<int16_t> q;
   thread_local std::vector<uint8_t> xh, xl;
   thread_local std::vector<float> rs;
