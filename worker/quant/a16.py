@@ -24,7 +24,8 @@ _LANES = {"vnni": 16, "avx2": 8}  # output channels per packed block
 
 @dataclass(slots=True)
 class A16Weight:
-    packed: torch.Tensor  # the weight's transpose packed for the kernel: vnni [out / 16, in / 4, 64], avx2 [out / 8, in / 4, 32]
+    # the weight's transpose packed for the kernel: vnni [out / 16, in / 4, 64] int8, avx2 [out / 8, in / 4, 32]
+    packed: torch.Tensor
     col_scale: torch.Tensor  # [out] fp32: the weight's per-channel scale
     colsum: torch.Tensor | None = None  # vnni: [out] int32 column sums of the packed weight
     kind: str = "avx2"
