@@ -22,7 +22,7 @@ template <> inline at::BFloat16 from_f<at::BFloat16>(float v) {  // round to nea
   return at::BFloat16(static_cast<uint16_t>(bits >> 16), at::BFloat16::from_bits());
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 // 16 bf16 values widened to fp32 lanes, and 16 fp32 lanes rounded to bf16 as `from_f` rounds them (nearest even)
 static inline __m512 load_bf16x16(const at::BFloat16* p) {

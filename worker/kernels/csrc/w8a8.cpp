@@ -20,10 +20,7 @@ namespace w8a8 {
 
 #if defined(__AVX512F__)
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
+static inline __m512 load16(const at::BFloat16* p) { return load_bf16x16(p); }
 #endif
 
 // one row: the largest |x * smooth|, then codes rounded half to even (AVX-512 by hand: GCC gathers and

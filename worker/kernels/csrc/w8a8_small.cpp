@@ -28,11 +28,19 @@ static inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
 // 16 lanes to bf16 in vector registers (the scalar loop cost a third of the few-row kernel's time at 16 rows)
 static inline void store16(at::BFloat16* o, __m512 v) { store_bf16x16(o, v); }
 
-// One channel block's int32 sums for row m into out[m][n ...]: remove the 128 offset, times row and column scales.
+// 128 x the column sums of a channel block: what the activations' offset to unsigned bytes added to its sums
+static inline __m512i offset128(const int32_t* colsum) { return _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7); }
+
+// A channel block's exact int32 sums for one row into o[0, 16): times the row and the column scales.
+template <typename T>
+static inline void store_sums(__m512i sums, __m512 cs, float row_scale, T* o) {
+  store16(o, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(row_scale)), cs));
+}
+
+// One channel block's offset sums for row m into out[m][n ...]: the 128 offset removed, then `store_sums`.
 template <typename T>
 static inline void store_block(__m512i acc, __m512i offset, __m512 cs, float row_scale, T* o) {
-  const __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, offset));
-  store16(o, _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(row_scale)), cs));
+  store_sums(_mm512_sub_epi32(acc, offset), cs, row_scale, o);
 }
 
 // Rows [m0, m0 + MT) against the NB channel blocks starting at `w` (each block K * 16 bytes apart), then the
@@ -56,7 +64,7 @@ static inline void tile(const uint8_t* xu, const int8_t* w, const int32_t* colsu
   }
   for (int j = 0; j < NB; ++j) {
     const int64_t n = n0 + j * kLanes;
-    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n), 7);  // 128 * column sum
+    const __m512i offset = offset128(colsum + n);
     const __m512 cs = _mm512_loadu_ps(col_scale + n);
     for (int i = 0; i < MT; ++i) store_block(acc[i][j], offset, cs, row_scale[m0 + i], out + (m0 + i) * N + n);
   }
@@ -101,8 +109,7 @@ static inline void tile8x2(const uint8_t* xu, const int8_t* w, const int32_t* co
     SY_ROW(0) SY_ROW(1) SY_ROW(2) SY_ROW(3) SY_ROW(4) SY_ROW(5) SY_ROW(6) SY_ROW(7)
 #undef SY_ROW
   }
-  const __m512i off0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0), 7);  // 128 * column sum
-  const __m512i off1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0 + kLanes), 7);
+  const __m512i off0 = offset128(colsum + n0), off1 = offset128(colsum + n0 + kLanes);
   const __m512 cs0 = _mm512_loadu_ps(col_scale + n0), cs1 = _mm512_loadu_ps(col_scale + n0 + kLanes);
   const __m512i acc[8][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31},
                              {a40, a41}, {a50, a51}, {a60, a61}, {a70, a71}};
@@ -158,8 +165,7 @@ static void linear(const uint8_t* xu, const int8_t* packed, const int32_t* colsu
 // dequantization, so the same bits.
 template <typename T>
 static inline void store_a16(__m512i hi, __m512i lo, __m512i offset, __m512 cs, float row_scale, T* o) {
-  const __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(hi, offset), 8), lo);
-  store16(o, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(row_scale)), cs));
+  store_sums(_mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(hi, offset), 8), lo), cs, row_scale, o);
 }
 
 // rows [m0, m0 + MT) of the split codes (xh: hi + 128, xl: lo) against NB channel blocks from `w`
@@ -183,7 +189,7 @@ static inline void a16_tile(const uint8_t* xh, const uint8_t* xl, const int8_t* 
   }
   for (int j = 0; j < NB; ++j) {
     const int64_t n = n0 + j * kLanes;
-    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n), 7);
+    const __m512i offset = offset128(colsum + n);
     const __m512 cs = _mm512_loadu_ps(col_scale + n);
     for (int i = 0; i < MT; ++i)
       store_a16(hi[i][j], lo[i][j], offset, cs, row_scale[m0 + i], out + (m0 + i) * N + n);
@@ -215,8 +221,7 @@ static inline void a16_tile4x2(const uint8_t* xh, const uint8_t* xl, const int8_
     SY_ROW(0) SY_ROW(1) SY_ROW(2) SY_ROW(3)
 #undef SY_ROW
   }
-  const __m512i off0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0), 7);
-  const __m512i off1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0 + kLanes), 7);
+  const __m512i off0 = offset128(colsum + n0), off1 = offset128(colsum + n0 + kLanes);
   const __m512 cs0 = _mm512_loadu_ps(col_scale + n0), cs1 = _mm512_loadu_ps(col_scale + n0 + kLanes);
   const __m512i hs[4][2] = {{h00, h01}, {h10, h11}, {h20, h21}, {h30, h31}};
   const __m512i ls[4][2] = {{l00, l01}, {l10, l11}, {l20, l21}, {l30, l31}};
