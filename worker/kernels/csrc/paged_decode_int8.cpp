@@ -23,6 +23,13 @@
 namespace dec8 {
 
 #if defined(__AVX512BW__)
+// lanes 4i..4i+3 = the sum of u[i]'s four 128-bit lanes
+static inline __m512i sum_lanes4(const __m512i (&u)[4]) {
+  const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+  const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, 0x88), _mm512_shuffle_i32x4(x01, x23, 0xDD));
+}
+
 // the 16 lane sums of 16 int32 vectors, in order (the int32 form of paged_decode.cpp's sum16)
 static inline __m512i sum16_epi32(__m512i v[16]) {
   __m512i t[8], u[4];
@@ -30,9 +37,7 @@ static inline __m512i sum16_epi32(__m512i v[16]) {
     t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
   for (int k = 0; k < 4; ++k)
     u[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * k], t[2 * k + 1]), _mm512_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
-  const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
-  const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, 0x88), _mm512_shuffle_i32x4(x01, x23, 0xDD));
+  return sum_lanes4(u);
 }
 
 static inline __m512i dot_step(__m512i acc, __m512i a, __m512i b) {
@@ -72,7 +77,7 @@ static inline void scores16(const int16_t* q16, const float* qscale, int64_t g, 
 template <int64_t HD>
 struct SplitQuery {  // one query as the scores16_vnni kernels read it (split_q15)
   alignas(64) int8_t q8[2 * HD];                 // hi bytes, then lo bytes
-  alignas(64) int8_t spread[2][HD / 64][4][64];  // head size 64: [hi, lo][0][o], lane l holds 4 x dword 4l + o
+  alignas(64) int8_t spread[2][HD == 64 ? 4 : 1][64];  // head size 64 only: [hi, lo][o], lane l = 4 x dword 4l + o
   int32_t corr;                                  // 128 x the 15-bit codes' sum
 };
 
@@ -94,7 +99,7 @@ static inline float split_q15(const T* src, float mul, SplitQuery<HD>& q) {
       for (int64_t o = 0; o < 4; ++o) {
         const __m512i idx = _mm512_set_epi32(12 + o, 12 + o, 12 + o, 12 + o, 8 + o, 8 + o, 8 + o, 8 + o, 4 + o,
                                              4 + o, 4 + o, 4 + o, o, o, o, o);
-        _mm512_store_si512(q.spread[half][0][o], _mm512_permutexvar_epi32(idx, _mm512_load_si512(q.q8 + half * HD)));
+        _mm512_store_si512(q.spread[half][o], _mm512_permutexvar_epi32(idx, _mm512_load_si512(q.q8 + half * HD)));
       }
   return scale;
 }
@@ -124,17 +129,12 @@ static inline void scores16_vnni64(const SplitQuery<64>* qs, const float* qscale
     __m512i acc[4];
     for (int64_t r = 0; r < 4; ++r) {  // lane l, dword m: key 4r + m over dwords 4l..4l+3
       __m512i a = _mm512_setzero_si512();
-      for (int64_t o = 0; o < 4; ++o) a = _mm512_dpbusd_epi32(a, S[r][o], _mm512_load_si512(qs[j].spread[0][0][o]));
+      for (int64_t o = 0; o < 4; ++o) a = _mm512_dpbusd_epi32(a, S[r][o], _mm512_load_si512(qs[j].spread[0][o]));
       a = _mm512_slli_epi32(a, 8);
-      for (int64_t o = 0; o < 4; ++o) a = _mm512_dpbusd_epi32(a, S[r][o], _mm512_load_si512(qs[j].spread[1][0][o]));
+      for (int64_t o = 0; o < 4; ++o) a = _mm512_dpbusd_epi32(a, S[r][o], _mm512_load_si512(qs[j].spread[1][o]));
       acc[r] = a;
     }
-    const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(acc[0], acc[1], 0x88),
-                                         _mm512_shuffle_i32x4(acc[0], acc[1], 0xDD));
-    const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(acc[2], acc[3], 0x88),
-                                         _mm512_shuffle_i32x4(acc[2], acc[3], 0xDD));
-    const __m512i sums = _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, 0x88), _mm512_shuffle_i32x4(x01, x23, 0xDD));
-    const __m512i dots = _mm512_sub_epi32(sums, _mm512_set1_epi32(qs[j].corr));
+    const __m512i dots = _mm512_sub_epi32(sum_lanes4(acc), _mm512_set1_epi32(qs[j].corr));
     _mm512_mask_storeu_ps(out + j * L, keep, _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(qscale[j])));
   }
 }
