@@ -140,11 +140,12 @@ def test_decode_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim):
     assert (outs[0] - outs[1]).abs().max().item() < tol
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-5), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
 def test_prefill_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim):
     """Two decodes and four chunks (fresh, after a cached prefix, one token, 200 tokens past page edges): the
-    int8 prefill kernel against SDPA on dequantized rows, decode rows untouched by it."""
+    int8 prefill kernel against SDPA on dequantized rows, decode rows untouched by it (fp32: within the int16
+    rounding of the queries and probabilities on AVX2 without AVX-512, as the decode kernel's on AVX-512)."""
     kernels = _kernels(heads, kv_heads, head_dim)
     assert kernels.prefill is not None
     torch.manual_seed(1)

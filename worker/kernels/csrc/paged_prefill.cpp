@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 #if defined(__AVX512BF16__)
@@ -153,6 +154,7 @@ static void attend_f32(const T* q, T* out, const Chunk& c, const Task& t, int64_
 // fp32 products everywhere (any CPU, both dtypes). A packed block: K^T and V, 16 x HD floats each.
 struct F32Path {
   static constexpr int64_t kBlockFloats = 2 * kKeys;  // x HD
+  static constexpr int64_t kTaskTiles = 1;            // tokens per task: this many times Rows / g
   template <typename C, int64_t HD>
   static void pack(const C* kc, const C* vc, const KvScales& sc, const Chunk& c, int64_t h, int64_t slots,
                    int64_t bs, int64_t kb, float* block) {
@@ -176,6 +178,7 @@ struct F32Path {
 struct Bf16DotPath {
   // x HD: K and V in bf16 take the floats of one fp32 copy; one more HD (>= 32 floats) holds 16 K, then 16 V scales
   static constexpr int64_t kBlockFloats = kKeys + 1;
+  static constexpr int64_t kTaskTiles = 1;
   static const float* k_scales(const void* block, int64_t hd) {
     return reinterpret_cast<const float*>(block) + kKeys * hd;
   }
@@ -296,10 +299,16 @@ struct Bf16DotPath {
 };
 #endif
 
+}  // namespace prefill
+
+#include "paged_prefill_i16.h"
+
+namespace prefill {
+
 template <typename T, typename C, int64_t HD, int Rows, typename Path>
 static void run(const T* q, const C* kc, const C* vc, const KvScales& sc, T* out, std::vector<Chunk>& chunks,
                 int64_t nh, int64_t kvh, int64_t slots, int64_t bs, float scale) {
-  const int64_t g = nh / kvh, tok_per_task = std::max<int64_t>(1, Rows / g);
+  const int64_t g = nh / kvh, tok_per_task = std::max<int64_t>(1, Rows / g) * Path::kTaskTiles;
   // key blocks to pack: with 16-token pages a block is a page, and a page several chunks read (a shared cached
   // prefix) is packed once, by the chunk that sees most of it; otherwise one block per (chunk, block)
   std::vector<int64_t> packed_of;
@@ -373,12 +382,13 @@ static bool dispatch(const T* q, const C* kc, const C* vc, const KvScales& sc, T
   return false;
 }
 
-template <typename T, typename Path>
+// Path for model-dtype caches, Int8Path for int8 ones
+template <typename T, typename Path, typename Int8Path = Path>
 static bool dispatch_cache(const T* q, const torch::Tensor& kc, const torch::Tensor& vc, const KvScales& sc, T* out,
                            std::vector<Chunk>& chunks, int64_t nh, int64_t kvh, int64_t hd, int64_t bs, float scale) {
   const int64_t slots = kc.size(1);
   if (kc.scalar_type() == torch::kChar)
-    return dispatch<T, int8_t, Path>(q, kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>(), sc, out, chunks, nh, kvh, hd,
+    return dispatch<T, int8_t, Int8Path>(q, kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>(), sc, out, chunks, nh, kvh, hd,
                                      slots, bs, scale);
   return dispatch<T, T, Path>(q, kc.data_ptr<T>(), vc.data_ptr<T>(), sc, out, chunks, nh, kvh, hd, slots, bs, scale);
 }

@@ -31,17 +31,24 @@ static torch::Tensor prefill_common(torch::Tensor q, torch::Tensor kc, torch::Te
   TORCH_CHECK(row == q.size(0), "paged_prefill: q rows != sum of q_lens");
   auto out = torch::empty_like(q);
   bool ok = false;
+#if defined(SY_PREFILL_I16)
+  using Int8F32Path = prefill::I16DotPath;  // AVX2 without AVX-512: int16 products on int8 pages
+#else
+  using Int8F32Path = prefill::F32Path;
+#endif
   if (q.scalar_type() == torch::kBFloat16) {
 #if defined(__AVX512BF16__)
     using Bf16Path = prefill::Bf16DotPath;
+    using Int8Bf16Path = Bf16Path;
 #else
     using Bf16Path = prefill::F32Path;
+    using Int8Bf16Path = Int8F32Path;
 #endif
-    ok = prefill::dispatch_cache<at::BFloat16, Bf16Path>(q.data_ptr<at::BFloat16>(), kc, vc, sc,
+    ok = prefill::dispatch_cache<at::BFloat16, Bf16Path, Int8Bf16Path>(q.data_ptr<at::BFloat16>(), kc, vc, sc,
                                                          out.data_ptr<at::BFloat16>(), chunks, nh, kvh, hd, bs,
                                                          static_cast<float>(scale));
   } else if (q.scalar_type() == torch::kFloat32) {
-    ok = prefill::dispatch_cache<float, prefill::F32Path>(q.data_ptr<float>(), kc, vc, sc, out.data_ptr<float>(),
+    ok = prefill::dispatch_cache<float, prefill::F32Path, Int8F32Path>(q.data_ptr<float>(), kc, vc, sc, out.data_ptr<float>(),
                                                           chunks, nh, kvh, hd, bs, static_cast<float>(scale));
   }
   TORCH_CHECK(ok, "paged_prefill: unsupported dtype, head size or query group");
