@@ -7,6 +7,7 @@
 // query heads of one kv head); scores for 16 keys at a time are `Rows` vector accumulators over the head size
 // (broadcast q[r][d] times a row of K^T), then an exact softmax over the row and P.V in register tiles. Tasks
 // run longest first from a shared counter, so the causal triangle's uneven tasks balance across threads.
+// int8 pages on AVX2 CPUs without AVX-512 take int16 products instead (paged_prefill_i16.h).
 #include "kernels.h"
 #include "bf16.h"
 #include "vec_exp.h"
