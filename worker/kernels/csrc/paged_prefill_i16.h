@@ -27,27 +27,7 @@ struct I16DotPath {
   static void pack(const C* kc, const C* vc, const KvScales& sc, const Chunk& c, int64_t h, int64_t slots,
                    int64_t bs, int64_t kb, float* block) {
     static_assert(std::is_same_v<C, int8_t>, "int16 products read int8 pages only");
-    int16_t* kt = reinterpret_cast<int16_t*>(block);
-    int16_t* vp = kt + kKeys * HD;
-    float* sc16 = block + kKeys * HD;  // K scales [16], then V scales [16]
-    for (int64_t i = 0; i < kKeys; ++i) {
-      const int64_t key = kb * kKeys + i;
-      int16_t* vdst = vp + (i / 2) * HD * 2 + (i & 1);
-      if (key >= c.ctx) {  // masked later; zeros keep the sums finite
-        for (int64_t d = 0; d < HD; ++d) { kt[(d / 2) * 2 * kKeys + i * 2 + (d & 1)] = 0; vdst[d * 2] = 0; }
-        sc16[i] = sc16[kKeys + i] = 0.f;
-        continue;
-      }
-      const int64_t page = c.table[key / bs], slot = page * bs + key % bs;
-      const int8_t* krow = kc + (h * slots + slot) * HD;
-      const int8_t* vrow = vc + (h * slots + slot) * HD;
-      sc16[i] = page_scale(sc.k, sc.pages, h, page);
-      sc16[kKeys + i] = page_scale(sc.v, sc.pages, h, page);
-      for (int64_t d = 0; d < HD; ++d) {
-        kt[(d / 2) * 2 * kKeys + i * 2 + (d & 1)] = krow[d];
-        vdst[d * 2] = vrow[d];
-      }
-    }
+    pack_pairs<int16_t, C, HD>(kc, vc, sc, c, h, slots, bs, kb, block, [](C x) { return int16_t{x}; });
   }
 
   // The register tile: R <= 6 rows x 2 int32 accumulators as named variables (GCC kept an array of them on the
