@@ -167,6 +167,11 @@ struct F32Path {
   }
 };
 
+// the 16 K, then 16 V scales of a block packed by pack_pairs
+static inline const float* pair_scales(const void* block, int64_t hd) {
+  return reinterpret_cast<const float*>(block) + kKeys * hd;
+}
+
 // Key block kb for the pair-wise dot products (`vdpbf16ps`, `vpmaddwd`): K^T as [HD/2][16 keys][2] and V as
 // [8 key pairs][HD][2] elements E (`elem` converts a cache element exactly), then 16 K and 16 V scales (1 for
 // model-dtype pages); keys past ctx are zeros with scales 0 (masked later)
@@ -286,8 +291,8 @@ static bool dispatch_cache(const T* q, const torch::Tensor& kc, const torch::Ten
                            std::vector<Chunk>& chunks, int64_t nh, int64_t kvh, int64_t hd, int64_t bs, float scale) {
   const int64_t slots = kc.size(1);
   if (kc.scalar_type() == torch::kChar)
-    return dispatch<T, int8_t, Int8Path>(q, kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>(), sc, out, chunks, nh, kvh, hd,
-                                     slots, bs, scale);
+    return dispatch<T, int8_t, Int8Path>(q, kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>(), sc, out, chunks, nh, kvh,
+                                         hd, slots, bs, scale);
   return dispatch<T, T, Path>(q, kc.data_ptr<T>(), vc.data_ptr<T>(), sc, out, chunks, nh, kvh, hd, slots, bs, scale);
 }
 

@@ -1,5 +1,6 @@
 // Prefill attention by `vdpbf16ps` for bf16 models on CPUs with AVX512-BF16 (Intel Xeon from Sapphire Rapids,
-// AMD Zen 4). Included by paged_prefill.cpp after its shared helpers (kKeys, Chunk, Task, softmax_row, pack_pairs).
+// AMD Zen 4). Included by paged_prefill.cpp after its shared helpers (kKeys, Chunk, Task, softmax_row, pack_pairs,
+// pair_scales).
 #pragma once
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -16,9 +17,6 @@ struct Bf16DotPath {
   // x HD: K and V in bf16 take the floats of one fp32 copy; one more HD (>= 32 floats) holds 16 K, then 16 V scales
   static constexpr int64_t kBlockFloats = kKeys + 1;
   static constexpr int64_t kTaskTiles = 1;
-  static const float* k_scales(const void* block, int64_t hd) {
-    return reinterpret_cast<const float*>(block) + kKeys * hd;
-  }
   template <typename C, int64_t HD>
   static void pack(const C* kc, const C* vc, const KvScales& sc, const Chunk& c, int64_t h, int64_t slots,
                    int64_t bs, int64_t kb, float* block) {  // exact: bf16 values, or int8 codes
@@ -43,7 +41,7 @@ struct Bf16DotPath {
       }
     }
     for (int b = 0; b < NB; ++b) {  // the softmax scale times each key's K scale (1 on model-dtype pages)
-      const __m512 vs = _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_loadu_ps(k_scales(ktb[b], HD)));
+      const __m512 vs = _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_loadu_ps(pair_scales(ktb[b], HD)));
       for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(s + r * stride + b * kKeys, _mm512_mul_ps(acc[b][r], vs));
     }
   }
@@ -98,7 +96,7 @@ struct Bf16DotPath {
     }
     uint16_t* p16 = pbuf.data();
     float* sv = sbuf.data() + Rows * stride;  // each key's V scale, folded into its probability before rounding
-    for (int64_t kb = 0; kb < nkb; ++kb) std::memcpy(sv + kb * kKeys, k_scales(blocks[kb], HD) + kKeys, kKeys * 4);
+    for (int64_t kb = 0; kb < nkb; ++kb) std::memcpy(sv + kb * kKeys, pair_scales(blocks[kb], HD) + kKeys, kKeys * 4);
     for (int r = 0; r < Rows; ++r) {
       float* sr = s + r * stride;
       inv[r] = r < rows ? softmax_row(sr, stride, past + t.tok0 + r / g + 1) : (std::fill(sr, sr + stride, 0.f), 0.f);

@@ -44,12 +44,12 @@ static torch::Tensor prefill_common(torch::Tensor q, torch::Tensor kc, torch::Te
     using Bf16Path = prefill::F32Path;
     using Int8Bf16Path = Int8F32Path;
 #endif
-    ok = prefill::dispatch_cache<at::BFloat16, Bf16Path, Int8Bf16Path>(q.data_ptr<at::BFloat16>(), kc, vc, sc,
-                                                         out.data_ptr<at::BFloat16>(), chunks, nh, kvh, hd, bs,
-                                                         static_cast<float>(scale));
+    ok = prefill::dispatch_cache<at::BFloat16, Bf16Path, Int8Bf16Path>(
+        q.data_ptr<at::BFloat16>(), kc, vc, sc, out.data_ptr<at::BFloat16>(), chunks, nh, kvh, hd, bs,
+        static_cast<float>(scale));
   } else if (q.scalar_type() == torch::kFloat32) {
-    ok = prefill::dispatch_cache<float, prefill::F32Path, Int8F32Path>(q.data_ptr<float>(), kc, vc, sc, out.data_ptr<float>(),
-                                                          chunks, nh, kvh, hd, bs, static_cast<float>(scale));
+    ok = prefill::dispatch_cache<float, prefill::F32Path, Int8F32Path>(
+        q.data_ptr<float>(), kc, vc, sc, out.data_ptr<float>(), chunks, nh, kvh, hd, bs, static_cast<float>(scale));
   }
   TORCH_CHECK(ok, "paged_prefill: unsupported dtype, head size or query group");
   return out;

@@ -1,6 +1,6 @@
 // Prefill attention over int8 pages by int16 products (`vpmaddwd`), for AVX2 CPUs without AVX-512 (AMD Zen 3),
 // where the fp32 path's FMAs do half the multiply-adds per instruction. Included by paged_prefill.cpp after its
-// shared helpers (kKeys, Chunk, Task, softmax_row).
+// shared helpers (kKeys, Chunk, Task, softmax_row, pack_pairs, pair_scales).
 //
 // A block packs K^T as int16 [HD/2][16 keys][2] and V as int16 [8 key pairs][HD][2] (the codes as they are), then
 // 16 K and 16 V page scales. Each query row is rounded to 15 bits with its own scale (quantize_query), so q.k sums
@@ -19,9 +19,6 @@ struct I16DotPath {
   static constexpr int64_t kFlushPairs = 64;  // key pairs per V chunk (16 KB at head size 64), below int32's bound
   static constexpr int64_t kTaskTiles = 4;    // a task is this many times the dispatch's Rows
   static constexpr int kMaxRows = 6;          // rows per register tile: 6 x 2 accumulators, 2 operands, 1 broadcast
-  static const float* scales(const void* block, int64_t hd) {
-    return reinterpret_cast<const float*>(block) + kKeys * hd;
-  }
 
   template <typename C, int64_t HD>
   static void pack(const C* kc, const C* vc, const KvScales& sc, const Chunk& c, int64_t h, int64_t slots,
@@ -51,7 +48,7 @@ struct I16DotPath {
   // (qscale) and each key's K scale -> s[r * stride ...]
   template <int64_t HD, int R>
   static inline void scores(const int32_t* qp, const float* qscale, const int16_t* kt, float* s, int64_t stride) {
-    static_assert(R <= 6);
+    static_assert(R <= kMaxRows);
     SY_I16_TILE_DECL
     for (int64_t d2 = 0; d2 < HD / 2; ++d2) {
       const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt + d2 * 2 * kKeys));
@@ -61,7 +58,7 @@ struct I16DotPath {
 #undef SY_Q
     }
     const __m256i acc[6][2] = SY_I16_TILE_ARRAY;
-    const float* ks = scales(kt, HD);
+    const float* ks = pair_scales(kt, HD);
     const __m256 ks0 = _mm256_loadu_ps(ks), ks1 = _mm256_loadu_ps(ks + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 qs = _mm256_set1_ps(qscale[r]);
@@ -75,7 +72,7 @@ struct I16DotPath {
   template <int64_t HD, int R>
   static inline void weighted_sum(const int32_t* pp, int64_t stride2, const int16_t* const* vblocks, int64_t j0,
                                   int64_t j1, float* o) {
-    static_assert(R <= 6);
+    static_assert(R <= kMaxRows);
     for (int64_t d0 = 0; d0 < HD; d0 += 16) {
       SY_I16_TILE_DECL
       for (int64_t j2 = j0; j2 < j1; ++j2) {
@@ -130,7 +127,7 @@ struct I16DotPath {
         scores<HD, R>(qp + r0 * (HD / 2), qscale + r0, kt, s + r0 * stride + kb * kKeys, stride);
     }
     float* sv = s + RT * stride;  // each key's V scale, folded into its probability before rounding
-    for (int64_t kb = 0; kb < nkb; ++kb) std::memcpy(sv + kb * kKeys, scales(blocks[kb], HD) + kKeys, kKeys * 4);
+    for (int64_t kb = 0; kb < nkb; ++kb) std::memcpy(sv + kb * kKeys, pair_scales(blocks[kb], HD) + kKeys, kKeys * 4);
     int16_t* p16 = reinterpret_cast<int16_t*>(pbuf.data());
     for (int64_t r = 0; r < tiles * R; ++r) {
       float* sr = s + r * stride;
@@ -151,22 +148,24 @@ struct I16DotPath {
     }
   }
 
-  // p[j] = s[j] x sv[j] in steps of 2^-15 of the row's largest (returned: what a step is worth; 0 for a zero row)
-  static inline float fold_and_round(const float* s, const float* sv, int64_t n, int16_t* p) {
-    __m256 mv = _mm256_setzero_ps();  // n is a multiple of 16
-    for (int64_t j = 0; j < n; j += 8) mv = _mm256_max_ps(mv, _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(sv + j)));
+  // p[j] = s[j] x sv[j] (left in s) in steps of 2^-15 of the row's largest (returned: what a step is worth; 0 for a
+  // zero row); n is a multiple of 16
+  static inline float fold_and_round(float* s, const float* sv, int64_t n, int16_t* p) {
+    __m256 mv = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8) {
+      const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(sv + j));
+      _mm256_storeu_ps(s + j, f);
+      mv = _mm256_max_ps(mv, f);
+    }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, mv);
     const float m = *std::max_element(lanes, lanes + 8);
-    const float k = m > 0.f ? 32767.f / m : 0.f;
-    const __m256 kv = _mm256_set1_ps(k);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {  // values in [0, 32767]: the saturating packs leave them as they are
-      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(sv + j)), kv));
+    const __m256 k = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int64_t j = 0; j < n; j += 8) {  // values in [0, 32767]: the saturating packs leave them as they are
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(s + j), k));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p + j),
                        _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
     }
-    for (; j < n; ++j) p[j] = static_cast<int16_t>(std::nearbyint(s[j] * sv[j] * k));
     return m / 32767.f;
   }
 };
