@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -89,6 +90,39 @@ def stack() -> Iterator[GatewayStack]:
     need a differently configured stack define their own `stack` fixture, which takes precedence."""
     yield shared_stack()
     stop_shared_stack()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--order", default="file", metavar="file|reverse|shuffle:SEED",
+                     help="run the collected tests in file order, reversed, or shuffled with a seed: a test whose "
+                          "outcome depends on what ran before it fails in one of them (`make test-heavy-reordered`)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    order = config.getoption("--order")
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("shuffle:"):
+        random.Random(int(order.split(":", 1)[1])).shuffle(items)
+    elif order != "file":
+        raise pytest.UsageError(f"--order={order!r}: use file, reverse or shuffle:SEED")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_torch_threads() -> Iterator[None]:
+    """torch's thread count is process-wide, and the kernels (and the kernel choices, stored per thread count) a
+    model runs depend on it: a module that sets it gets it back at its end, so no later module sees its choice."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _test_torch_threads(_module_torch_threads: None) -> Iterator[None]:
+    """The same for one test: what its body (or an engine it builds) sets is undone when it ends."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)

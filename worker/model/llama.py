@@ -145,7 +145,8 @@ class LlamaModel(nn.Module):
         if rows is None or rows.numel() == 0:
             return None
         x = self.norm(x[rows])
-        return self.lm_head(x).float()
+        logits = getattr(self.lm_head, "logits", None)  # a quantized head's fp32 product (QuantLinear.logits)
+        return logits(x) if logits is not None else self.lm_head(x).float()
 
 
 def reference_context(model: LlamaModel, n: int, logits_rows: torch.Tensor | None, block_size: int = 16
