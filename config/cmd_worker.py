@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
                               disagg_lease_s=ws.disagg_lease_s)
     loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,
                       device=None if ws.device == "auto" else ws.device, quantization=ws.quantization)
+    loaded.version = ws.model_version or ""  # the tier fingerprint names it (`LoadedModel.weights_id`)
     engine = Engine(loaded, engine_config(ws))
     if ws.metrics_port:
         from worker.server.metrics import start_metrics_server

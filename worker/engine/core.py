@@ -61,7 +61,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.pool, self.cache)
         self.runner = self.runner_class(model, config, num_pages)
         codec = PageCodec(self.runner.kv)  # pages to and from host rows: the KV tiers' and disaggregation's
-        self.kv_fingerprint = fingerprint(model.model_id, model.tokenizer_version, self.runner.kv)
+        self.kv_fingerprint = fingerprint(model.model_id, model.weights_id, model.tokenizer_version, self.runner.kv)
         self.restorer = make_restorer(config, self.cache, self.pool, codec, self.kv_fingerprint)
         self.scheduler.restorer = self.restorer
         self.exports = PageExport(codec, config.block_size)  # disaggregated prefill's pages

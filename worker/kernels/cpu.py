@@ -201,5 +201,12 @@ def available() -> bool:
 
 
 if __name__ == "__main__":
-    # `make install` builds the kernels once, so no worker pays the compile on its first request.
-    print("CPU kernels (paged decode and prefill attention, race sampler, fused ops):", "ready" if available() else "unavailable (torch paths)")
+    # `make install` builds the kernels once, so no worker pays the compile on its first request, and fails when
+    # they do not build (a silent fallback would serve every request on the slow torch paths)
+    import sys
+
+    ready = available()
+    print("CPU kernels (paged decode and prefill attention, race sampler, fused ops):",
+          "ready" if ready else "FAILED to build (see the log above); SWITCHYARD_ALLOW_NO_KERNELS=1 accepts the torch "
+          "paths")
+    sys.exit(0 if ready or os.environ.get("SWITCHYARD_ALLOW_NO_KERNELS") == "1" else 1)

@@ -28,6 +28,14 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quantization: str = "none"  # the mode actually applied (see `worker.quant.weights`)
+    weights: str = ""  # names the weights' bytes (`model_source.weights_digest`, or the random model's seed)
+    version: str = ""  # the operator's version label (`--model-version`)
+
+    @property
+    def weights_id(self) -> str:
+        """What the KV of a prompt depends on besides the tokenizer and layout: the weights, the quantization mode
+        actually applied, the dtype and the version label (`worker.kvcache.tiers.pages.fingerprint`)."""
+        return "|".join((self.weights, self.quantization, str(self.dtype), self.version))
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:

@@ -18,7 +18,7 @@ from worker.quant import w8a8 as smooth
 from worker.quant import weights as quant
 from worker.quant.packed import pack_model
 from worker.text.gguf_index import read_index
-from worker.text.model_source import ModelSource, default_model_path, hf_config, resolve
+from worker.text.model_source import ModelSource, default_model_path, hf_config, resolve, weights_digest
 from worker.text.tokenizer import load_tokenizer
 
 __all__ = ["LoadedModel", "default_model_path", "load_any", "load_model", "pick_device", "pick_dtype"]
@@ -42,7 +42,7 @@ def load_model(spec: str | Path = "default", *, dtype: str | torch.dtype | None 
     log.info("loaded %s (%s, %s, quantization %s%s) in %.1fs", src.model_id, dt, dev, mode,
              " from auto" if quantization == "auto" else "", time.monotonic() - t0)
     return LoadedModel(cfg, model, tok, src.model_id, tok.version, min(cfg.max_position, tok.max_context), dt, dev,
-                       mode)
+                       mode, weights_digest(src))
 
 
 def load_any(spec: str, *, dtype: str | None = None, device: str | None = None,

@@ -67,7 +67,9 @@ def random_model(cfg: ModelConfig, *, dtype: str | torch.dtype | None = "float32
     else:
         model = _build_on_device(cfg, dt, dev, seed)
     spec = TINY_SPEC if cfg.hidden_size == 64 else f"random-{cfg.num_layers}x{cfg.hidden_size}"
-    return LoadedModel(cfg, model, tok, spec, tok.version, min(cfg.max_position, tok.max_context), dt, dev)
+    weights = f"random:{seed}:{'device' if on_device else 'cpu'}:{cfg}"  # the seed and shape name the weights
+    return LoadedModel(cfg, model, tok, spec, tok.version, min(cfg.max_position, tok.max_context), dt, dev,
+                       weights=weights)
 
 
 def _build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> LlamaModel:

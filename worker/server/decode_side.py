@@ -151,7 +151,8 @@ class DecodeSide:
             self._complete(lease, msg.first_token)
 
     def _write(self, lease: Lease, chunk: KvChunk) -> bool:
-        """Write a chunk's rows into the leased pages; False when it does not continue the transfer in order."""
+        """Write a chunk's rows into the leased pages; False when it does not continue the transfer in order or holds
+        numbers no page can (`PageCodec.finite`)."""
         at = chunk.first - lease.held
         end = at + chunk.n
         if at != lease.arrived or end > len(lease.pages) or chunk.page_bytes != self.codec.page_bytes:
@@ -164,6 +165,8 @@ class DecodeSide:
             with warnings.catch_warnings():  # the frame is read-only: we only read it
                 warnings.simplefilter("ignore", UserWarning)
                 rows = torch.frombuffer(chunk.data.buffer, dtype=torch.uint8).view(chunk.n, chunk.page_bytes)
+            if not self.codec.finite(rows):
+                return False  # NaN, inf or a negative scale from the peer: prefilled here instead
             self.codec.write(lease.pages[at:end], rows)
             m.DISAGG_BYTES.inc(chunk.n * chunk.page_bytes)
         lease.arrived = end

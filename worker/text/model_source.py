@@ -75,6 +75,19 @@ def _digest(path: str, _size: int, _mtime_ns: int) -> str:
 
 
 
+def weights_digest(src: ModelSource) -> str:
+    """SHA-256 over the digests of the files a model's weights come from: the GGUF file, or an HF folder's
+    config.json and weight files (safetensors or bin shards, by name)."""
+    if src.kind == "gguf":
+        return file_digest(src.path)
+    files = [src.path / "config.json", *sorted(p for p in src.path.iterdir()
+                                               if p.suffix in (".safetensors", ".bin") and p.is_file())]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}:{file_digest(f)}\n".encode())
+    return h.hexdigest()
+
+
 def hf_config(path: Path) -> dict:
     with open(path / "config.json") as f:
         return json.load(f)

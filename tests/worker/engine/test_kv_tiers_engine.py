@@ -144,6 +144,25 @@ def test_disk_restore_then_a_corrupt_file_is_recomputed(tiny, tmp_path):
     no_leaks(eng)
 
 
+def test_a_disk_tier_of_other_weights_is_never_restored(tiny, tmp_path):
+    """Two models of the same id and tokenizer but other weights (seeds 1234 and 4321) on one disk directory: the
+    second restores nothing the first wrote, and answers as it does fresh (the fingerprint names the weights)."""
+    a, b = prompts()
+    first = _disk_engine(load_tiny_model(dtype="float32", device="cpu", seed=1234), tmp_path)
+    ask(first, "a1", a)
+    ask(first, "b", b)
+    first.restorer.tiers.disk.flush()
+    assert first.stats().tiers.disk_writes > 0
+    first.close()
+    other = load_tiny_model(dtype="float32", device="cpu", seed=4321)
+    fresh, _ = ask(engine(other, kv_host_bytes=0), "f", a)
+    second = _disk_engine(other, tmp_path)
+    assert second.kv_fingerprint != first.kv_fingerprint
+    got, cached = ask(second, "a2", a)
+    assert cached == 0 and got == fresh and second.stats().tiers.disk_hits == 0
+    no_leaks(second)
+
+
 def test_in_memory_retention_never_reaches_disk(tiny, tmp_path):
     a, b = prompts()
     eng = _disk_engine(tiny, tmp_path)

@@ -4,6 +4,7 @@ disk tier's checksums, foreign fingerprints, size bound, full disk and restart."
 from __future__ import annotations
 
 import errno
+import os
 import pathlib
 
 import pytest
@@ -54,12 +55,61 @@ def test_codec_round_trip_is_bit_identical(kv_dtype, dtype):
     assert not torch.equal(_page(kv, 1)[0], want[0][0])  # other pages untouched (and the check can fail)
 
 
-def test_fingerprint_names_dtype_layout_model_and_tokenizer():
+@pytest.mark.parametrize("kv_dtype,dtype,part,value", [
+    ("model", torch.float32, 0, float("nan")), ("model", torch.bfloat16, 1, float("inf")),
+    ("int8", torch.float32, 2, float("nan")), ("int8", torch.float32, 3, -1.0)])
+def test_pages_from_a_peer_with_numbers_no_page_holds_are_refused(kv_dtype, dtype, part, value):
+    codec = PageCodec(_kv(kv_dtype, dtype))
+    rows = codec.read([1, 3])
+    assert codec.finite(rows)
+    codec._parts(rows)[part][-1, -1].view(-1)[-1] = value  # K, V, then the K and V scales
+    assert not codec.finite(rows)
+
+
+def test_fingerprint_names_weights_dtype_layout_model_and_tokenizer():
     a, b = _kv("model"), _kv("int8")
-    fp = fingerprint("m", "tok1", a)
-    assert fp == fingerprint("m", "tok1", _kv("model"))
-    assert len({fp, fingerprint("m", "tok1", b), fingerprint("m2", "tok1", a), fingerprint("m", "tok2", a),
-                fingerprint("m", "tok1", _kv("model", torch.bfloat16))}) == 5
+    fp = fingerprint("m", "w1", "tok1", a)
+    assert fp == fingerprint("m", "w1", "tok1", _kv("model"))
+    assert len({fp, fingerprint("m", "w1", "tok1", b), fingerprint("m2", "w1", "tok1", a),
+                fingerprint("m", "w1", "tok2", a), fingerprint("m", "w2", "tok1", a),
+                fingerprint("m", "w1", "tok1", _kv("model", torch.bfloat16))}) == 6
+
+
+def test_weights_id_names_the_file_bytes_quantization_and_version(tmp_path):
+    """The same GGUF name with other bytes, another quantization mode or version label: another weights id."""
+    from worker.model.build import LoadedModel
+    from worker.text.model_source import ModelSource, weights_digest
+
+    def ident(data: bytes, name: str = "X.Q4_1.gguf", quant: str = "none", version: str = "") -> str:
+        path = tmp_path / data.hex() / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)
+        digest = weights_digest(ModelSource("gguf", path, "X"))
+        return LoadedModel(None, None, None, "X", "t", 1, torch.float32, torch.device("cpu"), quant, digest,
+                           version).weights_id
+
+    base = ident(b"one")
+    assert base == ident(b"one")
+    assert len({base, ident(b"two"), ident(b"one", quant="w8a8"), ident(b"one", version="v2")}) == 4
+
+
+def test_stale_format_directories_are_pruned_and_current_ones_kept(tmp_path):
+    """A directory of the format whose fingerprint named no weights is deleted when a tier starts; a directory of
+    the current format (another model's) is left as it is."""
+    from worker.kvcache.tiers.disk import MAGIC, STALE_MAGICS
+
+    def plant(magic: bytes) -> pathlib.Path:
+        folder = tmp_path / os.urandom(16).hex()
+        (folder / "ab").mkdir(parents=True)
+        (folder / "ab" / ("ab" * 16 + ".kv")).write_bytes(magic + b"\0" * 64)
+        return folder
+
+    stale, other = plant(STALE_MAGICS[0]), plant(MAGIC)
+    tier = DiskTier(tmp_path, 1 << 20, fingerprint("m", "w", "t", _kv("model")))
+    try:
+        assert not stale.exists() and other.exists() and tier.dir.exists()
+    finally:
+        tier.close()
 
 
 def _tp(n: int, fill: int = 0) -> TierPage:

@@ -23,7 +23,8 @@ import xxhash
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"SYKVPG01"
+MAGIC = b"SYKVPG02"  # 02: the fingerprint names the weights (pages.FINGERPRINT_FORMAT)
+STALE_MAGICS = (b"SYKVPG01",)  # directories of these formats are deleted at start, never read
 HEADER = struct.Struct("<8s16s16sQQ")  # magic, fingerprint, block digest, payload bytes, xxh3-64 of the payload
 SUFFIX = ".kv"
 MAX_AGE_S = 24 * 3600.0
@@ -38,6 +39,7 @@ class DiskTier:
             raise ValueError("capacity_bytes must be > 0")
         self.dir = Path(root) / fingerprint.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
+        prune_stale_formats(Path(root))
         self.capacity_bytes = capacity_bytes
         self.max_age_s = max_age_s
         self.fingerprint = fingerprint
@@ -211,3 +213,30 @@ class DiskTier:
         if delete:
             self._path(key).unlink(missing_ok=True)
         self.gone.append(key)
+
+
+def prune_stale_formats(root: Path) -> int:
+    """Delete the tier directories under `root` whose page files are of a format that is no longer trusted (their
+    fingerprint did not name the weights); a directory of the current format (another model's) is left alone.
+    Returns how many directories went."""
+    pruned = 0
+    for folder in root.iterdir():
+        if not (folder.is_dir() and len(folder.name) == 32) or folder.is_symlink():
+            continue
+        pages = list(folder.glob(f"*/*{SUFFIX}"))
+        try:
+            with open(pages[0], "rb") as f:
+                stale = bool(pages) and f.read(len(MAGIC)) in STALE_MAGICS
+        except (OSError, IndexError):
+            continue
+        if stale:
+            for page in pages:
+                page.unlink(missing_ok=True)
+            for sub in folder.iterdir():
+                if sub.is_dir() and not any(sub.iterdir()):
+                    sub.rmdir()
+            if not any(folder.iterdir()):
+                folder.rmdir()
+            pruned += 1
+            log.info("KV disk tier: deleted %d pages of a stale format under %s", len(pages), folder.name)
+    return pruned

@@ -8,11 +8,14 @@ import xxhash
 from worker.kvcache.tensors import KVCache
 from worker.protocol import HASH_ALGO
 
+FINGERPRINT_FORMAT = "fp2"  # fp1 named no weights: its tier directories are pruned, never read (`DiskTier`)
 
-def fingerprint(model_id: str, tokenizer_version: str, kv: KVCache) -> bytes:
-    """16 bytes naming what a stored page's bytes mean: model, tokenizer, KV dtype, dtype, layout and shape."""
+
+def fingerprint(model_id: str, weights_id: str, tokenizer_version: str, kv: KVCache) -> bytes:
+    """16 bytes naming what a stored page's bytes mean: model, weights (their digest, quantization, dtype and
+    version: `LoadedModel.weights_id`), tokenizer, KV dtype, dtype, layout and shape."""
     k = kv.k[0]
-    text = "|".join((model_id, tokenizer_version, kv.kv_dtype, str(kv.dtype), str(k.dtype),
+    text = "|".join((FINGERPRINT_FORMAT, model_id, weights_id, tokenizer_version, kv.kv_dtype, str(kv.dtype), str(k.dtype),
                      "pages_first" if kv.pages_first else "heads_first", f"L{len(kv.k)}", "x".join(map(str, k.shape[
                          2:] if kv.pages_first else (k.shape[0], k.shape[2]))), f"bs{kv.block_size}", HASH_ALGO))
     return xxhash.xxh3_128_digest(text.encode())
@@ -65,6 +68,16 @@ class PageCodec:
         ks = rows[:, 2 * kb: 2 * kb + sb].view(torch.float32).view(n, self.layers, -1)
         vs = rows[:, 2 * kb + sb:].view(torch.float32).view(n, self.layers, -1)
         return k, v, ks, vs
+
+    def finite(self, rows: torch.Tensor) -> bool:
+        """Rows from another process hold only finite numbers: K and V (unless int8 codes) and the int8 scales, which
+        must also be positive (a NaN, inf or negative scale would poison every token that attends to the page)."""
+        k, v, ks, vs = self._parts(rows)
+        if self.store_dtype.is_floating_point and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+            return False
+        if self.scale_bytes:
+            return bool(torch.isfinite(ks).all() and torch.isfinite(vs).all() and (ks >= 0).all() and (vs >= 0).all())
+        return True
 
     def write(self, pages: list[int], rows: torch.Tensor) -> None:
         """Put rows from `read` (or the tiers) into `pages` of the KV tensors."""
