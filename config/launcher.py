@@ -9,6 +9,7 @@ tests, bench/routing.py).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -19,12 +20,27 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parent.parent
 DEMO_TENANT = "demo"
 CLUSTER_KEY_ENV = "SWITCHYARD_CLUSTER_SECRET_KEY"
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_PR_SET_PDEATHSIG = 1
+
+
+def _tied_to(parent: int) -> Callable[[], None]:
+    """A child's set-up before exec: the stop signals unblocked (the launcher blocks them), and SIGTERM sent to it
+    when `parent` dies, however it dies (Linux's PR_SET_PDEATHSIG; if the parent is gone already, it ends)."""
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+    return setup
 
 
 def cluster_key_for_run() -> str:
@@ -72,6 +88,8 @@ class Stack:
         self.redis_url = config.redis_url
         self.worker_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.base_url = f"http://127.0.0.1:{config.port}"
+        self.pause: Callable[[float], None] = time.sleep  # between readiness polls (`main` wakes on a signal)
+        self.tie_children = False  # `main`: children die with this process (`_tied_to`)
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         out = None
@@ -82,7 +100,8 @@ class Stack:
         if self.config.cluster_key is not None:  # by environment, never on a command line
             env[CLUSTER_KEY_ENV] = self.config.cluster_key
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=_tied_to(os.getpid()) if self.tie_children else None)
         if out is not None:
             out.close()
         self.procs[name] = proc
@@ -128,7 +147,7 @@ class Stack:
                         return
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(0.25)
+            self.pause(0.25)
         raise TimeoutError(f"gateway not ready after {timeout}s")
 
     def create_tenant(self, name: str = DEMO_TENANT, **fields: object) -> str:
@@ -261,16 +280,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _pause_until_signal(seconds: float) -> None:
+    """Sleep, but a pending SIGINT or SIGTERM (blocked, so delivered only here) ends it as a KeyboardInterrupt."""
+    if signal.sigtimedwait(STOP_SIGNALS, seconds) is not None:
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Start the stack, print the demo key, and stop everything on SIGINT or SIGTERM. The stop signals stay blocked
+    for the whole run and are taken only at the waits (`_pause_until_signal`), so no signal can land inside the
+    stop itself: a second SIGTERM or Ctrl-C during it changes nothing, and the children die with this process
+    even when it is SIGKILLed (`_tied_to`)."""
     args = _parse(argv)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     stack = Stack(StackConfig(port=args.port, redis_url=os.environ.get("SWITCHYARD_REDIS_URL") or None,
                               model=args.model, ready_timeout=args.ready_timeout, log_dir=args.log_dir,
                               cluster_key=cluster_key_for_run()))
-
-    def on_signal(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    stack.pause, stack.tie_children = _pause_until_signal, True
     try:
         print(f"starting Switchyard (redis, worker, gateway on port {args.port}); this takes a minute...",
               flush=True)
@@ -279,17 +305,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nSwitchyard is ready at {stack.base_url}\ndemo tenant key: {key}\n\n"
               f"{curl_line(stack.base_url, key, 'default')}\n\nCtrl-C stops everything.", flush=True)
         while not stack.dead():
-            time.sleep(0.5)
+            _pause_until_signal(0.5)
         print(f"{', '.join(stack.dead())} exited; stopping the rest", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("stopping Switchyard (gateway, worker, redis)...", file=sys.stderr, flush=True)
         return 0
     except (RuntimeError, TimeoutError) as exc:
         print(f"make run: {exc}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stack.stop()
 
 
