@@ -6,12 +6,14 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
+import time
 
 import pytest
 import torch
 
 from worker.config import ModelConfig
 from worker.kvcache.tensors import KVCache
+from worker.kvcache.tiers import disk as disk_module
 from worker.kvcache.tiers.disk import DiskTier
 from worker.kvcache.tiers.host import HostTier, TierPage
 from worker.kvcache.tiers.pages import PageCodec, fingerprint
@@ -185,6 +187,33 @@ def test_a_foreign_fingerprint_is_never_read(tmp_path):
     reopened.close()
 
 
+def test_pages_at_rest_are_private_and_never_read_through_a_symlink(tmp_path):
+    d = _disk(tmp_path)
+    d.submit(_key(4), torch.ones(64, dtype=torch.uint8))
+    d.flush()
+    path = next(d.dir.glob("*/*.kv"))
+    assert d.dir.stat().st_mode & 0o777 == 0o700 and path.parent.stat().st_mode & 0o777 == 0o700
+    assert path.stat().st_mode & 0o777 == 0o600
+    secret = tmp_path / "elsewhere"
+    secret.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(secret)  # same bytes, same size: only the symlink differs
+    assert d.load(_key(4)) is None and secret.exists()
+    d.close()
+
+
+def test_the_sweep_deletes_expired_pages_nobody_reads(tmp_path):
+    d = _disk(tmp_path)
+    for i in (5, 6):
+        d.submit(_key(i), torch.ones(64, dtype=torch.uint8))
+    d.flush()
+    old = d._path(_key(5))
+    os.utime(old, (time.time() - d.max_age_s - 5,) * 2)
+    assert d.sweep() == 1
+    assert not old.exists() and _key(5) not in d and _key(6) in d and list(d.gone) == [_key(5)]
+    d.close()
+
+
 def test_size_bound_evicts_oldest_files(tmp_path):
     d = _disk(tmp_path, cap=2 * (100 + 56) + 10)
     for i in range(3):
@@ -198,10 +227,10 @@ def test_size_bound_evicts_oldest_files(tmp_path):
 def test_a_full_disk_stops_writes(tmp_path, monkeypatch):
     d = _disk(tmp_path)
 
-    def no_space(self, data):
+    def no_space(path, blob):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(pathlib.Path, "write_bytes", no_space)
+    monkeypatch.setattr(disk_module, "_write_new", no_space)
     assert d.submit(_key(4), torch.ones(10, dtype=torch.uint8))
     d.flush()
     assert d.full and _key(4) not in d and not list(d.dir.glob("*/*"))

@@ -149,9 +149,15 @@ def test_default_model_head_on_int16_rows_keeps_its_perplexity(monkeypatch):
     head = lm.model.lm_head
     ids = eval_ids(lm)[:768]
     inputs: list[torch.Tensor] = []
-    hook = head.register_forward_hook(lambda _m, args, _out: inputs.append(args[0].detach().clone()))
+    logits = head.logits  # what the model calls for its logits: capture its input
+
+    def capture(x2: torch.Tensor) -> torch.Tensor:
+        inputs.append(x2.detach().clone())
+        return logits(x2)
+
+    head.logits = capture
     score(lm, ids, 64)
-    hook.remove()
+    del head.logits
     x = torch.cat(inputs)[:-1]  # the rows that predict ids[1:]
     target = torch.tensor(ids[1:])
     w = head.qweight.double() * head.scales.double()[:, None]

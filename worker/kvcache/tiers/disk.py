@@ -2,16 +2,20 @@
 background thread through a bounded queue (a full queue drops the write; it never blocks the engine step).
 
 A file whose header, length or checksum is wrong, or older than `max_age_s` (24 h: OpenAI's longest prompt cache
-retention), is deleted and reads as a miss (the page is recomputed); a file of another fingerprint lives in another
-directory and is never opened; a full disk stops all further writes.
+retention), is deleted and reads as a miss (the page is recomputed); the writer thread also sweeps expired files
+every `SWEEP_S`. A file of another fingerprint lives in another directory and is never opened; a full disk stops
+all further writes. KV pages are an easily inverted form of prompts: directories are 0700, files 0600, and
+neither a page nor its temporary file is opened through a symlink.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -28,6 +32,9 @@ STALE_MAGICS = (b"SYKVPG01",)  # directories of these formats are deleted at sta
 HEADER = struct.Struct("<8s16s16sQQ")  # magic, fingerprint, block digest, payload bytes, xxh3-64 of the payload
 SUFFIX = ".kv"
 MAX_AGE_S = 24 * 3600.0
+SWEEP_S = 600.0  # how often the writer thread deletes files past max_age_s (also checked on every read)
+_DIR_MODE, _FILE_MODE = 0o700, 0o600
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class DiskTier:
@@ -38,8 +45,10 @@ class DiskTier:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be > 0")
         self.dir = Path(root) / fingerprint.hex()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(self.dir, _DIR_MODE)  # made earlier with the umask's mode
         prune_stale_formats(Path(root))
+        self._next_sweep = time.monotonic() + SWEEP_S
         self.capacity_bytes = capacity_bytes
         self.max_age_s = max_age_s
         self.fingerprint = fingerprint
@@ -94,10 +103,11 @@ class DiskTier:
             self._index.move_to_end(key)
         path = self._path(key)
         try:
-            if time.time() - path.stat().st_mtime > self.max_age_s:
+            st = path.lstat()
+            if time.time() - st.st_mtime > self.max_age_s:
                 self._forget(key, delete=True)
                 return None
-            raw = path.read_bytes()
+            raw = _read_exact(path, st.st_size) if st.st_size == self._index.get(key) else b""
         except OSError:
             self._forget(key, delete=False)
             return None
@@ -133,16 +143,24 @@ class DiskTier:
         return self.dir / h[:2] / (h + SUFFIX)
 
     def _scan(self) -> None:
-        """Index the files a previous process left (oldest first); trim to the bound."""
+        """Index the files a previous process left (oldest first; regular files only, made 0600); trim to the bound.
+        Temporary files a killed writer left (older than a minute) go."""
         found = []
+        for tmp in self.dir.glob("*/*.tmp"):
+            with contextlib.suppress(OSError):
+                if time.time() - tmp.lstat().st_mtime > 60:
+                    tmp.unlink()
         for path in self.dir.glob(f"*/*{SUFFIX}"):
             try:
-                st = path.stat()
+                st = path.lstat()
                 key = bytes.fromhex(path.stem)
             except (OSError, ValueError):
                 continue
-            if len(key) != 16:
+            if len(key) != 16 or not stat.S_ISREG(st.st_mode):
                 continue
+            if st.st_mode & 0o077:
+                with contextlib.suppress(OSError):
+                    os.chmod(path, _FILE_MODE)
             if time.time() - st.st_mtime > self.max_age_s:
                 path.unlink(missing_ok=True)
                 continue
@@ -155,7 +173,11 @@ class DiskTier:
 
     def _write_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=max(0.0, self._next_sweep - time.monotonic()))
+            except queue.Empty:
+                self.sweep()
+                continue
             try:
                 if item is None:
                     return
@@ -177,10 +199,10 @@ class DiskTier:
                 return
             self._make_room(len(blob))
         path = self._path(key)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # one per process: two workers may share a directory
         try:
-            path.parent.mkdir(exist_ok=True)
-            tmp.write_bytes(blob)
+            path.parent.mkdir(mode=_DIR_MODE, exist_ok=True)
+            _write_new(tmp, blob)
             os.replace(tmp, path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
@@ -195,6 +217,20 @@ class DiskTier:
             self._index[key] = len(blob)
             self.bytes += len(blob)
             self.writes += 1
+
+    def sweep(self) -> int:
+        """Delete the indexed files older than max_age_s (the writer thread calls it every SWEEP_S)."""
+        self._next_sweep = time.monotonic() + SWEEP_S
+        now, expired = time.time(), []
+        for key in self.keys():
+            try:
+                if now - self._path(key).lstat().st_mtime > self.max_age_s:
+                    expired.append(key)
+            except OSError:
+                expired.append(key)
+        for key in expired:
+            self._forget(key, delete=True)
+        return len(expired)
 
     def _make_room(self, size: int) -> None:
         """Under the lock: delete least recently used files until `size` more bytes fit."""
@@ -213,6 +249,22 @@ class DiskTier:
         if delete:
             self._path(key).unlink(missing_ok=True)
         self.gone.append(key)
+
+
+def _write_new(path: Path, blob: bytes) -> None:
+    """Write `blob` to a new 0600 file at `path` (a stale one is replaced; a symlink there is not followed)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, _FILE_MODE)
+    with os.fdopen(fd, "wb") as f:
+        f.write(blob)
+
+
+def _read_exact(path: Path, size: int) -> bytes:
+    """The file's bytes, never through a symlink, and only when it still holds `size` of them."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(size + 1)
+    return raw if len(raw) == size else b""
 
 
 def prune_stale_formats(root: Path) -> int:
