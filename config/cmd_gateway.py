@@ -154,7 +154,8 @@ def build_app(settings: Settings):
     return create_app(make_service, AppConfig(max_body_bytes=gw.max_body_bytes, body_timeout_s=gw.body_timeout,
                                                stream_write_timeout_s=gw.stream_write_timeout,
                                                ready_check=redis_ok, metrics_token=gw.metrics_token,
-                                               trace_tenant=gw.trace_tenant),
+                                               trace_tenant=gw.trace_tenant,
+                                               trust_client_trace=gw.trust_client_trace),
                       on_close=close)
 
 

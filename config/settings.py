@@ -93,8 +93,9 @@ class GatewaySettings(BaseModel):
     keep_alive_timeout: float = Field(75.0, gt=0)
     request_timeout: float = Field(600.0, gt=0)  # whole-request deadline sent to the worker
     stream_write_timeout: float = Field(30.0, gt=0)  # an SSE client that takes no chunk for this long is cut
-    # /metrics on the public port answers loopback clients, and others only with `Authorization: Bearer <this>`
-    # (None: loopback only); it shows worker ids and, with tenant labels, per-tenant volumes
+    # /metrics on the public port: with a token, only `Authorization: Bearer <this>` (loopback included: a proxy on
+    # the same host makes every client loopback); without one, loopback clients whose request came through no
+    # HTTP proxy. It shows worker ids and, with tenant labels, per-tenant volumes
     metrics_token: str | None = None
     hash_secret: str = "switchyard-dev-secret"  # per-deployment key of prefix hashes; set it in production
     route_epsilon: float = Field(0.25, ge=0.0)  # bounded loads: a worker takes new keys below (1 + eps) x mean
@@ -117,6 +118,9 @@ class GatewaySettings(BaseModel):
     # tenants with their own `tenant` metric label (the rest are "other"); empty = no tenant label
     metrics_tenant_labels: list[str] = Field(default_factory=list, max_length=100)
     trace_tenant: bool = False  # request spans carry the tenant's name (never keys or prompt text)
+    # a client's `traceparent` parents the request span only when trusted (clients inside the operator's own
+    # tracing); otherwise the span starts its own trace and links to the client's span
+    trust_client_trace: bool = False
     # model pools (docs/routing.md): registry workers grouped by model version, each with its own router and
     # capacity gate; `model` picks a version directly, by model name or by a weighted alias (Redis `sy:aliases`)
     model_pools: bool = False

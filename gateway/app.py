@@ -54,6 +54,7 @@ class AppConfig:
     ready_check: Callable[[], Awaitable[bool]] | None = None  # e.g. a Redis ping
     metrics_token: str | None = None  # /metrics off loopback needs it as a bearer token (gateway.metrics)
     trace_tenant: bool = False  # request spans carry the tenant's name (`switchyard.tenant`)
+    trust_client_trace: bool = False  # a client's traceparent parents the request span (else: a link only)
 
 
 def _service(request: Request) -> GatewayService:
@@ -61,7 +62,7 @@ def _service(request: Request) -> GatewayService:
 
 
 async def _generate(request: Request, parse: Callable[[Any], GenerationRequest]) -> Response:
-    span = tracing.start_request(request)
+    span = tracing.start_request(request, request.app.state.config.trust_client_trace)
     if span is None:
         return await _serve(request, parse, None)
     with use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):

@@ -257,19 +257,24 @@ async def metrics_endpoint(request: Request) -> Response:
 
 
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+_PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")  # an HTTP proxy passed the request on
 
 
 def guarded_endpoint(token: str | None):
-    """/metrics for loopback clients, and for others with `Authorization: Bearer <token>` (compared as SHA-256
-    digests in constant time); anyone else gets a plain 404, as for a path that does not exist."""
+    """/metrics with `Authorization: Bearer <token>` (compared as SHA-256 digests in constant time) from anyone
+    when a token is set, loopback included; without a token, for loopback clients whose request names no proxy.
+    Anyone else gets a plain 404, as for a path that does not exist. Behind a same-host TCP proxy (which adds no
+    header) set the token: the proxy makes every client loopback."""
     want = hashlib.sha256(token.encode()).digest() if token else None
 
     async def endpoint(request: Request) -> Response:
-        client = request.client.host if request.client else ""
-        header = request.headers.get("authorization", "")
-        given = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        ok = client in _LOOPBACK or (want is not None and hmac.compare_digest(
-            hashlib.sha256(given.encode()).digest(), want))
+        if want is None:
+            client = request.client.host if request.client else ""
+            ok = client in _LOOPBACK and not any(h in request.headers for h in _PROXY_HEADERS)
+        else:
+            header = request.headers.get("authorization", "")
+            given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+            ok = hmac.compare_digest(hashlib.sha256(given.encode()).digest(), want)
         if not ok:
             return Response("Not Found", status_code=404, media_type="text/plain")
         return await metrics_endpoint(request)

@@ -1,5 +1,7 @@
-"""The gateway's spans: one per API request (parented on the client's `traceparent`), with authenticate and
-admission children; the router adds `route`. Tracing off (no provider installed): every call is a no-op.
+"""The gateway's spans: one per API request, with authenticate and admission children; the router adds `route`.
+A client's `traceparent` is untrusted: the request span starts a trace of its own (its own sampling decision) and
+links to the client's span, unless the operator trusts clients' trace context (`trust_client_trace`), when it is
+the parent. Tracing off (no provider installed): every call is a no-op.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.requests import Request
 
@@ -16,12 +19,17 @@ from worker.protocol.trace_context import extract, tracer
 TRACER_NAME = "switchyard.gateway"
 
 
-def start_request(request: Request) -> trace.Span | None:
+def start_request(request: Request, trust_client: bool = False) -> trace.Span | None:
     """The request's server span (not yet current), or None when tracing is off."""
     tr = tracer(TRACER_NAME)
     if tr is None:
         return None
-    return tr.start_span(f"{request.method} {request.url.path}", context=extract(request.headers),
+    remote = extract(request.headers)
+    links = []
+    if remote is not None and not trust_client:  # a link: the client cannot opt out of sampling or pick a trace
+        links = [trace.Link(trace.get_current_span(remote).get_span_context())]
+        remote = None
+    return tr.start_span(f"{request.method} {request.url.path}", context=remote or Context(), links=links,
                          kind=SpanKind.SERVER, attributes={
                              "http.request.method": request.method, "url.path": request.url.path,
                              "switchyard.request_id": request.scope["state"]["request_id"]})

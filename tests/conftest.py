@@ -18,6 +18,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# the host tiers' shared budget (worker.kvcache.tiers.host_budget): one claims file per test session, so that no
+# process outside it (a `make run` left running) holds this session's workers' shares
+os.environ.setdefault("SWITCHYARD_HOST_CLAIMS", os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"sy-host-claims-{os.getpid()}.json"))
+
 from config.launcher import free_port, wait_for_port  # noqa: E402, F401 - re-exported to the tests
 from tests.gateway_stack import GatewayStack, shared_stack, stop_shared_stack  # noqa: E402
 

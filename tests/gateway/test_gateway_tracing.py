@@ -1,6 +1,7 @@
 """Gateway spans through the real app (in process, with a real Redis and a tiny worker process): a request span
-parented on the client's `traceparent`, with authenticate, admission and route children; the tenant only when
-configured; never the key or prompt text."""
+parented on the client's `traceparent` when the operator trusts it, else in a trace of its own with a link to the
+client's span; authenticate, admission and route children; the tenant only when configured; never the key or
+prompt text."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def wait_ready(http: TestClient) -> None:
 
 def test_request_span_tree_follows_the_clients_traceparent(redis_url, worker, spans) -> None:
     key = tenant_with_new_key(redis_url, "traced")
-    with client(redis_url, worker, trace_tenant=True) as http:
+    with client(redis_url, worker, trace_tenant=True, trust_client_trace=True) as http:
         wait_ready(http)
         assert "[DONE]" in complete(http, key, traceparent=CLIENT_PARENT)
     finished = spans.get_finished_spans()
@@ -70,6 +71,18 @@ def test_request_span_tree_follows_the_clients_traceparent(redis_url, worker, sp
     for span in finished:  # neither the key nor the prompt is anywhere in a span
         text = repr(dict(span.attributes or {})) + span.name
         assert key not in text and "zebras" not in text
+
+
+def test_an_untrusted_traceparent_is_a_link_and_cannot_turn_sampling_off(redis_url, worker, spans) -> None:
+    key = tenant_with_new_key(redis_url, "linked")
+    unsampled = f"00-{CLIENT_TRACE}-b7ad6b7169203331-00"  # flags 00: "do not record", as a client might ask
+    with client(redis_url, worker) as http:
+        wait_ready(http)
+        complete(http, key, traceparent=unsampled)
+    (root,) = [s for s in spans.get_finished_spans() if s.name == "POST /v1/completions"]
+    assert root.parent is None and f"{root.context.trace_id:032x}" != CLIENT_TRACE
+    (link,) = root.links
+    assert f"{link.context.trace_id:032x}" == CLIENT_TRACE and f"{link.context.span_id:016x}" == "b7ad6b7169203331"
 
 
 def test_refused_request_span_has_its_status_and_no_tenant_without_the_setting(redis_url, worker, spans) -> None:

@@ -30,6 +30,18 @@ def test_loopback_is_served_without_a_token():
         assert _client(None, host).get("/metrics").status_code == 200
 
 
+def test_a_set_token_is_needed_from_loopback_too():
+    """A proxy on the same host makes every client loopback: once a token is set, nobody is served without it."""
+    client = _client("s3cret", "127.0.0.1")
+    assert client.get("/metrics").status_code == 404
+    assert client.get("/metrics", headers={"authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_loopback_through_an_http_proxy_is_not_loopback():
+    for header in ("forwarded", "x-forwarded-for", "x-real-ip"):
+        assert _client(None, "127.0.0.1").get("/metrics", headers={header: "203.0.113.9"}).status_code == 404
+
+
 def test_worker_metrics_bind_loopback_unless_told():
     assert WorkerSettings().metrics_host == "127.0.0.1"
 

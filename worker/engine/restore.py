@@ -12,6 +12,7 @@ from worker.config import EngineConfig
 from worker.engine.sequence import ScheduledBatch, Sequence
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
+from worker.kvcache.tiers import host_budget
 from worker.kvcache.tiers.disk import DiskTier
 from worker.kvcache.tiers.pages import PageCodec
 from worker.kvcache.tiers.store import KvTiers
@@ -94,11 +95,20 @@ class Restorer:
 
 def default_host_bytes(pool_bytes: int) -> int:
     """The auto size of the host tier: 1/8 of the memory available at start (at most 64 GiB), and at least the
-    KV pool's size where that is available (pages in RAM cost no prefill)."""
+    KV pool's size where that is available (pages in RAM cost no prefill); all the workers of a host together
+    take at most 1/8 of its memory (`host_budget.claim`)."""
     avail = _available_memory()
     if avail is None:
         return pool_bytes
-    return int(min(max(avail // 8, min(pool_bytes, avail // 4)), 64 << 30))
+    want = int(min(max(avail // 8, min(pool_bytes, avail // 4)), 64 << 30))
+    return host_budget.claim(want, _total_memory() or avail)
+
+
+def _total_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _available_memory() -> int | None:

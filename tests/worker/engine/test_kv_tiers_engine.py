@@ -4,6 +4,7 @@ block reports carry the tiers. Every test ends with every page back in the pool.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -215,13 +216,42 @@ def test_disk_reads_start_while_the_request_waits(tiny, tmp_path):
     no_leaks(eng)
 
 
-def test_auto_host_size_is_an_eighth_of_available_memory_at_least_the_pool(monkeypatch):
+def test_auto_host_size_is_an_eighth_of_available_memory_at_least_the_pool(monkeypatch, tmp_path):
     from worker.engine import restore
+    from worker.kvcache.tiers import host_budget
 
+    monkeypatch.setenv(host_budget.CLAIMS_ENV, str(tmp_path / "claims.json"))
     assert restore._available_memory() > 0  # this machine's MemAvailable is readable
+    monkeypatch.setattr(restore, "_total_memory", lambda: 64 << 40)  # a host budget that never binds here
     monkeypatch.setattr(restore, "_available_memory", lambda: 16 << 30)
     assert restore.default_host_bytes(1 << 20) == 2 << 30  # 1/8 of 16 GiB
     assert restore.default_host_bytes(3 << 30) == 3 << 30  # at least the pool ...
     assert restore.default_host_bytes(12 << 30) == 4 << 30  # ... up to 1/4 of available memory
     monkeypatch.setattr(restore, "_available_memory", lambda: 1 << 40)
     assert restore.default_host_bytes(1 << 20) == 64 << 30  # at most 64 GiB
+
+
+def test_the_workers_of_a_host_share_one_eighth_of_its_memory(monkeypatch, tmp_path):
+    """Eight workers on a 64 GiB host each asking for 8 GiB: together they get 8 GiB, not 64; a dead worker's claim
+    goes back to the budget, and a restarted process keeps one claim."""
+    import json
+    import subprocess
+    import sys
+
+    from worker.kvcache.tiers import host_budget
+
+    monkeypatch.setenv(host_budget.CLAIMS_ENV, str(tmp_path / "claims.json"))
+    probe = ("import sys; from worker.kvcache.tiers.host_budget import claim; "
+             "print(claim(8 << 30, 64 << 30))")
+    grants = [int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                 env={**os.environ}).stdout) for _ in range(3)]
+    assert grants == [8 << 30] * 3  # each probe exits before the next: its claim is dropped
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / "claims.json").write_text(json.dumps({str(sleeper.pid): 7 << 30}))  # a live worker holds 7
+        assert host_budget.claim(8 << 30, 64 << 30) == 1 << 30
+        assert host_budget.claim(8 << 30, 64 << 30) == 1 << 30  # claiming again replaces this process's claim
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert host_budget.claim(8 << 30, 64 << 30) == 8 << 30
