@@ -4,6 +4,7 @@ the live pools to a `Target` (that version's tokenizer, Router and capacity gate
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -22,7 +23,7 @@ from worker.protocol import Priority
 
 log = logging.getLogger("switchyard.gateway")
 
-MAX_TOKENIZERS = 8  # tokenizers (ServedModels) kept at once, least recently used dropped
+MAX_TOKENIZERS = 32  # tokenizers (ServedModels) kept at once, least recently used dropped (a fleet's versions fit)
 STICKY_PROMPT_CHARS = 1024  # a completion's version sticks to this much of its prompt
 VERSION_HEADER = "x-switchyard-model-version"
 
@@ -90,7 +91,12 @@ class SinglePool:
 
 
 class TokenizerCache:
-    """ServedModels by (spec, fingerprint), at most MAX_TOKENIZERS; the gateway's own model is always there."""
+    """ServedModels by (spec, fingerprint), at most MAX_TOKENIZERS; the gateway's own model is always there.
+
+    A load (0.2-0.4 s; seconds for a first GGUF conversion) never runs on the event loop and never holds the lock
+    other lookups take: on the loop, a tokenizer not loaded yet starts loading on a thread and the request gets a
+    retryable 503; off the loop (threads, the fleet's preload of each new version), the caller loads it, and
+    concurrent callers for the same key wait for that one load."""
 
     def __init__(self, default: ServedModel, default_spec: str, load: Callable[[str], ServedModel] = ServedModel.load,
                  size: int = MAX_TOKENIZERS) -> None:
@@ -99,10 +105,12 @@ class TokenizerCache:
         self._load = load
         self._size = size
         self._models: OrderedDict[tuple[str, str], ServedModel | str] = OrderedDict()  # str: why it failed
-        self._lock = threading.Lock()  # loads may run on a thread (large bodies are prepared there)
+        self._loading: dict[tuple[str, str], threading.Event] = {}
+        self._lock = threading.Lock()  # the dicts only: never held across a load
 
     def get(self, served: Served) -> ServedModel | str:
-        """The tokenizer of `served`, or why there is none (a load error or a fingerprint mismatch)."""
+        """The tokenizer of `served`, or why there is none (a load error or a fingerprint mismatch); on an event
+        loop, a 503 `model_unavailable` while it loads (`get` is the loop's cheap path: a dict lookup)."""
         if not served.spec or served.tokenizer == self.default.version or (
                 served.spec == self.default_spec and not served.tokenizer):
             return self.default
@@ -112,18 +120,45 @@ class TokenizerCache:
             if found is not None:
                 self._models.move_to_end(key)
                 return found
-            try:
-                model: ServedModel | str = self._load(served.spec)
-            except Exception as exc:  # a spec this host cannot load: that version cannot be served here
-                model = f"its tokenizer {served.spec!r} does not load here: {exc}"
-            if isinstance(model, ServedModel) and served.tokenizer and model.version != served.tokenizer:
-                model = f"tokenizer fingerprint {model.version[:12]} here, {served.tokenizer[:12]} on the workers"
-            if isinstance(model, str):
-                log.warning("model version %s: %s", served.key, model)
+            loading = self._loading.get(key)
+            mine = loading is None
+            if mine:
+                loading = self._loading[key] = threading.Event()
+        if _on_event_loop():
+            if mine:
+                threading.Thread(target=self._fill, args=(served, key, loading), name="tokenizer-load",
+                                 daemon=True).start()
+            raise errors.model_unavailable(served.key, "its tokenizer is loading on this gateway")
+        if mine:
+            return self._fill(served, key, loading)
+        loading.wait(timeout=120.0)
+        with self._lock:
+            return self._models.get(key, f"its tokenizer {served.spec!r} is still loading here")
+
+    def _fill(self, served: Served, key: tuple[str, str], loading: threading.Event) -> ServedModel | str:
+        try:
+            model: ServedModel | str = self._load(served.spec)
+        except Exception as exc:  # a spec this host cannot load: that version cannot be served here
+            model = f"its tokenizer {served.spec!r} does not load here: {exc}"
+        if isinstance(model, ServedModel) and served.tokenizer and model.version != served.tokenizer:
+            model = f"tokenizer fingerprint {model.version[:12]} here, {served.tokenizer[:12]} on the workers"
+        if isinstance(model, str):
+            log.warning("model version %s: %s", served.key, model)
+        with self._lock:
             self._models[key] = model
             if len(self._models) > self._size:
                 self._models.popitem(last=False)
-            return model
+            self._loading.pop(key, None)
+        loading.set()
+        return model
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 class FleetPools:

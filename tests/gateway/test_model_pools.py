@@ -5,6 +5,9 @@ model listing, over simulated workers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -80,6 +83,7 @@ def test_aliases_route_by_weight_fall_back_and_are_listed() -> None:
         table = AliasTable(R())
         await table.start()
         pools, m = _pools(table)
+        await asyncio.to_thread(pools.tokenizers.get, pools.fleet.served("m@v1"))  # as the fleet preloads it
         t = Tenant("t")
         picks = [pools.resolve("canary", t, f"conv-{i}").key for i in range(1000)]
         assert 0.06 < picks.count("m@v2") / len(picks) < 0.14
@@ -93,6 +97,35 @@ def test_aliases_route_by_weight_fall_back_and_are_listed() -> None:
         await table.close()
 
     asyncio.run(main())
+
+
+def test_a_tokenizer_load_never_blocks_the_event_loop() -> None:
+    """On the loop, a version whose tokenizer is not loaded gets a retryable 503 at once while a thread loads it
+    (once, however many requests ask); the next request after the load is served."""
+    pools, _ = _pools()
+    release = threading.Event()
+    slow = pools.tokenizers._load
+
+    def load(spec: str):  # noqa: ANN202
+        release.wait(10)
+        return slow(spec)
+
+    pools.tokenizers._load = load
+
+    async def main() -> None:
+        t0 = time.monotonic()
+        for _ in range(3):
+            err = _error(pools.resolve, "m@v1", Tenant("t"), "p")
+            assert (err.status, err.code, err.headers["retry-after"]) == (503, "model_unavailable", "1")
+        assert time.monotonic() - t0 < 0.5  # nothing waited for the load
+        release.set()
+        for _ in range(100):
+            with contextlib.suppress(ApiError):
+                return pools.resolve("m@v1", Tenant("t"), "p")
+            await asyncio.sleep(0.05)
+
+    target = asyncio.run(main())
+    assert target is not None and target.model is MODELS["spec-m"] and pools.loads == ["spec-m"]
 
 
 def test_sticky_prefix_is_the_same_on_every_turn_of_a_conversation() -> None:
