@@ -182,15 +182,24 @@ class FleetPools:
             alias = Alias(name, tuple((v, 1.0) for v in versions)) if versions else None
         return alias
 
-    def pick(self, name: str, sticky: bytes) -> str:
-        """The version key for `name`; 404 when nothing by that name exists, 503 when none of it is live."""
+    def pick(self, name: str, sticky: bytes, tenant: Tenant | None = None) -> str:
+        """The version key for `name`; 404 when nothing by that name exists, 503 when none of it is live (or its
+        alias record is malformed: the operator's mistake, never charged to the client). With `tenant`, an
+        alias picks only among the versions the tenant may use (403 when none), so its stickiness never lands a
+        request on a forbidden version."""
         fleet = self.fleet
         live = set(fleet.live_versions())
         alias = self.alias(name)
         if alias is not None:
+            if tenant is not None and not self._alias_allowed(tenant, name):
+                alias = Alias(alias.name, tuple((k, w) for k, w in alias.targets if self._allowed(tenant, k)))
+                if not alias.targets:
+                    raise errors.model_not_allowed(name)
             key = alias.pick(live, sticky)
         elif name in fleet.versions():
             key = name if name in live else None
+        elif self.aliases is not None and self.aliases.broken(name) and not fleet.versions_of(name):
+            raise errors.model_unavailable(name, "its alias record is malformed")
         else:
             versions = fleet.versions_of(name)
             if not versions:
@@ -201,12 +210,18 @@ class FleetPools:
             raise errors.model_unavailable(name)
         return key
 
+    def _alias_allowed(self, tenant: Tenant, name: str) -> bool:
+        """`name` itself is in the tenant's allow-list, and it names an alias only (an alias named like a model
+        never stands for that model's permission: the alias's versions are checked one by one instead)."""
+        return tenant.allows_model(name) and (tenant.allowed_models is None or not self.fleet.versions_of(name))
+
     def resolve(self, name: str, tenant: Tenant, prefix: str, priority: Priority | None = None) -> Target:
-        key = self.pick(name, sticky_key(tenant.name, name, prefix))
+        key = self.pick(name, sticky_key(tenant.name, name, prefix), tenant)
         served = self.fleet.served(key)
         router = self.fleet.router(key)
         assert served is not None and router is not None  # picked among the fleet's versions
-        if not (tenant.allows_model(name) or tenant.allows_model(served.name) or tenant.allows_model(key)):
+        if not ((self.alias(name) is not None and self._alias_allowed(tenant, name)) or self._allowed(tenant, key)
+                or (self.alias(name) is None and tenant.allows_model(name))):
             raise errors.model_not_allowed(name)
         model = self.tokenizers.get(served)
         if isinstance(model, str):

@@ -40,6 +40,10 @@ class AliasTable:
     def names(self) -> list[str]:
         return sorted(self._good)
 
+    def broken(self, name: str) -> bool:
+        """A record of `name` exists but none of it was ever good (an operator's mistake, not the client's)."""
+        return name in self._raw and name not in self._good
+
     async def start(self) -> None:
         await self.refresh()
         self._task = asyncio.create_task(self._loop(), name="sy-aliases")

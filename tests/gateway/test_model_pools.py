@@ -99,6 +99,34 @@ def test_aliases_route_by_weight_fall_back_and_are_listed() -> None:
     asyncio.run(main())
 
 
+def test_operator_alias_mistakes_are_not_the_clients() -> None:
+    """A malformed alias record (no last good one) is a 503, not a charged 404; an alias picks only among the
+    versions a tenant may use (never an intermittent 403); an alias named like a model does not carry that
+    model's permission to other models."""
+    async def main() -> None:
+        class R:
+            async def hgetall(self, key: str) -> dict:
+                return {b"typo": b"{not json", b"canary": encode_alias({"m@v1": 10, "m@v2": 90}).encode(),
+                        b"own": encode_alias({"m@v1": 1}).encode()}
+
+        table = AliasTable(R())
+        await table.start()
+        pools, _ = _pools(table)
+        await asyncio.to_thread(pools.tokenizers.get, pools.fleet.served("m@v1"))
+        err = _error(pools.resolve, "typo", Tenant("t"), "")
+        assert (err.status, err.code) == (503, "model_unavailable") and "malformed" in str(err)
+        only_v1 = Tenant("t", allowed_models=("m@v1",))
+        assert {pools.resolve("canary", only_v1, f"conv-{i}").key for i in range(200)} == {"m@v1"}
+        err = _error(pools.resolve, "canary", Tenant("t", allowed_models=("x",)), "")
+        assert (err.status, err.code) == (403, "model_not_allowed")
+        err = _error(pools.resolve, "own", Tenant("t", allowed_models=("own",)), "")  # the model's name, not m's
+        assert (err.status, err.code) == (403, "model_not_allowed")
+        assert pools.resolve("canary", Tenant("t", allowed_models=("canary",)), "p").key in ("m@v1", "m@v2")
+        await table.close()
+
+    asyncio.run(main())
+
+
 def test_a_tokenizer_load_never_blocks_the_event_loop() -> None:
     """On the loop, a version whose tokenizer is not loaded gets a retryable 503 at once while a thread loads it
     (once, however many requests ask); the next request after the load is served."""
