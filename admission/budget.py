@@ -17,7 +17,7 @@ import redis.asyncio as aredis
 from redis.exceptions import RedisClusterException, RedisError
 
 from admission.local_limits import LocalLimiter
-from admission.results import Renewal, ReserveResult, error_for
+from admission.results import ADMITTED, Renewal, ReserveResult, error_for
 from admission.scripts import CHARGE_INVALID, RENEW, RESERVE, SETTLE
 from tenancy.errors import QuotaServiceUnavailable
 from tenancy.schema import INT_DEFAULTS, Tenant, bucket_key, config_key, leases_key, usage_key
@@ -25,6 +25,7 @@ from tenancy.schema import INT_DEFAULTS, Tenant, bucket_key, config_key, leases_
 log = logging.getLogger("switchyard.admission")
 
 USAGE_TTL_S = 400 * 86_400
+UNDO_DELAYS_S = (0.5, 2.0, 10.0)  # settles of a reserve whose fate is unknown (the script may run late)
 
 
 @dataclass(slots=True)
@@ -94,7 +95,10 @@ class Budget:
             if self._degraded:
                 self._degraded = False
                 log.warning("quota store reachable again; back to the shared budgets")
+            if self._local is not None and result.admitted:
+                self._local.track(tenant, cost, 1)
         except QuotaServiceUnavailable:
+            self._undo_unknown(tenant.name, cost, lease_id)
             if not self.fail_open:
                 raise
             assert self._local is not None
@@ -137,6 +141,24 @@ class Budget:
             self._background.add(undo)
             undo.add_done_callback(self._background.discard)
 
+    def _undo_unknown(self, name: str, cost: int, lease_id: str) -> None:
+        """A reserve that failed on a timeout or a dropped connection may still have run in Redis: settle its lease
+        as never served a few times over the next seconds (a lease that does not exist refunds nothing, and one
+        that exists is refunded once), so it does not pin the tenant's concurrency for the lease TTL."""
+        res = Reservation(Tenant(name=name), lease_id, 0, cost, ReserveResult(ADMITTED, None, *[0] * 11), served=False)
+
+        async def undo() -> None:
+            for delay in UNDO_DELAYS_S:
+                await asyncio.sleep(delay)
+                res.settled = False
+                with contextlib.suppress(Exception):
+                    if await self.settle(res):
+                        return
+
+        task = asyncio.ensure_future(undo())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def settle(self, res: Reservation) -> bool:
         """Release the lease, refund unused tokens and meter usage; True if this call released the lease.
 
@@ -156,6 +178,8 @@ class Budget:
         args = [res.lease_id, res.refund_tokens, res.prompt_tokens, res.cached_tokens, res.completion_tokens,
                 USAGE_TTL_S, INT_DEFAULTS["tpm"], INT_DEFAULTS["rpm"], 1 if res.served else 0]
         released, _level = await SETTLE(self.redis, keys, args)
+        if released and self._local is not None:
+            self._local.track(res.tenant, -res.refund_tokens, 0 if res.served else -1)
         return bool(released)
 
     async def renew(self, tenant_name: str, lease_ids: list[str]) -> Renewal:

@@ -1,7 +1,9 @@
 """Fail-open fallback: per-gateway token buckets used while Redis is unreachable.
 
 Each gateway admits only its share of a tenant's limits (limit / live gateways), so together the
-replicas stay near the limit.
+replicas stay near the limit. While Redis answers, the buckets follow what this gateway spent through it
+(`track`), so a switch to fail-open continues from that spend instead of from full buckets (intermittent errors
+would otherwise admit a full share on top of the shared budget).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from admission.results import ADMITTED, DENIED, NEVER_FITS, ReserveResult
 from tenancy.schema import Tenant
 
 WINDOW_S = 60.0
+MAX_TRACKED = 100_000  # tenants whose buckets are kept (`track` drops the oldest past this)
 
 
 @dataclass(slots=True)
@@ -38,8 +41,8 @@ class LocalLimiter:
         conc = math.ceil(tenant.max_concurrent / n) if tenant.max_concurrent else 0
         return tenant.tpm / n, tenant.rpm / n, conc
 
-    def reserve(self, tenant: Tenant, cost: int) -> ReserveResult:
-        tpm, rpm, conc = self._shares(tenant)
+    def _refilled(self, tenant: Tenant) -> _LocalState:
+        tpm, rpm, _ = self._shares(tenant)
         now = self._clock()
         st = self._state.get(tenant.name)
         if st is None:
@@ -50,6 +53,23 @@ class LocalLimiter:
             st.tok = min(tpm, st.tok + elapsed * tpm / WINDOW_S)
         if rpm:
             st.req = min(rpm, st.req + elapsed * rpm / WINDOW_S)
+        return st
+
+    def track(self, tenant: Tenant, tokens: int, requests: int) -> None:
+        """Follow a charge (positive) or refund (negative) made through Redis: the buckets never go below empty
+        nor above this gateway's share, and no slot is taken."""
+        if len(self._state) >= MAX_TRACKED and tenant.name not in self._state:
+            self._state.pop(next(iter(self._state)))  # bounded: the oldest tenant's buckets start over
+        tpm, rpm, _ = self._shares(tenant)
+        st = self._refilled(tenant)
+        if tpm:
+            st.tok = min(tpm, max(0.0, st.tok - tokens))
+        if rpm:
+            st.req = min(rpm, max(0.0, st.req - requests))
+
+    def reserve(self, tenant: Tenant, cost: int) -> ReserveResult:
+        tpm, rpm, conc = self._shares(tenant)
+        st = self._refilled(tenant)
         if tenant.tpm and cost > tenant.tpm:
             return self._result(NEVER_FITS, None, tenant, st, 0, 0, cost)
         need_tok = min(cost, tpm)

@@ -321,3 +321,31 @@ async def test_charge_invalid_takes_one_request_and_says_when_one_is_back(r, bud
     assert not r.exists(bucket_key("nobody"))
     unlimited = store.create_tenant(r, "unlimited", tpm=1000, rpm=0)
     assert await budget.charge_invalid(unlimited) == 0 and not r.exists(bucket_key("unlimited"))
+
+
+async def test_a_reserve_that_timed_out_after_running_is_undone(r, budget, monkeypatch):
+    """The script charged and took a lease, but the reply was lost (a timeout): the gateway settles the unknown lease
+    as never served, so the tenant's concurrency slot and tokens come back within a second, not after the TTL."""
+    from admission import budget as budget_module
+    from tenancy.errors import QuotaServiceUnavailable
+
+    t = store.create_tenant(r, "late", tpm=6000, rpm=100, max_concurrent=1)
+    real = budget._reserve_shielded
+
+    async def ran_then_timed_out(name: str, cost: int, lease_id: str):
+        await real(name, cost, lease_id)
+        raise QuotaServiceUnavailable("timed out reading the reply")
+
+    monkeypatch.setattr(budget, "_reserve_shielded", ran_then_timed_out)
+    monkeypatch.setattr(budget_module, "UNDO_DELAYS_S", (0.1, 0.3))
+    with pytest.raises(QuotaServiceUnavailable):
+        await budget.reserve(t, prompt_tokens=20, max_tokens=500)
+    assert r.zcard(leases_key("late")) == 1  # the lease the lost reply took
+    await asyncio.sleep(0.3)
+    assert r.zcard(leases_key("late")) == 0
+    tok, req, _ = bucket(r, "late")
+    assert tok == pytest.approx(6000, abs=1) and req == pytest.approx(100, abs=0.01)  # tokens and request back
+    monkeypatch.setattr(budget, "_reserve_shielded", real)
+    res = await budget.reserve(t, prompt_tokens=1, max_tokens=1)  # the concurrency slot is free again
+    assert res.result.admitted
+    await budget.settle(res)
