@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -161,6 +162,36 @@ def _on_event_loop() -> bool:
     return True
 
 
+class AliasShares:
+    """Per tenant and alias, the versions of its last `WINDOW` picks: a tenant whose sticky keys aim more than
+    CAP_FACTOR times a version's weight share at it (with a 3-sigma allowance for chance) (all its load at a 10% canary, say) has the excess sent to the
+    alias's other versions, so it cannot fill a canary's capacity and have others shed there."""
+
+    WINDOW, MIN_PICKS, CAP_FACTOR, MAX_KEYS = 200, 20, 2.0, 10_000
+
+    def __init__(self) -> None:
+        self._picks: OrderedDict[tuple[str, str], deque[str]] = OrderedDict()
+
+    def cap(self, tenant: str, alias: Alias, live: set[str], key: str, sticky: bytes) -> str:
+        recent = self._picks.get((tenant, alias.name))
+        if recent is None:
+            recent = self._picks[(tenant, alias.name)] = deque(maxlen=self.WINDOW)
+            if len(self._picks) > self.MAX_KEYS:
+                self._picks.popitem(last=False)
+        self._picks.move_to_end((tenant, alias.name))
+        weights = {k: w for k, w in alias.targets if k in live and w > 0}
+        total = sum(weights.values())
+        if len(recent) >= self.MIN_PICKS and key in weights and total > 0:
+            share, n = weights[key] / total, len(recent) + 1
+            # CAP_FACTOR x the share, plus 3 standard deviations of honest random keys (never reached by them)
+            if recent.count(key) + 1 > self.CAP_FACTOR * share * n + 3 * math.sqrt(n * share * (1 - share)):
+                others = [(k, w) for k, w in weights.items() if k != key]
+                if others:
+                    key = weighted_pick(others, sticky)
+        recent.append(key)
+        return key
+
+
 class FleetPools:
     """Model pools over a Fleet: versions, model names and aliases (Redis records, plus the built-in `default`
     for the gateway's own model) resolved to a live version, sticky by tenant and prefix key."""
@@ -174,6 +205,7 @@ class FleetPools:
         self._make_gate = make_gate  # (router, pool label or None for every worker) -> the gate
         self.class_pools = class_pools or {}
         self._gates: dict[tuple[str, str | None], tuple[Router, CapacityGate | None]] = {}
+        self.shares = AliasShares()
 
     def alias(self, name: str) -> Alias | None:
         alias = self.aliases.get(name) if self.aliases is not None else None
@@ -196,6 +228,8 @@ class FleetPools:
                 if not alias.targets:
                     raise errors.model_not_allowed(name)
             key = alias.pick(live, sticky)
+            if key is not None and tenant is not None:
+                key = self.shares.cap(tenant.name, alias, live, key, sticky)
         elif name in fleet.versions():
             key = name if name in live else None
         elif self.aliases is not None and self.aliases.broken(name) and not fleet.versions_of(name):

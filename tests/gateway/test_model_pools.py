@@ -16,7 +16,7 @@ from bench.fleet import SimMembership
 from gateway.errors import ApiError
 from gateway.models import FleetPools, TokenizerCache, sticky_prefix
 from gateway.schemas import parse_chat, parse_completion
-from router import AliasTable, Fleet, Router, Served, encode_alias
+from router import AliasTable, Fleet, Router, Served, encode_alias, sticky_key
 from tenancy import Tenant
 
 OWN = SimpleNamespace(model_id="own", version="tok-own")
@@ -200,3 +200,27 @@ def test_router_capacity_counts_only_its_pool() -> None:
     m.add("b", "m", pool="batch", kv_total=300)
     assert [v.worker_id for v in RouterCapacity(router, "batch")()] == ["b"]
     assert sorted(v.worker_id for v in RouterCapacity(router)()) == ["b", "i"]
+
+
+def test_a_tenant_cannot_aim_all_its_load_at_a_canary() -> None:
+    """Sticky keys chosen to land on a 10% canary: at most twice its share of the tenant's picks stay there, the
+    rest go to the stable version; another tenant's picks follow the weights as before."""
+    async def main() -> None:
+        class R:
+            async def hgetall(self, key: str) -> dict:
+                return {b"canary": encode_alias({"m@v1": 90, "m@v2": 10}).encode()}
+
+        table = AliasTable(R())
+        await table.start()
+        pools, _ = _pools(table)
+        await asyncio.to_thread(pools.tokenizers.get, pools.fleet.served("m@v1"))
+        alias = table.get("canary")
+        aimed = [f"conv-{i}" for i in range(5000)
+                 if alias.pick({"m@v1", "m@v2"}, sticky_key("greedy", "canary", f"conv-{i}")) == "m@v2"][:300]
+        picks = [pools.resolve("canary", Tenant("greedy"), p).key for p in aimed]
+        assert picks.count("m@v2") / len(picks) <= 0.3 and picks.count("m@v1") > 200
+        fair = [pools.resolve("canary", Tenant("other"), f"c-{i}").key for i in range(500)]
+        assert 0.06 < fair.count("m@v2") / len(fair) < 0.14
+        await table.close()
+
+    asyncio.run(main())
