@@ -278,7 +278,8 @@ class Router:
                 else:
                     failed = err
                     metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
-                exclude = exclude | {choice.worker_id}
+                if err.code != ErrorCode.ABANDONED:  # that worker is fine: it gave up on this gateway's silence
+                    exclude = exclude | {choice.worker_id}
 
     async def _attempt(self, choice: Choice, req: RouteRequest, key: bytes | None, span: int,
                        matched: dict[str, int], streamed: list[int]) -> AsyncIterator[OutItem]:
@@ -374,6 +375,8 @@ def _resume_reason(err: WorkerError) -> str | None:
         return "worker_lost"
     if err.code == ErrorCode.DRAINING:
         return "drain"
+    if err.code == ErrorCode.ABANDONED:
+        return "abandoned"
     if err.code in (LinkError.CLOSED, LinkError.PROTOCOL) and err.retryable:
         return "link"
     return None

@@ -33,7 +33,8 @@ FALLBACKS = Counter(
 
 RESUMES = Counter(
     "switchyard_router_resumes",
-    "Streams carried on by another worker after tokens were streamed, by reason (worker_lost, drain, link)",
+    "Streams carried on after tokens were streamed, by reason (worker_lost, drain, link, abandoned: the worker gave "
+    "up on this gateway while its loop stalled)",
     ["reason"],
 )
 RESUME_GAP = Histogram(

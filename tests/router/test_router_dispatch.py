@@ -112,6 +112,10 @@ class ScriptedWorker:
         elif self.script == "die_after_first":
             await self._sock.send_multipart([ident, out([1], None)])
             self.die()
+        elif self.script == "abandon_after_first":  # gave up on a silent gateway once, then serves as usual
+            self.script = "ok"
+            await self._sock.send_multipart([ident, out([1], None)])
+            await self._sock.send_multipart([ident, proto.encode_err(rid, "abandoned", "gateway silent", True)])
 
 
 @contextlib.asynccontextmanager
@@ -221,6 +225,16 @@ async def test_death_after_first_token_resumes_on_another_worker() -> None:
         (resumed,) = b.requests
         assert resumed.resumed == 1 and resumed.tokens.tolist() == list(req.tokens) + [1]
         assert no_inflight(router)
+
+
+async def test_a_worker_that_gave_up_on_a_stalled_gateway_carries_the_stream_on() -> None:
+    """`abandoned` (the worker stopped waiting for this gateway while its loop stalled) resumes the stream, and may
+    resume it on the same worker, which is healthy."""
+    async with setup("abandon_after_first", "ok") as (router, req, a, b):
+        b.die()  # the only other worker is gone: the resume must be allowed back on a
+        await router.membership.wait_until(lambda m: m.live() == [a.endpoint], timeout=5)
+        assert await asyncio.wait_for(collect(router, req), 10) == [1, 2, 3]
+        assert [r.resumed for r in a.requests] == [0, 1] and no_inflight(router)
 
 
 async def test_death_after_first_token_without_resumes_ends_with_retryable_error() -> None:

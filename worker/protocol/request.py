@@ -26,6 +26,9 @@ class ErrorCode(StrEnum):
     BAD_REQUEST = "bad_request"
     INTERNAL = "internal"
     DRAINING = "draining"  # the worker is draining: it hands the stream over (the gateway carries it on elsewhere)
+    # the worker stopped waiting for the request's gateway (silent past its gateway timeout, e.g. a stalled event
+    # loop): retryable, and a gateway that hears it carries the stream on (resume), as after a lost worker
+    ABANDONED = "abandoned"
 
 
 class Priority(IntEnum):

@@ -88,6 +88,10 @@ class PrefillSide:
             self.table.remove(entry.engine_rid)
             self.engine.abort(entry.engine_rid)
 
+    def owns(self, engine_rid: str) -> bool:
+        """`engine_rid` is a prefill job for a decode worker (not a gateway's request)."""
+        return engine_rid in self.jobs
+
     def forget(self, engine_rid: str) -> None:
         """The request ended on the server's side (its engine abort drops the pages it watched)."""
         self.jobs.pop(engine_rid, None)

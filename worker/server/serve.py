@@ -305,10 +305,10 @@ class WorkerServer:
         self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
         for gw in self.table.expired_gateways(now, self.config.gateway_timeout):
             if gw.engine_rids:
-                log.warning("gateway %r silent for %.1fs: aborting its %d requests", gw.ident[:64],
-                            self.config.gateway_timeout, len(gw.engine_rids))
+                log.warning("gateway %r silent for %.1fs: ending its %d requests with a retryable error",
+                            gw.ident[:64], self.config.gateway_timeout, len(gw.engine_rids))
             for engine_rid in list(gw.engine_rids):
-                self._abort_quietly(engine_rid)
+                self._abandon(engine_rid)
         for entry in self.table.past_deadline(time.time()):
             log.info("request %s passed its deadline", entry.rid, extra={"request_id": entry.rid})
             self._end(entry, ErrorCode.CAPACITY, "deadline exceeded", retryable=True)
@@ -317,6 +317,20 @@ class WorkerServer:
         self._trim.maybe_trim(now)
         self._memory_report.maybe_report(now)
         self.spans.forget_gone()
+
+    def _abandon(self, engine_rid: str) -> None:
+        """Stop a request whose gateway (or decode peer) fell silent, and tell it so: when its loop comes back it
+        resumes the stream (gateway) or prefills locally (decode peer) at once, instead of waiting for a
+        timeout or lease that would never end on its own."""
+        entry = self.table.get(engine_rid)
+        if entry is None:
+            return
+        if self.prefill.owns(engine_rid):
+            self._abort_quietly(engine_rid)
+            self._send_parts(entry.ident, [proto.encode_kv_error(entry.rid, "error", "the prefill worker stopped "
+                                                                  "waiting for the decode worker (silent)")])
+            return
+        self._end(entry, ErrorCode.ABANDONED, "the worker stopped waiting for this gateway (silent)", retryable=True)
 
     def _abort_quietly(self, engine_rid: str) -> None:
         """Stop a request whose owner will hear nothing more about it (its final output is ignored)."""

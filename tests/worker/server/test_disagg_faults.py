@@ -208,3 +208,39 @@ def test_a_busy_prefill_worker_that_keeps_talking_is_not_a_stall(tiny, decode) -
     assert count(m.DISAGG_TRANSFERS, "complete") == done + 1
     assert decode.idle()
     fake.close()
+
+
+def test_a_silent_decode_peer_hears_that_its_transfer_was_given_up(tiny) -> None:
+    """A decode worker whose loop stalls past the prefill worker's gateway timeout: the prefill worker ends the
+    transfer with an explicit error (the decode side then prefills locally at once), never a silent abort that
+    would leave the decode side waiting for its whole lease."""
+    prefill = ServerThread(tiny, role="prefill", gateway_timeout=0.5)
+    step = prefill.engine.step
+
+    def slow_step(*args, **kw):  # 0.2 s a step: the 30-block prompt's prefill outlasts the timeout
+        time.sleep(0.2)
+        return step(*args, **kw)
+
+    prefill.engine.step = slow_step
+    try:
+        with zmq_context() as ctx:
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(prefill.endpoint)
+            n_blocks = 30
+            req = proto.PrefillRequest(xid="quiet", ns=b"ns", tokens=np.array(prompt(7, n_blocks), dtype=np.int32),
+                                       sampling=SAMPLING.to_dict(), skip=0, dest=np.arange(n_blocks, dtype=np.int32),
+                                       fingerprint=prefill.server.prefill.fingerprint,
+                                       page_bytes=prefill.engine.exports.codec.page_bytes, deadline=time.time() + 30)
+            t0 = time.monotonic()
+            sock.send(proto.encode_prefill(req))  # then silence: no heartbeat
+            error = None
+            while error is None and time.monotonic() - t0 < 5:
+                reply = first_reply(sock, timeout=0.2)
+                if isinstance(reply, proto.KvError):
+                    error = reply
+            assert error is not None and error.xid == "quiet", "the prefill worker gave up without a word"
+            assert time.monotonic() - t0 < 0.5 + 0.2 + 1.0  # the timeout, a step, and housekeeping
+        assert prefill.idle()
+    finally:
+        prefill.engine.step = step
+        prefill.stop()
