@@ -3,11 +3,14 @@ them, and greedy output matches a worker doing both; pages all return to their p
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import zmq
 
 from tests.worker.server.disagg_harness import BS, Gateway, ServerThread, prompt, reference, zmq_context
+from worker import protocol as proto
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import PrefillHint, SamplingParams
 from worker.server import metrics as m
@@ -48,6 +51,35 @@ def test_disaggregated_greedy_matches_colocated_and_frees_pages(tiny, pair) -> N
     assert decode.idle() and prefill.idle()
     # the pushed pages are the decode worker's cache now: the whole prompt's full blocks
     assert decode.engine.cache.peek(b"ns", toks[:5 * BS]) == 5 * BS
+
+
+def test_a_client_gone_mid_prefill_frees_both_workers_within_a_second(tiny, pair) -> None:
+    """The gateway aborts a disaggregated request while the prefill worker is still computing it: the decode
+    worker drops its lease and tells the prefill worker, which stops; both are idle within a second."""
+    prefill, decode = pair
+    step = prefill.engine.step
+
+    def slow_step(*args, **kw):  # 0.1 s a step: a 30-block prompt takes about 3 s to prefill
+        time.sleep(0.1)
+        return step(*args, **kw)
+
+    prefill.engine.step = slow_step
+    try:
+        with zmq_context() as ctx:
+            gw = Gateway(ctx, decode.endpoint)
+            gw.sock.send(proto.encode_gen("gone", b"ns", prompt(9, 30 * BS), SamplingParams(max_tokens=4),
+                                          prefill=PrefillHint("prefill-w", prefill.endpoint)))
+            until = time.monotonic() + 5
+            while not prefill.engine.has_work() and time.monotonic() < until:
+                time.sleep(0.01)
+            assert prefill.engine.has_work() and decode.server.decode.leases  # mid-prefill, lease held
+            gw.sock.send(proto.encode_abort("gone"))
+            t0 = time.monotonic()
+            assert decode.idle(timeout=1.0) and prefill.idle(timeout=1.0)
+            assert time.monotonic() - t0 < 1.0
+            gw.close()
+    finally:
+        prefill.engine.step = step
 
 
 def test_first_token_ends_a_one_token_request(tiny, pair) -> None:
