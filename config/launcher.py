@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,10 +51,20 @@ def cluster_key_for_run() -> str:
     return os.environ.get(CLUSTER_KEY_ENV) or zmq.curve_keypair()[1].decode()
 
 
+_HANDED_OUT: deque[int] = deque(maxlen=4096)  # ports `free_port` gave this process, newest last
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and not handed out by this process before: the kernel may give the same free port
+    to two binds in a row, and two children told to listen on it race (one fails with EADDRINUSE)."""
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise RuntimeError("no fresh loopback port after 64 tries")
 
 
 def wait_for_port(port: int, timeout: float = 10.0) -> None:

@@ -118,3 +118,27 @@ def test_a_sigkilled_launcher_takes_its_children_with_it():
         proc.kill()
         proc.wait(timeout=10)
     assert gone_within(started, port, 30), [pid for pid in started if alive(pid)]
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """The kernel may return the same free port to two binds in a row; two workers told to listen there race."""
+    import config.launcher as launcher
+
+    ports = iter([41000, 41000, 41000, 41001])
+
+    class FakeSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, addr):
+            self.port = next(ports)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launcher.socket, "socket", FakeSocket)
+    monkeypatch.setattr(launcher, "_HANDED_OUT", launcher.deque(maxlen=8))
+    assert [launcher.free_port(), launcher.free_port()] == [41000, 41001]
