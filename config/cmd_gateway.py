@@ -251,7 +251,10 @@ def run(args: argparse.Namespace) -> int:
     gw = settings.gateway
     warn_default_secret(gw.hash_secret)
     # SIGTERM: lame-duck for drain_timeout (gateway.drain), then a short window before stragglers are cancelled
-    return serve(app, app.state.drain, gw.drain_timeout, host=gw.host, port=gw.port, loop="uvloop",
+    from gateway.auth_gate import UnknownKeyGate
+
+    # unknown keys are answered in front of the Starlette stack (an unknown-key flood stays cheap)
+    return serve(UnknownKeyGate(app), app.state.drain, gw.drain_timeout, host=gw.host, port=gw.port, loop="uvloop",
                  http=header_deadline_protocol(gw.body_timeout), log_level=settings.log_level.lower(),
                  access_log=False, log_config=None, timeout_keep_alive=gw.keep_alive_timeout,
                  timeout_graceful_shutdown=2)

@@ -22,7 +22,7 @@ from gateway.errors import body_too_large, invalid, request_timeout, unsupported
 from gateway.logs import bind_request_id
 
 T = TypeVar("T")
-_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # A JSON escape of a UTF-16 surrogate; only then can a parsed string hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 BODY_TIMEOUT_S = 10.0
@@ -70,7 +70,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
-        rid = given if _CLIENT_ID.match(given) else "req-" + uuid.uuid4().hex
+        rid = given if CLIENT_ID.match(given) else "req-" + uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         bind_request_id(rid)  # for log lines (gateway.logs); the request's task owns this context
         raw_id = rid.encode()

@@ -26,6 +26,11 @@ from tenancy.schema import Tenant, api_key_key, config_key, parse_tenant
 _KEY_SHAPE = re.compile(re.escape(apikeys.KEY_PREFIX) + f"[A-Za-z0-9_-]{{{apikeys.KEY_RANDOM_CHARS}}}")
 
 
+def key_shape_ok(api_key: str) -> bool:
+    """`api_key` has the shape of a key this system issues (anything else is unknown without a look-up)."""
+    return _KEY_SHAPE.fullmatch(api_key) is not None
+
+
 @dataclass(slots=True)
 class _Entry:
     value: Any
@@ -94,7 +99,7 @@ class TenantDirectory:
 
     async def authenticate(self, api_key: str | None) -> Tenant | None:
         """The active tenant owning `api_key`, or None for a missing, unknown, revoked or disabled key."""
-        if not api_key or not _KEY_SHAPE.fullmatch(api_key):
+        if not api_key or not key_shape_ok(api_key):
             return None
         name = await self._key_owner(apikeys.digest(api_key))
         if name is None:

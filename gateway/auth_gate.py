@@ -1,0 +1,105 @@
+"""The unknown-key gate: a bare ASGI layer in front of the Starlette app that answers an API request whose bearer
+key is missing, malformed or unknown with the 401 the app would give, without the app's middleware, routing and
+exception handling (an unknown-key flood costs each request a header scan, a digest and the key cache, or one
+Redis read). Known keys, Redis errors and a draining gateway go on to the app, which decides as before."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import metrics
+from gateway.http import CLIENT_ID, EARLY_DRAIN_BYTES, EARLY_DRAIN_S
+from tenancy.apikeys import digest as key_digest
+from tenancy.directory import key_shape_ok
+
+MISSING = "Missing API key: send 'Authorization: Bearer <key>'."
+INVALID = "Invalid, revoked or disabled API key."
+
+
+def _body(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": "invalid_api_key"}}).encode()
+
+
+_BODIES = {MISSING: _body(MISSING), INVALID: _body(INVALID)}
+
+
+class UnknownKeyGate:
+    """Wraps the gateway app (`app.state.service` holds the key directory once the lifespan started it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.lines = metrics.UnauthenticatedLines()
+
+    def __getattr__(self, name: str) -> object:  # `state` and the rest: the wrapped Starlette app's
+        return getattr(self.app, name)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(metrics.API_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        why = await self._refusal(scope)
+        if why is None:
+            await self.app(scope, receive, send)
+            return
+        await self._refuse(scope, receive, send, why)
+
+    async def _refusal(self, scope: Scope) -> str | None:
+        """Why the request is refused here (None: the app decides)."""
+        state = getattr(self.app, "state", None)
+        service = getattr(state, "service", None)
+        drain = getattr(state, "drain", None)
+        if service is None or (drain is not None and drain.draining):
+            return None
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = header.decode("latin-1").partition(" ")
+        key = token.strip() if scheme.lower() == "bearer" else ""
+        if not key:
+            return MISSING
+        if not key_shape_ok(key):
+            return INVALID
+        try:
+            owner = await service.tenants.key_owner(key_digest(key))
+        except Exception:  # Redis unreachable or the look-up cap: the app answers (503 with retry-after)
+            return None
+        return INVALID if owner is None else None
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, why: str) -> None:
+        start = time.perf_counter()
+        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+        rid = given if CLIENT_ID.match(given) else "req-" + uuid.uuid4().hex
+        body = _BODIES[why]
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"www-authenticate", b"Bearer"), (b"x-request-id", rid.encode())]
+        if not await _body_read(scope, receive):
+            headers.append((b"connection", b"close"))  # a body still on its way: the connection cannot be reused
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        metrics.current().requests.labels("401").inc()
+        if self.lines.admit(time.monotonic()):
+            metrics.log.info("%s %s %d", scope["method"], scope["path"], 401, extra={
+                "status": 401, "duration_ms": round((time.perf_counter() - start) * 1000, 1), "request_id": rid})
+
+
+async def _body_read(scope: Scope, receive: Receive) -> bool:
+    """Read and drop a small request body already on its way (at most EARLY_DRAIN_BYTES within EARLY_DRAIN_S), as
+    `http.CloseUnreadBodyMiddleware` does; False when some of it is still unread."""
+    headers = dict(scope["headers"])
+    declared = headers.get(b"content-length", b"0")
+    if b"transfer-encoding" in headers or not declared.isdigit() or int(declared) > EARLY_DRAIN_BYTES:
+        return False
+    if declared == b"0":
+        return True
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(EARLY_DRAIN_S):
+            while True:
+                message: Message = await receive()
+                if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                    return True
+    return False
