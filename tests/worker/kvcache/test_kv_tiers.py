@@ -280,3 +280,21 @@ def test_files_older_than_24h_are_not_read(tmp_path):
     again = _disk(tmp_path)
     assert _key(7) in again and len(again) == 1
     again.close()
+
+
+def test_two_workers_on_one_directory_stay_within_its_capacity(tmp_path):
+    """Each worker counts only the bytes it wrote; the sweep counts the directory, so together they are trimmed
+    back to the capacity (oldest files first) instead of holding twice it."""
+    cap = 4 * (100 + 56) + 10
+    a, b = _disk(tmp_path, cap=cap), _disk(tmp_path, cap=cap)
+    for i in range(4):
+        a.submit(_key(10 + i), torch.full((100,), i, dtype=torch.uint8))
+        b.submit(_key(20 + i), torch.full((100,), i, dtype=torch.uint8))
+        a.flush()
+        b.flush()
+    assert len(list(a.dir.glob("*/*.kv"))) == 8  # 2x the capacity on disk
+    assert a.sweep() == 4
+    left = list(a.dir.glob("*/*.kv"))
+    assert len(left) == 4 and sum(p.stat().st_size for p in left) <= cap
+    a.close()
+    b.close()

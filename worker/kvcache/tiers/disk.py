@@ -219,18 +219,34 @@ class DiskTier:
             self.writes += 1
 
     def sweep(self) -> int:
-        """Delete the indexed files older than max_age_s (the writer thread calls it every SWEEP_S)."""
+        """Delete the files older than max_age_s, then, when the directory holds more than the capacity (other
+        workers write into it too), the least recently written files until it fits; returns how many went. The
+        writer thread calls it every SWEEP_S (so a deleted tenant's pages are gone within max_age_s)."""
         self._next_sweep = time.monotonic() + SWEEP_S
-        now, expired = time.time(), []
-        for key in self.keys():
+        now, gone = time.time(), []
+        files = []
+        for path in self.dir.glob(f"*/*{SUFFIX}"):
             try:
-                if now - self._path(key).lstat().st_mtime > self.max_age_s:
-                    expired.append(key)
-            except OSError:
-                expired.append(key)
-        for key in expired:
-            self._forget(key, delete=True)
-        return len(expired)
+                st = path.lstat()
+                key = bytes.fromhex(path.stem)
+            except (OSError, ValueError):
+                continue
+            if now - st.st_mtime > self.max_age_s:
+                gone.append((key, path))
+            else:
+                files.append((st.st_mtime, st.st_size, key, path))
+        total = sum(size for _, size, _, _ in files)
+        for _, size, key, path in sorted(files):
+            if total <= self.capacity_bytes:
+                break
+            gone.append((key, path))
+            total -= size
+        for key, path in gone:
+            if key in self._index:
+                self._forget(key, delete=True)
+            else:  # another worker's file
+                path.unlink(missing_ok=True)
+        return len(gone)
 
     def _make_room(self, size: int) -> None:
         """Under the lock: delete least recently used files until `size` more bytes fit."""
