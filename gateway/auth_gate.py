@@ -15,8 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.http import CLIENT_ID, EARLY_DRAIN_BYTES, EARLY_DRAIN_S
-from tenancy.apikeys import digest as key_digest
-from tenancy.directory import key_shape_ok
+from tenancy import key_digest, key_shape_ok
 
 MISSING = "Missing API key: send 'Authorization: Bearer <key>'."
 INVALID = "Invalid, revoked or disabled API key."

@@ -4,7 +4,7 @@ The package face: callers import from `tenancy`, not from its modules.
 """
 
 from tenancy.apikeys import digest as key_digest
-from tenancy.directory import TenantDirectory
+from tenancy.directory import TenantDirectory, key_shape_ok
 from tenancy.errors import (
     AmbiguousKeyPrefix,
     KeyNotFound,
@@ -42,6 +42,7 @@ from tenancy.store import (
 )
 
 __all__ = [
+    "key_shape_ok",
     "key_digest",
     "ACTIVE",
     "BATCH",
