@@ -20,6 +20,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from tenancy import apikeys
 from tenancy.errors import QuotaServiceUnavailable
+from tenancy.key_batch import KeyBatcher
 from tenancy.schema import Tenant, api_key_key, config_key, parse_tenant
 
 # The shape every issued key has (`apikeys.new_api_key`): anything else is refused before any cache or Redis.
@@ -92,6 +93,7 @@ class TenantDirectory:
         self._unknown = _TTLCache(unknown_ttl_s, unknown_ttl_s, max_unknown_entries)  # digest -> None
         self._tenants = _TTLCache(ttl_s, stale_s, max_entries)                    # name -> Tenant | None
         self._lookups = asyncio.Semaphore(max_unknown_lookups)
+        self._batch = KeyBatcher(client)
         self._unknown_wait_s = unknown_wait_s
         self._inflight: dict[str, asyncio.Future] = {}
         self._serve_stale = serve_stale_on_error
@@ -143,13 +145,16 @@ class TenantDirectory:
             except TimeoutError:
                 raise QuotaServiceUnavailable("too many concurrent look-ups of unknown API keys") from None
         try:
-            return await self._load_key(digest)
+            return await self._load_key(digest, batched=True)
         finally:
             self._lookups.release()
 
-    async def _load_key(self, digest: str) -> str | None:
+    async def _load_key(self, digest: str, batched: bool = False) -> str | None:
         try:
-            owner = await self._redis.hget(api_key_key(digest), "tenant")
+            if batched:  # an unknown key: read with this turn's others (`KeyBatcher`)
+                owner = await asyncio.shield(self._batch.owner(digest))
+            else:
+                owner = await self._redis.hget(api_key_key(digest), "tenant")
         except (RedisError, RedisClusterException, OSError) as exc:
             stale = self._keys.get(digest, self._clock(), allow_stale=True) if self._serve_stale else None
             if stale is not None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tenancy import store
+from tenancy import apikeys, store
 from tenancy.directory import TenantDirectory
 from tenancy.errors import AmbiguousKeyPrefix, KeyNotFound, TenancyError, TenantExists, TenantNotFound
 from tenancy.redis_client import async_client, sync_client
@@ -179,6 +179,31 @@ class _SlowRedis:
     async def hgetall(self, *args):
         return await self.client.hgetall(*args)
 
+    def pipeline(self, transaction: bool = True):
+        self.pipelines = getattr(self, "pipelines", 0) + 1
+        return _SlowPipeline(self, self.client.pipeline(transaction=transaction))
+
+
+class _SlowPipeline:
+    """The batched look-ups of unknown keys (`tenancy.key_batch`): each queued key counts as one running look-up."""
+
+    def __init__(self, slow: _SlowRedis, pipe) -> None:
+        self.slow, self.pipe, self.n = slow, pipe, 0
+
+    def hget(self, *args):
+        self.n += 1
+        self.pipe.hget(*args)
+
+    async def execute(self):
+        self.slow.running += self.n
+        self.slow.calls += self.n
+        self.slow.peak = max(self.slow.peak, self.slow.running)
+        try:
+            await asyncio.sleep(self.slow.delay_s)
+            return await self.pipe.execute()
+        finally:
+            self.slow.running -= self.n
+
 
 def _unknown_key(i: int) -> str:
     return "sy-" + f"{i:040d}"
@@ -248,6 +273,22 @@ async def test_unknown_key_lookups_are_capped_and_known_keys_never_wait(r, redis
         busy = [x for x in results if isinstance(x, QuotaServiceUnavailable)]
         assert len(busy) == 36 and results.count(None) == 4
         assert time.monotonic() - start < 1.0  # refused quickly, not after the pool's timeout
+    finally:
+        await client.aclose()
+
+
+async def test_concurrent_unknown_keys_share_one_round_trip(r, redis_url):
+    """A flood's pipelined requests arrive together: their look-ups go to Redis as one pipeline, not one call each,
+    and each still gets its own answer."""
+    store.create_tenant(r, "acme")
+    key = store.issue_key(r, "acme")
+    client = async_client(redis_url)
+    slow = _SlowRedis(client, delay_s=0.01)
+    directory = TenantDirectory(slow, max_unknown_lookups=8)
+    try:
+        owners = await asyncio.gather(*(directory.key_owner(apikeys.digest(k))
+                                        for k in [_unknown_key(i) for i in range(7)] + [key]))
+        assert owners == [None] * 7 + ["acme"] and slow.calls == 8 and slow.pipelines == 1
     finally:
         await client.aclose()
 
