@@ -87,6 +87,8 @@ class DecodeSide:
         held = cache.peek(ns, prompt[:n_full * self.bs]) // self.bs
         if held >= n_full:
             return "cached"
+        if len(self.leases) + len(engine.scheduler.running) >= engine.config.max_num_seqs:
+            return "seqs"  # a lease is a sequence to come: past max_num_seqs it waits in the fair queue instead
         link = self.links.get(req.prefill.endpoint, now)
         if link is None:
             return "links"

@@ -70,7 +70,7 @@ DISAGG_SECONDS = Histogram("switchyard_worker_disagg_transfer_seconds", "Hint to
 DISAGG_STRAY = Counter("switchyard_worker_disagg_stray_frames", "Transfer frames with an unknown or ended id, dropped")
 DISAGG_REASONS = ("short", "no_cache", "resumed", "invalid", "cached", "links", "decode_pages", "link", "prefill_lost",
                   "malformed", "stall", "incompatible", "refused", "draining", "bad_request", "capacity", "ended",
-                  "error")
+                  "error", "seqs")
 
 FAIR_LABELS = 16  # distinct fkey label values per process; later keys share "other"
 OTHER = "other"

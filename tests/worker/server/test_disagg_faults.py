@@ -244,3 +244,26 @@ def test_a_silent_decode_peer_hears_that_its_transfer_was_given_up(tiny) -> None
     finally:
         prefill.engine.step = step
         prefill.stop()
+
+
+def test_leases_count_against_max_num_seqs(tiny, decode) -> None:
+    """A lease is a sequence to come: with every slot taken by running requests and leases, a hinted request
+    prefills here, through the fair scheduler's queue, instead of taking a whole prompt's pages outside it."""
+    fake = FakePrefill(zmq.Context.instance())
+    slots, decode.engine.config.max_num_seqs = decode.engine.config.max_num_seqs, 1
+    seqs = count(m.DISAGG_FALLBACKS, "seqs")
+    try:
+        with zmq_context() as ctx:
+            gw = Gateway(ctx, decode.endpoint)
+            hint = PrefillHint("fake", fake.endpoint)
+            gw.sock.send(proto.encode_gen("first", b"ns", prompt(10, 4), SAMPLING, prefill=hint))
+            fake.next_prefill()  # the first request's lease: the only slot
+            out, finish, _ = gw.generate("second", prompt(11, 4), SAMPLING, hint)
+            assert finish == "length" and len(out) == SAMPLING.max_tokens  # served here, not leased
+            assert count(m.DISAGG_FALLBACKS, "seqs") == seqs + 1
+            gw.sock.send(proto.encode_abort("first"))
+            gw.close()
+        assert decode.idle()
+    finally:
+        decode.engine.config.max_num_seqs = slots
+        fake.close()
