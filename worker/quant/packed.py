@@ -13,6 +13,7 @@ from torch import nn
 
 __all__ = ["PackedLinear", "can_pack", "pack", "pack_model", "packed_linear"]
 log = logging.getLogger(__name__)
+MAX_RESCORED = 64  # near-tied logits re-scored per row, on average (`PackedLinear.logits`)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -34,10 +35,13 @@ def packed_linear(x2: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """A bias-free linear layer over a prepacked weight; `weight` unpacks a dense copy on demand."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = pack(weight)  # not a buffer: opaque tensors have no storage to save or copy
+        # an LM head's plain weight, when it costs nothing to keep (tied to the embedding): `logits` re-scores
+        # the near-ties its bf16 output makes in fp32
+        self.rows = rows
 
     @property
     def weight(self) -> torch.Tensor:
@@ -51,6 +55,22 @@ class PackedLinear(nn.Module):
         shape = x.shape
         y = packed_linear(x.reshape(-1, shape[-1]), self.packed)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def logits(self, x2: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of an LM head's [rows, in] input. The bf16 product rounds each logit by up to half an ulp,
+        which turns near ties into exact ones (the tie then goes to the lower id); every logit within two ulps of
+        its row's largest (2-4 ulps) is computed again from the bf16 weight row with an fp32 sum, so the leaders are
+        ordered as the unrounded product orders them (a logit outside that window is below the true largest)."""
+        y = packed_linear(x2, self.packed).float()
+        if self.rows is None:
+            return y
+        top = y.amax(1, keepdim=True)
+        near = (y >= top - top.abs() * 2.0 ** -6 - 1e-30).nonzero()  # 2-4 ulps of bf16 at the top
+        if len(near) > MAX_RESCORED * len(y):
+            return y  # a flat row (near-uniform logits): rounding matters to no decision there
+        r, c = near[:, 0], near[:, 1]
+        y[r, c] = (x2[r].float() * self.rows[c].float()).sum(1)
+        return y
 
     def __deepcopy__(self, memo: dict) -> PackedLinear:
         return PackedLinear(self.weight)
@@ -67,7 +87,8 @@ def pack_model(model: nn.Module) -> int:
             for name, child in list(parent.named_children()):
                 if (type(child) is nn.Linear and child.bias is None
                         and can_pack(child.weight.dtype, child.weight.device)):
-                    setattr(parent, name, PackedLinear(child.weight))
+                    tied = parent is model and name == "lm_head" and child.weight is model.embed.weight
+                    setattr(parent, name, PackedLinear(child.weight, child.weight if tied else None))
                     count += 1
     if count:
         log.info("prepacked %d linear layers for oneDNN (bf16)", count)

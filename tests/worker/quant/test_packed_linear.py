@@ -75,3 +75,26 @@ def test_int8_cutoff_calibrates_without_environment(monkeypatch):
     lin = quant.QuantLinear(torch.randn(256, 128, dtype=torch.bfloat16) * 0.05, "int8")
     rows = cal.calibrate_max_rows(lin, candidates=(1, 2, 4))
     assert rows in (0, 1, 2, 4)
+
+
+def test_head_logits_order_near_ties_as_the_unrounded_product():
+    """Logits 25 and 25.03125 both round to 25 in bf16 (the tie went to the lower id); the head's `logits`
+    re-scores the leaders in fp32 and picks the larger, and leaves every other logit as the bf16 product."""
+    from worker.quant.packed import PackedLinear
+
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    w[:, 0] = torch.linspace(-3, 3, 64).bfloat16()
+    w[5, 0], w[9, 0], w[9, 1] = 25.0, 25.0, 0.03125
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    x[:, 0], x[:, 1] = 1.0, 1.0
+    x[1, 1] = -1.0  # the second row: 5 leads
+    head = PackedLinear(w, w)
+    rounded = head(x).float()
+    assert rounded[0, 5] == rounded[0, 9] == 25.0 and rounded[0].argmax() == 5  # the tie rounding made
+    got = head.logits(x)
+    assert got.dtype == torch.float32 and got.argmax(1).tolist() == [9, 5]
+    assert got[0, 9] == 25.03125 and got[1, 9] == 24.96875
+    others = torch.ones_like(got, dtype=torch.bool)
+    others[:, [5, 9]] = False
+    assert torch.equal(got[others], rounded[others])  # only the leaders were re-scored
+    assert torch.equal(PackedLinear(w).logits(x), rounded)  # without the plain weight: the bf16 product
