@@ -20,6 +20,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -150,14 +151,7 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 if time.time() - tmp.lstat().st_mtime > 60:
                     tmp.unlink()
-        for path in self.dir.glob(f"*/*{SUFFIX}"):
-            try:
-                st = path.lstat()
-                key = bytes.fromhex(path.stem)
-            except (OSError, ValueError):
-                continue
-            if len(key) != 16 or not stat.S_ISREG(st.st_mode):
-                continue
+        for path, key, st in self._page_files():
             if st.st_mode & 0o077:
                 with contextlib.suppress(OSError):
                     os.chmod(path, _FILE_MODE)
@@ -225,12 +219,7 @@ class DiskTier:
         self._next_sweep = time.monotonic() + SWEEP_S
         now, gone = time.time(), []
         files = []
-        for path in self.dir.glob(f"*/*{SUFFIX}"):
-            try:
-                st = path.lstat()
-                key = bytes.fromhex(path.stem)
-            except (OSError, ValueError):
-                continue
+        for path, key, st in self._page_files():
             if now - st.st_mtime > self.max_age_s:
                 gone.append((key, path))
             else:
@@ -247,6 +236,17 @@ class DiskTier:
             else:  # another worker's file
                 path.unlink(missing_ok=True)
         return len(gone)
+
+    def _page_files(self) -> Iterator[tuple[Path, bytes, os.stat_result]]:
+        """The directory's regular page files (symlinks and stray names skipped), with their keys and stats."""
+        for path in self.dir.glob(f"*/*{SUFFIX}"):
+            try:
+                st = path.lstat()
+                key = bytes.fromhex(path.stem)
+            except (OSError, ValueError):
+                continue
+            if len(key) == 16 and stat.S_ISREG(st.st_mode):
+                yield path, key, st
 
     def _make_room(self, size: int) -> None:
         """Under the lock: delete least recently used files until `size` more bytes fit."""
