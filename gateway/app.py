@@ -33,6 +33,7 @@ from gateway.http import (
     until_disconnect,
 )
 from gateway.openapi import openapi_endpoint
+from gateway.responses_api import parse_responses, stream_events
 from gateway.schemas import GenerationRequest, body_number_cap, parse_chat, parse_completion
 from gateway.service import GatewayService
 from gateway.sse import DONE, SSEResponse, event, install_log_filter
@@ -108,7 +109,8 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
         if req.stream:
             first = await until_disconnect(request, gen.next())
             trace.first_token(gen.usage.completion_tokens)
-            response: Response = SSEResponse(_sse_body(gen, first, trace), functools.partial(_close, gen, trace, span),
+            body = stream_events(gen, first, trace) if req.api == "responses" else _sse_body(gen, first, trace)
+            response: Response = SSEResponse(body, functools.partial(_close, gen, trace, span),
                                              headers=gen.headers, write_timeout_s=config.stream_write_timeout_s)
             gen = None  # the response owns it now
             return response
@@ -242,6 +244,10 @@ async def completions(request: Request) -> Response:
     return await _generate(request, parse_completion)
 
 
+async def responses(request: Request) -> Response:
+    return await _generate(request, parse_responses)
+
+
 def _model_card(request: Request, model: str) -> dict:
     return {"id": model, "object": "model", "created": request.app.state.started, "owned_by": "switchyard"}
 
@@ -302,6 +308,7 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

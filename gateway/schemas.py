@@ -83,6 +83,7 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None  # from `response_format`: the output is constrained to it
     speculative: bool = True  # extension: false opts out of n-gram speculative decoding (same output)
     prompt_cache_retention: str = ""  # "in_memory" (KV tiers in RAM only) | "24h" (may go to disk) | "": default
+    api: str = ""  # "responses": a chat request that came as a Responses one (`gateway.responses_api`)
 
 
 def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, param: str | None = None) -> Any:

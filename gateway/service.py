@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission import Admission, AdmissionTicket, error_response
-from gateway import errors, metrics
+from gateway import errors, metrics, responses_api
 from gateway.choices import GenerationGroup
 from gateway.errors import ApiError, invalid
 from gateway.generation import Generation, Prepared
@@ -135,7 +135,8 @@ class GatewayService:
                           f"the completion).", param=param, code="context_length_exceeded")
         ns = namespace_root(target.ns_model, model.version, tenant.salt or tenant.name, target.router.secret)
         prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
-        shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), target.response_model, req.kind == "chat")
+        shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), target.response_model, req.kind == "chat") \
+            if req.api != "responses" else responses_api.new_shape(target.response_model, req, max_tokens)
         return Prepared(request_id, req, tenant, enc.ids, enc.stable_len, max_tokens,
                         tenant.effective_priority(req.priority), ns, shape, batch if len(batch) > 1 else [],
                         target=target)

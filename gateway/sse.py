@@ -29,6 +29,11 @@ def event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
+def event_named(kind: str, obj: dict) -> bytes:
+    """A typed event (`event: <kind>` then its data), as the Responses API streams them."""
+    return b"event: " + kind.encode() + b"\n" + event(obj)
+
+
 class WriteStalled(Exception):
     """The client did not take a chunk within the write deadline."""
 
