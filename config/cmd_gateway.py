@@ -92,6 +92,7 @@ def build_app(settings: Settings):
     from admission import Admission, Budget, BudgetGuard, GatewayRegistry, LocalLimiter
     from gateway.app import AppConfig, create_app
     from gateway.metrics import configure as configure_metrics
+    from gateway.response_store import ResponseStore
     from gateway.served_model import ServedModel
     from gateway.service import GatewayService, ServiceConfig
     from router import Membership, WorkerClient
@@ -136,7 +137,7 @@ def build_app(settings: Settings):
         closers.append(admission.aclose)
         tenants = TenantDirectory(redis, serve_stale_on_error=gw.fail_open)
         service = GatewayService(model, tenants, router, admission, ServiceConfig(request_timeout_s=gw.request_timeout),
-                                 pools=pools)
+                                 pools=pools, responses=ResponseStore(redis))
         gc.freeze()  # the tokenizer and the rest built at start live as long as the process: out of the collector's sight
         return service
 

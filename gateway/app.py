@@ -109,7 +109,10 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
         if req.stream:
             first = await until_disconnect(request, gen.next())
             trace.first_token(gen.usage.completion_tokens)
-            body = stream_events(gen, first, trace) if req.api == "responses" else _sse_body(gen, first, trace)
+            if req.api == "responses":
+                body = stream_events(gen, first, trace, functools.partial(_save_streamed, svc, tenant, req))
+            else:
+                body = _sse_body(gen, first, trace)
             response: Response = SSEResponse(body, functools.partial(_close, gen, trace, span),
                                              headers=gen.headers, write_timeout_s=config.stream_write_timeout_s)
             gen = None  # the response owns it now
@@ -117,6 +120,8 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
         text, logprobs = await until_disconnect(request, gen.collect())
         assert gen.finish_reason is not None
         body = prepared.shape.full(text, gen.finish_reason, gen.usage, logprobs)
+        if req.api == "responses":
+            body["store"] = await svc.save_response(tenant, req, body, text)
         return JSONResponse(body, headers=gen.headers)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
@@ -128,6 +133,11 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
             await _close(gen, trace, span)
 
 
+async def _save_streamed(svc: GatewayService, tenant: Tenant, req: GenerationRequest, body: dict) -> bool:
+    text = "".join(part["text"] for item in body["output"] for part in item["content"])
+    return await svc.save_response(tenant, req, body, text)
+
+
 async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenant,
                             parse: Callable[[Any], GenerationRequest], rid: str) -> tuple[GenerationRequest, Prepared]:
     config = request.app.state.config
@@ -136,9 +146,11 @@ async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenan
                                  max_numbers=body_number_cap(svc.model.max_context))
     if size < THREAD_TOKENIZE_BYTES:
         req = parse(body)
+        await svc.continue_previous(tenant, req)
         return req, svc.prepare(tenant, req, rid)
     # large bodies (long prompts, big JSON schemas to validate) are handled off the event loop
     req = await run_in_threadpool(parse, body)
+    await svc.continue_previous(tenant, req)
     return req, await run_in_threadpool(svc.prepare, tenant, req, rid)
 
 
@@ -273,6 +285,27 @@ async def get_model(request: Request) -> Response:
     return JSONResponse(_model_card(request, name))
 
 
+async def stored_response(request: Request) -> Response:
+    """GET (the object), DELETE, or GET .../input_items of a stored response of the caller's tenant."""
+    svc = _service(request)
+    tenant = await svc.authenticate(request.headers.get("authorization"))
+    rid = request.path_params["response_id"]
+    found = await svc.stored_response(tenant, rid)
+    if request.method == "DELETE":
+        assert svc.responses is not None
+        await svc.responses.delete(tenant.name, rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
+    if request.url.path.endswith("/input_items"):
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise errors.invalid("'order' must be asc or desc.", param="order")
+        items = found["input_items"] if order == "asc" else found["input_items"][::-1]
+        return JSONResponse({"object": "list", "data": items, "has_more": False,
+                             "first_id": items[0]["id"] if items else None,
+                             "last_id": items[-1]["id"] if items else None})
+    return JSONResponse(found["response"])
+
+
 async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
@@ -309,6 +342,8 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -2,16 +2,16 @@
 (the same tokenization, admission, routing and sampling), and its result is shaped as a Response object or as the
 typed stream events the `openai` SDK parses (`response.created` ... `response.completed`, with `sequence_number`).
 
-Not served yet, each refused with a 400 naming the field: `previous_response_id`, `conversation`, `tools`,
-`background`, `include`, `prompt`, non-message input items. `store` is accepted and nothing is stored (the object
-says `"store": false`); `reasoning` is accepted and ignored (the served models do not reason).
+Stored responses (`store`, default true) and `previous_response_id` go through `gateway.response_store`. Not served yet, each refused with a
+400 naming the field: `conversation`, `tools`, `background`, `include`, `prompt`, non-message input items;
+`reasoning` is accepted and ignored (the served models do not reason).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "store", "metadata", "user", "text", "reasoning", "tool_choice", "parallel_tool_calls",
-                    "prompt_cache_key", "safety_identifier", "service_tier", "truncation"})
-NOT_YET = frozenset({"previous_response_id", "conversation", "tools", "background", "include", "prompt",
+                    "prompt_cache_key", "safety_identifier", "service_tier", "truncation",
+                    "previous_response_id"})
+NOT_YET = frozenset({"conversation", "tools", "background", "include", "prompt",
                      "stream_options", "top_logprobs", "max_tool_calls"})
 _PASSED_ON = ("model", "temperature", "top_p", "stream", "metadata", "user", "prompt_cache_key",
               "safety_identifier", "service_tier")
@@ -47,9 +48,9 @@ def parse_responses(body: Any) -> GenerationRequest:
     if body.get("truncation") not in (None, "disabled"):
         raise invalid("Only 'truncation': 'disabled' is supported.", param="truncation")
     chat: dict[str, Any] = {k: body[k] for k in _PASSED_ON if k in body}
-    messages = [{"role": "system", "content": _text(body["instructions"], "instructions")}] \
-        if body.get("instructions") is not None else []
-    chat["messages"] = messages + _input_messages(body.get("input"))
+    instructions = _text(body["instructions"], "instructions") if body.get("instructions") is not None else None
+    conversation = _input_messages(body.get("input"))
+    chat["messages"] = with_instructions(instructions, conversation)
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     fmt = _format(body.get("text"))
@@ -60,8 +61,32 @@ def parse_responses(body: Any) -> GenerationRequest:
     except ApiError as exc:  # name the Responses field, not the chat one it became
         exc.param = _PARAMS.get(exc.param or "", exc.param)
         raise
-    req.api = "responses"
+    req.api, req.instructions = "responses", instructions
+    req.conversation = req.messages[1:] if instructions is not None else req.messages
+    req.new_turns = len(req.conversation)
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous.startswith("resp_")):
+        raise invalid("'previous_response_id' must be a response id (resp_...).", param="previous_response_id")
+    req.previous_response_id = previous
+    store = body.get("store", True)
+    if not isinstance(store, bool):
+        raise invalid("'store' must be a boolean.", param="store")
+    req.store = store
     return req
+
+
+def with_instructions(instructions: str | None, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return ([{"role": "system", "content": instructions}] if instructions is not None else []) + conversation
+
+
+def input_items(conversation: list[dict[str, Any]], new: int) -> list[dict]:
+    """The last `new` turns of a conversation as the Responses API's input items."""
+    items = []
+    for i, msg in enumerate(conversation[len(conversation) - new:]):
+        kind = "output_text" if msg["role"] == "assistant" else "input_text"
+        items.append({"id": f"msg_{i:04d}", "type": "message", "role": msg["role"], "status": "completed",
+                      "content": [{"type": kind, "text": msg["content"]}]})
+    return items
 
 
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
@@ -130,9 +155,10 @@ class ResponsesShape:
         output = [] if text is None else [self._message(text, "completed")]
         incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "incomplete_details": incomplete, "instructions": None, "max_output_tokens":
+                "error": None, "incomplete_details": incomplete, "max_output_tokens":
                 self.req.max_tokens, "model": self.model, "output": output, "parallel_tool_calls": False,
-                "previous_response_id": None, "reasoning": None, "store": False,
+                "previous_response_id": self.req.previous_response_id, "reasoning": None,
+                "store": self.req.store, "instructions": self.req.instructions,
                 "temperature": self.req.temperature, "text": {"format": {"type": "text"}}, "tool_choice": "none",
                 "tools": [], "top_p": self.req.top_p, "truncation": "disabled", "metadata": {},
                 "usage": None if usage is None else _usage(usage)}
@@ -161,7 +187,8 @@ def new_shape(model: str, req: GenerationRequest, max_tokens: int) -> ResponsesS
     return ResponsesShape("resp_" + uuid.uuid4().hex, int(time.time()), model, req, max_tokens)
 
 
-async def stream_events(gen: Generation, first: Delta | None, trace: Any) -> AsyncIterator[bytes]:
+async def stream_events(gen: Generation, first: Delta | None, trace: Any,
+                        save: Callable[[dict], Awaitable[bool]]) -> AsyncIterator[bytes]:
     """The typed events of one streamed response, numbered from 0; an error mid-stream is an `error` event."""
     shape: ResponsesShape = gen.prepared.shape  # type: ignore[assignment]
     seq = 0
@@ -198,4 +225,5 @@ async def stream_events(gen: Generation, first: Delta | None, trace: Any) -> Asy
     yield emit("response.content_part.done", **where, part=part)
     yield emit("response.output_item.done", output_index=0, item=shape._message(text, "completed"))
     done = shape.full(text, finish or "stop", gen.usage, None)
+    done["store"] = await save(done)
     yield emit("response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done)

@@ -84,6 +84,11 @@ class GenerationRequest:
     speculative: bool = True  # extension: false opts out of n-gram speculative decoding (same output)
     prompt_cache_retention: str = ""  # "in_memory" (KV tiers in RAM only) | "24h" (may go to disk) | "": default
     api: str = ""  # "responses": a chat request that came as a Responses one (`gateway.responses_api`)
+    instructions: str | None = None  # responses: the system message, never carried to the next turn
+    conversation: list[dict[str, Any]] | None = None  # responses: the turns so far (a previous response's, then input)
+    previous_response_id: str | None = None
+    new_turns: int = 0  # responses: how many turns of `conversation` this request's input added
+    store: bool = True  # responses: keep it (`gateway.response_store`)
 
 
 def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, param: str | None = None) -> Any:

@@ -18,6 +18,7 @@ from gateway.choices import GenerationGroup
 from gateway.errors import ApiError, invalid
 from gateway.generation import Generation, Prepared
 from gateway.models import VERSION_HEADER, ModelPools, SinglePool, Target, sticky_prefix
+from gateway.response_store import ResponseStore
 from gateway.responses import ResponseShape, Usage
 from gateway.schemas import GenerationRequest
 from gateway.served_model import ServedModel
@@ -47,7 +48,7 @@ def _bearer(header: str | None) -> str | None:
 class GatewayService:
     def __init__(self, model: ServedModel, tenants: TenantDirectory, router: Router,
                  admission: Admission | None = None, config: ServiceConfig | None = None,
-                 pools: ModelPools | None = None) -> None:
+                 pools: ModelPools | None = None, responses: ResponseStore | None = None) -> None:
         self.model = model  # the gateway's own model (the default alias; body limits)
         self.tenants = tenants
         self.router = router  # the secret's holder; with model pools, each version has its own Router
@@ -55,6 +56,37 @@ class GatewayService:
         self.config = config or ServiceConfig()
         self.pools: ModelPools = pools or SinglePool(model, router)
         self._invalid_until: dict[str, float] = {}  # tenant -> when it has a request left (charge_invalid)
+        self.responses = responses  # stored responses (None: nothing is stored, every id is a 404)
+
+    async def stored_response(self, tenant: Tenant, response_id: str) -> dict:
+        """A stored response of this tenant's (404 for any other: another tenant's id is not found either)."""
+        found = await self.responses.get(tenant.name, response_id) if self.responses is not None else None
+        if found is None:
+            raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                           code="response_not_found")
+        return found
+
+    async def continue_previous(self, tenant: Tenant, req: GenerationRequest) -> None:
+        """Prepend the previous response's conversation (its instructions are not carried over)."""
+        if req.previous_response_id is None:
+            return
+        try:
+            prev = await self.stored_response(tenant, req.previous_response_id)
+        except ApiError as exc:
+            exc.message, exc.param = f"Previous response with id '{req.previous_response_id}' not found.", \
+                "previous_response_id"
+            raise
+        assert req.conversation is not None
+        req.conversation = prev["conversation"] + req.conversation
+        req.messages = responses_api.with_instructions(req.instructions, req.conversation)
+
+    async def save_response(self, tenant: Tenant, req: GenerationRequest, body: dict, text: str) -> bool:
+        """Store a finished response when asked (`store`); True when it was stored."""
+        if not req.store or self.responses is None or req.conversation is None:
+            return False
+        conversation = [*req.conversation, {"role": "assistant", "content": text}]
+        items = responses_api.input_items(req.conversation, req.new_turns)
+        return await self.responses.save(tenant.name, body, items, conversation)
 
     @property
     def ready(self) -> bool:

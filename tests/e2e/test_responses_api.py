@@ -1,6 +1,7 @@
 """`POST /v1/responses` through the official `openai` SDK against a real gateway + worker + Redis (the shared test
 stack): plain and streamed (typed events, numbered), message items with instructions, structured output via
-`text.format`, usage with cached tokens, and 400s naming each field not served."""
+`text.format`, usage with cached tokens, stored responses (retrieve, input items, delete; another tenant's id is a
+404) and `previous_response_id`, and 400s naming each field not served."""
 
 from __future__ import annotations
 
@@ -56,7 +57,44 @@ def test_message_items_instructions_and_json_schema(client):
     assert set(json.loads(resp.output_text)) == {"city"}
 
 
-@pytest.mark.parametrize("field,value", [("previous_response_id", "resp_x"), ("background", True),
+def test_stored_responses_continue_a_conversation_and_stay_the_tenants(client, stack):
+    first = client.responses.create(model="default", input=QUESTION, temperature=0, max_output_tokens=20,
+                                    instructions="Be brief.")
+    assert first.store is True
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text and got.instructions == "Be brief."
+    (item,) = client.responses.input_items.list(first.id).data
+    assert item.role == "user" and item.content[0].text == QUESTION
+    follow = client.responses.create(model="default", input="And of Germany?", temperature=0,
+                                     max_output_tokens=20, previous_response_id=first.id)
+    assert follow.previous_response_id == first.id and follow.instructions is None  # not carried over
+    # the follow-up's prompt holds the first turn and its answer, then the new question
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    items = client.responses.input_items.list(follow.id, order="asc").data
+    assert [i.content[0].text for i in items] == ["And of Germany?"]
+    other = openai.OpenAI(api_key=stack.batch_key, base_url=stack.base_url + "/v1", max_retries=0, timeout=60)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(first.id)  # another tenant's id: not found, never forbidden
+    with pytest.raises(openai.NotFoundError) as err:
+        other.responses.create(model="default", input="hi", max_output_tokens=3, previous_response_id=first.id)
+    assert err.value.body["param"] == "previous_response_id"
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    unstored = client.responses.create(model="default", input="hi", max_output_tokens=3, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_streamed_response_is_stored_whole(client):
+    events = list(client.responses.create(model="default", input=QUESTION, temperature=0, max_output_tokens=20,
+                                          stream=True))
+    final = events[-1].response
+    assert final.store is True and client.responses.retrieve(final.id).output_text == final.output_text
+
+
+@pytest.mark.parametrize("field,value", [("conversation", "conv_x"), ("background", True),
                                          ("tools", [{"type": "function", "name": "f"}]), ("frobnicate", 1)])
 def test_fields_not_served_are_400s_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as err:
