@@ -134,6 +134,9 @@ def make_restorer(config: EngineConfig, cache: RadixCache | None, pool: PagePool
     host = config.kv_host_bytes
     if host is None:
         host = default_host_bytes(pool.num_pages * codec.page_bytes)
+        if host <= 0:
+            log.warning("KV host tier: the host's automatic budget is taken by its other workers")
+            host = 1 if config.kv_disk_dir else 0  # a tier under one page holds nothing, but keeps the disk tier
     if host <= 0:
         return None
     disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, fp) if config.kv_disk_dir else None
