@@ -110,7 +110,7 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
             first = await until_disconnect(request, gen.next())
             trace.first_token(gen.usage.completion_tokens)
             if req.api == "responses":
-                body = stream_events(gen, first, trace, functools.partial(_save_streamed, svc, tenant, req))
+                body = stream_events(gen, first, trace, functools.partial(svc.save_response, tenant, req))
             else:
                 body = _sse_body(gen, first, trace)
             response: Response = SSEResponse(body, functools.partial(_close, gen, trace, span),
@@ -131,11 +131,6 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
     finally:
         if gen is not None:
             await _close(gen, trace, span)
-
-
-async def _save_streamed(svc: GatewayService, tenant: Tenant, req: GenerationRequest, body: dict) -> bool:
-    text = "".join(part["text"] for item in body["output"] for part in item["content"])
-    return await svc.save_response(tenant, req, body, text)
 
 
 async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenant,
@@ -290,11 +285,10 @@ async def stored_response(request: Request) -> Response:
     svc = _service(request)
     tenant = await svc.authenticate(request.headers.get("authorization"))
     rid = request.path_params["response_id"]
-    found = await svc.stored_response(tenant, rid)
     if request.method == "DELETE":
-        assert svc.responses is not None
-        await svc.responses.delete(tenant.name, rid)
+        await svc.delete_response(tenant, rid)
         return JSONResponse({"id": rid, "object": "response", "deleted": True})
+    found = await svc.stored_response(tenant, rid)
     if request.url.path.endswith("/input_items"):
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):

@@ -5,16 +5,14 @@ Redis read). Known keys, Redis errors and a draining gateway go on to the app, w
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
 import uuid
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import metrics
-from gateway.http import CLIENT_ID, EARLY_DRAIN_BYTES, EARLY_DRAIN_S
+from gateway.http import CLIENT_ID, bearer_key, drop_small_body
 from tenancy import key_digest, key_shape_ok
 
 MISSING = "Missing API key: send 'Authorization: Bearer <key>'."
@@ -57,9 +55,8 @@ class UnknownKeyGate:
         if service is None or (drain is not None and drain.draining):
             return None
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, token = header.decode("latin-1").partition(" ")
-        key = token.strip() if scheme.lower() == "bearer" else ""
-        if not key:
+        key = bearer_key(header.decode("latin-1"))
+        if key is None:
             return MISSING
         if not key_shape_ok(key):
             return INVALID
@@ -76,7 +73,7 @@ class UnknownKeyGate:
         body = _BODIES[why]
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"www-authenticate", b"Bearer"), (b"x-request-id", rid.encode())]
-        if not await _body_read(scope, receive):
+        if not await drop_small_body(dict(scope["headers"]), receive):
             headers.append((b"connection", b"close"))  # a body still on its way: the connection cannot be reused
         await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body})
@@ -85,20 +82,3 @@ class UnknownKeyGate:
             metrics.log.info("%s %s %d", scope["method"], scope["path"], 401, extra={
                 "status": 401, "duration_ms": round((time.perf_counter() - start) * 1000, 1), "request_id": rid})
 
-
-async def _body_read(scope: Scope, receive: Receive) -> bool:
-    """Read and drop a small request body already on its way (at most EARLY_DRAIN_BYTES within EARLY_DRAIN_S), as
-    `http.CloseUnreadBodyMiddleware` does; False when some of it is still unread."""
-    headers = dict(scope["headers"])
-    declared = headers.get(b"content-length", b"0")
-    if b"transfer-encoding" in headers or not declared.isdigit() or int(declared) > EARLY_DRAIN_BYTES:
-        return False
-    if declared == b"0":
-        return True
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(EARLY_DRAIN_S):
-            while True:
-                message: Message = await receive()
-                if message["type"] == "http.disconnect" or not message.get("more_body", False):
-                    return True
-    return False

@@ -56,6 +56,12 @@ def unauthorized(message: str = "Invalid or missing API key.") -> ApiError:
                     headers={"www-authenticate": "Bearer"})
 
 
+def response_not_found(response_id: str) -> ApiError:
+    """404: no stored response of this id for the caller's tenant (another tenant's is not found either)."""
+    return ApiError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                    code="response_not_found")
+
+
 def model_not_found(model: str) -> ApiError:
     return ApiError(404, f"The model '{model}' does not exist.", INVALID_REQUEST,
                     param="model", code="model_not_found")

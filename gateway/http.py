@@ -53,6 +53,14 @@ class _NumberCap:
         return float(text)
 
 
+def bearer_key(header: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header (None without one)."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
 class _TooManyNumbers(Exception):
     pass
 
@@ -98,9 +106,7 @@ class CloseUnreadBodyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        declared = headers.get(b"content-length", b"0")
-        read = declared == b"0" and b"transfer-encoding" not in headers
-        small = declared.isdigit() and int(declared) <= EARLY_DRAIN_BYTES and b"transfer-encoding" not in headers
+        read = headers.get(b"content-length", b"0") == b"0" and b"transfer-encoding" not in headers
 
         async def receive_tracked() -> Message:
             nonlocal read
@@ -109,21 +115,32 @@ class CloseUnreadBodyMiddleware:
                 read = True
             return message
 
-        async def drain() -> None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(EARLY_DRAIN_S):
-                    while not read:
-                        await receive_tracked()
-
         async def send_closing(message: Message) -> None:
+            nonlocal read
             if message["type"] == "http.response.start" and not read:
-                if small:
-                    await drain()
+                read = await drop_small_body(headers, receive)
                 if not read:
                     message["headers"] = [*message.get("headers", []), (b"connection", b"close")]
             await send(message)
 
         await self.app(scope, receive_tracked, send_closing)
+
+
+async def drop_small_body(headers: dict[bytes, bytes], receive: Receive) -> bool:
+    """Read and drop the rest of a request body that is small (at most EARLY_DRAIN_BYTES declared) and arrives
+    within EARLY_DRAIN_S; True when the body is all read, False when some of it is still on its way."""
+    declared = headers.get(b"content-length", b"0")
+    if b"transfer-encoding" in headers or not declared.isdigit() or int(declared) > EARLY_DRAIN_BYTES:
+        return False
+    if declared == b"0":
+        return True
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(EARLY_DRAIN_S):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                    return True
+    return False
 
 
 async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S,

@@ -149,7 +149,6 @@ class ResponsesShape:
     created: int
     model: str
     req: GenerationRequest
-    max_tokens: int
 
     def response(self, status: str, text: str | None, finish_reason: str | None, usage: Usage | None) -> dict:
         output = [] if text is None else [self._message(text, "completed")]
@@ -183,12 +182,12 @@ def _usage(u: Usage) -> dict:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-def new_shape(model: str, req: GenerationRequest, max_tokens: int) -> ResponsesShape:
-    return ResponsesShape("resp_" + uuid.uuid4().hex, int(time.time()), model, req, max_tokens)
+def new_shape(model: str, req: GenerationRequest) -> ResponsesShape:
+    return ResponsesShape("resp_" + uuid.uuid4().hex, int(time.time()), model, req)
 
 
 async def stream_events(gen: Generation, first: Delta | None, trace: Any,
-                        save: Callable[[dict], Awaitable[bool]]) -> AsyncIterator[bytes]:
+                        save: Callable[[dict, str], Awaitable[bool]]) -> AsyncIterator[bytes]:
     """The typed events of one streamed response, numbered from 0; an error mid-stream is an `error` event."""
     shape: ResponsesShape = gen.prepared.shape  # type: ignore[assignment]
     seq = 0
@@ -225,5 +224,5 @@ async def stream_events(gen: Generation, first: Delta | None, trace: Any,
     yield emit("response.content_part.done", **where, part=part)
     yield emit("response.output_item.done", output_index=0, item=shape._message(text, "completed"))
     done = shape.full(text, finish or "stop", gen.usage, None)
-    done["store"] = await save(done)
+    done["store"] = await save(done, text)
     yield emit("response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done)

@@ -17,6 +17,7 @@ from gateway import errors, metrics, responses_api
 from gateway.choices import GenerationGroup
 from gateway.errors import ApiError, invalid
 from gateway.generation import Generation, Prepared
+from gateway.http import bearer_key
 from gateway.models import VERSION_HEADER, ModelPools, SinglePool, Target, sticky_prefix
 from gateway.response_store import ResponseStore
 from gateway.responses import ResponseShape, Usage
@@ -38,13 +39,6 @@ class ServiceConfig:
     first_token_timeout_s: float = 120.0
 
 
-def _bearer(header: str | None) -> str | None:
-    if not header:
-        return None
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
 class GatewayService:
     def __init__(self, model: ServedModel, tenants: TenantDirectory, router: Router,
                  admission: Admission | None = None, config: ServiceConfig | None = None,
@@ -62,9 +56,12 @@ class GatewayService:
         """A stored response of this tenant's (404 for any other: another tenant's id is not found either)."""
         found = await self.responses.get(tenant.name, response_id) if self.responses is not None else None
         if found is None:
-            raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id",
-                           code="response_not_found")
+            raise errors.response_not_found(response_id)
         return found
+
+    async def delete_response(self, tenant: Tenant, response_id: str) -> None:
+        if self.responses is None or not await self.responses.delete(tenant.name, response_id):
+            raise errors.response_not_found(response_id)
 
     async def continue_previous(self, tenant: Tenant, req: GenerationRequest) -> None:
         """Prepend the previous response's conversation (its instructions are not carried over)."""
@@ -98,11 +95,11 @@ class GatewayService:
     @staticmethod
     def key_digest(authorization: str | None) -> str:
         """The SHA-256 digest of the request's bearer key ("" without one): streams re-check it is not revoked."""
-        key = _bearer(authorization)
+        key = bearer_key(authorization)
         return key_digest(key) if key else ""
 
     async def authenticate(self, authorization: str | None) -> Tenant:
-        key = _bearer(authorization)
+        key = bearer_key(authorization)
         if key is None:
             raise errors.unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
         try:
@@ -168,7 +165,7 @@ class GatewayService:
         ns = namespace_root(target.ns_model, model.version, tenant.salt or tenant.name, target.router.secret)
         prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
         shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), target.response_model, req.kind == "chat") \
-            if req.api != "responses" else responses_api.new_shape(target.response_model, req, max_tokens)
+            if req.api != "responses" else responses_api.new_shape(target.response_model, req)
         return Prepared(request_id, req, tenant, enc.ids, enc.stable_len, max_tokens,
                         tenant.effective_priority(req.priority), ns, shape, batch if len(batch) > 1 else [],
                         target=target)
