@@ -15,11 +15,11 @@ pytestmark = pytest.mark.timeout(60)
 PROCS = 4
 
 
-def _hammer(url: str, cost: int, hold_s: float, seconds: float, queue, barrier) -> None:
-    asyncio.run(_hammer_async(url, cost, hold_s, seconds, queue, barrier))
+def _hammer(url: str, cost: int, hold_s: float, seconds: float, queue, ready, go) -> None:
+    asyncio.run(_hammer_async(url, cost, hold_s, seconds, queue, ready, go))
 
 
-async def _hammer_async(url: str, cost: int, hold_s: float, seconds: float, queue, barrier) -> None:
+async def _hammer_async(url: str, cost: int, hold_s: float, seconds: float, queue, ready, go) -> None:
     from admission.budget import Budget
     from admission.results import QuotaExceeded
     from tenancy.directory import TenantDirectory  # noqa: F401  (import cost paid before the start barrier)
@@ -30,7 +30,8 @@ async def _hammer_async(url: str, cost: int, hold_s: float, seconds: float, queu
     r = sync_client(url)
     tenant = store.get_tenant(r, "acme")
     r.close()
-    barrier.wait(timeout=30)  # all processes start together, after the parent reads the clock
+    ready.wait(timeout=30)  # every process is set up
+    go.wait(timeout=30)  # all start together, and only after the parent has read the clock
     admitted_tokens, admitted, max_active, denied = 0, 0, 0, 0
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
@@ -60,14 +61,15 @@ async def _hammer_async(url: str, cost: int, hold_s: float, seconds: float, queu
 def _run(url: str, cost: int, hold_s: float, seconds: float) -> tuple[list[tuple[int, int, int, int]], float]:
     """Results per process and the Redis-clock seconds from the common start to the end."""
     ctx = mp.get_context("spawn")
-    queue, barrier = ctx.Queue(), ctx.Barrier(PROCS + 1)
-    procs = [ctx.Process(target=_hammer, args=(url, cost, hold_s, seconds, queue, barrier)) for _ in range(PROCS)]
+    queue, ready, go = ctx.Queue(), ctx.Barrier(PROCS + 1), ctx.Barrier(PROCS + 1)
+    procs = [ctx.Process(target=_hammer, args=(url, cost, hold_s, seconds, queue, ready, go)) for _ in range(PROCS)]
     for p in procs:
         p.start()
     r = sync_client(url)
     try:
-        barrier.wait(timeout=30)
-        t0 = _redis_time_s(r)
+        ready.wait(timeout=30)
+        t0 = _redis_time_s(r)  # read before the go barrier: no process can spend before t0, however late this runs
+        go.wait(timeout=30)
         results = [queue.get(timeout=40) for _ in procs]
         elapsed = _redis_time_s(r) - t0
     finally:
