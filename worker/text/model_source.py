@@ -65,13 +65,44 @@ def file_digest(path: Path) -> str:
     return _digest(str(path), st.st_size, st.st_mtime_ns)
 
 
+DIGEST_RECORD_MIN_BYTES = 64 << 20  # files this large keep their digest on disk across starts
+DIGEST_RECORDS_KEPT = 256
+
+
 @functools.lru_cache(maxsize=8)
-def _digest(path: str, _size: int, _mtime_ns: int) -> str:
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    """Hashed once per process; a large file's digest is also recorded on disk under its path, size, mtime and
+    inode and ctime, so a restart does not read an 8B model's shards again (a rewrite in place changes the mtime)."""
+    record = _digest_record(path, size, mtime_ns) if size >= DIGEST_RECORD_MIN_BYTES else None
+    if record is not None and record.is_file():
+        digest = record.read_text().strip()
+        if len(digest) == 64:
+            return digest
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
+    if record is not None:
+        _write_record(record, h.hexdigest())
     return h.hexdigest()
+
+
+def _digest_record(path: str, size: int, mtime_ns: int) -> Path:
+    st = os.stat(path)  # ctime too: a rewrite that restores the mtime still changes it
+    key = f"{os.path.realpath(path)}:{size}:{mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+    return cache_base() / "digests" / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.sha256"
+
+
+def _write_record(record: Path, digest: str) -> None:
+    """Atomically, and best effort: an unwritable cache only costs the next start a re-read."""
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(digest)
+        os.replace(tmp, record)
+        prune_oldest(record.parent, "*.sha256", DIGEST_RECORDS_KEPT)
+    except OSError:
+        pass
 
 
 
