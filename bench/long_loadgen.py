@@ -1,5 +1,8 @@
-"""The peers' side-by-side load generator (`../shared/peers/loadgen.py`) with one more workload, `long`: prompts of
-about 2-3k tokens (1,600-2,400 words of its vocabulary), 256 tokens out. Same protocol, fields and JSON line.
+"""The peers' side-by-side load generator (`../shared/peers/loadgen.py`) with more workloads: `long` (prompts of
+about 2-3k tokens of its random-word vocabulary, 256 out) and natural-text twins of its three (`nmixed`, `nprefix`,
+`nsingle`), whose prompts are passages of the Python Language Reference shipped with every CPython
+(`pydoc_data.topics`, ~65k words of English prose with code), so greedy continuations do not repeat the way
+random-word prompts make them. Same protocol, fields and JSON line.
 
 Run as a script with the peer's python (stdlib and httpx only): `long_loadgen.py PEER_LOADGEN --workload long ...`.
 """
@@ -11,6 +14,32 @@ import sys
 
 LONG_WORDS = (1600, 2400)
 LONG_OUT = 256
+PREFIX_WORDS = 1400  # ~2,150 tokens of the default model's tokenizer: the shared, cached part of `nprefix`
+NATURAL = ("nmixed", "nprefix", "nsingle")
+
+
+def corpus_words() -> list[str]:
+    """The Python Language Reference's topics in a fixed order, as words (the same on every CPython 3.11+)."""
+    import pydoc_data.topics as topics
+
+    return " ".join(topics.topics[k] for k in sorted(topics.topics)).split()
+
+
+def passage(words: list[str], rng: random.Random, n: int) -> str:
+    start = rng.randrange(len(words) - n)
+    return " ".join(words[start:start + n])
+
+
+def natural(name: str, n: int, seed: int) -> list[tuple[str, int]]:
+    """The shared generator's workload shapes (lengths and outputs) over passages of natural text."""
+    words, rng = corpus_words(), random.Random(seed)
+    if name == "nmixed":
+        return [(passage(words, rng, rng.randint(32, 512)), rng.randint(16, 192)) for _ in range(n)]
+    if name == "nprefix":
+        system = "You are a careful assistant. Answer from the reference below.\n\n"
+        system += passage(words, random.Random(7), PREFIX_WORDS)
+        return [(f"{system}\n\nQuestion: {passage(words, rng, rng.randint(10, 30))}\nAnswer:", 24) for _ in range(n)]
+    return [(passage(words, rng, 200), 128) for _ in range(n)]
 
 
 def main() -> None:
@@ -23,6 +52,8 @@ def main() -> None:
     shared = peer.workload
 
     def workload(name: str, n: int, seed: int) -> list:
+        if name in NATURAL:
+            return natural(name, n, seed)
         if name != "long":
             return shared(name, n, seed)
         rng = random.Random(seed)

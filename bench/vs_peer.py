@@ -32,13 +32,19 @@ LOADGEN = next((p for p in (REPO.parent / "shared" / "peers" / "loadgen.py",
                             REPO.parent.parent / "shared" / "peers" / "loadgen.py") if p.exists()),
                REPO.parent / "shared" / "peers" / "loadgen.py")
 # workload -> (n, concurrency): the README's figures, and the --quick ones
-FULL = {"mixed": (64, 16), "prefix": (32, 8), "single": (8, 1), "long": (16, 8)}
-QUICK = {"mixed": (8, 4), "prefix": (4, 2), "single": (2, 1), "long": (2, 2)}
+FULL = {"mixed": (64, 16), "prefix": (32, 8), "single": (8, 1), "long": (16, 8),
+        "nmixed": (64, 16), "nprefix": (32, 8), "nsingle": (8, 1)}
+QUICK = {"mixed": (8, 4), "prefix": (4, 2), "single": (2, 1), "long": (2, 2),
+         "nmixed": (8, 4), "nprefix": (4, 2), "nsingle": (2, 1)}
 # ratio name -> (workload, loadgen field); all ours / peer
 RATIOS = {"mixed_out_tok_s": ("mixed", "out_tok_s"), "prefix_ttft_p50": ("prefix", "ttft_p50_ms"),
           "single_tpot_p50": ("single", "tpot_p50_ms"), "single_ttft_p50": ("single", "ttft_p50_ms"),
-          "long_out_tok_s": ("long", "out_tok_s")}
-LONG_LOADGEN = Path(__file__).with_name("long_loadgen.py")  # the shared generator plus the `long` workload
+          "long_out_tok_s": ("long", "out_tok_s"),
+          "natural_mixed_out_tok_s": ("nmixed", "out_tok_s"), "natural_prefix_ttft_p50": ("nprefix", "ttft_p50_ms"),
+          "natural_single_tpot_p50": ("nsingle", "tpot_p50_ms"), "natural_single_ttft_p50": ("nsingle", "ttft_p50_ms")}
+# the shared generator plus `long` and the natural-text workloads (nmixed, nprefix, nsingle)
+LONG_LOADGEN = Path(__file__).with_name("long_loadgen.py")
+SHARED_WORKLOADS = ("mixed", "prefix", "single")
 UNLIMITED = {"tpm": 0, "rpm": 0, "max_concurrent": 0, "max_tokens": 4096}
 
 Side = Callable[[], "Server"]
@@ -114,7 +120,7 @@ def loadgen_python() -> str:
 
 
 def run_workload(server: Server, workload: str, n: int, concurrency: int, args: argparse.Namespace) -> dict:
-    gen = [str(LONG_LOADGEN), str(args.loadgen)] if workload == "long" else [str(args.loadgen)]
+    gen = [str(args.loadgen)] if workload in SHARED_WORKLOADS else [str(LONG_LOADGEN), str(args.loadgen)]
     cmd = [loadgen_python(), *gen, "--url", server.url, "--key", server.key, "--model", server.model,
            "--workload", workload, "--n", str(n), "--concurrency", str(concurrency), "--json",
            "--timeout", str(args.request_timeout)]
