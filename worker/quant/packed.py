@@ -1,7 +1,8 @@
 """bf16 linear layers with weights prepacked once into oneDNN's blocked layout (CPU).
 
 `F.linear` on a plain bf16 weight reorders it on every call; at decode sizes that reorder costs as much
-as the product itself. The packed product is bit-identical to `F.linear` (tests/worker/quant/test_packed_linear.py).
+as the product itself. The packed product is bit-identical to `F.linear` over the same rows; above 16 rows they are
+padded to a bounded set of counts (tests/worker/quant/test_packed_linear.py).
 """
 
 from __future__ import annotations
@@ -11,9 +12,15 @@ import logging
 import torch
 from torch import nn
 
+from worker.quant.onednn_int8 import padded_rows
+
 __all__ = ["PackedLinear", "can_pack", "pack", "pack_model", "packed_linear"]
 log = logging.getLogger(__name__)
 MAX_RESCORED = 64  # near-tied logits re-scored per row, on average (`PackedLinear.logits`)
+# Row counts up to this run as they come (decode batches: one kernel each); above, rows are padded to
+# `padded_rows`' buckets, as the int8 path does, so prefill and mixed steps reuse ~28 kernels per shape instead of
+# JIT-compiling one per new step size and thrashing the worker's 256-kernel cache (`worker.server.memory`)
+EXACT_ROWS = 16
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -53,7 +60,16 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = packed_linear(x.reshape(-1, shape[-1]), self.packed)
+        x2 = x.reshape(-1, shape[-1])
+        rows = x2.shape[0]
+        padded = rows if rows <= EXACT_ROWS else padded_rows(rows)
+        if padded == rows:
+            y = packed_linear(x2, self.packed)
+        else:  # a bounded set of row counts: oneDNN JITs a kernel per count it has not seen (2-5 ms each)
+            buf = x2.new_empty(padded, shape[-1])
+            buf[:rows] = x2
+            buf[rows:] = 0
+            y = packed_linear(buf, self.packed)[:rows]
         return y.reshape(*shape[:-1], self.out_features)
 
     def logits(self, x2: torch.Tensor) -> torch.Tensor:

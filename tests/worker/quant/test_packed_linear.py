@@ -1,4 +1,5 @@
-"""Prepacked oneDNN bf16 linear layers: bit-identical to `F.linear`, and the int8 row cutoff is honoured."""
+"""Prepacked oneDNN bf16 linear layers: bit-identical to `F.linear` over the same (padded) rows, padded to a bounded
+set of row counts, and the int8 row cutoff is honoured."""
 
 from __future__ import annotations
 
@@ -14,23 +15,50 @@ from worker.model.loader import load_any
 from worker.protocol import SamplingParams
 from worker.quant import calibrate as cal
 from worker.quant import weights as quant
-from worker.quant.packed import PackedLinear, can_pack, pack_model
+from worker.quant.onednn_int8 import padded_rows
+from worker.quant.packed import EXACT_ROWS, PackedLinear, can_pack, pack_model
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="this CPU build has no oneDNN bf16 path")
 
 
-def test_packed_linear_is_bit_identical_to_f_linear():
+def padded_f_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`F.linear` over the rows PackedLinear runs: above EXACT_ROWS, zero rows up to `padded_rows`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    if rows > EXACT_ROWS:
+        x2 = torch.cat([x2, x2.new_zeros(padded_rows(rows) - rows, x2.shape[1])])
+    return F.linear(x2, w)[:rows].reshape(*x.shape[:-1], w.shape[0])
+
+
+class PaddedPlainLinear(torch.nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return padded_f_linear(x, self.w)
+
+
+def test_packed_linear_is_bit_identical_to_f_linear_over_the_same_rows():
     torch.manual_seed(0)
-    w = torch.randn(96, 64, dtype=torch.bfloat16)
-    lin = PackedLinear(w)
-    assert torch.equal(lin.weight, w)
-    for rows in (1, 3, 16, 130):
-        x = torch.randn(rows, 64, dtype=torch.bfloat16)
-        assert torch.equal(lin(x), F.linear(x, w))
-    x3 = torch.randn(2, 5, 64, dtype=torch.bfloat16)
-    assert torch.equal(lin(x3), F.linear(x3, w))
-    assert torch.equal(copy.deepcopy(lin)(x3), F.linear(x3, w))
+    for out_f, in_f in ((96, 64), (576, 1536)):
+        w = torch.randn(out_f, in_f, dtype=torch.bfloat16)
+        lin = PackedLinear(w)
+        assert torch.equal(lin.weight, w)
+        for rows in (1, 3, 16, 17, 33, 130, 515):
+            x = torch.randn(rows, in_f, dtype=torch.bfloat16)
+            assert torch.equal(lin(x), padded_f_linear(x, w))
+            if rows <= EXACT_ROWS:
+                assert torch.equal(lin(x), F.linear(x, w))
+        x3 = torch.randn(2, 5, in_f, dtype=torch.bfloat16)
+        assert torch.equal(lin(x3), F.linear(x3, w))
+        assert torch.equal(copy.deepcopy(lin)(x3), F.linear(x3, w))
+
+
+def test_row_counts_above_the_exact_ones_fall_in_few_buckets():
+    assert padded_rows(17) == 32 and padded_rows(129) == 160 and padded_rows(513) == 576
+    assert len({padded_rows(r) for r in range(EXACT_ROWS + 1, 1025)}) <= 28
 
 
 def test_packed_tiny_model_generates_the_same_greedy_tokens():
@@ -43,9 +71,7 @@ def test_packed_tiny_model_generates_the_same_greedy_tokens():
             for layer in loaded.model.layers:
                 for name in ("qkv", "o", "gate_up", "down"):
                     lin = getattr(layer, name)
-                    plain = torch.nn.Linear(lin.in_features, lin.out_features, bias=False, dtype=torch.bfloat16)
-                    plain.weight.data.copy_(lin.weight)
-                    setattr(layer, name, plain.requires_grad_(False))
+                    setattr(layer, name, PaddedPlainLinear(lin.weight.clone()))
         else:
             assert isinstance(loaded.model.layers[0].qkv, PackedLinear)
             assert pack_model(loaded.model) == 0  # nothing left to pack
