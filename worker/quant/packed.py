@@ -35,8 +35,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x2: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x2 [rows, in] @ packed.T -> [rows, out]."""
-    return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
+    """x2 [rows, in] @ packed.T -> [rows, out]; above EXACT_ROWS over zero rows up to `padded_rows`, so oneDNN
+    runs one of a bounded set of kernels (it JITs one per row count it has not seen: 2-5 ms each)."""
+    rows = x2.shape[0]
+    padded = rows if rows <= EXACT_ROWS else padded_rows(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
+    buf = x2.new_empty(padded, x2.shape[1])
+    buf[:rows] = x2
+    buf[rows:] = 0
+    return torch.ops.mkldnn._linear_pointwise(buf, packed, None, "none", [], "")[:rows]
 
 
 class PackedLinear(nn.Module):
@@ -60,16 +68,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        rows = x2.shape[0]
-        padded = rows if rows <= EXACT_ROWS else padded_rows(rows)
-        if padded == rows:
-            y = packed_linear(x2, self.packed)
-        else:  # a bounded set of row counts: oneDNN JITs a kernel per count it has not seen (2-5 ms each)
-            buf = x2.new_empty(padded, shape[-1])
-            buf[:rows] = x2
-            buf[rows:] = 0
-            y = packed_linear(buf, self.packed)[:rows]
+        y = packed_linear(x.reshape(-1, shape[-1]), self.packed)
         return y.reshape(*shape[:-1], self.out_features)
 
     def logits(self, x2: torch.Tensor) -> torch.Tensor:
