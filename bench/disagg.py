@@ -114,7 +114,8 @@ class Arm:
             port = free_port()
             extra = ["--role", role, "--dtype", args.dtype, "--kv-cache-bytes", str(args.kv_cache_mib << 20),
                      "--kv-host-bytes", "0", "--spec-tokens", "0", "--metrics-port", str(port),
-                     "--metrics-host", "127.0.0.1", "--drain-timeout", "5"]
+                     "--metrics-host", "127.0.0.1", "--drain-timeout", "5",
+                     "--max-num-batched-tokens", str(args.prefill_chunk)]
             if args.stall_s is not None:
                 extra += ["--disagg-stall-s", str(args.stall_s)]
             with pinned(core):
@@ -314,12 +315,15 @@ def summary(arms: dict[str, dict], greedy: dict, args: argparse.Namespace, w: Wo
            "throughput": p["throughput_ratio"] is not None
            and p["throughput_ratio"] >= TARGETS["throughput_ratio_min"],
            "goodput": p["goodput_ratio"] is not None and p["goodput_ratio"] >= TARGETS["goodput_ratio_min"]}
+    fallbacks = sum(sum(f.values()) for f in dis["metrics"].get("worker_fallbacks", []))
+    met["no_errors"] = co["errors"] == 0 and dis["errors"] == 0  # a failed request is never a fast one
+    met["no_fallbacks"] = fallbacks == 0  # a disaggregated arm that prefilled locally did not measure disaggregation
     return {
         "bench": "disagg", "cpu": cpu_model(), "model": args.model, "dtype": args.dtype, **p,
         "greedy_identical": greedy["compared"] > 0 and greedy["identical"] == greedy["compared"],
         "greedy": greedy, "disaggregated_requests": remote.get("remote", 0),
         "local_requests": remote.get("local", 0),
-        "worker_fallbacks": sum(sum(f.values()) for f in dis["metrics"].get("worker_fallbacks", [])),
+        "worker_fallbacks": fallbacks, "prefill_chunk": args.prefill_chunk,
         "targets": TARGETS, "met": met,
         "other_cpu_s": {name: arm["other_cpu_s"] for name, arm in arms.items()},  # other processes' CPU: noise
         "slo": {"ttft_short_s": slo.ttft_short_s, "ttft_long_s": f"{slo.ttft_long_base_s} + "
@@ -377,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     a("--kv-cache-mib", type=int, default=2048, help="each worker's KV cache")
     a("--disagg-min-tokens", type=int, default=512, help="the gateway's flag (its default)")
     a("--disagg-max-prefill-queue", type=int, default=4, help="the gateway's flag (its default)")
+    a("--prefill-chunk", type=int, default=1024, help="every worker's --max-num-batched-tokens (the colocated arm's "
+      "prefill chunk: compare 1024, 256 and 128 at the serving dtype, not one long chunk)")
     a("--stall-s", type=float, default=None, help="the workers' --disagg-stall-s (default: theirs, 5 s)")
     a("--slo-ttft-short", type=float, default=slo.ttft_short_s, help="TTFT SLO of the steady streams' requests (s)")
     a("--slo-ttft-long-base", type=float, default=slo.ttft_long_base_s, help="long prompts' TTFT SLO: base (s)")
@@ -385,8 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     a("--slo-itl-p99", type=float, default=slo.itl_p99_s, help="per-request p99 inter-chunk gap SLO (s)")
     a("--ready-timeout", type=float, default=300.0)
     a("--json", action="store_true", help="(the output is always one JSON line)")
-    print(json.dumps(run(ap.parse_args(argv))))
-    return 0
+    out = run(ap.parse_args(argv))
+    print(json.dumps(out))
+    return 0 if all(out["met"].values()) else 1
 
 
 if __name__ == "__main__":

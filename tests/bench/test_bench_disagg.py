@@ -95,3 +95,25 @@ def test_counters_read_totals_by_label_and_unlabelled(monkeypatch: pytest.Monkey
     monkeypatch.setattr(disagg.httpx, "get", lambda *a, **k: type("R", (), {"text": text})())
     assert disagg.counters("u", "switchyard_disagg_requests", "outcome") == {"remote": 4.0, "local": 7.0}
     assert disagg.transfer_mib("u") == {"pushed": 2.0}
+
+
+def _arm(errors: int, fallbacks: int = 0) -> dict:
+    stats = {"p50": 10.0, "p99": 20.0}
+    return {"itl_ms": stats, "ttft_long_ms": stats, "ttft_short_ms": stats, "output_tok_s": 100.0,
+            "goodput_rps": 1.0, "errors": errors, "other_cpu_s": 0.0,
+            "metrics": {"worker_fallbacks": [{"busy": float(fallbacks)}]}}
+
+
+@pytest.mark.parametrize(("co_errors", "dis_errors", "fallbacks", "ok"),
+                         [(0, 0, 0, True), (1, 0, 0, False), (0, 2, 0, False), (0, 0, 3, False)])
+def test_errors_and_fallbacks_miss_the_targets(co_errors: int, dis_errors: int, fallbacks: int, ok: bool) -> None:
+    import argparse
+
+    from bench import disagg
+
+    args = argparse.Namespace(model="m", dtype="float32", kv_cache_mib=1, disagg_min_tokens=1,
+                              disagg_max_prefill_queue=1, stall_s=None, prefill_chunk=256)
+    out = disagg.summary({"colocated": _arm(co_errors), "disagg": _arm(dis_errors, fallbacks)},
+                         {"compared": 1, "identical": 1}, args, Workload(), Slo())
+    assert out["prefill_chunk"] == 256 and out["worker_fallbacks"] == fallbacks
+    assert (out["met"]["no_errors"] and out["met"]["no_fallbacks"]) is ok
