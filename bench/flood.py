@@ -34,9 +34,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def flood(port: int, seconds: float, rate: float, cpu: int | None) -> subprocess.Popen:
-    """The generator process: 4 keep-alive connections pipelining 32 requests each, pinned to `cpu`."""
-    cmd = [sys.executable, str(GEN), str(port), str(seconds), str(rate), "4", "32"]
+# mode -> (connections, window): 4 keep-alive connections pipelining 32 requests each, or 16 clients opening a new
+# connection per request (what an attacker without keep-alive costs the gateway: accept, parse, close)
+MODES = {"pipelined": (4, 32), "per-request": (16, 0)}
+
+
+def flood(port: int, seconds: float, rate: float, cpu: int | None, mode: str = "pipelined") -> subprocess.Popen:
+    """The generator process in `mode` (MODES), pinned to `cpu`."""
+    connections, window = MODES[mode]
+    cmd = [sys.executable, str(GEN), str(port), str(seconds), str(rate), str(connections), str(window)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                             preexec_fn=(lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None)
 
@@ -54,7 +60,7 @@ def latencies(base: str, key: str, n: int, pause_s: float = 0.0) -> list[float]:
     return out
 
 
-def run(seconds: float, samples: int) -> dict:
+def run(seconds: float, samples: int, mode: str = "pipelined") -> dict:
     cpus = sorted(os.sched_getaffinity(0))
     gw_cpu, gen_cpu = (cpus[0], cpus[1]) if len(cpus) > 1 else (None, None)
     stack = Stack(StackConfig(port=free_port(), log_dir=Path(tempfile.mkdtemp(prefix="sy-flood-")),
@@ -72,14 +78,14 @@ def run(seconds: float, samples: int) -> dict:
         solo = latencies(stack.base_url, key, samples, 0.01)
         redis_pid = stack.procs["redis"].pid
         cpu0, redis0 = cpu_seconds(gw.pid), cpu_seconds(redis_pid)
-        proc = flood(port, seconds, 0, gen_cpu)
+        proc = flood(port, seconds, 0, gen_cpu, mode)
         report = json.loads(proc.communicate(timeout=seconds + 60)[0].splitlines()[-1])
         gw_cpu_s, redis_cpu_s = cpu_seconds(gw.pid) - cpu0, cpu_seconds(redis_pid) - redis0
         rejected = report["statuses"].get("401", 0)
         per_core = rejected / gw_cpu_s if gw_cpu_s else 0.0
         wall_rate = rejected / report["seconds"] if report["seconds"] else 0.0
         paced = 0.8 * min(per_core, wall_rate)
-        proc = flood(port, seconds + 30, paced, gen_cpu)
+        proc = flood(port, seconds + 30, paced, gen_cpu, mode)
         time.sleep(1.0)
         flooded = latencies(stack.base_url, key, samples, 0.01)
         proc.kill()
@@ -87,7 +93,7 @@ def run(seconds: float, samples: int) -> dict:
     finally:
         stack.stop()
     solo_p99, flooded_p99 = latency_stats_ms(solo)["p99"], latency_stats_ms(flooded)["p99"]
-    return {"bench": "flood", "cpu": cpu_model(), "gateway_cpu": gw_cpu, "generator_cpu": gen_cpu,
+    return {"bench": "flood", "mode": mode, "cpu": cpu_model(), "gateway_cpu": gw_cpu, "generator_cpu": gen_cpu,
             "rejections": rejected, "statuses": report["statuses"], "gateway_cpu_s": round(gw_cpu_s, 2),
             "redis_cpu_s": round(redis_cpu_s, 2),
             "rejections_per_core_s_with_redis": round(rejected / (gw_cpu_s + redis_cpu_s)) if gw_cpu_s else 0,
@@ -101,11 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=8.0, help="length of the unpaced flood")
     ap.add_argument("--samples", type=int, default=200, help="valid requests per latency measurement")
+    ap.add_argument("--mode", choices=list(MODES), default="pipelined",
+                    help="pipelined keep-alive connections (the target's mode) or a new connection per request")
     ap.add_argument("--json", action="store_true", help="(the output is always one JSON line)")
     args = ap.parse_args(argv)
-    res = run(args.seconds, args.samples)
-    res["targets_met"] = {"rejections_per_core_s": res["rejections_per_core_s"] >= TARGET_PER_CORE,
-                          "valid_p99_ratio": res["valid_p99_ratio"] <= TARGET_P99_RATIO}
+    res = run(args.seconds, args.samples, args.mode)
+    res["targets_met"] = {"valid_p99_ratio": res["valid_p99_ratio"] <= TARGET_P99_RATIO}
+    if args.mode == "pipelined":  # the per-core target is set for pipelined floods; per-request reports its rate
+        res["targets_met"]["rejections_per_core_s"] = res["rejections_per_core_s"] >= TARGET_PER_CORE
     print(json.dumps(res))
     return 0 if all(res["targets_met"].values()) else 1
 

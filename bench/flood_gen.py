@@ -1,6 +1,7 @@
 """An unknown-API-key flood (bench/flood.py and the hardening fault test), run as its own process: HTTP/1.1 keep-alive
 connections, each pipelining up to `window` requests that each carry a new well-formed key, at up to
-`rate` requests/s in total for `seconds` (rate 0: as fast as the gateway answers).
+`rate` requests/s in total for `seconds` (rate 0: as fast as the gateway answers). Window 0: a new connection per
+request instead (`connection: close`, one request in flight per connection), the shape of a botnet's flood.
 
 Prints one JSON line: requests sent and answered, seconds taken, the count of each response status and the
 generator's own CPU seconds.
@@ -98,11 +99,36 @@ async def _connection(port: int, until: float, rate: float, window: int, statuse
     return sent
 
 
+async def _per_request(port: int, until: float, rate: float, statuses: Counter) -> int:
+    """One request per TCP connection, each waited for, at up to `rate` per second (0: back to back)."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nconnection: close\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(BODY)}\r\nauthorization: Bearer sy-").encode()
+    sent, start = 0, time.monotonic()
+    while (now := time.monotonic()) < until:
+        if rate > 0 and sent >= (now - start) * rate:
+            await asyncio.sleep(0.005)
+            continue
+        try:
+            async with asyncio.timeout(max(0.1, until - now + 5)):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(head + binascii.hexlify(os.urandom(KEY_BYTES)) + b"\r\n\r\n" + BODY)
+                sent += 1
+                status = await reader.readline()
+                statuses[int(status[9:12]) if status[:5] == b"HTTP/" else 0] += 1
+                writer.close()
+        except (OSError, TimeoutError):
+            statuses[0] += 1
+    return sent
+
+
 async def main(port: int, seconds: float, rate: float, connections: int, window: int) -> None:
     statuses: Counter = Counter()
     start = time.monotonic()
-    sent = await asyncio.gather(*(_connection(port, start + seconds, rate / connections, window, statuses)
-                                  for _ in range(connections)))
+    if window == 0:
+        jobs = [_per_request(port, start + seconds, rate / connections, statuses) for _ in range(connections)]
+    else:
+        jobs = [_connection(port, start + seconds, rate / connections, window, statuses) for _ in range(connections)]
+    sent = await asyncio.gather(*jobs)
     elapsed = time.monotonic() - start
     print(json.dumps({"sent": sum(sent), "answered": sum(statuses.values()), "seconds": round(elapsed, 2),
                       "statuses": {str(k): v for k, v in statuses.items()},
