@@ -1,8 +1,10 @@
 """Benchmark: model pools routed in-process (2 model versions x 2 simulated workers behind a weighted alias).
 
 Prints one JSON line: `hit_ratio_vs_single_model` (prefix hits with both versions in one fleet over each version
-routed alone), `weight_error` (largest observed-minus-configured share over 2,000 routed requests at 90/10) and
-`sticky_frac` (repeated prefix keys that kept their version). `--json` prints only it.
+routed alone), `weight_error` (largest observed-minus-configured share over 2,000 routed requests at 90/10),
+`sticky_frac` (repeated prefix keys that kept their version: 1.0 by construction while weights hold) and
+`moved_frac` (the conversations that change version when the weights change 90/10 -> 50/50: 0.4 is the least any
+router can move). Exits 1 when a target is missed. `--json` prints only the line.
 """
 
 from __future__ import annotations
@@ -170,6 +172,7 @@ def run(requests: int, seed: int, weights: dict[str, float]) -> dict:
     total = sum(weights.values())
     weight_error = max(abs(shares[k] - w / total) for k, w in weights.items())
     sticky = sum(a == b for a, b in zip(first, again, strict=True)) / requests
+    moved, moved_min = weight_change(fleet, convs, first, weights, caches)
     # prefix hits: a multi-turn workload through the fleet, and each version's share of it routed alone
     turns = 5
     work = [(i, t) for i in range(requests // turns) for t in range(turns)]
@@ -192,9 +195,30 @@ def run(requests: int, seed: int, weights: dict[str, float]) -> dict:
         "weight_error": round(weight_error, 4), "sticky_frac": sticky,
         "hit_ratio_fleet": round(fleet_hits / len(work), 4), "hit_ratio_single_model": round(single_hits / len(work), 4),
         "hit_ratio_vs_single_model": round(fleet_hits / single_hits, 4) if single_hits else None,
+        "moved_frac": round(moved, 4), "moved_frac_least": round(moved_min, 4), "weights_after": CHANGED_WEIGHTS,
         "route_us_per_request": round(per_route_us, 1),  # alias + version router's pick, in-process, no I/O
-        "targets": {"hit_ratio_vs_single_model": ">= 0.95", "weight_error": "<= 0.03", "sticky_frac": "= 1.0"},
+        "targets": {"hit_ratio_vs_single_model": ">= 0.95", "weight_error": "<= 0.03", "sticky_frac": "= 1.0",
+                    "moved_frac": f"<= least + {MOVED_SLACK}"},
+        "met": {"hit_ratio_vs_single_model": single_hits > 0 and fleet_hits / single_hits >= 0.95,
+                "weight_error": weight_error <= 0.03, "sticky_frac": sticky == 1.0,
+                "moved_frac": moved <= moved_min + MOVED_SLACK},
     }
+
+
+CHANGED_WEIGHTS = (50.0, 50.0)
+MOVED_SLACK = 0.05  # a weighted rendezvous pick moves about the least; a modulo pick would move about half
+
+
+def weight_change(fleet: Fleet, convs: list[tuple[str, list[int]]], before: list[str], weights: dict[str, float],
+                  caches: dict[str, set[bytes]]) -> tuple[float, float]:
+    """The fraction of conversations whose version changes when the alias's weights become CHANGED_WEIGHTS, and
+    the least fraction any assignment must move (the total share that leaves the versions that shrink)."""
+    after_w = dict(zip(sorted(weights), CHANGED_WEIGHTS, strict=True))
+    alias = Alias(ALIAS, tuple(sorted(after_w.items())))
+    after = [route(fleet, alias, t, o, 2, caches)[0] for t, o in convs]
+    total_b, total_a = sum(weights.values()), sum(after_w.values())
+    least = sum(max(0.0, weights[k] / total_b - after_w[k] / total_a) for k in weights)
+    return sum(a != b for a, b in zip(before, after, strict=True)) / len(convs), least
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     w1, w2 = (float(x) for x in args.weights.split(","))
     result = run(args.requests, args.seed, {"m@v1": w1, "m@v2": w2})
-    return emit(result, args.json)
+    emit(result, args.json)
+    return 0 if all(result["met"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -170,3 +170,6 @@ def test_bench_fleet_meets_the_targets() -> None:
     assert result["hit_ratio_vs_single_model"] >= 0.95
     assert result["weight_error"] <= 0.03
     assert result["sticky_frac"] == 1.0
+    assert result["moved_frac_least"] == 0.4  # 90/10 -> 50/50: 0.4 of the share must move
+    assert 0.4 <= result["moved_frac"] <= 0.45  # a weighted rendezvous pick moves about that, not half
+    assert all(result["met"].values())
