@@ -2,7 +2,8 @@
 about 2-3k tokens of its random-word vocabulary, 256 out) and natural-text twins of its three (`nmixed`, `nprefix`,
 `nsingle`), whose prompts are passages of the Python Language Reference shipped with every CPython
 (`pydoc_data.topics`, ~65k words of English prose with code), so greedy continuations do not repeat the way
-random-word prompts make them. Same protocol, fields and JSON line.
+random-word prompts make them. Same protocol, fields and JSON line; a stream short of its `max_tokens` is an
+error here.
 
 Run as a script with the peer's python (stdlib and httpx only): `long_loadgen.py PEER_LOADGEN --workload long ...`.
 """
@@ -60,7 +61,20 @@ def main() -> None:
         return [(peer.text(rng, rng.randint(*LONG_WORDS)), LONG_OUT) for _ in range(n)]
 
     peer.workload = workload
+    peer.one = checked(peer.one)
     asyncio.run(peer.main())
+
+
+def checked(one):  # noqa: ANN001, ANN201 - the shared generator's untyped coroutine
+    """The shared generator's request, where a stream that ends short of its `max_tokens` counts as an error
+    (every request asks for `ignore_eos`, so a short one was cut or refused, never finished)."""
+
+    async def run(client, args, prompt, max_tokens, out):  # noqa: ANN001
+        await one(client, args, prompt, max_tokens, out)
+        if out and "error" not in out[-1] and out[-1]["out"] != max_tokens:
+            out[-1] = {"error": "short", "body": f"{out[-1]['out']} of {max_tokens} tokens"}
+
+    return run
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ RATIOS = {"mixed_out_tok_s": ("mixed", "out_tok_s"), "prefix_ttft_p50": ("prefix
           "natural_single_tpot_p50": ("nsingle", "tpot_p50_ms"), "natural_single_ttft_p50": ("nsingle", "ttft_p50_ms")}
 # the shared generator plus `long` and the natural-text workloads (nmixed, nprefix, nsingle)
 LONG_LOADGEN = Path(__file__).with_name("long_loadgen.py")
-SHARED_WORKLOADS = ("mixed", "prefix", "single")
 UNLIMITED = {"tpm": 0, "rpm": 0, "max_concurrent": 0, "max_tokens": 4096}
 
 Side = Callable[[], "Server"]
@@ -120,14 +119,18 @@ def loadgen_python() -> str:
 
 
 def run_workload(server: Server, workload: str, n: int, concurrency: int, args: argparse.Namespace) -> dict:
-    gen = [str(args.loadgen)] if workload in SHARED_WORKLOADS else [str(LONG_LOADGEN), str(args.loadgen)]
+    gen = [str(LONG_LOADGEN), str(args.loadgen)]  # the shared generator's workloads too, short outputs checked
     cmd = [loadgen_python(), *gen, "--url", server.url, "--key", server.key, "--model", server.model,
            "--workload", workload, "--n", str(n), "--concurrency", str(concurrency), "--json",
            "--timeout", str(args.request_timeout)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.workload_timeout, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"loadgen {workload} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    if res["errors"] or res["ok"] != n:  # a failed or short request is never a fast one: no ratio from this run
+        raise RuntimeError(f"{server.url} {workload}: {res['errors']} of {n} requests failed or ended short "
+                           f"({res.get('first_error')})")
+    return res
 
 
 def run_side(start: Side, sizes: dict[str, tuple[int, int]], args: argparse.Namespace) -> dict[str, dict]:

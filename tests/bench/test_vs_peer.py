@@ -22,7 +22,11 @@ def fake_load(url: str, workload: str) -> dict:
     return {"mixed": {"out_tok_s": 130.0 if ours else 100.0},
             "prefix": {"ttft_p50_ms": 400.0 if ours else 1000.0},
             "single": {"tpot_p50_ms": 30.0 if ours else 40.0, "ttft_p50_ms": 50.0 if ours else 50.0},
-            "long": {"out_tok_s": 90.0 if ours else 60.0}}[workload] | {"workload": workload}
+            "long": {"out_tok_s": 90.0 if ours else 60.0},
+            "nmixed": {"out_tok_s": 120.0 if ours else 100.0},
+            "nprefix": {"ttft_p50_ms": 500.0 if ours else 1000.0},
+            "nsingle": {"tpot_p50_ms": 20.0 if ours else 40.0, "ttft_p50_ms": 60.0 if ours else 50.0},
+            }[workload] | {"workload": workload}
 
 
 def test_alternates_sides_and_prints_median_ratios(monkeypatch, capsys):
@@ -52,7 +56,9 @@ def test_alternates_sides_and_prints_median_ratios(monkeypatch, capsys):
     assert events == ["start ours", "stop ours", "start peer", "stop peer"] * 2
     line = json.loads(json.dumps(result))
     assert line["ratios"] == {"mixed_out_tok_s": 1.3, "prefix_ttft_p50": 0.4, "single_tpot_p50": 0.75,
-                              "single_ttft_p50": 1.0, "long_out_tok_s": 1.5}
+                              "single_ttft_p50": 1.0, "long_out_tok_s": 1.5, "natural_mixed_out_tok_s": 1.2,
+                              "natural_prefix_ttft_p50": 0.5, "natural_single_tpot_p50": 0.5,
+                              "natural_single_ttft_p50": 1.2}
     assert len(line["passes"]) == 2 and set(line["passes"][0]) == {"ours", "peer"}
     assert line["ours"]["dtype"] == "float32" and line["ours"]["quantization"] == "none"
     assert line["cpu"] and line["sizes"]["mixed"] == {"n": 8, "concurrency": 4}
@@ -77,8 +83,8 @@ def test_ratios_median_and_missing_figures():
                 "peer": {"mixed": {"out_tok_s": peer}, "prefix": {}, "single": {"tpot_p50_ms": 10.0}}}
 
     r = vs_peer.ratios([p(1.0, 2.0), p(3.0, 2.0), p(2.0, None)])
-    assert r == {"mixed_out_tok_s": 1.0, "prefix_ttft_p50": None, "single_tpot_p50": None,
-                 "single_ttft_p50": None, "long_out_tok_s": None}  # no figure, or no such workload run
+    assert r["mixed_out_tok_s"] == 1.0  # the median of 0.5 and 1.5; a pass without the peer's figure is left out
+    assert all(v is None for k, v in r.items() if k != "mixed_out_tok_s")  # no figure, or no such workload run
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -113,6 +119,7 @@ def test_long_workload_runs_through_the_shared_generator(tmp_path):
         "import json, random, sys\n"
         "def text(rng, n):\n    return ' '.join('w' for _ in range(n))\n"
         "def workload(name, n, seed):\n    return [('x', 1)] * n\n"
+        "async def one(client, args, prompt, max_tokens, out):\n    out.append({'out': max_tokens})\n"
         "async def main():\n"
         "    n = int(sys.argv[sys.argv.index('--n') + 1])\n"
         "    reqs = workload(sys.argv[sys.argv.index('--workload') + 1], n, 1)\n"
@@ -125,6 +132,30 @@ def test_long_workload_runs_through_the_shared_generator(tmp_path):
     got = run("long")
     assert all(1600 <= w <= 2400 for w in got["words"]) and got["out"] == [256] * 3
     assert run("mixed") == {"words": [1] * 3, "out": [1] * 3}  # the others are the shared generator's own
+    nat = run("nprefix")
+    assert all(w > 1400 for w in nat["words"]) and nat["out"] == [24] * 3  # a long shared passage, then a question
+
+
+def test_a_stream_short_of_its_max_tokens_is_an_error():
+    import asyncio
+
+    from bench.long_loadgen import checked
+
+    async def one(client, args, prompt, max_tokens, out):
+        out.append({"out": max_tokens - 1, "ttft": 0.1})
+
+    out: list[dict] = []
+    asyncio.run(checked(one)(None, None, "p", 8, out))
+    assert out == [{"error": "short", "body": "7 of 8 tokens"}]
+
+
+def test_a_failed_request_fails_the_workload(monkeypatch):
+    import subprocess
+
+    line = json.dumps({"workload": "mixed", "ok": 7, "errors": 1, "first_error": {"error": "short"}})
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, line + "\n", ""))
+    with pytest.raises(RuntimeError, match="1 of 8 requests failed or ended short"):
+        vs_peer.run_workload(vs_peer.Server("u", "k", "m", lambda: None), "mixed", 8, 2, vs_peer.parse([]))
 
 
 def test_workloads_and_worker_args_narrow_the_run(monkeypatch):
