@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without it the Redis worker registry is used")
     parser.add_argument("--model", help="model spec whose tokenizer to use (default: the default model)")
     parser.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, help="request body limit")
+    parser.add_argument("--files-dir", dest="files_dir", help="the Files API's directory (shared by the replicas; "
+                        "default ~/.cache/switchyard/files; 'off': no /v1/files)")
     parser.add_argument("--body-timeout", dest="body_timeout", type=float,
                         help="seconds for a request's headers, then for its whole body, to arrive "
                         "(late headers: connection closed; late body: 408; default 10)")
@@ -78,13 +80,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def overrides_from_args(args: argparse.Namespace) -> dict:
     names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "keep_alive_timeout",
              "worker_timeout", "worker_stall_timeout", "log_level", "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
-             "route_prefix_tokens", "max_resumes", "model_pools", "disagg_min_tokens", "disagg_max_prefill_queue")
+             "route_prefix_tokens", "max_resumes", "model_pools", "disagg_min_tokens", "disagg_max_prefill_queue",
+             "files_dir")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:
         values["metrics_tenant_labels"] = [t.strip() for t in args.metrics_tenant_labels.split(",") if t.strip()]
     if args.workers is not None:
         values["workers"] = [w.strip() for w in args.workers.split(",") if w.strip()]
     return flags_to_overrides(values, "gateway", TOP_LEVEL)
+
+
+def files_dir(setting: str) -> str | None:
+    """The Files API's directory: the setting, ~/.cache/switchyard/files when empty, none when "off"."""
+    if setting == "off":
+        return None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return setting or os.path.join(base, "switchyard", "files")
 
 
 def build_app(settings: Settings):
@@ -156,7 +167,8 @@ def build_app(settings: Settings):
                                                stream_write_timeout_s=gw.stream_write_timeout,
                                                ready_check=redis_ok, metrics_token=gw.metrics_token,
                                                trace_tenant=gw.trace_tenant,
-                                               trust_client_trace=gw.trust_client_trace),
+                                               trust_client_trace=gw.trust_client_trace,
+                                               files_dir=files_dir(gw.files_dir)),
                       on_close=close)
 
 

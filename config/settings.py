@@ -121,6 +121,9 @@ class GatewaySettings(BaseModel):
     # a client's `traceparent` parents the request span only when trusted (clients inside the operator's own
     # tracing); otherwise the span starts its own trace and links to the client's span
     trust_client_trace: bool = False
+    # the Files API's directory (gateway.files): one volume shared by the replicas in compose and Kubernetes;
+    # empty: ~/.cache/switchyard/files, "off": no /v1/files
+    files_dir: str = ""
     # model pools (docs/routing.md): registry workers grouped by model version, each with its own router and
     # capacity gate; `model` picks a version directly, by model name or by a weighted alias (Redis `sy:aliases`)
     model_pools: bool = False

@@ -24,6 +24,8 @@ from gateway import errors, metrics, tracing
 from gateway.choices import GenerationGroup
 from gateway.drain import DrainMiddleware, DrainState
 from gateway.errors import ApiError, install_handlers
+from gateway.files import api as files_api
+from gateway.files.store import DirectoryFileStore
 from gateway.generation import Delta, Generation, Prepared
 from gateway.http import (
     ClientGone,
@@ -56,6 +58,7 @@ class AppConfig:
     metrics_token: str | None = None  # /metrics off loopback needs it as a bearer token (gateway.metrics)
     trace_tenant: bool = False  # request spans carry the tenant's name (`switchyard.tenant`)
     trust_client_trace: bool = False  # a client's traceparent parents the request span (else: a link only)
+    files_dir: str | None = None  # the Files API's directory (gateway.files); None: /v1/files answers 404
 
 
 def _service(request: Request) -> GatewayService:
@@ -338,6 +341,10 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"]),
+        Route("/v1/files", files_api.upload, methods=["POST"]),
+        Route("/v1/files", files_api.list_files, methods=["GET"]),
+        Route("/v1/files/{file_id}", files_api.one_file, methods=["GET", "DELETE"]),
+        Route("/v1/files/{file_id}/content", files_api.file_content, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -349,6 +356,7 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
     app.state.config = config or AppConfig()
     app.state.started = int(time.time())
     app.state.drain = DrainState()  # flipped by gateway.drain.LameDuckServer on SIGTERM
+    app.state.files = DirectoryFileStore(config.files_dir) if config and config.files_dir else None
     install_handlers(app)
     install_log_filter()
     # outermost last: request id, then status counting and access log, then the lame-duck gate

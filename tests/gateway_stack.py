@@ -43,7 +43,7 @@ def start_gateway_stack(*, worker_model: str = "default", prefix_cache: bool = F
              *([] if prefix_cache else ["--no-prefix-cache"]),
              *worker_args]
     stack = Stack(StackConfig(port=free_port(), log_dir=logs, ready_timeout=240.0, worker_args=wargs,
-                              gateway_args=list(gateway_args)))
+                              gateway_args=[*gateway_args, "--files-dir", str(logs / "files")]))
     stack.start()
     try:
         return GatewayStack(stack, stack.create_tenant("acme"),
