@@ -60,7 +60,7 @@ GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 test-gpu:
 	$(GPU_PY) -m pytest -q --noconftest -p no:cacheprovider -o addopts="" -m "gpu or triton_kernels" \
 	  tests/worker/model/test_gpu.py tests/worker/model/test_triton_kernels.py tests/worker/model/test_triton_kv_int8.py \
-	  tests/worker/quant/test_fp8.py
+	  tests/worker/quant/test_fp8.py tests/worker/model/test_triton_gemv.py
 
 # The Redis Cluster tests alone (a 3-primary cluster on loopback ports; also part of `make test`, ~30 s).
 test-cluster: install tools

@@ -137,7 +137,7 @@ def prefill_tok_s(runner: ModelRunner, chunks: int, length: int) -> float:
 
 def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches: tuple[int, ...],
                 prefill_len: int, dev: torch.device, iters: int = 50, profile: bool = False,
-                kv_dtype: str = "model", batches: tuple[int, ...] = BATCHES) -> dict:
+                kv_dtype: str = "model", batches: tuple[int, ...] = BATCHES, fused_linear: str = "auto") -> dict:
     cfg = ModelConfig(max_position=8192, **SHAPES[name])
     tok = os.environ.get("SWITCHYARD_TOKENIZER", "default")
     loaded = random_model(cfg, dtype="bfloat16", device=dev, tokenizer=tok, on_device=True)
@@ -147,14 +147,15 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
         quant.quantize_model(loaded.model, quantization)
         loaded.quantization = quantization
     backend = "triton" if dev.type == "cpu" else "auto"  # CPU: the smoke run, under Triton's interpreter
-    ecfg = EngineConfig(max_num_seqs=max(batches), cuda_graphs="on", attention_backend=backend, kv_dtype=kv_dtype)
+    ecfg = EngineConfig(max_num_seqs=max(batches), cuda_graphs="on", attention_backend=backend, kv_dtype=kv_dtype,
+                        fused_linear=fused_linear)
     per_seq = -(-(ctx + ecfg.block_size) // ecfg.block_size)
     num_pages = max(batches) * per_seq + 8 * (-(-prefill_len // ecfg.block_size))
     runner = ModelRunner(loaded, ecfg, num_pages)
     weights = read_bytes(loaded.model, cfg)
     kv_token = bytes_per_page(cfg, loaded.dtype, ecfg.block_size, runner.kv.kv_dtype) / ecfg.block_size
     out = {"shape": name, "dtype": "bfloat16", "quantization": quantization, "kv_dtype": runner.kv.kv_dtype,
-           "attention_backend": runner.attn.name,
+           "attention_backend": runner.attn.name, "fused_linear": getattr(runner.ops, "fused_linear", False),
            "cuda_graphs": runner.graphs is not None, "weight_bytes": weights, "ctx": ctx, "decode": {}}
     sold = sold_bandwidth(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else None
     with torch.inference_mode():
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true", help="also each shape with fp8 weights (Hopper)")
     ap.add_argument("--kv-int8", action="store_true", help="also each shape with int8 KV pages")
     ap.add_argument("--iters", type=int, help="timed steps (default 50; 1 smoke)")
+    ap.add_argument("--fused-linear", choices=["auto", "on", "off", "both"], default="auto",
+                    help="norms and SiLU-mul inside the decode projections (both: each variant off, then on)")
     ap.add_argument("--profile", action="store_true", help="print the kernels of batch-1 graph steps (stderr)")
     ap.add_argument("--cpu-smoke", action="store_true", help="run on CPU under Triton's interpreter (checks the "
                     "bench itself; its times mean nothing)")
@@ -212,13 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.shapes.split(","):
         variants = [("none", "model")] + [("fp8", "model")] * args.fp8 + [("none", "int8")] * args.kv_int8
-        for mode, kv_dtype in variants:
+        fused = ("off", "on") if args.fused_linear == "both" else (args.fused_linear,)
+        for (mode, kv_dtype), linear in ((v, f) for v in variants for f in fused):
             try:
                 results.append(bench_shape(name, bw, args.ctx, mode, eager_batches, args.prefill_len, dev,
-                                           args.iters, args.profile, kv_dtype, batches))
+                                           args.iters, args.profile, kv_dtype, batches, linear))
             except Exception as e:  # one failing variant still reports the others
                 traceback.print_exc()
-                results.append({"shape": name, "quantization": mode, "kv_dtype": kv_dtype,
+                results.append({"shape": name, "quantization": mode, "kv_dtype": kv_dtype, "fused_linear": linear,
                                 "error": f"{type(e).__name__}: {e}"[:300]})
             gc.collect()  # the shape's weights, KV cache and graphs go before the next one is built
             if dev.type == "cuda":

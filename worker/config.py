@@ -34,6 +34,11 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
     # "on": a layer's elementwise ops fused (C++ passes on CPU, Triton kernels on CUDA) | "off": eager torch reference
     fused_ops: str = "on"
+    # CUDA, decode batches of up to 64 rows: add + RMSNorm and SiLU·mul fused into the projections that follow
+    # them (worker.kernels.triton_gemv; three kernels fewer per layer). "auto": on for models of hidden size up to
+    # 2,048, whose steps are bound by kernel launches; larger ones are bound by weight bytes, where cuBLAS's
+    # GEMV is the faster reader | "on" | "off"
+    fused_linear: str = "auto"
     # weights: "none" | "int8" | "int4" | "w8a8" | "fp8" (CUDA 8.9+) | "auto" (applied by the loader; worker.quant.weights)
     quantization: str = "none"
     default_cpu_kv_bytes: int = 1 << 30
@@ -84,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"unknown kv_dtype {self.kv_dtype!r}; choose one of auto, model, int8")
         if self.fused_ops not in ("on", "off"):
             raise ValueError(f"fused_ops must be 'on' or 'off', got {self.fused_ops!r}")
+        if self.fused_linear not in ("auto", "on", "off"):
+            raise ValueError(f"fused_linear must be auto, on or off, got {self.fused_linear!r}")
         if not 0 <= self.spec_tokens <= 16 or self.spec_max_batch < 0:
             raise ValueError("spec_tokens must be in [0, 16] and spec_max_batch >= 0")
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max <= 8:

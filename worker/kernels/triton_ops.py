@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
+from worker.kernels import triton_gemv
 from worker.model.fused import EagerOps, Rope
 
 
@@ -95,7 +97,24 @@ def quantize_rows_fp8(x: torch.Tensor, fp8_max: float, min_scale: float) -> tupl
 
 class TritonOps(EagerOps):
     """RoPE reads the fp32 cos/sin tables by position and rotates q and k in place; norms and SiLU-mul compute in
-    fp32 and round once."""
+    fp32 and round once; with `fused_linear`, decode-sized steps run them inside the projections that follow
+    (`worker.kernels.triton_gemv`)."""
+
+    def __init__(self, fused_linear: bool = False) -> None:
+        self.fused_linear = fused_linear
+
+    def norm_linear(self, x: torch.Tensor, pending: torch.Tensor | None, norm: nn.Module,
+                    linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_linear and triton_gemv.fits(x, linear):
+            return triton_gemv.norm_linear(x, pending, norm.weight, norm.eps, linear.weight)
+        return super().norm_linear(x, pending, norm, linear)
+
+    def norm_mlp(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gate_up: nn.Module,
+                 down: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_linear and triton_gemv.fits(x, gate_up) and triton_gemv.fits(x, down):
+            x, gu = triton_gemv.norm_linear(x, residual, norm.weight, norm.eps, gate_up.weight)
+            return x, triton_gemv.silu_mul_linear(gu, down.weight)
+        return super().norm_mlp(x, residual, norm, gate_up, down)
 
     def prepare_rope(self, rope: Rope, dtype: torch.dtype) -> Rope:
         return rope

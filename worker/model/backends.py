@@ -70,9 +70,13 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, bl
     return TorchAttention(num_heads, num_kv_heads, head_dim, kernel, prefill_kernel, kv_write, int8)
 
 
-def make_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> EagerOps:
-    """Fused ops when asked for: Triton kernels on CUDA (`worker.kernels.triton_ops`), the C++ passes on a CPU model in bf16
-    or fp32 with the extension built; EagerOps otherwise."""
+FUSED_LINEAR_MAX_HIDDEN = 2048  # `fused_linear="auto"`'s bound (worker.config.EngineConfig)
+
+
+def make_ops(fused: bool, device: torch.device, dtype: torch.dtype, fused_linear: bool = False) -> EagerOps:
+    """Fused ops when asked for: Triton kernels on CUDA (`worker.kernels.triton_ops`; with `fused_linear`, the
+    norms and SiLU·mul inside the projections too), the C++ passes on a CPU model in bf16 or fp32 with the
+    extension built; EagerOps otherwise."""
     if not fused:
         return EagerOps()
     if device.type == "cuda":
@@ -81,7 +85,7 @@ def make_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> EagerOps:
             return EagerOps()
         from worker.kernels.triton_ops import TritonOps  # imports triton: only on CUDA
 
-        return TritonOps()
+        return TritonOps(fused_linear=fused_linear)
     if device.type != "cpu" or dtype not in KERNEL_DTYPES:
         log.info("fused ops run on CUDA, or on CPU in bf16 or fp32: eager ops on %s, %s", device, dtype)
         return EagerOps()

@@ -69,6 +69,18 @@ class EagerOps:
         """down(silu(gate) * up) of h."""
         return down(self.silu_mul(gate_up(h)))
 
+    def norm_linear(self, x: torch.Tensor, pending: torch.Tensor | None, norm: nn.Module,
+                    linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, linear(norm(x))), with `pending` added to x first (in place here; a fused op may return a new x)."""
+        if pending is None:
+            return x, linear(self.rms_norm(x, norm.weight, norm.eps))
+        return x, linear(self.add_rms_norm_(x, pending, norm.weight, norm.eps))
+
+    def norm_mlp(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gate_up: nn.Module,
+                 down: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, the MLP of its norm): the post-attention half of a layer."""
+        return x, self.mlp(self.add_rms_norm_(x, residual, norm.weight, norm.eps), gate_up, down)
+
 
 class FusedOps(EagerOps):
     """The same ops, one C++ pass each; only for a CPU model in bf16 or fp32 (`worker.model.backends.make_ops` decides once). The

@@ -89,18 +89,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope: Rope,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] is the residual stream, updated in place; `pending` is the previous layer's MLP output,
-        added in the same pass as this layer's input norm (one kernel fewer per layer). Returns x and this
-        layer's MLP output, not yet added."""
+        """x [T, hidden] is the residual stream (updated in place, or a new tensor where the ops fuse the add into
+        a projection); `pending` is the previous layer's MLP output, added in the same pass as this layer's input
+        norm (one kernel fewer per layer). Returns x and this layer's MLP output, not yet added."""
         nh, kvh, hd, ops = self.nh, self.kvh, self.hd, ctx.ops
-        if pending is None:
-            h = ops.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
-        else:
-            h = ops.add_rms_norm_(x, pending, self.input_norm.weight, self.input_norm.eps)
-        qkv = self.qkv(h).view(x.shape[0], nh + 2 * kvh, hd)
-        attn_out = ops.attend(ctx.attn, self.index, qkv, nh, rope, ctx.kv, ctx.meta)
-        h = ops.add_rms_norm_(x, self.o(attn_out), self.post_attn_norm.weight, self.post_attn_norm.eps)
-        return x, ops.mlp(h, self.gate_up, self.down)
+        x, qkv = ops.norm_linear(x, pending, self.input_norm, self.qkv)
+        attn_out = ops.attend(ctx.attn, self.index, qkv.view(x.shape[0], nh + 2 * kvh, hd), nh, rope, ctx.kv,
+                              ctx.meta)
+        return ops.norm_mlp(x, self.o(attn_out), self.post_attn_norm, self.gate_up, self.down)
 
 
 class LlamaModel(nn.Module):
