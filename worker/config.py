@@ -35,9 +35,8 @@ class EngineConfig:
     # "on": a layer's elementwise ops fused (C++ passes on CPU, Triton kernels on CUDA) | "off": eager torch reference
     fused_ops: str = "on"
     # CUDA, decode batches of up to 64 rows: add + RMSNorm and SiLU·mul fused into the projections that follow
-    # them (worker.kernels.triton_gemv; three kernels fewer per layer). "auto": on for models of hidden size up to
-    # 2,048, whose steps are bound by kernel launches; larger ones are bound by weight bytes, where cuBLAS's
-    # GEMV is the faster reader | "on" | "off"
+    # them (worker.kernels.triton_gemv; three kernels fewer per layer). "on" | "off" | "auto", which is off until
+    # a device run measures the kernels (checked under Triton's interpreter only; docs/gpu.md)
     fused_linear: str = "auto"
     # weights: "none" | "int8" | "int4" | "w8a8" | "fp8" (CUDA 8.9+) | "auto" (applied by the loader; worker.quant.weights)
     quantization: str = "none"

@@ -15,7 +15,7 @@ from worker.engine.sequence import ScheduledBatch, Sequence
 from worker.kvcache.kv_dtype import resolve_kv_dtype
 from worker.kvcache.tensors import KVCache
 from worker.model.attention import BatchLayout
-from worker.model.backends import FUSED_LINEAR_MAX_HIDDEN, make_backend, make_ops
+from worker.model.backends import make_backend, make_ops
 from worker.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from worker.model.decode_stack import DecodeStack
 from worker.model.llama import StepContext
@@ -51,9 +51,8 @@ class ModelRunner:
                           pages_first=self.attn.pages_first, kv_dtype=resolve_kv_dtype(config, loaded.device)[0])
         self.attn = choose_prefill(self.attn, cfg, self.kv)
         self.masker: BatchMasker | None = None  # set by the engine with its first grammar request
-        linear = config.fused_linear == "on" or (config.fused_linear == "auto"
-                                                  and cfg.hidden_size <= FUSED_LINEAR_MAX_HIDDEN)
-        self.ops = make_ops(config.fused_ops == "on", loaded.device, loaded.dtype, fused_linear=linear)
+        self.ops = make_ops(config.fused_ops == "on", loaded.device, loaded.dtype,
+                            fused_linear=config.fused_linear == "on")
         self.stack = DecodeStack.build(self.model, self.attn, self.kv, self.ops)
         self.graphs = self._capture_graphs(loaded, config)
 

@@ -70,9 +70,6 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, bl
     return TorchAttention(num_heads, num_kv_heads, head_dim, kernel, prefill_kernel, kv_write, int8)
 
 
-FUSED_LINEAR_MAX_HIDDEN = 2048  # `fused_linear="auto"`'s bound (worker.config.EngineConfig)
-
-
 def make_ops(fused: bool, device: torch.device, dtype: torch.dtype, fused_linear: bool = False) -> EagerOps:
     """Fused ops when asked for: Triton kernels on CUDA (`worker.kernels.triton_ops`; with `fused_linear`, the
     norms and SiLU·mul inside the projections too), the C++ passes on a CPU model in bf16 or fp32 with the
