@@ -79,3 +79,15 @@ def test_settings_and_metrics_named_exist() -> None:
     from worker.server.metrics import WAITING
 
     assert WAITING._name in queries and "switchyard_ttft_seconds_bucket" in queries
+
+
+def test_gateway_replicas_share_one_files_volume() -> None:
+    (gw,) = [d for d in by_kind("Deployment") if d["metadata"]["name"] == "switchyard-gateway"]
+    pod = gw["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["files"]
+    assert env["SWITCHYARD_GATEWAY__FILES_DIR"] == mount
+    claim = {v["name"]: v for v in pod["volumes"]}["files"]["persistentVolumeClaim"]["claimName"]
+    (pvc,) = [d for d in by_kind("PersistentVolumeClaim") if d["metadata"]["name"] == claim]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # every replica writes and reads it
