@@ -155,7 +155,8 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
     weights = read_bytes(loaded.model, cfg)
     kv_token = bytes_per_page(cfg, loaded.dtype, ecfg.block_size, runner.kv.kv_dtype) / ecfg.block_size
     out = {"shape": name, "dtype": "bfloat16", "quantization": quantization, "kv_dtype": runner.kv.kv_dtype,
-           "attention_backend": runner.attn.name, "fused_linear": getattr(runner.ops, "fused_linear", False),
+           "attention_backend": runner.attn.name, "fused_linear": fused_linear,
+           "fused_linear_active": getattr(runner.ops, "fused_linear", False),  # CPU smoke: never (C++ ops)
            "cuda_graphs": runner.graphs is not None, "weight_bytes": weights, "ctx": ctx, "decode": {}}
     sold = sold_bandwidth(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else None
     with torch.inference_mode():

@@ -15,7 +15,7 @@ from config.settings import Settings, WorkerSettings, flags_to_overrides, load_s
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
 _ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness",
                  "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch", "fused_ops",
-                 "attention", "cuda_graphs", "kv_dtype", "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes",
+                 "fused_linear", "attention", "cuda_graphs", "kv_dtype", "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes",
                  "kv_disk_min_hits")
 
 
@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
     a("--fused-ops", choices=["on", "off"],
       help="a layer's norms, SiLU-mul and RoPE as fused C++ passes on CPU (default on; off: eager torch reference)")
+    a("--fused-linear", choices=["auto", "on", "off"],
+      help="CUDA decode steps of up to 64 rows: add + RMSNorm inside qkv and gate/up, SiLU-mul inside down "
+           "(Triton; default auto, which is off until measured on a device)")
     a("--fairness", choices=["vtc", "fifo"], help="order between tenants in a priority class (default vtc)")
     a("--fair-step-tokens", type=int,
       help="VTC: cap a step's prefill tokens while the worker serves several tenants (0: no cap)")

@@ -64,6 +64,9 @@ class WorkerSettings(BaseModel):
     kv_disk_min_hits: int | None = Field(None, ge=0)
     cuda_graphs: Literal["on", "off"] | None = None  # decode CUDA graphs (CUDA only); None keeps the default (on)
     fused_ops: Literal["on", "off"] | None = None  # worker.model.fused; None keeps the engine's default (on)
+    # decode steps' norms and SiLU-mul inside the projections (CUDA; worker.kernels.triton_gemv); None keeps the
+    # engine's default (auto)
+    fused_linear: Literal["auto", "on", "off"] | None = None
     # n-gram speculative decoding (worker.engine.speculative); None keeps the engine's default
     spec_tokens: int | None = Field(None, ge=0, le=16)
     spec_max_batch: int | None = Field(None, ge=0)
