@@ -35,7 +35,10 @@ from gateway.http import (
     until_disconnect,
 )
 from gateway.openapi import openapi_endpoint
-from gateway.responses_api import parse_responses, stream_events
+from gateway.responses_api import parse_responses
+from gateway.responses_background import BackgroundRuns
+from gateway.responses_routes import cancel_response, stored_response
+from gateway.responses_stream import stream_events
 from gateway.schemas import GenerationRequest, body_number_cap, parse_chat, parse_completion
 from gateway.service import GatewayService
 from gateway.sse import DONE, SSEResponse, event, install_log_filter
@@ -104,6 +107,8 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
     trace = metrics.current().trace(prepared.priority.label, tenant.name, arrived, version)
     if prepared.grouped:
         return await _generate_group(request, svc, prepared, trace, span)
+    if req.background:
+        return await _start_background(request, svc, prepared, trace)
     with tracing.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
                        max_tokens=prepared.max_tokens):
         gen = await _refused_counted(svc.start(prepared), trace)
@@ -124,7 +129,7 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
         assert gen.finish_reason is not None
         body = prepared.shape.full(text, gen.finish_reason, gen.usage, logprobs)
         if req.api == "responses":
-            body["store"] = await svc.save_response(tenant, req, body, text)
+            body["store"] = await svc.save_response(tenant, req, body)
         return JSONResponse(body, headers=gen.headers)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
@@ -159,6 +164,23 @@ async def _refused_counted(started: Awaitable[_T], trace: metrics.RequestTrace) 
     except ApiError:
         trace.refused()
         raise
+
+
+async def _start_background(request: Request, svc: GatewayService, prepared: Prepared,
+                            trace: metrics.RequestTrace) -> Response:
+    """`background: true`: admit now (a refusal is this POST's error), then run as a task; answer `queued`."""
+    runs: BackgroundRuns = request.app.state.background
+    run = runs.reserve(prepared.tenant.name, prepared.shape.id)  # 429/503 past the bounds, before any charge
+    try:
+        with tracing.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
+                           max_tokens=prepared.max_tokens):
+            gen = await _refused_counted(svc.start(prepared), trace)
+    except BaseException:
+        runs.release(run)
+        raise
+    trace.admitted()
+    body = await runs.launch(run, gen, trace, functools.partial(_close, gen, trace, None))
+    return JSONResponse(body, headers=gen.headers)
 
 
 async def _generate_group(request: Request, svc: GatewayService, prepared: Prepared,
@@ -283,26 +305,6 @@ async def get_model(request: Request) -> Response:
     return JSONResponse(_model_card(request, name))
 
 
-async def stored_response(request: Request) -> Response:
-    """GET (the object), DELETE, or GET .../input_items of a stored response of the caller's tenant."""
-    svc = _service(request)
-    tenant = await svc.authenticate(request.headers.get("authorization"))
-    rid = request.path_params["response_id"]
-    if request.method == "DELETE":
-        await svc.delete_response(tenant, rid)
-        return JSONResponse({"id": rid, "object": "response", "deleted": True})
-    found = await svc.stored_response(tenant, rid)
-    if request.url.path.endswith("/input_items"):
-        order = request.query_params.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise errors.invalid("'order' must be asc or desc.", param="order")
-        items = found["input_items"] if order == "asc" else found["input_items"][::-1]
-        return JSONResponse({"object": "list", "data": items, "has_more": False,
-                             "first_id": items[0]["id"] if items else None,
-                             "last_id": items[-1]["id"] if items else None})
-    return JSONResponse(found["response"])
-
-
 async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
@@ -328,9 +330,11 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.service = await make_service()
+        app.state.background = BackgroundRuns(app.state.service, app.state.drain)
         try:
             yield
         finally:
+            await app.state.background.shutdown()  # before the router and admission close under the runs
             await app.state.service.close()
             if on_close is not None:
                 await on_close()
@@ -341,6 +345,7 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
         Route("/v1/files", files_api.upload, methods=["POST"]),
         Route("/v1/files", files_api.list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", files_api.one_file, methods=["GET", "DELETE"]),

@@ -62,6 +62,25 @@ def response_not_found(response_id: str) -> ApiError:
                     code="response_not_found")
 
 
+def background_limit(limit: int, per_tenant: bool) -> ApiError:
+    """Too many background responses in flight: the tenant's own (429, its quota) or this gateway's (503)."""
+    if per_tenant:
+        return ApiError(429, f"Too many background responses in flight: at most {limit} per tenant on a gateway; "
+                        "retry when one ends.", "requests", param="background", code="rate_limit_exceeded",
+                        headers={"retry-after": "1"})
+    return ApiError(503, f"This gateway runs its maximum of {limit} background responses; retry shortly.",
+                    "server_error", param="background", code="server_overloaded", headers={"retry-after": "1"})
+
+
+def not_cancellable(response_id: str, status: str | None) -> ApiError:
+    """400 for a cancel of a response that is not a running background one (None: not created in the background)."""
+    if status is None:
+        why = "only responses created with 'background': true can be cancelled, and it was not"
+    else:
+        why = f"it is already {status}"
+    return ApiError(400, f"Cannot cancel response '{response_id}': {why}.", param="response_id")
+
+
 def model_not_found(model: str) -> ApiError:
     return ApiError(404, f"The model '{model}' does not exist.", INVALID_REQUEST,
                     param="model", code="model_not_found")

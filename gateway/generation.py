@@ -55,9 +55,10 @@ class Prepared:
 
     @property
     def grouped(self) -> bool:
-        """Served by `gateway.choices` (several choices, tool calls or echo) rather than one plain stream."""
+        """Served by `gateway.choices` (several choices, chat tool calls or echo) rather than one plain stream;
+        a Responses request is always one stream (its tool calls are split in `gateway.responses_items`)."""
         tools = self.req.tools
-        return self.choices > 1 or self.req.echo or (tools is not None and tools.active)
+        return self.choices > 1 or self.req.echo or (tools is not None and tools.active and self.req.api != "responses")
 
 
 @dataclass(slots=True)

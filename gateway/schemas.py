@@ -89,6 +89,7 @@ class GenerationRequest:
     previous_response_id: str | None = None
     new_turns: int = 0  # responses: how many turns of `conversation` this request's input added
     store: bool = True  # responses: keep it (`gateway.response_store`)
+    background: bool = False  # responses: run as a gateway task, polled by id (`gateway.responses_background`)
 
 
 def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, param: str | None = None) -> Any:

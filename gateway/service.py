@@ -19,8 +19,9 @@ from gateway.errors import ApiError, invalid
 from gateway.generation import Generation, Prepared
 from gateway.http import bearer_key
 from gateway.models import VERSION_HEADER, ModelPools, SinglePool, Target, sticky_prefix
-from gateway.response_store import ResponseStore
+from gateway.response_store import ResponseStore, reported
 from gateway.responses import ResponseShape, Usage
+from gateway.responses_items import assistant_turn, input_items
 from gateway.schemas import GenerationRequest
 from gateway.served_model import ServedModel
 from router import Router, RouteRequest, fairness_key, namespace_root
@@ -73,17 +74,28 @@ class GatewayService:
             exc.message, exc.param = f"Previous response with id '{req.previous_response_id}' not found.", \
                 "previous_response_id"
             raise
+        status = reported(prev)["status"]
+        if status in ("queued", "in_progress"):
+            raise invalid(f"Previous response '{req.previous_response_id}' is still {status}; continue from it once "
+                          "it has ended.", param="previous_response_id")
         assert req.conversation is not None
         req.conversation = prev["conversation"] + req.conversation
         req.messages = responses_api.with_instructions(req.instructions, req.conversation)
 
-    async def save_response(self, tenant: Tenant, req: GenerationRequest, body: dict, text: str) -> bool:
+    async def save_response(self, tenant: Tenant, req: GenerationRequest, body: dict) -> bool:
         """Store a finished response when asked (`store`); True when it was stored."""
         if not req.store or self.responses is None or req.conversation is None:
             return False
-        conversation = [*req.conversation, {"role": "assistant", "content": text}]
-        items = responses_api.input_items(req.conversation, req.new_turns)
-        return await self.responses.save(tenant.name, body, items, conversation)
+        return await self.responses.save(tenant.name, body, *_stored(req, body))
+
+    async def save_background(self, tenant: Tenant, req: GenerationRequest, body: dict, deadline: float, *,
+                              start: bool = False, final: bool = False) -> bool:
+        """Store a background run's response: its start, progress or end (`gateway.response_store`)."""
+        assert self.responses is not None and req.conversation is not None
+        if start:
+            return await self.responses.save(tenant.name, body, *_stored(req, body), run_deadline=deadline)
+        return await self.responses.save_run(tenant.name, body, *_stored(req, body), run_deadline=deadline,
+                                             final=final)
 
     @property
     def ready(self) -> bool:
@@ -262,6 +274,14 @@ class GatewayService:
         stack.callback(lambda: ticket.record_usage(usage.prompt_tokens, usage.completion_tokens,
                                                    usage.cached_tokens))
         return ticket
+
+
+def _stored(req: GenerationRequest, body: dict) -> tuple[list[dict], list[dict]]:
+    """A response's input items and the conversation it continues with (its answer once it has ended)."""
+    assert req.conversation is not None
+    turns = req.conversation
+    ended = body["status"] not in ("queued", "in_progress")
+    return input_items(turns, req.new_turns), [*turns, assistant_turn(body["output"])] if ended else list(turns)
 
 
 def sibling_seed(seed: int | None, j: int) -> int | None:

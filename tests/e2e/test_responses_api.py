@@ -94,8 +94,8 @@ def test_a_streamed_response_is_stored_whole(client):
     assert final.store is True and client.responses.retrieve(final.id).output_text == final.output_text
 
 
-@pytest.mark.parametrize("field,value", [("conversation", "conv_x"), ("background", True),
-                                         ("tools", [{"type": "function", "name": "f"}]), ("frobnicate", 1)])
+@pytest.mark.parametrize("field,value", [("conversation", "conv_x"), ("max_tool_calls", 2),
+                                         ("tools", [{"type": "web_search"}]), ("frobnicate", 1)])
 def test_fields_not_served_are_400s_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="default", input=QUESTION, max_output_tokens=5, extra_body={field: value})

@@ -6,7 +6,8 @@ API requests get 503 `server_shutting_down` with `retry-after`, every open
 stream still runs to `[DONE]` with all its tokens, and the gateway exits 0 soon
 after the last one. A second gateway on the same worker, with a 1 s grace
 period, shows the other side: a stream that outlives the grace is cut, its
-worker request is aborted, and the process still exits 0.
+worker request is aborted, and the process still exits 0; background responses it
+runs end stored as finished or `failed` (never left in progress), their leases gone.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from config.launcher import Stack, StackConfig, free_port
+from tenancy.schema import leases_key
 from tests import REPO
 
 pytestmark = pytest.mark.timeout(180)
@@ -93,21 +96,25 @@ def spawn_gateway(stack: Stack, port: int, extra: list[str], log: Path) -> subpr
         return subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
 
+async def wait_ready(client: httpx.AsyncClient, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if (await client.get("/ready")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        await asyncio.sleep(0.1)
+
+
 async def test_grace_period_over_cuts_stream_aborts_it_and_exits_0(stack: Stack, tmp_path: Path) -> None:
     key = stack.create_tenant("acme")
     port = free_port()
     proc = spawn_gateway(stack, port, ["--drain-timeout", "1"], tmp_path / "gateway.log")
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if (await client.get("/ready")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "gateway.log").read_text()
-                await asyncio.sleep(0.1)
+            await wait_ready(client, proc, tmp_path / "gateway.log")
             # six streams of one token per step (the random model's looping text is all accepted drafts
             # otherwise), close to its 2,048 positions: they outlive the 1 s grace however fast the machine is
             events = [asyncio.Event() for _ in range(6)]
@@ -139,6 +146,38 @@ async def test_grace_period_over_cuts_stream_aborts_it_and_exits_0(stack: Stack,
                 break
             assert time.monotonic() < deadline, used
             await asyncio.sleep(0.1)
+
+
+async def test_shutdown_ends_background_responses_and_exits_0(stack: Stack, tmp_path: Path) -> None:
+    key = stack.create_tenant("bg-drain")
+    port = free_port()
+    proc = spawn_gateway(stack, port, ["--drain-timeout", "1"], tmp_path / "gateway.log")
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60,
+                                     headers={"authorization": f"Bearer {key}"}) as client:
+            await wait_ready(client, proc, tmp_path / "gateway.log")
+            ids = []
+            for _ in range(6):
+                resp = await client.post("/v1/responses", json={"model": "default", "input": "Tell me a long story.",
+                                                                 "max_output_tokens": 1950, "background": True})
+                assert resp.status_code == 200 and resp.json()["status"] == "queued", resp.text
+                ids.append(resp.json()["id"])
+            proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    r = redis.Redis.from_url(stack.redis_url)
+    try:
+        ended = [json.loads(r.get(f"{{t:bg-drain}}:resp:{rid}"))["response"] for rid in ids]
+        assert r.zcard(leases_key("bg-drain")) == 0  # every run settled its reservation
+    finally:
+        r.close()
+    print("background runs at shutdown:", [e["status"] for e in ended])
+    for e in ended:  # finished within the grace, or stopped by the shutdown: never left in progress
+        assert e["status"] in ("completed", "incomplete") or (e["status"] == "failed" and "shut down" in
+                                                               e["error"]["message"]), e
 
 
 async def test_sigterm_finishes_open_streams_refuses_new_and_exits_0(stack: Stack) -> None:
