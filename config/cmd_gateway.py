@@ -102,10 +102,10 @@ def build_app(settings: Settings):
     """The Starlette app of one gateway process (services start in its lifespan)."""
     from admission import Admission, Budget, BudgetGuard, GatewayRegistry, LocalLimiter
     from gateway.app import AppConfig, create_app
-    from gateway.metrics import configure as configure_metrics
-    from gateway.response_store import ResponseStore
-    from gateway.served_model import ServedModel
-    from gateway.service import GatewayService, ServiceConfig
+    from gateway.flow.served_model import ServedModel
+    from gateway.flow.service import GatewayService, ServiceConfig
+    from gateway.responses.response_store import ResponseStore
+    from gateway.telemetry.gateway_metrics import configure as configure_metrics
     from router import Membership, WorkerClient
     from tenancy.directory import TenantDirectory
     from tenancy.redis_client import async_client
@@ -148,7 +148,7 @@ def build_app(settings: Settings):
         closers.append(admission.aclose)
         tenants = TenantDirectory(redis, serve_stale_on_error=gw.fail_open)
         service = GatewayService(model, tenants, router, admission, ServiceConfig(request_timeout_s=gw.request_timeout),
-                                 pools=pools, responses=ResponseStore(redis))
+                                 pools=pools)
         gc.freeze()  # the tokenizer and the rest built at start live as long as the process: out of the collector's sight
         return service
 
@@ -164,12 +164,12 @@ def build_app(settings: Settings):
         await redis.aclose()
 
     return create_app(make_service, AppConfig(max_body_bytes=gw.max_body_bytes, body_timeout_s=gw.body_timeout,
-                                               stream_write_timeout_s=gw.stream_write_timeout,
-                                               ready_check=redis_ok, metrics_token=gw.metrics_token,
-                                               trace_tenant=gw.trace_tenant,
-                                               trust_client_trace=gw.trust_client_trace,
-                                               files_dir=files_dir(gw.files_dir)),
-                      on_close=close)
+                                              stream_write_timeout_s=gw.stream_write_timeout,
+                                              ready_check=redis_ok, metrics_token=gw.metrics_token,
+                                              trace_tenant=gw.trace_tenant,
+                                              trust_client_trace=gw.trust_client_trace,
+                                              files_dir=files_dir(gw.files_dir)),
+                      on_close=close, response_store=ResponseStore(redis))
 
 
 def _router(gw, membership, tokenizer_version: str):  # noqa: ANN001, ANN202 - settings and router types load late
@@ -185,7 +185,7 @@ def _router(gw, membership, tokenizer_version: str):  # noqa: ANN001, ANN202 - s
 
 def _capacity_gate(gw, router):  # noqa: ANN001, ANN202
     from admission import CapacityGate
-    from gateway.capacity import RouterCapacity
+    from gateway.flow.capacity_view import RouterCapacity
 
     if not gw.capacity_admission:
         return None
@@ -199,8 +199,8 @@ async def _start_pools(settings: Settings, model, gateway_id: str, clients, redi
     """Model pools: the registry's workers split by model version (router.Fleet), aliases from Redis, a tokenizer
     cache and one capacity gate per version; the gateway's own model is a pool from the start."""
     from admission import CapacityGate
-    from gateway.capacity import RouterCapacity
-    from gateway.models import FleetPools, TokenizerCache
+    from gateway.flow.capacity_view import RouterCapacity
+    from gateway.flow.versions import FleetPools, TokenizerCache
     from router import AliasTable, Fleet, Membership, Served
     from worker.protocol import Priority
 
@@ -247,9 +247,9 @@ def warn_default_secret(secret: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from config.logs import configure_logging
-    from gateway.drain import serve
-    from gateway.header_deadline import header_deadline_protocol
-    from gateway.logs import RequestIdFilter
+    from gateway.telemetry.request_log import RequestIdFilter
+    from gateway.web.drain_middleware import serve
+    from gateway.web.header_deadline import header_deadline_protocol
 
     try:
         settings = load_settings(args.config, overrides_from_args(args))
@@ -263,8 +263,8 @@ def run(args: argparse.Namespace) -> int:
     install_tracing("switchyard-gateway", settings.otel_endpoint)
     gw = settings.gateway
     warn_default_secret(gw.hash_secret)
-    # SIGTERM: lame-duck for drain_timeout (gateway.drain), then a short window before stragglers are cancelled
-    from gateway.auth_gate import UnknownKeyGate
+    # SIGTERM: lame-duck for drain_timeout (gateway.web.drain_middleware), then a short window before stragglers are cancelled
+    from gateway.web.auth_gate import UnknownKeyGate
 
     # unknown keys are answered in front of the Starlette stack (an unknown-key flood stays cheap)
     return serve(UnknownKeyGate(app), app.state.drain, gw.drain_timeout, host=gw.host, port=gw.port, loop="uvloop",

@@ -20,28 +20,31 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import errors, metrics, tracing
-from gateway.choices import GenerationGroup
-from gateway.drain import DrainMiddleware, DrainState
-from gateway.errors import ApiError, install_handlers
-from gateway.files import api as files_api
-from gateway.files.store import DirectoryFileStore
-from gateway.generation import Delta, Generation, Prepared
-from gateway.http import (
+from gateway.files import file_routes
+from gateway.files.file_store import DirectoryFileStore
+from gateway.flow.choices import GenerationGroup
+from gateway.flow.generation import Delta, Generation, Prepared
+from gateway.flow.service import GatewayService
+from gateway.openai.openapi import openapi_endpoint
+from gateway.openai.responses_shape import parse_responses
+from gateway.openai.schemas import GenerationRequest, body_number_cap, parse_chat, parse_completion
+from gateway.responses.background import BackgroundRuns
+from gateway.responses.conversations import Conversations
+from gateway.responses.events import stream_events
+from gateway.responses.response_store import ResponseStore
+from gateway.responses.routes import cancel_response, stored_response
+from gateway.telemetry import gateway_metrics, gateway_spans
+from gateway.web import api_errors
+from gateway.web.api_errors import ApiError, install_handlers
+from gateway.web.drain_middleware import DrainMiddleware, DrainState
+from gateway.web.request_io import (
     ClientGone,
     CloseUnreadBodyMiddleware,
     RequestIdMiddleware,
     read_json,
     until_disconnect,
 )
-from gateway.openapi import openapi_endpoint
-from gateway.responses_api import parse_responses
-from gateway.responses_background import BackgroundRuns
-from gateway.responses_routes import cancel_response, stored_response
-from gateway.responses_stream import stream_events
-from gateway.schemas import GenerationRequest, body_number_cap, parse_chat, parse_completion
-from gateway.service import GatewayService
-from gateway.sse import DONE, SSEResponse, event, install_log_filter
+from gateway.web.sse import DONE, SSEResponse, event, install_log_filter
 from tenancy import Tenant
 
 log = logging.getLogger("switchyard.gateway")
@@ -58,7 +61,7 @@ class AppConfig:
     body_timeout_s: float = 10.0  # the whole body must arrive within this (408 otherwise)
     stream_write_timeout_s: float = 30.0  # an SSE client that takes no chunk for this long is cut
     ready_check: Callable[[], Awaitable[bool]] | None = None  # e.g. a Redis ping
-    metrics_token: str | None = None  # /metrics off loopback needs it as a bearer token (gateway.metrics)
+    metrics_token: str | None = None  # /metrics off loopback needs it as a bearer token (gateway.telemetry.gateway_metrics)
     trace_tenant: bool = False  # request spans carry the tenant's name (`switchyard.tenant`)
     trust_client_trace: bool = False  # a client's traceparent parents the request span (else: a link only)
     files_dir: str | None = None  # the Files API's directory (gateway.files); None: /v1/files answers 404
@@ -69,20 +72,20 @@ def _service(request: Request) -> GatewayService:
 
 
 async def _generate(request: Request, parse: Callable[[Any], GenerationRequest]) -> Response:
-    span = tracing.start_request(request, request.app.state.config.trust_client_trace)
+    span = gateway_spans.start_request(request, request.app.state.config.trust_client_trace)
     if span is None:
         return await _serve(request, parse, None)
     with use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
         try:
             response = await _serve(request, parse, span)
         except ApiError as exc:
-            tracing.finish(span, exc.status, error_code=exc.code or "")
+            gateway_spans.finish(span, exc.status, error_code=exc.code or "")
             raise
         except BaseException:
-            tracing.finish(span, 500)
+            gateway_spans.finish(span, 500)
             raise
     if not isinstance(response, SSEResponse):  # a stream's span ends with the stream (`_close`)
-        tracing.finish(span, response.status_code)
+        gateway_spans.finish(span, response.status_code)
     return response
 
 
@@ -90,7 +93,7 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
     svc = _service(request)
     arrived = time.perf_counter()
     rid = request.scope["state"]["request_id"]
-    with tracing.child("authenticate"):
+    with gateway_spans.child("authenticate"):
         tenant = await svc.authenticate(request.headers.get("authorization"))
     config = request.app.state.config
     if span is not None and config.trace_tenant:
@@ -104,13 +107,13 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
         raise
     prepared.key_digest = svc.key_digest(request.headers.get("authorization"))
     version = prepared.target.key if prepared.target is not None else ""
-    trace = metrics.current().trace(prepared.priority.label, tenant.name, arrived, version)
+    trace = gateway_metrics.current().trace(prepared.priority.label, tenant.name, arrived, version)
     if prepared.grouped:
         return await _generate_group(request, svc, prepared, trace, span)
     if req.background:
         return await _start_background(request, svc, prepared, trace)
-    with tracing.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
-                       max_tokens=prepared.max_tokens):
+    with gateway_spans.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
+                             max_tokens=prepared.max_tokens):
         gen = await _refused_counted(svc.start(prepared), trace)
     trace.admitted()
     try:
@@ -118,7 +121,7 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
             first = await until_disconnect(request, gen.next())
             trace.first_token(gen.usage.completion_tokens)
             if req.api == "responses":
-                body = stream_events(gen, first, trace, functools.partial(svc.save_response, tenant, req))
+                body = stream_events(gen, first, trace, functools.partial(request.app.state.conversations.save_response, tenant, req))
             else:
                 body = _sse_body(gen, first, trace)
             response: Response = SSEResponse(body, functools.partial(_close, gen, trace, span),
@@ -129,7 +132,7 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
         assert gen.finish_reason is not None
         body = prepared.shape.full(text, gen.finish_reason, gen.usage, logprobs)
         if req.api == "responses":
-            body["store"] = await svc.save_response(tenant, req, body)
+            body["store"] = await request.app.state.conversations.save_response(tenant, req, body)
         return JSONResponse(body, headers=gen.headers)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
@@ -149,15 +152,15 @@ async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenan
                                  max_numbers=body_number_cap(svc.model.max_context))
     if size < THREAD_TOKENIZE_BYTES:
         req = parse(body)
-        await svc.continue_previous(tenant, req)
+        await request.app.state.conversations.continue_previous(tenant, req)
         return req, svc.prepare(tenant, req, rid)
     # large bodies (long prompts, big JSON schemas to validate) are handled off the event loop
     req = await run_in_threadpool(parse, body)
-    await svc.continue_previous(tenant, req)
+    await request.app.state.conversations.continue_previous(tenant, req)
     return req, await run_in_threadpool(svc.prepare, tenant, req, rid)
 
 
-async def _refused_counted(started: Awaitable[_T], trace: metrics.RequestTrace) -> _T:
+async def _refused_counted(started: Awaitable[_T], trace: gateway_metrics.RequestTrace) -> _T:
     """Await a generation's start; a refusal (no worker, capacity, quota) counts as its version's error."""
     try:
         return await started
@@ -167,13 +170,13 @@ async def _refused_counted(started: Awaitable[_T], trace: metrics.RequestTrace) 
 
 
 async def _start_background(request: Request, svc: GatewayService, prepared: Prepared,
-                            trace: metrics.RequestTrace) -> Response:
+                            trace: gateway_metrics.RequestTrace) -> Response:
     """`background: true`: admit now (a refusal is this POST's error), then run as a task; answer `queued`."""
     runs: BackgroundRuns = request.app.state.background
     run = runs.reserve(prepared.tenant.name, prepared.shape.id)  # 429/503 past the bounds, before any charge
     try:
-        with tracing.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
-                           max_tokens=prepared.max_tokens):
+        with gateway_spans.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
+                                 max_tokens=prepared.max_tokens):
             gen = await _refused_counted(svc.start(prepared), trace)
     except BaseException:
         runs.release(run)
@@ -184,10 +187,10 @@ async def _start_background(request: Request, svc: GatewayService, prepared: Pre
 
 
 async def _generate_group(request: Request, svc: GatewayService, prepared: Prepared,
-                          trace: metrics.RequestTrace, span: Span | None) -> Response:
-    """Several choices, tool calls or echo (`gateway.choices`): the same framing as one stream."""
-    with tracing.child("admission", priority=prepared.priority.label, max_tokens=prepared.max_tokens,
-                       choices=prepared.choices):
+                          trace: gateway_metrics.RequestTrace, span: Span | None) -> Response:
+    """Several choices, tool calls or echo (`gateway.flow.choices`): the same framing as one stream."""
+    with gateway_spans.child("admission", priority=prepared.priority.label, max_tokens=prepared.max_tokens,
+                             choices=prepared.choices):
         group: GenerationGroup | None = await _refused_counted(svc.start_group(prepared), trace)
     assert group is not None
     trace.admitted()
@@ -223,7 +226,7 @@ async def _group_sse(group: GenerationGroup, first: dict | None, events: AsyncIt
             yield event(chunk)
             chunk = await anext(events, None)
     except ApiError as exc:
-        metrics.current().stream_errors.labels(str(exc.status)).inc()
+        gateway_metrics.current().stream_errors.labels(str(exc.status)).inc()
         yield event(exc.body())
         return
     finally:
@@ -233,16 +236,16 @@ async def _group_sse(group: GenerationGroup, first: dict | None, events: AsyncIt
     yield DONE
 
 
-async def _close(gen: Generation | GenerationGroup, trace: metrics.RequestTrace, span: Span | None) -> None:
+async def _close(gen: Generation | GenerationGroup, trace: gateway_metrics.RequestTrace, span: Span | None) -> None:
     await gen.close()
     u = gen.usage
     done = gen.finished if isinstance(gen, GenerationGroup) else gen.finish_reason is not None
     trace.finished(u.prompt_tokens, u.completion_tokens, u.cached_tokens, done)
-    tracing.finish(span, 200, prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                   cached_tokens=u.cached_tokens, finished=done)
+    gateway_spans.finish(span, 200, prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                         cached_tokens=u.cached_tokens, finished=done)
 
 
-async def _sse_body(gen: Generation, first: Delta | None, trace: metrics.RequestTrace) -> AsyncIterator[bytes]:
+async def _sse_body(gen: Generation, first: Delta | None, trace: gateway_metrics.RequestTrace) -> AsyncIterator[bytes]:
     shape = gen.prepared.shape
     usage_field = gen.prepared.req.include_usage
     offset = 0
@@ -260,7 +263,7 @@ async def _sse_body(gen: Generation, first: Delta | None, trace: metrics.Request
             trace.next_chunk(gen.usage.completion_tokens)
     except ApiError as exc:
         # Headers are gone: the SDKs raise on an `error` event.
-        metrics.current().stream_errors.labels(str(exc.status)).inc()
+        gateway_metrics.current().stream_errors.labels(str(exc.status)).inc()
         yield event(exc.body())
         return
     if usage_field:
@@ -300,7 +303,7 @@ async def get_model(request: Request) -> Response:
         svc.check_model(tenant, name)  # 404 unknown, 503 none of it live
     except ApiError as exc:
         if exc.code == "model_not_allowed":  # as OpenAI does: a model you may not use is not found
-            raise errors.model_not_found(name) from None
+            raise api_errors.model_not_found(name) from None
         raise
     return JSONResponse(_model_card(request, name))
 
@@ -324,13 +327,14 @@ async def ready(request: Request) -> Response:
 
 
 def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: AppConfig | None = None,
-               on_close: Callable[[], Awaitable[None]] | None = None) -> Starlette:
-    """The gateway app; `make_service` runs at startup, `on_close` at shutdown."""
+               on_close: Callable[[], Awaitable[None]] | None = None,
+               response_store: ResponseStore | None = None) -> Starlette:
+    """The gateway app; `make_service` runs at startup, `on_close` at shutdown; `response_store` keeps responses."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.service = await make_service()
-        app.state.background = BackgroundRuns(app.state.service, app.state.drain)
+        app.state.background = BackgroundRuns(app.state.service, app.state.conversations, app.state.drain)
         try:
             yield
         finally:
@@ -346,27 +350,28 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
-        Route("/v1/files", files_api.upload, methods=["POST"]),
-        Route("/v1/files", files_api.list_files, methods=["GET"]),
-        Route("/v1/files/{file_id}", files_api.one_file, methods=["GET", "DELETE"]),
-        Route("/v1/files/{file_id}/content", files_api.file_content, methods=["GET"]),
+        Route("/v1/files", file_routes.upload, methods=["POST"]),
+        Route("/v1/files", file_routes.list_files, methods=["GET"]),
+        Route("/v1/files/{file_id}", file_routes.one_file, methods=["GET", "DELETE"]),
+        Route("/v1/files/{file_id}/content", file_routes.file_content, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics.guarded_endpoint(config.metrics_token if config else None), methods=["GET"]),
+        Route("/metrics", gateway_metrics.guarded_endpoint(config.metrics_token if config else None), methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.config = config or AppConfig()
     app.state.started = int(time.time())
-    app.state.drain = DrainState()  # flipped by gateway.drain.LameDuckServer on SIGTERM
+    app.state.drain = DrainState()  # flipped by gateway.web.drain_middleware.LameDuckServer on SIGTERM
+    app.state.conversations = Conversations(response_store)
     app.state.files = DirectoryFileStore(config.files_dir) if config and config.files_dir else None
     install_handlers(app)
     install_log_filter()
     # outermost last: request id, then status counting and access log, then the lame-duck gate
     app.add_middleware(DrainMiddleware, state=app.state.drain)
-    app.add_middleware(metrics.ObserveMiddleware)
+    app.add_middleware(gateway_metrics.ObserveMiddleware)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(CloseUnreadBodyMiddleware)
     return app

@@ -217,11 +217,11 @@ def test_checker_catches_light_and_bench_rules() -> None:
 def test_checker_catches_violations() -> None:
     """The checker flags each kind of violation on synthetic modules, and passes the allowed forms."""
     known = {"router.ring", "router.policy", "router.client", "tenancy.store", "worker.engine.core",
-             "worker.protocol", "worker.text", "worker.text.tokenizer", "gateway.sse"}
+             "worker.protocol", "worker.text", "worker.text.tokenizer", "gateway.web.sse"}
     bad = [
         Source("worker.engine.core", False, "import gateway.app\nfrom tenancy import Tenant\n"),
         Source("router.client", False, "from worker.engine.core import Engine\n"),
-        Source("gateway.service", False, "from router.client import WorkerClient\nfrom tenancy import store\n"),
+        Source("gateway.flow.service", False, "from router.client import WorkerClient\nfrom tenancy import store\n"),
         Source("gateway.app", False, "import admission.gate\n"),
         Source("config.cmd_gateway", False, "from router.ring import HashRing\n"),
         Source("router.dispatch", False, "from . import ring\n"),
@@ -232,8 +232,8 @@ def test_checker_catches_violations() -> None:
         "worker.engine.core:1: worker imports gateway.app",
         "worker.engine.core:2: worker imports tenancy",
         "router.client:1: router imports worker.engine.core",
-        "gateway.service:1: gateway imports router.client",
-        "gateway.service:2: gateway imports tenancy.store",
+        "gateway.flow.service:1: gateway imports router.client",
+        "gateway.flow.service:2: gateway imports tenancy.store",
         "gateway.app:1: gateway imports admission.gate",
         "config.cmd_gateway:1: imports router.ring",
         "router.dispatch:1: imports router.ring",
@@ -245,8 +245,8 @@ def test_checker_catches_violations() -> None:
 
     good = [
         Source("worker.server.serve", False, "from worker.protocol import Frame\nfrom . import engine\nimport zmq\n"),
-        Source("gateway.service", False, "import router\nfrom router import Router\nfrom admission import Admission\n"
-                                         "from tenancy import Tenant\nfrom worker.protocol import Priority\n"
+        Source("gateway.flow.service", False, "import router\nfrom router import Router\nfrom admission import Admission\n"
+               "from tenancy import Tenant\nfrom worker.protocol import Priority\n"
                                          "from .sse import event\nfrom worker.text import tokenizer\n"),
         Source("router.policy", False, "from router.ring import HashRing\n"),
         Source("tests.router.test_router_ring", False, "from router.ring import HashRing\n"),

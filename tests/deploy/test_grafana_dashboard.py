@@ -201,7 +201,7 @@ def test_contract_matches_the_collectors_the_code_registers() -> None:
 
     import router.metrics  # noqa: F401 - registers its collectors on import
     import worker.server.metrics  # noqa: F401
-    from gateway.metrics import GatewayMetrics
+    from gateway.telemetry.gateway_metrics import GatewayMetrics
 
     gateway_registry = CollectorRegistry()
     GatewayMetrics(registry=gateway_registry)

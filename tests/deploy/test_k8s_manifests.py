@@ -75,7 +75,7 @@ def test_settings_and_metrics_named_exist() -> None:
     assert names == {"switchyard_worker_waiting_requests", "switchyard_ttft_p95_seconds"}
     rules = yaml.safe_load(next(c for c in by_kind("ConfigMap"))["data"]["config.yaml"])
     queries = " ".join(r["seriesQuery"] for r in rules["rules"] + rules["externalRules"])
-    from gateway.metrics import TTFT_BUCKETS  # noqa: F401 - the module defining switchyard_ttft_seconds
+    from gateway.telemetry.gateway_metrics import TTFT_BUCKETS  # noqa: F401 - the module defining switchyard_ttft_seconds
     from worker.server.metrics import WAITING
 
     assert WAITING._name in queries and "switchyard_ttft_seconds_bucket" in queries

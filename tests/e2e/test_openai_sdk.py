@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gateway.detokenize import token_byte_table
+from gateway.flow.detokenize import token_byte_table
 from worker.text.tokenizer import load_tokenizer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

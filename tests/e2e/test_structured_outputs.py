@@ -20,7 +20,7 @@ import jsonschema_rs
 import openai
 import pytest
 
-from gateway.schemas import parse_chat, parse_completion
+from gateway.openai.schemas import parse_chat, parse_completion
 from tests.gateway_stack import GatewayStack, charged_as_invalid, start_gateway_stack, tenant_state
 from worker.protocol import json_object_spec, json_schema_spec
 

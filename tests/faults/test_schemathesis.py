@@ -1,7 +1,7 @@
 """The OpenAPI description against the parser, then schemathesis against a live gateway.
 
 First, without any process: every numeric bound, enum and array limit that
-`gateway/openapi.py` documents is exactly where `gateway.schemas` starts
+`gateway/openai/openapi.py` documents is exactly where `gateway.openai.schemas` starts
 answering 400 with that field as `param`. Then the fault suite's gateway serves
 the same document at `/openapi.json`, and schemathesis (its CLI, in a
 subprocess with a deadline) fuzzes every operation from it with a valid API key:
@@ -23,9 +23,9 @@ from xml.etree import ElementTree
 import httpx
 import pytest
 
-from gateway.errors import ApiError
-from gateway.openapi import build_document
-from gateway.schemas import parse_chat, parse_completion
+from gateway.openai.openapi import build_document
+from gateway.openai.schemas import parse_chat, parse_completion
+from gateway.web.api_errors import ApiError
 from tests import REPO
 from tests.faults.conftest import assert_served_cleanly
 

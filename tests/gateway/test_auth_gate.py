@@ -11,8 +11,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from gateway import metrics
-from gateway.auth_gate import UnknownKeyGate
+from gateway.telemetry import gateway_metrics
+from gateway.web.auth_gate import UnknownKeyGate
 from tenancy.apikeys import digest
 
 KNOWN = "sy-" + "k" * 40
@@ -54,7 +54,7 @@ def post(client: TestClient, key: str | None, body: bytes = b'{"model": "m"}'): 
 
 def test_missing_malformed_and_unknown_keys_are_refused_in_front_of_the_app() -> None:
     client, reached, keys = gated()
-    before = metrics.current().requests.labels("401")._value.get()
+    before = gateway_metrics.current().requests.labels("401")._value.get()
     for key, words in ((None, "Missing API key"), ("not-a-key", "Invalid"), (UNKNOWN, "Invalid")):
         resp = post(client, key)
         assert resp.status_code == 401 and words in resp.json()["error"]["message"]
@@ -62,7 +62,7 @@ def test_missing_malformed_and_unknown_keys_are_refused_in_front_of_the_app() ->
         assert resp.headers["www-authenticate"] == "Bearer" and resp.headers["x-request-id"] == "req-test-1"
         assert "connection" not in resp.headers  # the small body was drained: keep-alive holds
     assert reached == [] and keys.lookups == 1  # only the well-formed key needed a look-up
-    assert metrics.current().requests.labels("401")._value.get() == before + 3
+    assert gateway_metrics.current().requests.labels("401")._value.get() == before + 3
 
 
 def test_known_keys_failures_and_draining_go_on_to_the_app() -> None:

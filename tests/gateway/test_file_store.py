@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.files.store import DirectoryFileStore
+from gateway.files.file_store import DirectoryFileStore
 
 
 def _staged(store: DirectoryFileStore, tenant: str, data: bytes):

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from gateway.errors import ApiError
-from gateway.http import _decode_json
-from gateway.sse import SSEResponse
+from gateway.web.api_errors import ApiError
+from gateway.web.request_io import _decode_json
+from gateway.web.sse import SSEResponse
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,7 +57,7 @@ async def test_a_client_that_stops_reading_is_cut_after_the_write_deadline():
 def test_the_number_cap_counts_what_a_valid_body_can_hold():
     """Two prompts of 4,500 ids each fit an 8,192-token context: the body's number cap once counted them together
     (and logit_bias and schema numbers too) and refused them as context_length_exceeded."""
-    from gateway.schemas import MAX_LOGIT_BIAS, body_number_cap
+    from gateway.openai.schemas import MAX_LOGIT_BIAS, body_number_cap
 
     cap = body_number_cap(8192)
     body = {"model": "m", "prompt": [list(range(4500)), list(range(4500))], "max_tokens": 5,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.detokenize import IncrementalDetokenizer, StopMatcher, token_byte_table
+from gateway.flow.detokenize import IncrementalDetokenizer, StopMatcher, token_byte_table
 from worker.text.tokenizer import load_tokenizer
 
 TEXTS = [

@@ -14,11 +14,11 @@ from contextlib import AsyncExitStack
 import pytest
 
 from admission import AdmissionTicket, Reservation, ReserveResult
-from gateway.errors import ApiError
-from gateway.generation import Generation, Prepared
-from gateway.responses import ResponseShape, Usage
-from gateway.schemas import parse_completion
-from gateway.served_model import ServedModel
+from gateway.flow.generation import Generation, Prepared
+from gateway.flow.served_model import ServedModel
+from gateway.openai.bodies import ResponseShape, Usage
+from gateway.openai.schemas import parse_completion
+from gateway.web.api_errors import ApiError
 from router import WorkerError
 from router.client import LinkError
 from tenancy.schema import Tenant

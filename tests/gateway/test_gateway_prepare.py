@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import ApiError
-from gateway.schemas import parse_chat, parse_completion
-from gateway.served_model import ServedModel
-from gateway.service import GatewayService
+from gateway.flow.served_model import ServedModel
+from gateway.flow.service import GatewayService
+from gateway.openai.schemas import parse_chat, parse_completion
+from gateway.web.api_errors import ApiError
 from router.dispatch import Router
 from router.membership import Membership
 from tenancy.directory import TenantDirectory

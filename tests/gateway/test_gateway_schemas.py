@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import ApiError
-from gateway.schemas import parse_chat, parse_completion
+from gateway.openai.schemas import parse_chat, parse_completion
+from gateway.web.api_errors import ApiError
 from worker.protocol import Priority
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -154,7 +154,7 @@ def test_sampling_controls_parsed_and_bounded():
 
 def test_tools_over_the_size_limit_are_refused_before_any_schema_compiles(monkeypatch):
     """Each schema used to be compiled before the combined 64 KB limit was checked (work before any charge)."""
-    from gateway import tools as tools_mod
+    from gateway.openai import tools as tools_mod
 
     compiled = []
     monkeypatch.setattr(tools_mod, "tool_call_spec", lambda *a, **k: compiled.append(a))
@@ -165,7 +165,7 @@ def test_tools_over_the_size_limit_are_refused_before_any_schema_compiles(monkey
 
 
 def test_messages_are_capped():
-    from gateway.schemas import MAX_MESSAGES
+    from gateway.openai.schemas import MAX_MESSAGES
 
     many = [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)
     assert _error(parse_chat, {**CHAT, "messages": many}).param == "messages"

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from config.logs import JsonFormatter
-from gateway.logs import RequestIdFilter, bind_request_id
+from gateway.telemetry.request_log import RequestIdFilter, bind_request_id
 from tests.gateway_stack import GatewayStack
 
 pytestmark = pytest.mark.timeout(300)

@@ -202,7 +202,7 @@ def test_worker_metrics_plausible_and_back_to_idle(stack: tuple[Stack, int]) -> 
 def test_request_trace_records_with_and_without_tenant_labels(labelled: tuple[str, ...]) -> None:
     from prometheus_client import CollectorRegistry
 
-    from gateway.metrics import GatewayMetrics
+    from gateway.telemetry.gateway_metrics import GatewayMetrics
 
     reg = CollectorRegistry()
     m = GatewayMetrics(labelled, registry=reg)
@@ -236,11 +236,11 @@ def test_multiprocess_mode_sums_every_process(tmp_path: Path) -> None:
     import sys
 
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    bump = ("import time; from gateway.metrics import current; m = current(); m.count_shed('capacity'); "
+    bump = ("import time; from gateway.telemetry.gateway_metrics import current; m = current(); m.count_shed('capacity'); "
             "t = m.trace('interactive', 'acme', time.perf_counter()); t.finished(5, 2, 0, completed=True)")
     for _ in range(2):
         subprocess.run([sys.executable, "-c", bump], env=env, check=True, timeout=60)
-    show = "import sys; from gateway.metrics import exposition; sys.stdout.write(exposition()[0].decode())"
+    show = "import sys; from gateway.telemetry.gateway_metrics import exposition; sys.stdout.write(exposition()[0].decode())"
     text = subprocess.run([sys.executable, "-c", show], env=env, check=True, timeout=60, capture_output=True,
                           text=True).stdout
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value

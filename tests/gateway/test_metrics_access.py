@@ -8,7 +8,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from config.settings import WorkerSettings
-from gateway.metrics import guarded_endpoint
+from gateway.telemetry.gateway_metrics import guarded_endpoint
 
 
 def _client(token: str | None, host: str) -> TestClient:
@@ -48,7 +48,7 @@ def test_worker_metrics_bind_loopback_unless_told():
 
 def test_unauthenticated_access_lines_are_capped_per_second(caplog):
     """An unknown-key flood logs at most `per_second` access lines a second and one line summing up the rest."""
-    from gateway.metrics import UnauthenticatedLines
+    from gateway.telemetry.gateway_metrics import UnauthenticatedLines
 
     lines = UnauthenticatedLines(per_second=10)
     with caplog.at_level("INFO", logger="switchyard.gateway.access"):

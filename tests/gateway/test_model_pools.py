@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from bench.fleet import SimMembership
-from gateway.errors import ApiError
-from gateway.models import FleetPools, TokenizerCache, sticky_prefix
-from gateway.schemas import parse_chat, parse_completion
+from gateway.flow.versions import FleetPools, TokenizerCache, sticky_prefix
+from gateway.openai.schemas import parse_chat, parse_completion
+from gateway.web.api_errors import ApiError
 from router import AliasTable, Fleet, Router, Served, encode_alias, sticky_key
 from tenancy import Tenant
 
@@ -192,7 +192,7 @@ def test_capacity_is_admitted_per_version_and_per_traffic_class_pool() -> None:
 
 
 def test_router_capacity_counts_only_its_pool() -> None:
-    from gateway.capacity import RouterCapacity
+    from gateway.flow.capacity_view import RouterCapacity
 
     m = SimMembership()
     router = Router(m, secret=b"s")  # type: ignore[arg-type]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import ApiError
-from gateway.schemas import parse_chat, parse_completion
+from gateway.openai.schemas import parse_chat, parse_completion
+from gateway.web.api_errors import ApiError
 from worker.protocol import SamplingParams
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

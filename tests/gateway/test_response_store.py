@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.response_store import ResponseStore
+from gateway.responses.response_store import ResponseStore
 from tenancy.redis_client import async_client, sync_client
 
 

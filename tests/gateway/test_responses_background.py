@@ -12,15 +12,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway import responses_background
-from gateway.drain import DrainState
-from gateway.errors import ApiError
-from gateway.generation import Delta
-from gateway.response_store import ResponseStore, reported
-from gateway.responses import Usage
-from gateway.responses_api import new_shape, parse_responses
-from gateway.responses_background import BackgroundRuns
-from gateway.service import GatewayService
+from gateway.flow.generation import Delta
+from gateway.flow.service import GatewayService
+from gateway.openai.bodies import Usage
+from gateway.openai.responses_shape import new_shape, parse_responses
+from gateway.responses import background
+from gateway.responses.background import BackgroundRuns
+from gateway.responses.conversations import Conversations
+from gateway.responses.response_store import ResponseStore, reported
+from gateway.web.api_errors import ApiError
+from gateway.web.drain_middleware import DrainState
 from tenancy import Tenant
 from tenancy.redis_client import async_client
 
@@ -62,8 +63,10 @@ async def store(redis_url):
     await client.aclose()
 
 
-def service(store: ResponseStore) -> GatewayService:
-    return GatewayService(None, None, None, responses=store)  # type: ignore[arg-type]
+def runs_over(store: ResponseStore, drain: DrainState | None = None, **bounds) -> BackgroundRuns:
+    """Background runs over `store`, with a service that is never asked to generate (the runs get fakes)."""
+    service = GatewayService(None, None, None)  # type: ignore[arg-type]
+    return BackgroundRuns(service, Conversations(store), drain or DrainState(), **bounds)
 
 
 def new_gen(finish: bool = False) -> FakeGen:
@@ -90,7 +93,7 @@ async def status_of(store: ResponseStore, rid: str, want: str, timeout: float = 
 
 async def test_bounds_per_tenant_and_per_gateway(store):
     drain = DrainState()
-    runs = BackgroundRuns(service(store), drain, per_tenant=1, per_gateway=2)
+    runs = runs_over(store, drain, per_tenant=1, per_gateway=2)
     first = runs.reserve("a", "resp_1")
     with pytest.raises(ApiError) as err:
         runs.reserve("a", "resp_2")
@@ -107,7 +110,7 @@ async def test_bounds_per_tenant_and_per_gateway(store):
 
 async def test_cancel_here_is_recorded_with_usage_and_is_idempotent(store):
     drain = DrainState()
-    runs = BackgroundRuns(service(store), drain)
+    runs = runs_over(store, drain)
     gen = new_gen()
     rid = await launch(runs, gen)
     await status_of(store, rid, "in_progress")
@@ -123,8 +126,8 @@ async def test_cancel_here_is_recorded_with_usage_and_is_idempotent(store):
 
 
 async def test_cancel_from_another_gateway_stops_the_run(store, monkeypatch):
-    monkeypatch.setattr(responses_background, "WATCH_INTERVAL_S", 0.05)
-    owner, other = BackgroundRuns(service(store), DrainState()), BackgroundRuns(service(store), DrainState())
+    monkeypatch.setattr(background, "WATCH_INTERVAL_S", 0.05)
+    owner, other = runs_over(store), runs_over(store)
     gen = new_gen()
     rid = await launch(owner, gen)
     await status_of(store, rid, "in_progress")
@@ -143,8 +146,8 @@ async def test_cancel_from_another_gateway_stops_the_run(store, monkeypatch):
 
 
 async def test_deleting_a_running_response_stops_it(store, monkeypatch):
-    monkeypatch.setattr(responses_background, "WATCH_INTERVAL_S", 0.05)
-    runs = BackgroundRuns(service(store), DrainState())
+    monkeypatch.setattr(background, "WATCH_INTERVAL_S", 0.05)
+    runs = runs_over(store)
     gen = new_gen()
     rid = await launch(runs, gen)
     await status_of(store, rid, "in_progress")
@@ -158,7 +161,7 @@ async def test_deleting_a_running_response_stops_it(store, monkeypatch):
 
 async def test_shutdown_records_failed_and_leaves_no_task(store):
     drain = DrainState()
-    runs = BackgroundRuns(service(store), drain)
+    runs = runs_over(store, drain)
     gens = [new_gen() for _ in range(3)]
     rids = [await launch(runs, g) for g in gens]
     for rid in rids:
@@ -171,7 +174,7 @@ async def test_shutdown_records_failed_and_leaves_no_task(store):
 
 
 async def test_a_finished_run_refuses_a_cancel_and_a_lost_one_reads_failed(store):
-    runs = BackgroundRuns(service(store), DrainState())
+    runs = runs_over(store)
     rid = await launch(runs, new_gen(finish=True))
     resp = await status_of(store, rid, "completed")
     assert resp["output"][0]["content"][0]["text"] == "Hi" and resp["usage"]["total_tokens"] == 8
@@ -186,7 +189,7 @@ async def test_a_finished_run_refuses_a_cancel_and_a_lost_one_reads_failed(store
 async def test_a_request_too_large_to_store_is_refused_before_it_runs(redis_url):
     client = async_client(redis_url)
     drain = DrainState()
-    runs = BackgroundRuns(service(ResponseStore(client, max_bytes=100)), drain)
+    runs = runs_over(ResponseStore(client, max_bytes=100), drain)
     gen = new_gen()
     with pytest.raises(ApiError) as err:
         await launch(runs, gen)

@@ -44,9 +44,9 @@ NATIVE_TEMPLATE = """{%- if tools %}<|im_start|>system
 
 
 def test_a_template_with_a_tools_section_renders_them_itself():
-    from gateway.errors import ApiError
-    from gateway.schemas import parse_chat
-    from gateway.served_model import ServedModel
+    from gateway.flow.served_model import ServedModel
+    from gateway.openai.schemas import parse_chat
+    from gateway.web.api_errors import ApiError
 
     tok = load_tokenizer("default")
     tok.chat_template, tok._template = NATIVE_TEMPLATE, None
@@ -73,9 +73,9 @@ def test_native_tool_templates_refuse_forged_control_text():
     """A template that renders tools itself: special-token text in a tool_call_id, in tool-call arguments
     escaped as JSON (\\u003c...), and the content-marker characters in a tool description are 400s naming the
     field (the id and the escape once got through; the markers raised an IndexError, a 500)."""
-    from gateway.errors import ApiError
-    from gateway.schemas import parse_chat
-    from gateway.served_model import ServedModel
+    from gateway.flow.served_model import ServedModel
+    from gateway.openai.schemas import parse_chat
+    from gateway.web.api_errors import ApiError
 
     tok = load_tokenizer("default")
     tok.chat_template, tok._template = NATIVE_TEMPLATE.replace(

@@ -1,4 +1,4 @@
-"""The streamed tool-call parser (`gateway.tool_output`) in any chunking, and the `auto` tool grammar: text or
+"""The streamed tool-call parser (`gateway.openai.tool_output`) in any chunking, and the `auto` tool grammar: text or
 calls, nothing in between."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import llguidance
 import pytest
 
-from gateway.tool_output import ToolCallStream
+from gateway.openai.tool_output import ToolCallStream
 from worker.protocol import tool_call_spec
 from worker.sample.grammar import grammar_tokenizer
 from worker.text.tokenizer import load_tokenizer

@@ -270,7 +270,7 @@ def test_speculative_field_on_the_wire():
     with pytest.raises(RequestError) as info:
         SamplingParams.from_dict({"speculative": "no"})
     assert info.value.param == "speculative"
-    from gateway.schemas import parse_chat
+    from gateway.openai.schemas import parse_chat
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert parse_chat(body).speculative and not parse_chat({**body, "speculative": False}).speculative

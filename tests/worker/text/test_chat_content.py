@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.schemas import parse_chat
-from gateway.served_model import ServedModel
+from gateway.flow.served_model import ServedModel
+from gateway.openai.schemas import parse_chat
 from worker.text.tokenizer import load_tokenizer
 
 

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import body_too_large, invalid, request_timeout, unsupported_media_type
-from gateway.logs import bind_request_id
+from gateway.telemetry.request_log import bind_request_id
+from gateway.web.api_errors import body_too_large, invalid, request_timeout, unsupported_media_type
 
 T = TypeVar("T")
 CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -80,7 +80,7 @@ class RequestIdMiddleware:
         given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
         rid = given if CLIENT_ID.match(given) else "req-" + uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
-        bind_request_id(rid)  # for log lines (gateway.logs); the request's task owns this context
+        bind_request_id(rid)  # for log lines (gateway.telemetry.request_log); the request's task owns this context
         raw_id = rid.encode()
 
         async def send_with_id(message: Message) -> None:

@@ -14,13 +14,14 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 from admission import AdmissionTicket
-from gateway import errors, metrics
-from gateway.detokenize import IncrementalDetokenizer, StopMatcher
-from gateway.errors import ApiError, invalid
-from gateway.models import Target
-from gateway.responses import ResponseShape, TokenLogprob, Usage
-from gateway.schemas import GenerationRequest
-from gateway.served_model import ServedModel
+from gateway.flow.detokenize import IncrementalDetokenizer, StopMatcher
+from gateway.flow.served_model import ServedModel
+from gateway.flow.versions import Target
+from gateway.openai.bodies import ResponseShape, TokenLogprob, Usage
+from gateway.openai.schemas import GenerationRequest
+from gateway.telemetry import gateway_metrics
+from gateway.web import api_errors
+from gateway.web.api_errors import ApiError, invalid
 from router import NoWorkerAvailable, WorkerError
 from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory
 from worker.protocol import ErrorCode, OutItem, Priority
@@ -55,8 +56,8 @@ class Prepared:
 
     @property
     def grouped(self) -> bool:
-        """Served by `gateway.choices` (several choices, chat tool calls or echo) rather than one plain stream;
-        a Responses request is always one stream (its tool calls are split in `gateway.responses_items`)."""
+        """Served by `gateway.flow.choices` (several choices, chat tool calls or echo) rather than one plain stream;
+        a Responses request is always one stream (its tool calls are split in `gateway.openai.responses_items`)."""
         tools = self.req.tools
         return self.choices > 1 or self.req.echo or (tools is not None and tools.active and self.req.api != "responses")
 
@@ -102,9 +103,9 @@ def worker_error(exc: WorkerError) -> ApiError:
     if exc.code == ErrorCode.CAPACITY and not exc.retryable:
         return invalid(f"The request can never fit on a worker: {message}", code="context_length_exceeded")
     if exc.code == ErrorCode.CAPACITY:
-        return errors.upstream_failed(f"Generation failed ({code}): {message}", exc.retryable)
-    return errors.upstream_failed(f"Generation failed ({code}): {_LINK_TEXT.get(code, 'internal error.')}",
-                                  exc.retryable)
+        return api_errors.upstream_failed(f"Generation failed ({code}): {message}", exc.retryable)
+    return api_errors.upstream_failed(f"Generation failed ({code}): {_LINK_TEXT.get(code, 'internal error.')}",
+                                      exc.retryable)
 
 
 @dataclass(slots=True)
@@ -135,7 +136,7 @@ class Generation:
         """The next non-empty delta, the final one carrying finish_reason; None after the end."""
         while self.finish_reason is None:
             if self.ticket is not None and self.ticket.reservation.lease_lost:
-                raise errors.lease_lost()
+                raise api_errors.lease_lost()
             if self.tenants is not None and time.monotonic() >= self._recheck_at:
                 await self._check_tenant(self.tenants)
             chunk = await self._next_chunk()
@@ -157,9 +158,9 @@ class Generation:
             self._recheck_at = time.monotonic() + TENANT_OUTAGE_BACKOFF_S
             return
         if tenant is None or not tenant.active:
-            raise errors.tenant_disabled()
+            raise api_errors.tenant_disabled()
         if owner != name:
-            raise errors.key_revoked()
+            raise api_errors.key_revoked()
 
     async def _next_chunk(self) -> OutItem:
         try:
@@ -172,13 +173,13 @@ class Generation:
             raise worker_error(exc) from None
         except NoWorkerAvailable:
             self._unserved_if_nothing_sent()
-            metrics.current().count_shed("no_worker")
-            raise errors.no_live_worker() from None
+            gateway_metrics.current().count_shed("no_worker")
+            raise api_errors.no_live_worker() from None
         except TimeoutError:
             self._unserved_if_nothing_sent()
-            raise errors.upstream_failed("Timed out waiting for the first token.", True) from None
+            raise api_errors.upstream_failed("Timed out waiting for the first token.", True) from None
         except StopAsyncIteration:
-            raise errors.upstream_failed("The worker stream ended without a finish reason.", True) from None
+            raise api_errors.upstream_failed("The worker stream ended without a finish reason.", True) from None
 
     def _unserved_if_nothing_sent(self) -> None:
         # A request that failed before producing anything costs the tenant nothing.
@@ -199,7 +200,7 @@ class Generation:
             self.finish_reason = "stop"
         elif finish is not None:
             if finish not in ("stop", "length"):
-                raise errors.upstream_failed(f"The worker ended the request ({finish}).", True)
+                raise api_errors.upstream_failed(f"The worker ended the request ({finish}).", True)
             text += stops.feed(self._detok.flush())
             text += stops.flush()
             self.finish_reason = "stop" if stops.stopped else finish

@@ -10,16 +10,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway import errors
-from gateway.drain import DrainState
-from gateway.errors import ApiError
-from gateway.metrics import RequestTrace
-from gateway.response_store import ResponseStore, reported
-from gateway.responses_api import ResponsesShape, final_status
+from gateway.openai.responses_shape import ResponsesShape, final_status
+from gateway.responses.conversations import Conversations
+from gateway.responses.response_store import ResponseStore, reported
+from gateway.telemetry.gateway_metrics import RequestTrace
+from gateway.web import api_errors
+from gateway.web.api_errors import ApiError
+from gateway.web.drain_middleware import DrainState
 
 if TYPE_CHECKING:
-    from gateway.generation import Generation
-    from gateway.service import GatewayService
+    from gateway.flow.generation import Generation
+    from gateway.flow.service import GatewayService
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -50,27 +51,27 @@ def _error(exc: ApiError) -> dict:
 class BackgroundRuns:
     """This gateway's background runs: each holds a drain slot, so a drain waits for them (up to its grace)."""
 
-    def __init__(self, service: GatewayService, drain: DrainState, *, per_tenant: int = MAX_PER_TENANT,
-                 per_gateway: int = MAX_PER_GATEWAY) -> None:
-        self.service, self.drain = service, drain
+    def __init__(self, service: GatewayService, conversations: Conversations, drain: DrainState, *,
+                 per_tenant: int = MAX_PER_TENANT, per_gateway: int = MAX_PER_GATEWAY) -> None:
+        self.service, self.conversations, self.drain = service, conversations, drain
         self.per_tenant, self.per_gateway = per_tenant, per_gateway
         self._runs: dict[str, Run] = {}
         self._watcher: asyncio.Task | None = None
 
     @property
     def store(self) -> ResponseStore:
-        assert self.service.responses is not None  # `reserve` and `cancel` check it
-        return self.service.responses
+        assert self.conversations.store is not None  # `reserve` and `cancel` check it
+        return self.conversations.store
 
     def reserve(self, tenant: str, response_id: str) -> Run:
         """A slot for one more run (429 past the tenant's bound, 503 past the gateway's); `release` it if unused."""
-        if self.service.responses is None:
-            raise errors.invalid("This gateway stores no responses, so it runs none in the background.",
-                                 param="background")
+        if self.conversations.store is None:
+            raise api_errors.invalid("This gateway stores no responses, so it runs none in the background.",
+                                     param="background")
         if sum(r.tenant == tenant for r in self._runs.values()) >= self.per_tenant:
-            raise errors.background_limit(self.per_tenant, per_tenant=True)
+            raise api_errors.background_limit(self.per_tenant, per_tenant=True)
         if len(self._runs) >= self.per_gateway:
-            raise errors.background_limit(self.per_gateway, per_tenant=False)
+            raise api_errors.background_limit(self.per_gateway, per_tenant=False)
         run = self._runs[response_id] = Run(tenant, response_id)
         self.drain.in_flight += 1
         return run
@@ -87,9 +88,9 @@ class BackgroundRuns:
         deadline = time.time() + self.service.config.request_timeout_s + LOST_AFTER_S
         body = shape.response("queued", [])
         try:
-            if not await self.service.save_background(p.tenant, p.req, body, deadline, start=True):
-                raise errors.invalid("The request is larger than a stored response may be, so it cannot run in "
-                                     "the background.", param="background")
+            if not await self.conversations.save_background(p.tenant, p.req, body, deadline, start=True):
+                raise api_errors.invalid("The request is larger than a stored response may be, so it cannot run in "
+                                         "the background.", param="background")
         except BaseException:
             if gen.ticket is not None:
                 gen.ticket.unserved()  # nothing reached a worker: refund it all
@@ -144,7 +145,7 @@ class BackgroundRuns:
             items.finish("completed" if status == "completed" else "incomplete")
         body = shape.response(status, items.items, finish, gen.usage if final else None, error)
         try:
-            saved = await self.service.save_background(p.tenant, p.req, body, deadline, final=final)
+            saved = await self.conversations.save_background(p.tenant, p.req, body, deadline, final=final)
         except Exception as exc:  # Redis down: GET reports the run failed once past its deadline
             log.warning("background response %s: storing its %s state failed: %s", body["id"], status,
                         type(exc).__name__)
@@ -177,17 +178,17 @@ class BackgroundRuns:
 
     async def cancel(self, tenant: str, response_id: str) -> dict:
         """Cancel a background run of this tenant's, wherever it runs; its response as it ended (`cancelled`)."""
-        store = self.service.responses
+        store = self.conversations.store
         doc = None if store is None else await store.get(tenant, response_id)
         if store is None or doc is None:
-            raise errors.response_not_found(response_id)
+            raise api_errors.response_not_found(response_id)
         resp = reported(doc)
         if not resp.get("background"):
-            raise errors.not_cancellable(response_id, None)
+            raise api_errors.not_cancellable(response_id, None)
         if resp["status"] == "cancelled":
             return resp  # a second cancel answers as the first (OpenAI: idempotent)
         if resp["status"] not in ("queued", "in_progress"):
-            raise errors.not_cancellable(response_id, resp["status"])
+            raise api_errors.not_cancellable(response_id, resp["status"])
         await store.cancel_run(tenant, response_id)
         run = self._runs.get(response_id)
         if run is not None and run.tenant == tenant and run.task is not None:
@@ -200,14 +201,14 @@ class BackgroundRuns:
         stored here; that gateway's watcher stops it within WATCH_INTERVAL_S and stores its usage."""
         doc = await self.store.get(tenant, response_id)
         if doc is None:
-            raise errors.response_not_found(response_id)  # deleted meanwhile
+            raise api_errors.response_not_found(response_id)  # deleted meanwhile
         resp = doc["response"]
         if resp["status"] in ("queued", "in_progress"):
             resp = {**resp, "status": "cancelled", "error": None}
             await self.store.save_run(tenant, resp, doc["input_items"], doc["conversation"],
                                       run_deadline=doc["run_deadline"], final=True)
         elif resp["status"] != "cancelled":
-            raise errors.not_cancellable(response_id, resp["status"])  # it ended before the cancel
+            raise api_errors.not_cancellable(response_id, resp["status"])  # it ended before the cancel
         return resp
 
     async def shutdown(self) -> None:

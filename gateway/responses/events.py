@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import ApiError
-from gateway.responses_api import ResponsesShape, final_status
-from gateway.sse import event_named
+from gateway.openai.responses_shape import ResponsesShape, final_status
+from gateway.web.api_errors import ApiError
+from gateway.web.sse import event_named
 
 if TYPE_CHECKING:
-    from gateway.generation import Delta, Generation
+    from gateway.flow.generation import Delta, Generation
 
 
 async def stream_events(gen: Generation, first: Delta | None, trace: Any,

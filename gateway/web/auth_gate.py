@@ -11,8 +11,8 @@ import uuid
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway import metrics
-from gateway.http import CLIENT_ID, bearer_key, drop_small_body
+from gateway.telemetry import gateway_metrics
+from gateway.web.request_io import CLIENT_ID, bearer_key, drop_small_body
 from tenancy import key_digest, key_shape_ok
 
 MISSING = "Missing API key: send 'Authorization: Bearer <key>'."
@@ -32,13 +32,13 @@ class UnknownKeyGate:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.lines = metrics.UnauthenticatedLines()
+        self.lines = gateway_metrics.UnauthenticatedLines()
 
     def __getattr__(self, name: str) -> object:  # `state` and the rest: the wrapped Starlette app's
         return getattr(self.app, name)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(metrics.API_PREFIX):
+        if scope["type"] != "http" or not scope["path"].startswith(gateway_metrics.API_PREFIX):
             await self.app(scope, receive, send)
             return
         why = await self._refusal(scope)
@@ -77,8 +77,8 @@ class UnknownKeyGate:
             headers.append((b"connection", b"close"))  # a body still on its way: the connection cannot be reused
         await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-        metrics.current().requests.labels("401").inc()
+        gateway_metrics.current().requests.labels("401").inc()
         if self.lines.admit(time.monotonic()):
-            metrics.log.info("%s %s %d", scope["method"], scope["path"], 401, extra={
+            gateway_metrics.log.info("%s %s %d", scope["method"], scope["path"], 401, extra={
                 "status": 401, "duration_ms": round((time.perf_counter() - start) * 1000, 1), "request_id": rid})
 

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import invalid
+from gateway.web.api_errors import invalid
 from worker.protocol import GrammarError, GrammarSpec, tool_call_spec
 from worker.protocol.grammar_spec import MAX_SCHEMA_BYTES
 

@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import invalid
-from gateway.tool_output import ToolCallStream
+from gateway.openai.tool_output import ToolCallStream
+from gateway.web.api_errors import invalid
 
 _MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
 _CALL_KEYS = frozenset({"type", "id", "call_id", "name", "arguments", "status"})

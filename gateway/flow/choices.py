@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
-from gateway.generation import Delta, Generation, Prepared, close_stack
-from gateway.responses import TokenLogprob, Usage, _chat_logprobs, _completion_logprobs
-from gateway.tool_output import ToolCallStream
+from gateway.flow.generation import Delta, Generation, Prepared, close_stack
+from gateway.openai.bodies import TokenLogprob, Usage, _chat_logprobs, _completion_logprobs
+from gateway.openai.tool_output import ToolCallStream
 
 log = logging.getLogger("switchyard.gateway")
 

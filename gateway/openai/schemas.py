@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import invalid
-from gateway.tools import ToolRequest, message_tool_calls, parse_tools
+from gateway.openai.tools import ToolRequest, message_tool_calls, parse_tools
+from gateway.web.api_errors import invalid
 from worker.protocol import (
     PRIORITY_NAMES,
     GrammarError,
@@ -83,13 +83,13 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None  # from `response_format`: the output is constrained to it
     speculative: bool = True  # extension: false opts out of n-gram speculative decoding (same output)
     prompt_cache_retention: str = ""  # "in_memory" (KV tiers in RAM only) | "24h" (may go to disk) | "": default
-    api: str = ""  # "responses": a chat request that came as a Responses one (`gateway.responses_api`)
+    api: str = ""  # "responses": a chat request that came as a Responses one (`gateway.openai.responses_shape`)
     instructions: str | None = None  # responses: the system message, never carried to the next turn
     conversation: list[dict[str, Any]] | None = None  # responses: the turns so far (a previous response's, then input)
     previous_response_id: str | None = None
     new_turns: int = 0  # responses: how many turns of `conversation` this request's input added
-    store: bool = True  # responses: keep it (`gateway.response_store`)
-    background: bool = False  # responses: run as a gateway task, polled by id (`gateway.responses_background`)
+    store: bool = True  # responses: keep it (`gateway.responses.response_store`)
+    background: bool = False  # responses: run as a gateway task, polled by id (`gateway.responses.background`)
 
 
 def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, param: str | None = None) -> Any:

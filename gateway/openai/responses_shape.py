@@ -7,11 +7,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import ApiError, invalid
-from gateway.responses import TokenLogprob, Usage
-from gateway.responses_items import OutputItems, chat_messages, chat_tool_choice, chat_tools, responses_param
-from gateway.schemas import GenerationRequest, parse_chat
-from gateway.tool_output import ToolCallStream
+from gateway.openai.bodies import TokenLogprob, Usage
+from gateway.openai.responses_items import (
+    OutputItems,
+    chat_messages,
+    chat_tool_choice,
+    chat_tools,
+    responses_param,
+)
+from gateway.openai.schemas import GenerationRequest, parse_chat
+from gateway.openai.tool_output import ToolCallStream
+from gateway.web.api_errors import ApiError, invalid
 
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "store", "metadata", "user", "text", "reasoning", "tools", "tool_choice", "parallel_tool_calls",

@@ -15,7 +15,7 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.metrics import API_PREFIX, current
+from gateway.telemetry.gateway_metrics import API_PREFIX, current
 
 log = logging.getLogger("switchyard.gateway")
 

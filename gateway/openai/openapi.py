@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 description of the gateway's HTTP API, served at `GET /openapi.json`.
 
-Hand-written like the request parser (`gateway.schemas`), whose bounds it states; `tests/faults`
+Hand-written like the request parser (`gateway.openai.schemas`), whose bounds it states; `tests/faults`
 checks the two against each other.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.schemas import (
+from gateway.openai.schemas import (
     CHAT_ROLES,
     MAX_CACHE_KEY,
     MAX_COMPLETION_LOGPROBS,
@@ -23,7 +23,7 @@ from gateway.schemas import (
     MAX_TOP_LOGPROBS,
     PRIORITIES,
 )
-from gateway.tools import MAX_TOOLS
+from gateway.openai.tools import MAX_TOOLS
 
 INT32_MAX = 2**31 - 1
 JSON = "application/json"
@@ -106,7 +106,7 @@ def _common_fields() -> dict[str, Any]:
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": ["boolean", "null"]}}},
         "n": _integer(1, MAX_N, "Choices per prompt: sibling sequences that share the prompt's KV pages; "
-                               "the prompt is prefilled and billed once, every choice's tokens count."),
+                      "the prompt is prefilled and billed once, every choice's tokens count."),
         "user": {"type": "string", "description": "Accepted and ignored."},
         "metadata": {"type": "object", "description": "Accepted and ignored."},
         "store": {"type": "boolean", "description": "Accepted and ignored: nothing is stored."},
@@ -210,7 +210,7 @@ def _completion_request() -> dict[str, Any]:
     props = {**_common_fields(), "prompt": prompt,
              "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS, "Alternatives per token (0: the chosen only)."),
              "echo": {"type": "boolean", "description": "The prompt's text leads each choice's text; with "
-                                                       "`logprobs` a 400 (prompt logprobs are not computed)."},
+                      "`logprobs` a 400 (prompt logprobs are not computed)."},
              "best_of": {"type": "integer", "enum": [1], "description": "Only 1: candidates are not ranked."}}
     required = ("model", "prompt")
     return {"type": "object", "required": list(required), "properties": _nullable(props, required),

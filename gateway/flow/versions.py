@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from admission import CapacityGate
-from gateway import errors
-from gateway.schemas import GenerationRequest
-from gateway.served_model import DEFAULT_ALIAS, ServedModel
+from gateway.flow.served_model import DEFAULT_ALIAS, ServedModel
+from gateway.openai.schemas import GenerationRequest
+from gateway.web import api_errors
 from router import Alias, AliasTable, Fleet, Router, Served, sticky_key, weighted_pick
 from tenancy import Tenant
 from worker.protocol import Priority
@@ -76,9 +76,9 @@ class SinglePool:
     def resolve(self, name: str, tenant: Tenant, prefix: str, priority: Priority | None = None) -> Target:
         m = self.model
         if name not in m.names:
-            raise errors.model_not_found(name)
+            raise api_errors.model_not_found(name)
         if not (tenant.allows_model(name) or tenant.allows_model(m.model_id)):
-            raise errors.model_not_allowed(name)
+            raise api_errors.model_not_allowed(name)
         return Target(m.model_id, m, self.router, None, name, m.model_id)
 
     def listing(self, tenant: Tenant) -> list[str]:
@@ -129,7 +129,7 @@ class TokenizerCache:
             if mine:
                 threading.Thread(target=self._fill, args=(served, key, loading), name="tokenizer-load",
                                  daemon=True).start()
-            raise errors.model_unavailable(served.key, "its tokenizer is loading on this gateway")
+            raise api_errors.model_unavailable(served.key, "its tokenizer is loading on this gateway")
         if mine:
             return self._fill(served, key, loading)
         loading.wait(timeout=120.0)
@@ -226,22 +226,22 @@ class FleetPools:
             if tenant is not None and not self._alias_allowed(tenant, name):
                 alias = Alias(alias.name, tuple((k, w) for k, w in alias.targets if self._allowed(tenant, k)))
                 if not alias.targets:
-                    raise errors.model_not_allowed(name)
+                    raise api_errors.model_not_allowed(name)
             key = alias.pick(live, sticky)
             if key is not None and tenant is not None:
                 key = self.shares.cap(tenant.name, alias, live, key, sticky)
         elif name in fleet.versions():
             key = name if name in live else None
         elif self.aliases is not None and self.aliases.broken(name) and not fleet.versions_of(name):
-            raise errors.model_unavailable(name, "its alias record is malformed")
+            raise api_errors.model_unavailable(name, "its alias record is malformed")
         else:
             versions = fleet.versions_of(name)
             if not versions:
-                raise errors.model_not_found(name)
+                raise api_errors.model_not_found(name)
             up = [(v, 1.0) for v in versions if v in live]
             key = weighted_pick(up, sticky) if up else None
         if key is None:
-            raise errors.model_unavailable(name)
+            raise api_errors.model_unavailable(name)
         return key
 
     def _alias_allowed(self, tenant: Tenant, name: str) -> bool:
@@ -256,10 +256,10 @@ class FleetPools:
         assert served is not None and router is not None  # picked among the fleet's versions
         if not ((self.alias(name) is not None and self._alias_allowed(tenant, name)) or self._allowed(tenant, key)
                 or (self.alias(name) is None and tenant.allows_model(name))):
-            raise errors.model_not_allowed(name)
+            raise api_errors.model_not_allowed(name)
         model = self.tokenizers.get(served)
         if isinstance(model, str):
-            raise errors.model_unavailable(name, "this gateway cannot tokenize for it")
+            raise api_errors.model_unavailable(name, "this gateway cannot tokenize for it")
         return Target(key, model, router, self._gate(key, router, priority), key, key)
 
     def _gate(self, key: str, router: Router, priority: Priority | None) -> CapacityGate | None:

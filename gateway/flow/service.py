@@ -13,17 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission import Admission, AdmissionTicket, error_response
-from gateway import errors, metrics, responses_api
-from gateway.choices import GenerationGroup
-from gateway.errors import ApiError, invalid
-from gateway.generation import Generation, Prepared
-from gateway.http import bearer_key
-from gateway.models import VERSION_HEADER, ModelPools, SinglePool, Target, sticky_prefix
-from gateway.response_store import ResponseStore, reported
-from gateway.responses import ResponseShape, Usage
-from gateway.responses_items import assistant_turn, input_items
-from gateway.schemas import GenerationRequest
-from gateway.served_model import ServedModel
+from gateway.flow.choices import GenerationGroup
+from gateway.flow.generation import Generation, Prepared
+from gateway.flow.served_model import ServedModel
+from gateway.flow.versions import VERSION_HEADER, ModelPools, SinglePool, Target, sticky_prefix
+from gateway.openai import responses_shape
+from gateway.openai.bodies import ResponseShape, Usage
+from gateway.openai.schemas import GenerationRequest
+from gateway.telemetry import gateway_metrics
+from gateway.web import api_errors
+from gateway.web.api_errors import ApiError, invalid
+from gateway.web.request_io import bearer_key
 from router import Router, RouteRequest, fairness_key, namespace_root
 from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory, key_digest
 from worker.protocol import OutItem, Priority, SamplingParams
@@ -43,7 +43,7 @@ class ServiceConfig:
 class GatewayService:
     def __init__(self, model: ServedModel, tenants: TenantDirectory, router: Router,
                  admission: Admission | None = None, config: ServiceConfig | None = None,
-                 pools: ModelPools | None = None, responses: ResponseStore | None = None) -> None:
+                 pools: ModelPools | None = None) -> None:
         self.model = model  # the gateway's own model (the default alias; body limits)
         self.tenants = tenants
         self.router = router  # the secret's holder; with model pools, each version has its own Router
@@ -51,51 +51,6 @@ class GatewayService:
         self.config = config or ServiceConfig()
         self.pools: ModelPools = pools or SinglePool(model, router)
         self._invalid_until: dict[str, float] = {}  # tenant -> when it has a request left (charge_invalid)
-        self.responses = responses  # stored responses (None: nothing is stored, every id is a 404)
-
-    async def stored_response(self, tenant: Tenant, response_id: str) -> dict:
-        """A stored response of this tenant's (404 for any other: another tenant's id is not found either)."""
-        found = await self.responses.get(tenant.name, response_id) if self.responses is not None else None
-        if found is None:
-            raise errors.response_not_found(response_id)
-        return found
-
-    async def delete_response(self, tenant: Tenant, response_id: str) -> None:
-        if self.responses is None or not await self.responses.delete(tenant.name, response_id):
-            raise errors.response_not_found(response_id)
-
-    async def continue_previous(self, tenant: Tenant, req: GenerationRequest) -> None:
-        """Prepend the previous response's conversation (its instructions are not carried over)."""
-        if req.previous_response_id is None:
-            return
-        try:
-            prev = await self.stored_response(tenant, req.previous_response_id)
-        except ApiError as exc:
-            exc.message, exc.param = f"Previous response with id '{req.previous_response_id}' not found.", \
-                "previous_response_id"
-            raise
-        status = reported(prev)["status"]
-        if status in ("queued", "in_progress"):
-            raise invalid(f"Previous response '{req.previous_response_id}' is still {status}; continue from it once "
-                          "it has ended.", param="previous_response_id")
-        assert req.conversation is not None
-        req.conversation = prev["conversation"] + req.conversation
-        req.messages = responses_api.with_instructions(req.instructions, req.conversation)
-
-    async def save_response(self, tenant: Tenant, req: GenerationRequest, body: dict) -> bool:
-        """Store a finished response when asked (`store`); True when it was stored."""
-        if not req.store or self.responses is None or req.conversation is None:
-            return False
-        return await self.responses.save(tenant.name, body, *_stored(req, body))
-
-    async def save_background(self, tenant: Tenant, req: GenerationRequest, body: dict, deadline: float, *,
-                              start: bool = False, final: bool = False) -> bool:
-        """Store a background run's response: its start, progress or end (`gateway.response_store`)."""
-        assert self.responses is not None and req.conversation is not None
-        if start:
-            return await self.responses.save(tenant.name, body, *_stored(req, body), run_deadline=deadline)
-        return await self.responses.save_run(tenant.name, body, *_stored(req, body), run_deadline=deadline,
-                                             final=final)
 
     @property
     def ready(self) -> bool:
@@ -113,14 +68,14 @@ class GatewayService:
     async def authenticate(self, authorization: str | None) -> Tenant:
         key = bearer_key(authorization)
         if key is None:
-            raise errors.unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+            raise api_errors.unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
         try:
             tenant = await self.tenants.authenticate(key)
         except QuotaServiceUnavailable:
-            metrics.current().count_shed("quota_service_unavailable")
-            raise errors.quota_unavailable() from None
+            gateway_metrics.current().count_shed("quota_service_unavailable")
+            raise api_errors.quota_unavailable() from None
         if tenant is None:
-            raise errors.unauthorized("Invalid, revoked or disabled API key.")
+            raise api_errors.unauthorized("Invalid, revoked or disabled API key.")
         return tenant
 
     def check_invalid_lockout(self, tenant: Tenant) -> None:
@@ -132,8 +87,8 @@ class GatewayService:
         if left <= 0:
             del self._invalid_until[tenant.name]
             return
-        metrics.current().count_rate_limited("requests", tenant.name)
-        raise errors.invalid_requests_exhausted(max(1, int(left * 1000)))
+        gateway_metrics.current().count_rate_limited("requests", tenant.name)
+        raise api_errors.invalid_requests_exhausted(max(1, int(left * 1000)))
 
     async def charge_invalid(self, tenant: Tenant) -> None:
         """A request refused as invalid after authentication costs its tenant one request of its per-minute
@@ -177,7 +132,7 @@ class GatewayService:
         ns = namespace_root(target.ns_model, model.version, tenant.salt or tenant.name, target.router.secret)
         prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
         shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), target.response_model, req.kind == "chat") \
-            if req.api != "responses" else responses_api.new_shape(target.response_model, req)
+            if req.api != "responses" else responses_shape.new_shape(target.response_model, req)
         return Prepared(request_id, req, tenant, enc.ids, enc.stable_len, max_tokens,
                         tenant.effective_priority(req.priority), ns, shape, batch if len(batch) > 1 else [],
                         target=target)
@@ -249,8 +204,8 @@ class GatewayService:
         """Shed when no worker is live (before admission: nothing is charged, and capacity would only queue
         then shed), else admit; the ticket's headers go into `headers`."""
         if not self._target(p).router.live():
-            metrics.current().count_shed("no_worker")
-            raise errors.no_live_worker()
+            gateway_metrics.current().count_shed("no_worker")
+            raise api_errors.no_live_worker()
         if self.admission is None:
             return None
         ticket = await self._admit(stack, p, usage, max_tokens)
@@ -268,20 +223,12 @@ class GatewayService:
             spec = error_response(exc)
             if spec is None:
                 raise
-            metrics.current().admission_refused(exc, p.tenant.name)
+            gateway_metrics.current().admission_refused(exc, p.tenant.name)
             raise ApiError(spec.status, spec.message, spec.type, code=spec.code, headers=spec.headers) from None
         # Runs before the admission context exits (LIFO), so settle sees the real usage.
         stack.callback(lambda: ticket.record_usage(usage.prompt_tokens, usage.completion_tokens,
                                                    usage.cached_tokens))
         return ticket
-
-
-def _stored(req: GenerationRequest, body: dict) -> tuple[list[dict], list[dict]]:
-    """A response's input items and the conversation it continues with (its answer once it has ended)."""
-    assert req.conversation is not None
-    turns = req.conversation
-    ended = body["status"] not in ("queued", "in_progress")
-    return input_items(turns, req.new_turns), [*turns, assistant_turn(body["output"])] if ended else list(turns)
 
 
 def sibling_seed(seed: int | None, j: int) -> int | None:

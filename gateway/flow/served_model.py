@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gateway.detokenize import token_byte_table
-from gateway.errors import invalid
-from gateway.responses import TokenLogprob
-from gateway.schemas import GenerationRequest
+from gateway.flow.detokenize import token_byte_table
+from gateway.openai.bodies import TokenLogprob
+from gateway.openai.schemas import GenerationRequest
+from gateway.web.api_errors import invalid
 from worker.text.tokenizer import (
     PLACEHOLDER_CHARS,
     Tokenizer,
