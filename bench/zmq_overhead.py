@@ -67,7 +67,7 @@ def run_in_process(args: argparse.Namespace) -> tuple[list[tuple[list[int], int]
 async def _through_worker(endpoint: str, workload: list[tuple[list[int], int]],
                           ready_timeout: float) -> tuple[float, list[float]]:
     """(wall seconds, per-token hop latencies in seconds)."""
-    from router.client import WorkerClient
+    from router.links.client import WorkerClient
     from worker.protocol import SamplingParams
 
     client = WorkerClient(endpoint, gateway_id=f"bench-{os.getpid()}", inter_token_timeout=120.0,

@@ -3,14 +3,12 @@
 The package face: callers import from `router`, not from its modules.
 """
 
-from router.alias_table import ALIASES_KEY, AliasTable
-from router.aliases import Alias, encode_alias, parse_alias, sticky_key, weighted_pick
-from router.client import WorkerClient, WorkerError
-from router.disagg import DisaggRule
+from router.disagg.prefill_target import DisaggRule
 from router.dispatch import Router, RouteRequest
 from router.fleet import Fleet
-from router.membership import Member, Membership, StatsEvent
-from router.policy import (
+from router.links.client import WorkerClient, WorkerError
+from router.links.membership import Member, Membership, StatsEvent
+from router.placement.policy import (
     FALLBACK_DEAD,
     FALLBACK_DRAINING,
     FALLBACK_EXCLUDED,
@@ -21,8 +19,10 @@ from router.policy import (
     Choice,
     NoWorkerAvailable,
 )
-from router.pools import PoolView, Served
-from router.prefix import fairness_key, key_span, namespace_root, prefix_key
+from router.placement.prefix import fairness_key, key_span, namespace_root, prefix_key
+from router.pools.alias_table import ALIASES_KEY, AliasTable
+from router.pools.aliases import Alias, encode_alias, parse_alias, sticky_key, weighted_pick
+from router.pools.served import PoolView, Served
 
 __all__ = [
     "ALIASES_KEY",

@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from router import metrics
-from router.class_pools import SPILL, outside_pool, over_bound
-from router.client import LinkError, WorkerError
-from router.disagg import Disaggregation, DisaggRule, member_role
-from router.holders import InFlightPrefixes, PrefixHolders
-from router.kv_view import KvView
-from router.load import LoadTracker
-from router.membership import Member, Membership, StatsEvent, StatsListener
-from router.policy import (
+from router.disagg.prefill_target import Disaggregation, DisaggRule, member_role
+from router.links.client import LinkError, WorkerError
+from router.links.membership import Member, Membership, StatsEvent, StatsListener
+from router.placement import routing_metrics
+from router.placement.class_pools import SPILL, outside_pool, over_bound
+from router.placement.holders import InFlightPrefixes, PrefixHolders
+from router.placement.kv_view import KvView
+from router.placement.load import LoadTracker
+from router.placement.policy import (
     DEFAULT_EPSILON,
     DEFAULT_FOOTPRINT_EPSILON,
     FALLBACK_INCOMPATIBLE,
@@ -31,7 +31,13 @@ from router.policy import (
     NoWorkerAvailable,
     RoutingPolicy,
 )
-from router.prefix import DEFAULT_ROUTE_PREFIX_TOKENS, cache_key_route, key_span, prefix_key, token_count
+from router.placement.prefix import (
+    DEFAULT_ROUTE_PREFIX_TOKENS,
+    cache_key_route,
+    key_span,
+    prefix_key,
+    token_count,
+)
 from worker.protocol import ErrorCode, OutItem, PrefillHint, Priority, SamplingParams
 from worker.protocol.trace_context import traceparent, tracer
 
@@ -158,7 +164,7 @@ class Router:
         self.loads.forget(mid)
         self.holders.forget(mid)
         self.kv.forget(mid)
-        metrics.forget_worker(mid)
+        routing_metrics.forget_worker(mid)
 
     def _observed(self, event: StatsEvent) -> None:
         mid, stats = event.member_id, event.stats
@@ -167,8 +173,8 @@ class Router:
         self.holders.set_capacity(mid, stats.kv_total)
         self.loads.on_stats(mid, stats, event.at)
         self.kv.observe(mid, stats)
-        metrics.PREFIX_HIT_RATE.labels(mid).set(stats.hit_rate)
-        metrics.OUTSTANDING_TOKENS.labels(mid).set(self.loads.load(mid))
+        routing_metrics.PREFIX_HIT_RATE.labels(mid).set(stats.hit_rate)
+        routing_metrics.OUTSTANDING_TOKENS.labels(mid).set(self.loads.load(mid))
         if event.came_back:
             # A worker joined or came back: every key returns to its ring position (the keys that
             # must move, move), rather than staying with whichever worker took it meanwhile.
@@ -188,7 +194,7 @@ class Router:
         tokens each worker reports holding (`KvView.matched`)."""
         choice = self.policy.choose(self._candidates(key, exclude, matched or {}), cost, span)
         if choice.fallback is not None:
-            metrics.FALLBACKS.labels(choice.fallback).inc()
+            routing_metrics.FALLBACKS.labels(choice.fallback).inc()
         return choice
 
     def _pick_in_class(self, key: bytes | None, req: RouteRequest, exclude: frozenset[str], span: int,
@@ -206,7 +212,7 @@ class Router:
                     return choice
             except NoWorkerAvailable:
                 pass
-            metrics.FALLBACKS.labels(SPILL).inc()
+            routing_metrics.FALLBACKS.labels(SPILL).inc()
         return self.pick(key, req.cost, exclude, span, matched)
 
     def _candidates(self, key: bytes | None, exclude: frozenset[str], matched: dict[str, int]) -> Candidates:
@@ -255,7 +261,7 @@ class Router:
                 async with contextlib.aclosing(attempt) as chunks:
                     async for chunk in chunks:
                         if failed_at:
-                            metrics.RESUME_GAP.observe(time.monotonic() - failed_at)
+                            routing_metrics.RESUME_GAP.observe(time.monotonic() - failed_at)
                             failed_at = 0.0
                         started = True
                         if first_cached is None:
@@ -272,12 +278,12 @@ class Router:
                         raise
                     resumes += 1
                     failed_at = time.monotonic()
-                    metrics.RESUMES.labels(reason).inc()
+                    routing_metrics.RESUMES.labels(reason).inc()
                 elif not err.retryable or failed is not None or overdue:
                     raise
                 else:
                     failed = err
-                    metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
+                    routing_metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
                 if err.code != ErrorCode.ABANDONED:  # that worker is fine: it gave up on this gateway's silence
                     exclude = exclude | {choice.worker_id}
 
@@ -297,8 +303,8 @@ class Router:
         # there meanwhile waits for those pages instead of recomputing them (DESIGN.md, worker engine).
         holders.remember(wid, key, span)
         self.sending.add(key, wid, span)
-        metrics.REQUESTS.labels(wid).inc()
-        metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
+        routing_metrics.REQUESTS.labels(wid).inc()
+        routing_metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         tokens = _with_streamed(req.tokens, streamed) if streamed else req.tokens
         hint = self.disagg.choose(req.rid, token_count(tokens) - predicted, matched)  # decided afresh per attempt
         stream = client.generate(req.rid, req.ns, tokens, req.sampling, req.priority, req.deadline,
@@ -334,8 +340,8 @@ class Router:
 
     def _predicted(self, rid: str, wid: str, predicted: int, actual: int) -> None:
         if predicted > 0:
-            metrics.PREDICTED_TOKENS.labels(wid).inc(predicted)
-            metrics.PRECISION.observe(min(predicted, actual) / predicted)
+            routing_metrics.PREDICTED_TOKENS.labels(wid).inc(predicted)
+            routing_metrics.PRECISION.observe(min(predicted, actual) / predicted)
         for listener in self._precision:
             listener(rid, wid, predicted, actual)
 
@@ -344,9 +350,9 @@ class Router:
         loads = self.loads
         loads.release(wid, rid)
         if wid in self.policy:
-            metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
+            routing_metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
             if cached:
-                metrics.CACHED_TOKENS.labels(wid).inc(cached)
+                routing_metrics.CACHED_TOKENS.labels(wid).inc(cached)
 
     def _time_left(self, req: RouteRequest) -> float:
         if req.deadline <= 0:

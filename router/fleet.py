@@ -8,8 +8,8 @@ import logging
 from collections.abc import Callable
 
 from router.dispatch import Router
-from router.membership import Membership, StatsEvent, StatsListener
-from router.pools import PoolView, Served
+from router.links.membership import Membership, StatsEvent, StatsListener
+from router.pools.served import PoolView, Served
 
 log = logging.getLogger(__name__)
 

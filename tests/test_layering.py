@@ -15,8 +15,8 @@ PACKAGES = ("worker", "router", "gateway", "admission", "tenancy", "config", "be
 WORKER_FACES = ("worker.protocol", "worker.text")  # the light modules other packages may import
 LIGHT = WORKER_FACES  # import no torch, and of the worker only each other
 FACED = ("router", "admission", "tenancy")  # the gateway imports these only through `__init__`
-RING = "router.ring"
-RING_OWNER = "router.policy"
+RING = "router.placement.ring"
+RING_OWNER = "router.placement.policy"
 
 
 @dataclass(slots=True, frozen=True)
@@ -216,28 +216,28 @@ def test_checker_catches_light_and_bench_rules() -> None:
 
 def test_checker_catches_violations() -> None:
     """The checker flags each kind of violation on synthetic modules, and passes the allowed forms."""
-    known = {"router.ring", "router.policy", "router.client", "tenancy.store", "worker.engine.core",
-             "worker.protocol", "worker.text", "worker.text.tokenizer", "gateway.web.sse"}
+    known = {"router.placement.ring", "router.placement.policy", "router.links.client", "tenancy.store",
+             "worker.engine.core", "worker.protocol", "worker.text", "worker.text.tokenizer", "gateway.web.sse"}
     bad = [
         Source("worker.engine.core", False, "import gateway.app\nfrom tenancy import Tenant\n"),
-        Source("router.client", False, "from worker.engine.core import Engine\n"),
-        Source("gateway.flow.service", False, "from router.client import WorkerClient\nfrom tenancy import store\n"),
+        Source("router.links.client", False, "from worker.engine.core import Engine\n"),
+        Source("gateway.flow.service", False, "from router.links.client import WorkerClient\nfrom tenancy import store\n"),
         Source("gateway.app", False, "import admission.gate\n"),
-        Source("config.cmd_gateway", False, "from router.ring import HashRing\n"),
-        Source("router.dispatch", False, "from . import ring\n"),
-        Source("router", True, "from .ring import HashRing\n"),
+        Source("config.cmd_gateway", False, "from router.placement.ring import HashRing\n"),
+        Source("router.placement.kv_view", False, "from . import ring\n"),
+        Source("router.placement", True, "from .ring import HashRing\n"),
     ]
     found = check(bad, known.__contains__)
     expected = [
         "worker.engine.core:1: worker imports gateway.app",
         "worker.engine.core:2: worker imports tenancy",
-        "router.client:1: router imports worker.engine.core",
-        "gateway.flow.service:1: gateway imports router.client",
+        "router.links.client:1: router imports worker.engine.core",
+        "gateway.flow.service:1: gateway imports router.links.client",
         "gateway.flow.service:2: gateway imports tenancy.store",
         "gateway.app:1: gateway imports admission.gate",
-        "config.cmd_gateway:1: imports router.ring",
-        "router.dispatch:1: imports router.ring",
-        "router:1: imports router.ring",
+        "config.cmd_gateway:1: imports router.placement.ring",
+        "router.placement.kv_view:1: imports router.placement.ring",
+        "router.placement:1: imports router.placement.ring",
     ]
     for prefix in expected:
         assert any(v.startswith(prefix) for v in found), f"missed {prefix!r} in {found}"
@@ -247,8 +247,8 @@ def test_checker_catches_violations() -> None:
         Source("worker.server.serve", False, "from worker.protocol import Frame\nfrom . import engine\nimport zmq\n"),
         Source("gateway.flow.service", False, "import router\nfrom router import Router\nfrom admission import Admission\n"
                "from tenancy import Tenant\nfrom worker.protocol import Priority\n"
-                                         "from .sse import event\nfrom worker.text import tokenizer\n"),
-        Source("router.policy", False, "from router.ring import HashRing\n"),
-        Source("tests.router.test_router_ring", False, "from router.ring import HashRing\n"),
+               "from .sse import event\nfrom worker.text import tokenizer\n"),
+        Source("router.placement.policy", False, "from router.placement.ring import HashRing\n"),
+        Source("tests.router.test_router_ring", False, "from router.placement.ring import HashRing\n"),
     ]
     assert check(good, known.__contains__) == []

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from admission.capacity import INTERACTIVE, CapacityGate, Overloaded, WorkerCapacity
-from router.client import WorkerClient
+from router.links.client import WorkerClient
 from tests.admission_stack import AdmissionStack
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from router.client import WorkerClient
+from router.links.client import WorkerClient
 from tenancy.redis_client import sync_client
 from tenancy.schema import leases_key
 from tests.admission_stack import AdmissionStack

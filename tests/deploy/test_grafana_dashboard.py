@@ -199,7 +199,7 @@ def test_contract_matches_the_collectors_the_code_registers() -> None:
     """The gateway, router and worker metric modules expose every contract name with the expected type."""
     from prometheus_client import REGISTRY, CollectorRegistry
 
-    import router.metrics  # noqa: F401 - registers its collectors on import
+    import router.placement.routing_metrics  # noqa: F401 - registers its collectors on import
     import worker.server.metrics  # noqa: F401
     from gateway.telemetry.gateway_metrics import GatewayMetrics
 

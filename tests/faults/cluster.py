@@ -140,7 +140,7 @@ class FaultCluster:
 
 async def _wait_stats(endpoints: list[str], timeout: float, cluster_key: str | None = None) -> None:
     """Wait until each worker sends stats to an observer client (it is up and serving)."""
-    from router.client import WorkerClient
+    from router.links.client import WorkerClient
 
     for endpoint in endpoints:
         client = WorkerClient(endpoint, gateway_id=f"faults-observer-{time.monotonic_ns()}", worker_timeout=5.0,

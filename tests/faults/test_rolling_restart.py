@@ -61,7 +61,7 @@ async def wait_gateway_draining(http: httpx.AsyncClient, base_url: str, timeout:
 async def sigterm_worker(victim: WorkerProc, timeout: float = 10.0) -> None:
     """SIGTERM `victim` and return once its stats say `draining`, as an observer client connected
     beforehand hears them (the worker sends stats to every client about every 100 ms)."""
-    from router.client import WorkerClient
+    from router.links.client import WorkerClient
 
     observer = WorkerClient(victim.endpoint, gateway_id=f"roll-observer-{time.monotonic_ns()}", worker_timeout=5.0)
     await observer.start()

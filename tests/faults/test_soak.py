@@ -187,7 +187,7 @@ async def soak(cluster: FaultCluster, key: str, seconds: float) -> SoakRun:
 
 
 async def worker_stats(cluster: FaultCluster) -> list[object]:
-    from router.client import WorkerClient
+    from router.links.client import WorkerClient
 
     stats = []
     for w in cluster.workers:

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import redis
 
-from router.prefix import namespace_root, prefix_key
+from router.placement.prefix import namespace_root, prefix_key
 from tenancy.apikeys import digest
 from tenancy.redis_client import sync_client
 from tenancy.schema import api_key_key, config_key

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from config.launcher import free_port, wait_for_port
-from router.client import WorkerClient
+from router.links.client import WorkerClient
 from tenancy.redis_client import sync_client
 from tenancy.store import issue_key, revoke_key
 from tests.gateway_stack import GatewayStack

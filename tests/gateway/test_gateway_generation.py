@@ -20,7 +20,7 @@ from gateway.openai.bodies import ResponseShape, Usage
 from gateway.openai.schemas import parse_completion
 from gateway.web.api_errors import ApiError
 from router import WorkerError
-from router.client import LinkError
+from router.links.client import LinkError
 from tenancy.schema import Tenant
 from worker.protocol import ErrorCode, OutItem, Priority
 

@@ -13,7 +13,7 @@ from gateway.flow.service import GatewayService
 from gateway.openai.schemas import parse_chat, parse_completion
 from gateway.web.api_errors import ApiError
 from router.dispatch import Router
-from router.membership import Membership
+from router.links.membership import Membership
 from tenancy.directory import TenantDirectory
 from tenancy.redis_client import async_client
 from tenancy.schema import Tenant

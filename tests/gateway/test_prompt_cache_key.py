@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from router.dispatch import Router, RouteRequest
-from router.prefix import cache_key_route, namespace_root
+from router.placement.prefix import cache_key_route, namespace_root
 
 SECRET = b"s" * 32
 

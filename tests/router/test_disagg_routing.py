@@ -13,8 +13,8 @@ import zmq.asyncio
 from prometheus_client import REGISTRY
 
 from router import Membership, Router, RouteRequest
-from router.client import LinkError, WorkerClient, WorkerError
-from router.disagg import DisaggRule
+from router.disagg.prefill_target import DisaggRule
+from router.links.client import LinkError, WorkerClient, WorkerError
 from tests.router.test_router_client import Peer
 from tests.router.test_router_dispatch import ScriptedWorker
 from tests.router.test_router_kv_index import NS, FakeClient, report, stats
@@ -133,7 +133,7 @@ async def test_a_short_prompt_or_a_held_prefix_stays_local() -> None:
     req = request("held", 1000, seed=3)
     # d reports holding 40 of the prompt's blocks (640 tokens): it lacks 360 < 512
     router.membership.observe("d", stats("d", report(0, block_ids(NS, req.tokens, 16)[:40], snapshot=True),
-                                         role="decode"))
+                                               role="decode"))
     await run(router, req)
     assert client(router, "d").hints == [None, None]
     assert delta(before) == {"local": 2.0, "short": 2.0}
@@ -161,7 +161,7 @@ async def test_the_prefill_worker_holding_the_prompt_is_chosen() -> None:
     router = await fleet({"d": "decode", "p1": "prefill", "p2": "prefill"}, p2={"queue": 2})
     req = request("r", 2000, seed=5)
     router.membership.observe("p2", stats("p2", report(0, block_ids(NS, req.tokens, 16)[:10], snapshot=True),
-                                          role="prefill", queue=2))
+                                                role="prefill", queue=2))
     await run(router, req)
     assert client(router, "d").hints == [PrefillHint("p2", "p2")]  # holds 160 tokens; its queue is longer
     await run(router, request("other", 2000, seed=6))

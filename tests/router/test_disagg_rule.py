@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.disagg import (
+from router.disagg.prefill_target import (
     REASON_NO_PREFILL_WORKER,
     REASON_PREFILL_QUEUE,
     REASON_SHORT,
@@ -15,8 +15,8 @@ from router.disagg import (
     decide,
     member_role,
 )
-from router.membership import Member
-from router.prefix import token_count
+from router.links.membership import Member
+from router.placement.prefix import token_count
 from worker.protocol import PROTOCOL_VERSION, PrefillHint, Registration, WorkerStats
 
 RULE = DisaggRule(min_tokens=512, max_prefill_queue=4)

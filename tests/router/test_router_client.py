@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.client import WorkerClient, WorkerError
+from router.links.client import WorkerClient, WorkerError
 from tests.conftest import free_port
 from worker import protocol as p
 
@@ -370,7 +370,7 @@ async def test_fuzzed_frames_leave_the_client_usable(link: tuple[Peer, WorkerCli
 async def test_an_oversized_worker_frame_drops_the_link_not_the_gateway(link: tuple[Peer, WorkerClient]) -> None:
     """The gateway's worker socket refuses frames past MAX_WORKER_FRAME_BYTES (it once took any size): the
     link drops and comes back, and the client keeps working."""
-    from router.client import MAX_WORKER_FRAME_BYTES
+    from router.links.client import MAX_WORKER_FRAME_BYTES
 
     peer, client = link
     stream = client.generate("big", b"ns", [1, 2], p.SamplingParams(max_tokens=2))

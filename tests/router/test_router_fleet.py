@@ -128,7 +128,7 @@ def test_alias_table_keeps_the_last_good_record(caplog: pytest.LogCaptureFixture
         assert table.get("default") is None and table.names() == []
         await table.close()
 
-    with caplog.at_level(logging.WARNING, logger="router.alias_table"):
+    with caplog.at_level(logging.WARNING, logger="router.pools.alias_table"):
         asyncio.run(main())
     assert sum("malformed alias record default" in r.getMessage() for r in caplog.records) == 1
 

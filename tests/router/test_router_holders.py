@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-import router.holders
-from router.holders import PrefixHolders
+import router.placement.holders
+from router.placement.holders import PrefixHolders
 
 
 def test_remembers_per_worker_spans() -> None:
@@ -20,7 +20,7 @@ def test_remembers_per_worker_spans() -> None:
 
 
 def test_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(router.holders, "HIT_MEMORY", 3)
+    monkeypatch.setattr(router.placement.holders, "HIT_MEMORY", 3)
     h = PrefixHolders()
     for i in range(5):
         h.remember("w", bytes([i]) * 16, 100)

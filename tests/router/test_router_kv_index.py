@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from router import Membership, Router, RouteRequest, namespace_root
-from router.kv_index import Applied, KvIndex
+from router.placement.kv_index import Applied, KvIndex
 from worker import protocol as proto
 from worker.protocol import HASH_ALGO, KvContract, KvReport, WorkerStats, block_ids, frames
 
@@ -168,7 +168,7 @@ async def test_a_worker_with_another_contract_is_refused(caplog: pytest.LogCaptu
     eps = ["tcp://127.0.0.1:5100", "tcp://127.0.0.1:5101"]
     r = await replica(eps, "gw")
     before = REGISTRY.get_sample_value("switchyard_router_refused_workers_total", {"reason": "block_size"}) or 0
-    with caplog.at_level(logging.ERROR, logger="router.kv_view"):
+    with caplog.at_level(logging.ERROR, logger="router.placement.kv_view"):
         r.membership.observe(eps[0], stats(eps[0], report(0, [1], snapshot=True)))
         r.membership.observe(eps[1], stats(eps[1], report(0, [1], snapshot=True,
                                                           contract=KvContract(32, HASH_ALGO, "tok-1"))))

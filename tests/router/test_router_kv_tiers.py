@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 from router import RouteRequest
-from router.kv_index import Applied, KvIndex
-from router.kv_view import TIER_CREDIT
+from router.placement.kv_index import Applied, KvIndex
+from router.placement.kv_view import TIER_CREDIT
 from tests.router.test_router_kv_index import CONTRACT, NS, replica, stats
 from worker.protocol import KvReport, block_ids
 from worker.protocol.stats import decode_kv, kv_fields

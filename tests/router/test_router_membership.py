@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from router import FALLBACK_DEAD, FALLBACK_DRAINING, Membership, Router
-from router.holders import PrefixHolders
-from router.load import LoadTracker
+from router.placement.holders import PrefixHolders
+from router.placement.load import LoadTracker
 from tests.worker.server.test_worker_liveness import ThreadWorker
 from worker.protocol import (
     PROTOCOL_VERSION,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from router.prefix import namespace_root, prefix_key, stable_length
+from router.placement.prefix import namespace_root, prefix_key, stable_length
 from worker.protocol import block_id, block_ids
 
 SECRET = b"deployment-secret"

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import pytest
 
-from router.policy import (
+from router.placement.policy import (
     FALLBACK_DEAD,
     FALLBACK_FOOTPRINT,
     FALLBACK_HOLDER,
@@ -18,7 +18,7 @@ from router.policy import (
     NoWorkerAvailable,
     RoutingPolicy,
 )
-from router.prefix import namespace_root, prefix_key
+from router.placement.prefix import namespace_root, prefix_key
 
 SECRET = b"s3cret"
 ROOT = namespace_root("m", "t", "tenant", SECRET)

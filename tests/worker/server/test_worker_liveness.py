@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from config.launcher import WorkerProc
-from router.client import WorkerClient, WorkerError
+from router.links.client import WorkerClient, WorkerError
 from tests.conftest import free_port
 from worker import protocol as p
 from worker.protocol import SamplingParams

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from config.launcher import WorkerProc
-from router.client import WorkerClient, WorkerError
+from router.links.client import WorkerClient, WorkerError
 from tests import REPO
 from worker import protocol as p
 from worker.protocol import SamplingParams, parse_registration, registration_key
@@ -91,7 +91,7 @@ def idle(s: p.WorkerStats) -> bool:
 async def test_stream_and_abort_frees_pages(tiny: WorkerClient) -> None:
     idle_stats = await wait_stats(tiny, idle, 10)
     tokens, finish = await asyncio.wait_for(collect(tiny, "a1", [1, 2, 3, 4, 5],
-                                                  SamplingParams(max_tokens=5, ignore_eos=True)), 30)
+                                                    SamplingParams(max_tokens=5, ignore_eos=True)), 30)
     assert len(tokens) == 5 and finish == "length"
 
     got = 0
@@ -174,7 +174,7 @@ async def test_deadline_ends_request_with_retryable_capacity(tiny: WorkerClient)
 
 GATEWAY_SCRIPT = textwrap.dedent("""
     import asyncio, sys
-    from router.client import WorkerClient
+    from router.links.client import WorkerClient
     from worker.protocol import SamplingParams
 
     async def main():

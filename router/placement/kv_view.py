@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from router import metrics
-from router.footprints import ReportedFootprints
-from router.kv_index import DEFAULT_MAX_BLOCKS, Applied, KvIndex
-from router.prefix import token_count
+from router.placement import routing_metrics
+from router.placement.footprints import ReportedFootprints
+from router.placement.kv_index import DEFAULT_MAX_BLOCKS, Applied, KvIndex
+from router.placement.prefix import token_count
 from worker.protocol import HASH_ALGO, KvContract, WorkerStats, block_ids
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class KvView:
         outcome = self.index.apply(worker_id, kv, max(1, stats.kv_total // self.block_size))
         if outcome is Applied.APPLIED and not kv.snapshot:
             self.footprints.stored(worker_id, len(kv.stored) * self.block_size, stats.kv_total)
-        metrics.KV_INDEX_BLOCKS.labels(worker_id).set(self.index.blocks(worker_id))
+        routing_metrics.KV_INDEX_BLOCKS.labels(worker_id).set(self.index.blocks(worker_id))
         if outcome in (Applied.GAP, Applied.OVERFLOW):
             self._sync(worker_id, outcome.value, force=True)
         elif not self.index.synced(worker_id):
@@ -99,7 +99,7 @@ class KvView:
         if was != why:
             self._refused[worker_id] = why
             self.index.forget(worker_id)
-            metrics.REFUSED.labels(why).inc()
+            routing_metrics.REFUSED.labels(why).inc()
             log.error("refusing worker %s: its block-hash contract differs in %s (worker: block_size=%d hash=%s "
                       "tokenizer=%s; this gateway: block_size=%d hash=%s tokenizer=%s); it gets no requests",
                       worker_id, why, contract.block_size, contract.hash_algo, contract.tokenizer, self.block_size,
@@ -121,5 +121,5 @@ class KvView:
         if last is not None and now - last < (SYNC_RETRY_S / 5 if force else SYNC_RETRY_S):
             return
         self._asked_at[worker_id] = now
-        metrics.KV_SYNCS.labels(reason).inc()
+        routing_metrics.KV_SYNCS.labels(reason).inc()
         self._request_sync(worker_id)

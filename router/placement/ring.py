@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 
 import xxhash
 
-from router.prefix import key_point
+from router.placement.prefix import key_point
 
 DEFAULT_VNODES = 100
 

@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from router.ring import DEFAULT_VNODES, HashRing
+from router.placement.ring import DEFAULT_VNODES, HashRing
 
 DEFAULT_EPSILON = 0.25
 # Tighter than the load bound: a prefix placed is cache space taken for as long as it stays in use.

@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from router import metrics
-from router.membership import Member
+from router.links.membership import Member
+from router.placement import routing_metrics
 from worker.protocol import PrefillHint
 
 ROLE_BOTH = "both"  # takes gen requests and prefills them itself
@@ -143,9 +143,9 @@ class Disaggregation:
         flight until `done`. None: the decode worker prefills. With no prefill-role member the rule is skipped
         (outcome local, no fallback reason counted)."""
         hint, reason = decide(lacking, self.candidates(matched), self.rule) if self.ids else (None, None)
-        metrics.DISAGG_REQUESTS.labels(OUTCOME_LOCAL if hint is None else OUTCOME_REMOTE).inc()
+        routing_metrics.DISAGG_REQUESTS.labels(OUTCOME_LOCAL if hint is None else OUTCOME_REMOTE).inc()
         if reason is not None:
-            metrics.DISAGG_FALLBACKS.labels(reason).inc()
+            routing_metrics.DISAGG_FALLBACKS.labels(reason).inc()
         if hint is not None:
             self._sent.setdefault(hint.worker_id, set()).add(rid)
         return hint

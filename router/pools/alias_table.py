@@ -9,7 +9,7 @@ import contextlib
 import logging
 from typing import Any
 
-from router.aliases import Alias, parse_alias
+from router.pools.aliases import Alias, parse_alias
 
 log = logging.getLogger(__name__)
 

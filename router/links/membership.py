@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from router.client import WorkerClient
-from router.policy import FALLBACK_DEAD, FALLBACK_DRAINING
+from router.links.client import WorkerClient
+from router.placement.policy import FALLBACK_DEAD, FALLBACK_DRAINING
 from worker.protocol import (
     PROTOCOL_VERSION,
     REGISTRY_KEY_PREFIX,

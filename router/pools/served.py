@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.membership import Member, MemberEvents, Membership, StatsEvent
-from router.policy import FALLBACK_DEAD
+from router.links.membership import Member, MemberEvents, Membership, StatsEvent
+from router.placement.policy import FALLBACK_DEAD
 from worker.protocol import Registration
 
 VERSION_SEP = "@"
