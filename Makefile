@@ -70,7 +70,7 @@ test-faults: install tools
 	$(PY) -m pytest -q tests/faults
 
 run: install redis-bin
-	$(PY) -m config.launcher
+	$(PY) -m config.local_stack.launcher
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -19,8 +19,8 @@ from redis.exceptions import RedisClusterException, RedisError
 from admission.local_limits import LocalLimiter
 from admission.results import ADMITTED, Renewal, ReserveResult, error_for
 from admission.scripts import CHARGE_INVALID, RENEW, RESERVE, SETTLE
-from tenancy.errors import QuotaServiceUnavailable
 from tenancy.schema import INT_DEFAULTS, Tenant, bucket_key, config_key, leases_key, usage_key
+from tenancy.tenancy_errors import QuotaServiceUnavailable
 
 log = logging.getLogger("switchyard.admission")
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from admission.fair_waiters import FairWaiters, Waiter
-from worker.protocol import Priority
+from common.priorities import Priority
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
 DRAIN_WINDOW_S = 30.0

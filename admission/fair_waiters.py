@@ -10,7 +10,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from worker.protocol import Priority
+from common.priorities import Priority
 
 
 @dataclass(slots=True, eq=False)

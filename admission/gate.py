@@ -14,9 +14,9 @@ from admission.capacity import CapacityGate, CapacityNeverFits, CapacityTicket, 
 from admission.headers import rate_limit_headers, retry_headers
 from admission.hold import BudgetGuard
 from admission.results import QuotaExceeded, RequestTooLarge, TenantRejected
-from tenancy.errors import QuotaServiceUnavailable
+from common.priorities import Priority
 from tenancy.schema import Tenant
-from worker.protocol import Priority
+from tenancy.tenancy_errors import QuotaServiceUnavailable
 
 QUOTA_UNAVAILABLE_RETRY_MS = 1000
 

@@ -14,8 +14,8 @@ import socket
 import redis.asyncio as aredis
 
 from admission.scripts import HEARTBEAT
-from tenancy.errors import QuotaServiceUnavailable
 from tenancy.schema import GATEWAYS_KEY
+from tenancy.tenancy_errors import QuotaServiceUnavailable
 
 log = logging.getLogger("switchyard.admission")
 

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 
 from admission.budget import Budget, Reservation
 from admission.results import Renewal
-from tenancy.errors import QuotaServiceUnavailable
 from tenancy.schema import Tenant
+from tenancy.tenancy_errors import QuotaServiceUnavailable
 
 log = logging.getLogger("switchyard.admission")
 

@@ -23,7 +23,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tenancy.errors import QuotaServiceUnavailable
+from tenancy.tenancy_errors import QuotaServiceUnavailable
 
 log = logging.getLogger("switchyard.admission")
 

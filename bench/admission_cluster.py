@@ -18,7 +18,7 @@ import redis
 from admission.scripts import RESERVE, SETTLE
 from bench.admission import COST, TENANT, _client_calls, _script_commands, _start_redis, spawn_workers
 from bench.machine import cpu_model, emit, machine_fields
-from config.redis_cluster import RedisClusterProcs
+from config.local_stack.redis_cluster import RedisClusterProcs
 from tenancy import create_tenant, issue_key, sync_client
 from tenancy.schema import bucket_key, config_key, leases_key
 

@@ -32,7 +32,7 @@ from bench.disagg_workload import (
 )
 from bench.flood import cpu_seconds
 from bench.machine import cpu_model
-from config.launcher import GatewayProc, WorkerProc, free_port, wait_for_port
+from config.local_stack.launcher import GatewayProc, WorkerProc, free_port, wait_for_port
 
 ROLES = {"colocated": ("both", "both"), "disagg": ("prefill", "decode")}  # the workers on cores 0 and 1
 TARGETS = {"itl_p99_ratio_max": 0.5, "throughput_ratio_min": 0.9, "goodput_ratio_min": 1.3}

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.report import latency_stats_ms
+from config.loadtest.report import latency_stats_ms
 
 VOCAB = (100, 40_000)  # token ids of the random prompts: clear of the special tokens at the bottom
 

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.loadgen import WORDS, RequestRecord, RequestSpec, api_base, discover_model, send_request
 from bench.machine import cpu_model, emit, machine_fields
-from bench.report import latency_stats_ms
-from config.launcher import Stack, StackConfig, free_port
+from config.loadtest.loadgen import WORDS, RequestRecord, RequestSpec, api_base, discover_model, send_request
+from config.loadtest.report import latency_stats_ms
+from config.local_stack.launcher import Stack, StackConfig, free_port
 
 UNLIMITED = {"tpm": 0, "rpm": 0, "max_concurrent": 0}
 

@@ -24,7 +24,7 @@ import random
 import time
 
 from bench.machine import cpu_model, emit, machine_fields
-from bench.report import latency_stats_ms
+from config.loadtest.report import latency_stats_ms
 from worker.config import EngineConfig
 from worker.engine.core import Engine
 from worker.protocol import SamplingParams

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from bench.machine import cpu_model, emit
+from common.worker_registry import Registration
 from router import (
     FALLBACK_DEAD,
     Alias,
@@ -26,7 +27,7 @@ from router import (
     namespace_root,
     sticky_key,
 )
-from worker.protocol import PROTOCOL_VERSION, Registration, WorkerStats
+from worker.protocol import PROTOCOL_VERSION, WorkerStats
 
 SECRET = b"bench-fleet"
 ALIAS = "default"

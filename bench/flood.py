@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 
 from bench.machine import cpu_model
-from bench.report import latency_stats_ms
-from config.launcher import Stack, StackConfig, free_port
+from config.loadtest.report import latency_stats_ms
+from config.local_stack.launcher import Stack, StackConfig, free_port
 
 GEN = Path(__file__).with_name("flood_gen.py")
 TARGET_PER_CORE = 5000

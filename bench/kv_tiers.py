@@ -31,10 +31,10 @@ from bench.machine import cpu_model, emit, machine_fields
 from bench.prefix_cache import CITIES, TOPICS, system_prompt
 from worker.config import EngineConfig
 from worker.engine.core import Engine
-from worker.kvcache.kv_dtype import resolve_kv_dtype
 from worker.kvcache.tensors import bytes_per_page
 from worker.kvcache.tiers.disk import HEADER, SUFFIX, DiskTier
-from worker.kvcache.tiers.store import KvTiers
+from worker.kvcache.tiers.tier_store import KvTiers
+from worker.model.kv_dtype import resolve_kv_dtype
 from worker.model.loader import LoadedModel, load_any
 from worker.protocol import SamplingParams
 

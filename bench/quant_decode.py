@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from worker.config import EngineConfig
 from worker.engine.core import Engine
 from worker.engine.debug import DebugEngine
+from worker.model.llama import activation_maxima
 from worker.model.loader import LoadedModel, load_model
 from worker.protocol import SamplingParams
 from worker.quant import w8a8 as smooth
@@ -67,7 +68,7 @@ def quantized(base: LoadedModel, mode: str) -> LoadedModel:
         return base
     model = copy.deepcopy(base.model)
     ids = smooth.calibration_ids(base.tokenizer) if mode == "w8a8" else None
-    quant.quantize_model(model, mode, calibration_ids=ids)
+    quant.quantize_model(model, mode, calibration_ids=ids, measure=activation_maxima)
     out = copy.copy(base)
     out.model, out.quantization = model, mode
     return out

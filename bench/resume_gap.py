@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 
 from bench.machine import cpu_model
-from bench.report import latency_stats_ms
-from config.launcher import Stack, StackConfig, WorkerProc, free_port
+from config.loadtest.report import latency_stats_ms
+from config.local_stack.launcher import Stack, StackConfig, WorkerProc, free_port
 
 TARGET_P50_S = 1.0
 

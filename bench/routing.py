@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import cpu_model, emit
-from config.launcher import WorkerProc
+from common.priorities import Priority
+from config.local_stack.launcher import WorkerProc
 from router import Membership, Router, RouteRequest, WorkerError, namespace_root
-from worker.protocol import Priority, SamplingParams
+from worker.protocol import SamplingParams
 
 SECRET = b"bench-routing"
 MODES = ("router", "round_robin", "oracle")

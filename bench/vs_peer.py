@@ -63,7 +63,7 @@ class Server:
 
 def start_ours(args: argparse.Namespace, log_dir: Path) -> Server:
     """One worker and one gateway through the project's launcher, with a demo tenant with no limits."""
-    from config.launcher import DEMO_TENANT, Stack, StackConfig, free_port
+    from config.local_stack.launcher import DEMO_TENANT, Stack, StackConfig, free_port
 
     wargs = ["--quantization", args.quantization, "--num-threads", str(args.threads), *shlex.split(args.worker_args)]
     if args.dtype != "auto":

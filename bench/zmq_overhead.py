@@ -145,7 +145,7 @@ async def _through_http(base_url: str, key: str, workload: list[tuple[list[int],
 
 
 def run_through_http(args: argparse.Namespace, workload: list[tuple[list[int], int]]) -> float:
-    from config.launcher import Stack, StackConfig, free_port
+    from config.local_stack.launcher import Stack, StackConfig, free_port
 
     wargs = ["--num-threads", str(args.threads), "--log-level", "WARNING", "--dtype", args.dtype,
              "--kv-cache-bytes", str(args.kv_cache_bytes)]

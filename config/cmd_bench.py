@@ -1,4 +1,4 @@
-"""`switchyard bench`: load-test any OpenAI-compatible server and write a report (`bench.loadgen`, `bench.report`)."""
+"""`switchyard bench`: load-test any OpenAI-compatible server and write a report (`config.loadtest.loadgen`, `config.loadtest.report`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.loadgen import WORKLOADS, LoadConfig, build_workload, run_load
+from config.loadtest.loadgen import WORKLOADS, LoadConfig, build_workload, run_load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def _check(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.report import save_run, summarize, write_report
+    from config.loadtest.report import save_run, summarize, write_report
 
     problem = _check(args)
     if problem is not None:

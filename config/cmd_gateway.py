@@ -173,8 +173,8 @@ def build_app(settings: Settings):
 
 
 def _router(gw, membership, tokenizer_version: str):  # noqa: ANN001, ANN202 - settings and router types load late
+    from common.priorities import Priority
     from router import DisaggRule, Router
-    from worker.protocol import Priority
 
     classes = {Priority.parse(c): label for c, label in gw.class_pools.items()}
     return Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens,
@@ -199,10 +199,10 @@ async def _start_pools(settings: Settings, model, gateway_id: str, clients, redi
     """Model pools: the registry's workers split by model version (router.Fleet), aliases from Redis, a tokenizer
     cache and one capacity gate per version; the gateway's own model is a pool from the start."""
     from admission import CapacityGate
+    from common.priorities import Priority
     from gateway.flow.capacity_view import RouterCapacity
     from gateway.flow.versions import FleetPools, TokenizerCache
     from router import AliasTable, Fleet, Membership, Served
-    from worker.protocol import Priority
 
     gw = settings.gateway
     membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers, redis_url=settings.redis_url,
@@ -229,7 +229,7 @@ async def _start_pools(settings: Settings, model, gateway_id: str, clients, redi
     return pools
 
 
-DEV_STACK_ENV = "SWITCHYARD_DEV_STACK"  # set by `make run` (config.launcher): the default secret is fine there
+DEV_STACK_ENV = "SWITCHYARD_DEV_STACK"  # set by `make run` (config.local_stack.launcher): the default secret is fine there
 
 
 def warn_default_secret(secret: str) -> None:
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"switchyard gateway: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format, [RequestIdFilter()])
-    from config.tracing import install_tracing
+    from common.otel_setup import install_tracing
 
     install_tracing("switchyard-gateway", settings.otel_endpoint)
     gw = settings.gateway

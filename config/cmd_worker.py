@@ -14,9 +14,9 @@ from config.settings import Settings, WorkerSettings, flags_to_overrides, load_s
 
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
 _ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness",
-                 "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch", "fused_ops",
-                 "fused_linear", "attention", "cuda_graphs", "kv_dtype", "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes",
-                 "kv_disk_min_hits")
+                  "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch", "fused_ops",
+                  "fused_linear", "attention", "cuda_graphs", "kv_dtype", "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes",
+                  "kv_disk_min_hits")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,14 +99,14 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
-    from config.tracing import install_tracing
+    from common.otel_setup import install_tracing
 
     install_tracing("switchyard-worker", settings.otel_endpoint)
     ws = settings.worker
-    from worker.server.memory import bound_native_memory
+    from worker.server.process.memory import bound_native_memory
 
     bound_native_memory()  # before torch runs its first matmul
-    from worker.server.link_auth import InsecureBind, LinkAuth
+    from worker.server.process.link_auth import InsecureBind, LinkAuth
 
     try:  # before the model loads: an open port without a cluster key is refused at once
         LinkAuth.check(settings.cluster_key(), ws.bind)
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     loaded.version = ws.model_version or ""  # the tier fingerprint names it (`LoadedModel.weights_id`)
     engine = Engine(loaded, engine_config(ws))
     if ws.metrics_port:
-        from worker.server.metrics import start_metrics_server
+        from worker.server.telemetry.worker_metrics import start_metrics_server
 
         start_metrics_server(ws.metrics_port, ws.metrics_host)
     # The ~300k objects of the loaded model and tokenizers live as long as the process: out of the collector's

@@ -54,7 +54,7 @@ class WorkerSettings(BaseModel):
     quantization: Literal["none", "int8", "int4", "w8a8", "fp8", "auto"] = "auto"
     # attention backend (worker.model.backends.choose_backend); None keeps the engine's default (auto)
     attention: Literal["auto", "triton", "flash_attn", "torch", "torch_reference"] | None = None
-    # KV cache pages (worker.kvcache.kv_dtype; auto: int8 on CPU with the C++ kernels, else the model dtype);
+    # KV cache pages (worker.model.kv_dtype; auto: int8 on CPU with the C++ kernels, else the model dtype);
     # fp8 is refused at startup with the reason
     kv_dtype: Literal["auto", "model", "int8", "fp8"] = "auto"
     # KV tiers below the prefix cache (worker.kvcache.tiers); None keeps the engine's default (host RAM: auto)
@@ -63,11 +63,11 @@ class WorkerSettings(BaseModel):
     kv_disk_bytes: int | None = Field(None, gt=0)
     kv_disk_min_hits: int | None = Field(None, ge=0)
     cuda_graphs: Literal["on", "off"] | None = None  # decode CUDA graphs (CUDA only); None keeps the default (on)
-    fused_ops: Literal["on", "off"] | None = None  # worker.model.fused; None keeps the engine's default (on)
+    fused_ops: Literal["on", "off"] | None = None  # worker.kernels.layer_ops; None keeps the engine's default (on)
     # decode steps' norms and SiLU-mul inside the projections (CUDA; worker.kernels.triton_gemv); None keeps the
     # engine's default (auto)
     fused_linear: Literal["auto", "on", "off"] | None = None
-    # n-gram speculative decoding (worker.engine.speculative); None keeps the engine's default
+    # n-gram speculative decoding (worker.engine.scheduling.speculative); None keeps the engine's default
     spec_tokens: int | None = Field(None, ge=0, le=16)
     spec_max_batch: int | None = Field(None, ge=0)
     spec_ngram_max: int | None = Field(None, ge=1, le=8)

@@ -30,7 +30,7 @@ from gateway.openai.responses_shape import parse_responses
 from gateway.openai.schemas import GenerationRequest, body_number_cap, parse_chat, parse_completion
 from gateway.responses.background import BackgroundRuns
 from gateway.responses.conversations import Conversations
-from gateway.responses.events import stream_events
+from gateway.responses.response_events import stream_events
 from gateway.responses.response_store import ResponseStore
 from gateway.responses.routes import cancel_response, stored_response
 from gateway.telemetry import gateway_metrics, gateway_spans

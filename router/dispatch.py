@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.priorities import Priority
+from common.trace_context import traceparent, tracer
 from router.disagg.prefill_target import Disaggregation, DisaggRule, member_role
 from router.links.client import LinkError, WorkerError
 from router.links.membership import Member, Membership, StatsEvent, StatsListener
@@ -38,8 +40,7 @@ from router.placement.prefix import (
     prefix_key,
     token_count,
 )
-from worker.protocol import ErrorCode, OutItem, PrefillHint, Priority, SamplingParams
-from worker.protocol.trace_context import traceparent, tracer
+from worker.protocol import ErrorCode, OutItem, PrefillHint, SamplingParams
 
 FALLBACK_FAILOVER = "failover"
 DEFAULT_MAX_RESUMES = 2

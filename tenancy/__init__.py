@@ -5,14 +5,6 @@ The package face: callers import from `tenancy`, not from its modules.
 
 from tenancy.apikeys import digest as key_digest
 from tenancy.directory import TenantDirectory, key_shape_ok
-from tenancy.errors import (
-    AmbiguousKeyPrefix,
-    KeyNotFound,
-    QuotaServiceUnavailable,
-    TenancyError,
-    TenantExists,
-    TenantNotFound,
-)
 from tenancy.redis_client import async_client, sync_client
 from tenancy.schema import (
     ACTIVE,
@@ -28,7 +20,15 @@ from tenancy.schema import (
     leases_key,
     usage_key,
 )
-from tenancy.store import (
+from tenancy.tenancy_errors import (
+    AmbiguousKeyPrefix,
+    KeyNotFound,
+    QuotaServiceUnavailable,
+    TenancyError,
+    TenantExists,
+    TenantNotFound,
+)
+from tenancy.tenant_admin import (
     KeyInfo,
     create_tenant,
     get_tenant,

@@ -19,9 +19,9 @@ import redis.asyncio as aredis
 from redis.exceptions import RedisClusterException, RedisError
 
 from tenancy import apikeys
-from tenancy.errors import QuotaServiceUnavailable
 from tenancy.key_batch import KeyBatcher
 from tenancy.schema import Tenant, api_key_key, config_key, parse_tenant
+from tenancy.tenancy_errors import QuotaServiceUnavailable
 
 # The shape every issued key has (`apikeys.new_api_key`): anything else is refused before any cache or Redis.
 _KEY_SHAPE = re.compile(re.escape(apikeys.KEY_PREFIX) + f"[A-Za-z0-9_-]{{{apikeys.KEY_RANDOM_CHARS}}}")

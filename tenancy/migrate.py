@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 import redis
 from redis.exceptions import ResponseError
 
-from tenancy.schema import GATEWAYS_KEY, LEGACY_GATEWAYS_KEY
-from worker.protocol import (
+from common.worker_registry import (
     LEGACY_REGISTRY_KEY_PREFIX,
     LEGACY_REGISTRY_SET_KEY,
     REGISTRY_KEY_PREFIX,
     REGISTRY_SET_KEY,
 )
+from tenancy.schema import GATEWAYS_KEY, LEGACY_GATEWAYS_KEY
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Redis client factories with short timeouts that are never retried, for one server or a Redis Cluster.
 
 A slow or dead Redis must surface as `QuotaServiceUnavailable` within the request's deadline. The URL form
-(`redis://` or `redis+cluster://host:port[,host:port]`) picks the client: `worker.protocol.redis_url`.
+(`redis://` or `redis+cluster://host:port[,host:port]`) picks the client: `common.redis_url`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from worker.protocol import async_redis, is_cluster_url, sync_redis
+from common.redis_url import async_redis, is_cluster_url, sync_redis
 
 REQUEST_TIMEOUT_S = 0.5
 MAX_CONNECTIONS = 32  # per gateway process (per cluster node with a cluster)

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from worker.protocol import MAX_WEIGHT, PRIORITY_NAMES, Priority
+from common.priorities import MAX_WEIGHT, PRIORITY_NAMES, Priority
 
 log = logging.getLogger("switchyard.tenancy")
 

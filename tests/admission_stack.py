@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from config.launcher import GatewayProc, WorkerProc
+from config.local_stack.launcher import GatewayProc, WorkerProc
 from tests.conftest import RedisServer
 
 
@@ -91,7 +91,7 @@ class AdmissionStack:
 
     def create_tenant(self, name: str, **fields: object) -> str:
         """Create (or update) tenant `name`; returns a fresh API key."""
-        from tenancy.store import tenant_with_new_key
+        from tenancy.tenant_admin import tenant_with_new_key
         return tenant_with_new_key(self.redis.url, name, **fields)
 
     def logs(self) -> str:

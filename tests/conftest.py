@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("SWITCHYARD_HOST_CLAIMS", os.path.join(
     os.environ.get("TMPDIR", "/tmp"), f"sy-host-claims-{os.getpid()}.json"))
 
-from config.launcher import free_port, wait_for_port  # noqa: E402, F401 - re-exported to the tests
+from config.local_stack.launcher import free_port, wait_for_port  # noqa: E402, F401 - re-exported to the tests
 from tests.gateway_stack import GatewayStack, shared_stack, stop_shared_stack  # noqa: E402
 
 
@@ -143,7 +143,7 @@ def spans() -> Iterator[object]:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from worker.protocol.trace_context import set_tracer_provider
+    from common.trace_context import set_tracer_provider
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

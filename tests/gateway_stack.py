@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.launcher import Stack, StackConfig, free_port
+from config.local_stack.launcher import Stack, StackConfig, free_port
 from tenancy.redis_client import sync_client
 
 _STACK: GatewayStack | None = None

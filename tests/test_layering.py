@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("worker", "router", "gateway", "admission", "tenancy", "config", "bench", "tests")
+PACKAGES = ("common", "worker", "router", "gateway", "admission", "tenancy", "config", "bench", "tests")
 WORKER_FACES = ("worker.protocol", "worker.text")  # the light modules other packages may import
 LIGHT = WORKER_FACES  # import no torch, and of the worker only each other
 FACED = ("router", "admission", "tenancy")  # the gateway imports these only through `__init__`
@@ -78,8 +78,10 @@ def check(sources: Iterable[Source], is_module: Callable[[str], bool]) -> list[s
         for imp in imports_of(src, is_module):
             target = imp.target
             where = f"{imp.module}:{imp.line}"
-            if owner == "worker" and _top(target) in PACKAGES and _top(target) != "worker":
-                found.append(f"{where}: worker imports {target} (worker imports no other Switchyard package)")
+            if owner == "worker" and _top(target) in PACKAGES and _top(target) not in ("worker", "common"):
+                found.append(f"{where}: worker imports {target} (worker imports only common of the others)")
+            if owner == "common" and (_top(target) in PACKAGES and _top(target) != "common" or _top(target) == "torch"):
+                found.append(f"{where}: common imports {target} (the shared floor imports no torch and nothing above)")
             if owner in ("router", "gateway", "admission", "tenancy") and _top(target) == "worker" \
                     and not any(_under(target, face) for face in WORKER_FACES):
                 found.append(f"{where}: {owner} imports {target} (only {' and '.join(WORKER_FACES)} allowed)")
@@ -210,22 +212,23 @@ def test_checker_catches_light_and_bench_rules() -> None:
                    "bench.routing:1: bench imports tests.worker_procs"):
         assert any(v.startswith(prefix) for v in found), f"missed {prefix!r} in {found}"
     good = [Source("worker.text.tokenizer", False, "import tokenizers\nfrom worker.text.model_source import x\n"),
-            Source("bench.routing", False, "from config.launcher import Stack\n")]
+            Source("bench.routing", False, "from config.local_stack.launcher import Stack\n")]
     assert check(good, known) == []
 
 
 def test_checker_catches_violations() -> None:
     """The checker flags each kind of violation on synthetic modules, and passes the allowed forms."""
-    known = {"router.placement.ring", "router.placement.policy", "router.links.client", "tenancy.store",
+    known = {"router.placement.ring", "router.placement.policy", "router.links.client", "tenancy.tenant_admin",
              "worker.engine.core", "worker.protocol", "worker.text", "worker.text.tokenizer", "gateway.web.sse"}
     bad = [
         Source("worker.engine.core", False, "import gateway.app\nfrom tenancy import Tenant\n"),
         Source("router.links.client", False, "from worker.engine.core import Engine\n"),
-        Source("gateway.flow.service", False, "from router.links.client import WorkerClient\nfrom tenancy import store\n"),
+        Source("gateway.flow.service", False, "from router.links.client import WorkerClient\nfrom tenancy import tenant_admin\n"),
         Source("gateway.app", False, "import admission.gate\n"),
         Source("config.cmd_gateway", False, "from router.placement.ring import HashRing\n"),
         Source("router.placement.kv_view", False, "from . import ring\n"),
         Source("router.placement", True, "from .ring import HashRing\n"),
+        Source("common.priorities", False, "import torch\nfrom worker.protocol import Frame\n"),
     ]
     found = check(bad, known.__contains__)
     expected = [
@@ -233,11 +236,13 @@ def test_checker_catches_violations() -> None:
         "worker.engine.core:2: worker imports tenancy",
         "router.links.client:1: router imports worker.engine.core",
         "gateway.flow.service:1: gateway imports router.links.client",
-        "gateway.flow.service:2: gateway imports tenancy.store",
+        "gateway.flow.service:2: gateway imports tenancy.tenant_admin",
         "gateway.app:1: gateway imports admission.gate",
         "config.cmd_gateway:1: imports router.placement.ring",
         "router.placement.kv_view:1: imports router.placement.ring",
         "router.placement:1: imports router.placement.ring",
+        "common.priorities:1: common imports torch",
+        "common.priorities:2: common imports worker.protocol",
     ]
     for prefix in expected:
         assert any(v.startswith(prefix) for v in found), f"missed {prefix!r} in {found}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+LAYER_LINEARS = ("qkv", "o", "gate_up", "down")  # a decoder layer's linears, by attribute name
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -42,24 +43,24 @@ class EngineConfig:
     quantization: str = "none"
     default_cpu_kv_bytes: int = 1 << 30
     # KV pages: "model" (the model's dtype) | "int8" (8-bit pages with per page and kv head scales, CPU with the
-    # torch backend; about 2x the tokens per byte) | "auto" (worker.kvcache.kv_dtype.resolve_kv_dtype's rule)
+    # torch backend; about 2x the tokens per byte) | "auto" (worker.model.kv_dtype.resolve_kv_dtype's rule)
     kv_dtype: str = "model"
     # KV tiers below the radix cache (worker.kvcache.tiers, docs/engine.md "KV tiers"): evicted pages kept in host
     # RAM, up to kv_host_bytes (None: auto, 1/8 of the memory available at start, see
-    # worker.engine.restore.default_host_bytes; 0: off), and on disk under kv_disk_dir (None: no disk tier) up to
+    # worker.engine.scheduling.restore.default_host_bytes; 0: off), and on disk under kv_disk_dir (None: no disk tier) up to
     # kv_disk_bytes, for pages hit at least kv_disk_min_hits times
     kv_host_bytes: int | None = None
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 16 << 30
     kv_disk_min_hits: int = 1
-    # n-gram speculative decoding (worker.engine.speculative): up to spec_tokens proposals per decoding sequence,
+    # n-gram speculative decoding (worker.engine.scheduling.speculative): up to spec_tokens proposals per decoding sequence,
     # from matches of its last spec_ngram_max..spec_ngram_min tokens; only while the step's decode batch
     # is at most spec_max_batch sequences (0 turns it off)
     spec_tokens: int = 4
     spec_ngram_max: int = 3
     spec_ngram_min: int = 1
     spec_max_batch: int = 4
-    # structured outputs: grammars compile on a thread pool while their requests wait (worker.engine.grammar_wait);
+    # structured outputs: grammars compile on a thread pool while their requests wait (worker.engine.scheduling.grammar_wait);
     # new compiles past these pending bounds are refused with a retryable error
     grammar_max_pending: int = 16
     grammar_max_pending_per_ns: int = 4

@@ -14,6 +14,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 from admission import AdmissionTicket
+from common.priorities import Priority
 from gateway.flow.detokenize import IncrementalDetokenizer, StopMatcher
 from gateway.flow.served_model import ServedModel
 from gateway.flow.versions import Target
@@ -24,7 +25,7 @@ from gateway.web import api_errors
 from gateway.web.api_errors import ApiError, invalid
 from router import NoWorkerAvailable, WorkerError
 from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory
-from worker.protocol import ErrorCode, OutItem, Priority
+from worker.protocol import ErrorCode, OutItem
 
 log = logging.getLogger("switchyard.gateway")
 TENANT_RECHECK_S = 0.25  # plus the directory's 0.5 s cache: a disabled tenant's streams end within 1 s

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission import Admission, AdmissionTicket, error_response
+from common.priorities import Priority
 from gateway.flow.choices import GenerationGroup
 from gateway.flow.generation import Generation, Prepared
 from gateway.flow.served_model import ServedModel
@@ -26,7 +27,7 @@ from gateway.web.api_errors import ApiError, invalid
 from gateway.web.request_io import bearer_key
 from router import Router, RouteRequest, fairness_key, namespace_root
 from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory, key_digest
-from worker.protocol import OutItem, Priority, SamplingParams
+from worker.protocol import OutItem, SamplingParams
 
 log = logging.getLogger("switchyard.gateway")
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from admission import CapacityGate
+from common.priorities import Priority
 from gateway.flow.served_model import DEFAULT_ALIAS, ServedModel
 from gateway.openai.schemas import GenerationRequest
 from gateway.web import api_errors
 from router import Alias, AliasTable, Fleet, Router, Served, sticky_key, weighted_pick
 from tenancy import Tenant
-from worker.protocol import Priority
 
 log = logging.getLogger("switchyard.gateway")
 

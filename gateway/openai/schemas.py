@@ -9,16 +9,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from common.priorities import PRIORITY_NAMES, Priority
 from gateway.openai.tools import ToolRequest, message_tool_calls, parse_tools
 from gateway.web.api_errors import invalid
-from worker.protocol import (
-    PRIORITY_NAMES,
-    GrammarError,
-    GrammarSpec,
-    Priority,
-    json_object_spec,
-    json_schema_spec,
-)
+from worker.protocol import GrammarError, GrammarSpec, json_object_spec, json_schema_spec
 from worker.protocol.grammar_spec import MAX_SCHEMA_BYTES
 
 MAX_STOP = 4

@@ -14,7 +14,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.requests import Request
 
-from worker.protocol.trace_context import extract, tracer
+from common.trace_context import extract, tracer
 
 TRACER_NAME = "switchyard.gateway"
 

@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from common.priorities import Priority
 from worker.protocol import (
     PROTOCOL_VERSION,
     ErrFrame,
@@ -24,7 +25,6 @@ from worker.protocol import (
     OutFrame,
     OutItem,
     PrefillHint,
-    Priority,
     ProtocolError,
     SamplingParams,
     WorkerStats,

@@ -13,17 +13,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from common.redis_url import async_redis
+from common.worker_registry import REGISTRY_KEY_PREFIX, REGISTRY_SET_KEY, Registration, parse_registration
 from router.links.client import WorkerClient
 from router.placement.policy import FALLBACK_DEAD, FALLBACK_DRAINING
-from worker.protocol import (
-    PROTOCOL_VERSION,
-    REGISTRY_KEY_PREFIX,
-    REGISTRY_SET_KEY,
-    Registration,
-    WorkerStats,
-    async_redis,
-    parse_registration,
-)
+from worker.protocol import PROTOCOL_VERSION, WorkerStats
 
 log = logging.getLogger(__name__)
 

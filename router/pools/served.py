@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common.worker_registry import Registration
 from router.links.membership import Member, MemberEvents, Membership, StatsEvent
 from router.placement.policy import FALLBACK_DEAD
-from worker.protocol import Registration
 
 VERSION_SEP = "@"
 

@@ -11,10 +11,10 @@ from admission.budget import Budget
 from admission.headers import rate_limit_headers
 from admission.hold import BudgetGuard
 from admission.results import QuotaExceeded, RequestTooLarge, TenantRejected
-from tenancy import store
+from common.priorities import Priority
+from tenancy import tenant_admin as store
 from tenancy.redis_client import async_client, sync_client
 from tenancy.schema import bucket_key, config_key, leases_key, usage_key
-from worker.protocol import Priority
 
 pytestmark = pytest.mark.timeout(60)
 WINDOW_US = 60_000_000
@@ -235,7 +235,7 @@ async def test_read_only_or_full_redis_is_quota_service_unavailable(r, redis_url
 
     from admission.gate import error_response
     from admission.scripts import is_unavailable_reply
-    from tenancy.errors import QuotaServiceUnavailable
+    from tenancy.tenancy_errors import QuotaServiceUnavailable
     from tests.conftest import free_port
 
     t = store.create_tenant(r, "acme", tpm=10_000, max_concurrent=5)
@@ -327,7 +327,7 @@ async def test_a_reserve_that_timed_out_after_running_is_undone(r, budget, monke
     """The script charged and took a lease, but the reply was lost (a timeout): the gateway settles the unknown lease
     as never served, so the tenant's concurrency slot and tokens come back within a second, not after the TTL."""
     from admission import budget as budget_module
-    from tenancy.errors import QuotaServiceUnavailable
+    from tenancy.tenancy_errors import QuotaServiceUnavailable
 
     t = store.create_tenant(r, "late", tpm=6000, rpm=100, max_concurrent=1)
     real = budget._reserve_shielded

@@ -6,7 +6,7 @@ from admission.capacity import Overloaded
 from admission.gate import error_response
 from admission.headers import format_duration, rate_limit_headers
 from admission.results import ADMITTED, DENIED, NEVER_FITS, ReserveResult, error_for
-from tenancy.errors import QuotaServiceUnavailable
+from tenancy.tenancy_errors import QuotaServiceUnavailable
 
 
 def result(status: int, **kw) -> ReserveResult:

@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from tenancy import store
+from tenancy import tenant_admin as store
 from tenancy.redis_client import sync_client
 from tenancy.schema import bucket_key
 

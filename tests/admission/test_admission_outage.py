@@ -12,10 +12,10 @@ from admission.gateways import GatewayRegistry
 from admission.hold import BudgetGuard
 from admission.local_limits import LocalLimiter
 from admission.results import QuotaExceeded
-from tenancy import store
+from tenancy import tenant_admin as store
 from tenancy.directory import TenantDirectory
-from tenancy.errors import QuotaServiceUnavailable
 from tenancy.redis_client import async_client, sync_client
+from tenancy.tenancy_errors import QuotaServiceUnavailable
 from tests.conftest import RedisServer
 
 pytestmark = pytest.mark.timeout(60)

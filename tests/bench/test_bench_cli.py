@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.loadgen import RequestRecord, api_base, build_workload
-from bench.report import PLOT_FILES, itl_samples, summarize, throughput_series
 from config.cli import main
+from config.loadtest.loadgen import RequestRecord, api_base, build_workload
+from config.loadtest.report import PLOT_FILES, itl_samples, summarize, throughput_series
 from tests import gateway_stack
 from tests.conftest import free_port
 

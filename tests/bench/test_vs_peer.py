@@ -99,7 +99,7 @@ def test_bad_arguments(argv, message, capsys):
 
 
 def test_peer_not_ready_is_a_timeout_and_stops_it(tmp_path):
-    from config.launcher import free_port
+    from config.local_stack.launcher import free_port
 
     marker = tmp_path / "stopped"
     args = vs_peer.parse(["--peer-url", f"http://127.0.0.1:{free_port()}", "--peer-ready-timeout", "0.5",

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from config.redis_cluster import RedisClusterProcs
+from config.local_stack.redis_cluster import RedisClusterProcs
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,12 @@ from redis.crc import key_slot
 
 from admission.budget import Budget
 from admission.results import QuotaExceeded
-from config.redis_cluster import RedisClusterProcs
-from tenancy import QuotaServiceUnavailable, store
+from common.worker_registry import REGISTRY_SET_KEY, registration_key
+from config.local_stack.redis_cluster import RedisClusterProcs
+from tenancy import QuotaServiceUnavailable
+from tenancy import tenant_admin as store
 from tenancy.redis_client import async_client, sync_client
 from tenancy.schema import GATEWAYS_KEY, Tenant, bucket_key, config_key, leases_key, usage_key
-from worker.protocol import REGISTRY_SET_KEY, registration_key
 
 pytestmark = [pytest.mark.redis_cluster, pytest.mark.timeout(90)]
 

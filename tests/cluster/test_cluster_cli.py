@@ -9,17 +9,18 @@ import time
 
 import pytest
 
-from config.redis_cluster import RedisClusterProcs
-from tenancy import TenantDirectory, store
-from tenancy.redis_client import async_client, sync_client
-from tenancy.schema import GATEWAYS_KEY, LEGACY_GATEWAYS_KEY, config_key
-from tests.tenancy.test_cli_tenants import cli
-from worker.protocol import (
+from common.worker_registry import (
     LEGACY_REGISTRY_KEY_PREFIX,
     LEGACY_REGISTRY_SET_KEY,
     REGISTRY_SET_KEY,
     registration_key,
 )
+from config.local_stack.redis_cluster import RedisClusterProcs
+from tenancy import TenantDirectory
+from tenancy import tenant_admin as store
+from tenancy.redis_client import async_client, sync_client
+from tenancy.schema import GATEWAYS_KEY, LEGACY_GATEWAYS_KEY, config_key
+from tests.tenancy.test_cli_tenants import cli
 
 pytestmark = [pytest.mark.redis_cluster, pytest.mark.timeout(90)]
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from config.launcher import GatewayProc, WorkerProc
-from config.redis_cluster import RedisClusterProcs
+from config.local_stack.launcher import GatewayProc, WorkerProc
+from config.local_stack.redis_cluster import RedisClusterProcs
 from tenancy.schema import config_key
-from tenancy.store import tenant_with_new_key
+from tenancy.tenant_admin import tenant_with_new_key
 from tests.admission_stack import log_tails
 from tests.cluster.test_cluster_cli import redis_cli_c
 

@@ -1,6 +1,6 @@
 """`make run`'s launcher from this checkout: it prints a curl line, and that line gets an answer.
 
-Runs `python -m config.launcher` on a free port with its own private redis-server
+Runs `python -m config.local_stack.launcher` on a free port with its own private redis-server
 (SWITCHYARD_REDIS_URL unset), executes the printed curl command, then stops the
 launcher with two SIGTERMs in a row and checks that every process it started is gone; a launcher SIGKILLed takes
 its children with it (they are tied to it by PR_SET_PDEATHSIG).
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from config.launcher import free_port
+from config.local_stack.launcher import free_port
 from tests import REPO
 
 
@@ -58,7 +58,7 @@ def launch(port: int, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "SWITCHYARD_REDIS_URL"}
     env["PYTHONUNBUFFERED"] = "1"
     env["SWITCHYARD_WORKER__DTYPE"] = "float32"
-    return subprocess.Popen([sys.executable, "-m", "config.launcher", "--port", str(port), "--ready-timeout", "240",
+    return subprocess.Popen([sys.executable, "-m", "config.local_stack.launcher", "--port", str(port), "--ready-timeout", "240",
                              "--log-dir", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"sy-make-run-{port}"),
                              *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -122,7 +122,7 @@ def test_a_sigkilled_launcher_takes_its_children_with_it():
 
 def test_free_port_never_hands_out_a_port_twice(monkeypatch):
     """The kernel may return the same free port to two binds in a row; two workers told to listen there race."""
-    import config.launcher as launcher
+    import config.local_stack.launcher as launcher
 
     ports = iter([41000, 41000, 41000, 41001])
 

@@ -1,12 +1,12 @@
-"""config.tracing: no endpoint, no tracer (spans cost nothing); an exporter given, spans reach it with the
+"""common.otel_setup: no endpoint, no tracer (spans cost nothing); an exporter given, spans reach it with the
 process's service name."""
 
 from __future__ import annotations
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from config.tracing import install_tracing
-from worker.protocol.trace_context import set_tracer_provider, tracer
+from common.otel_setup import install_tracing
+from common.trace_context import set_tracer_provider, tracer
 
 
 def test_no_endpoint_installs_nothing() -> None:
@@ -21,7 +21,7 @@ def test_an_exporter_receives_the_spans() -> None:
         t = tracer("x")
         assert t is not None
         t.start_span("one").end()
-        from worker.protocol import trace_context
+        from common import trace_context
 
         trace_context._State.provider.force_flush()
         (span,) = exporter.get_finished_spans()

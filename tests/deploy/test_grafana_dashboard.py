@@ -31,7 +31,7 @@ OTHERS = {
     "switchyard_worker_disagg_fallbacks_total", "switchyard_worker_disagg_received_bytes_total",
     "switchyard_worker_prefill_tokens_computed_total",
 }
-# The KV tiers below the radix cache (worker.server.metrics: TIER_*), all on the "KV tiers" row.
+# The KV tiers below the radix cache (worker.server.telemetry.worker_metrics: TIER_*), all on the "KV tiers" row.
 KV_TIERS = {
     "switchyard_worker_kv_tier_hits_total", "switchyard_worker_kv_tier_evictions_total",
     "switchyard_worker_kv_tier_bytes", "switchyard_worker_kv_tier_load_seconds_total",
@@ -49,7 +49,7 @@ GAUGES = {  # `_kv_pages_total` is a gauge (pages in the pool), not a counter
     "switchyard_worker_kv_tier_disk_full",
 }
 COUNTERS = OTHERS - GAUGES
-# The worker's model-server-protocol gauges (worker.server.msp_metrics) that Kubernetes routers read.
+# The worker's model-server-protocol gauges (worker.server.telemetry.msp_metrics) that Kubernetes routers read.
 ROUTER_GAUGES = {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
 NAME = re.compile(r"\bswitchyard_[a-z0-9_]+")
 VLLM_NAME = re.compile(r"\bvllm:[a-z0-9_]+")
@@ -180,7 +180,7 @@ def test_kv_tiers_row_plots_every_tier_metric_the_worker_exports(dashboard: dict
     per-tier counters and the occupancy gauge are split by tier."""
     from prometheus_client import REGISTRY
 
-    import worker.server.metrics  # noqa: F401 - registers its collectors on import
+    import worker.server.telemetry.worker_metrics  # noqa: F401 - registers its collectors on import
 
     panels = _row(dashboard, "KV tiers")
     assert len(panels) >= 5
@@ -200,7 +200,7 @@ def test_contract_matches_the_collectors_the_code_registers() -> None:
     from prometheus_client import REGISTRY, CollectorRegistry
 
     import router.placement.routing_metrics  # noqa: F401 - registers its collectors on import
-    import worker.server.metrics  # noqa: F401
+    import worker.server.telemetry.worker_metrics  # noqa: F401
     from gateway.telemetry.gateway_metrics import GatewayMetrics
 
     gateway_registry = CollectorRegistry()

@@ -76,7 +76,7 @@ def test_settings_and_metrics_named_exist() -> None:
     rules = yaml.safe_load(next(c for c in by_kind("ConfigMap"))["data"]["config.yaml"])
     queries = " ".join(r["seriesQuery"] for r in rules["rules"] + rules["externalRules"])
     from gateway.telemetry.gateway_metrics import TTFT_BUCKETS  # noqa: F401 - the module defining switchyard_ttft_seconds
-    from worker.server.metrics import WAITING
+    from worker.server.telemetry.worker_metrics import WAITING
 
     assert WAITING._name in queries and "switchyard_ttft_seconds_bucket" in queries
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from config.launcher import free_port
+from config.local_stack.launcher import free_port
 from tests.gateway_stack import GatewayStack, start_gateway_stack
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from config.launcher import Stack, StackConfig, WorkerProc, free_port
+from config.local_stack.launcher import Stack, StackConfig, WorkerProc, free_port
 from worker.config import EngineConfig
 from worker.engine.core import Engine
 from worker.model.tiny_model import load_tiny_model

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from config.launcher import Stack, StackConfig, free_port
+from config.local_stack.launcher import Stack, StackConfig, free_port
 from router import fairness_key
 
 # a stack of its own and a long scenario: `make test-heavy`, its own CI step

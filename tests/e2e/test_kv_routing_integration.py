@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from config.launcher import WorkerProc
+from config.local_stack.launcher import WorkerProc
 from router import Membership, Router, RouteRequest, namespace_root
 from worker.protocol import SamplingParams, block_ids
 

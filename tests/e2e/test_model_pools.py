@@ -17,7 +17,7 @@ import openai
 import pytest
 import redis
 
-from config.launcher import GatewayProc, WorkerProc
+from config.local_stack.launcher import GatewayProc, WorkerProc
 from router import ALIASES_KEY, encode_alias
 from tenancy import tenant_with_new_key
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from config.launcher import WorkerProc
+from config.local_stack.launcher import WorkerProc
 from router import Membership, Router, RouteRequest, WorkerError, namespace_root
 from worker.protocol import SamplingParams
 

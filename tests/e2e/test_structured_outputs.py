@@ -144,7 +144,7 @@ def test_parse_response_format_kinds():
     assert completion.grammar == json_schema_spec(PERSON)
 
 
-# ---- one tenant's grammar burst beside another tenant's stream (worker.engine.grammar_wait) ----
+# ---- one tenant's grammar burst beside another tenant's stream (worker.engine.scheduling.grammar_wait) ----
 
 STREAM_TOKENS = 600
 

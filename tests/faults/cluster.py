@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from config.launcher import GatewayProc, WorkerProc
+from config.local_stack.launcher import GatewayProc, WorkerProc
 from tests.admission_stack import _toml, log_tails
 from tests.conftest import RedisServer
 
@@ -106,7 +106,7 @@ class FaultCluster:
 
     def create_tenant(self, name: str, **fields: object) -> str:
         """Create (or update) tenant `name`; returns a fresh API key."""
-        from tenancy.store import tenant_with_new_key
+        from tenancy.tenant_admin import tenant_with_new_key
         return tenant_with_new_key(self.redis.url, name, **fields)
 
     def heal(self, timeout: float = 120.0) -> None:

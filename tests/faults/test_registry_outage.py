@@ -18,7 +18,7 @@ import httpx
 import pytest
 import zmq
 
-from config.launcher import GatewayProc
+from config.local_stack.launcher import GatewayProc
 from tests.faults.client import StreamResult, completion_body, stream_completion
 from tests.faults.cluster import FaultCluster, gateway_log_records
 
@@ -103,7 +103,7 @@ async def run_outage(cluster: FaultCluster, http: httpx.AsyncClient, key: str, g
     await asyncio.to_thread(cluster.redis.start)
     up_at = time.monotonic()
     waits = await asyncio.gather(served_after(http, gw_open, key, up_at, 10), served_after(http, gw_closed, key,
-                                                                                            up_at, 10))
+                                                                                           up_at, 10))
     async with asyncio.timeout(120):
         await asyncio.gather(*streams)
     spanning = sum(1 for at, _ in ended if at > up_at + SERVED_WITHIN_S)

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from config.launcher import WorkerProc
+from config.local_stack.launcher import WorkerProc
 from tests.faults.client import StreamResult, completion_body, metric, stream_completion
 from tests.faults.cluster import FaultCluster, unattributed_errors
 

@@ -34,7 +34,7 @@ import redis
 from tenancy.schema import leases_key, tag
 from tests.faults.client import completion_body, stream_completion
 from tests.faults.cluster import SHARED_GATEWAY_SETTINGS, FaultCluster, unattributed_errors
-from worker.server.memory import TRIM_ENV, rss_mb
+from worker.server.process.memory import TRIM_ENV, rss_mb
 
 SOAK_S = float(os.environ.get("SWITCHYARD_SOAK_S", "600"))
 CI_SOAK_S = 150.0

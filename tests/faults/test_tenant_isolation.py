@@ -29,7 +29,7 @@ from router.placement.prefix import namespace_root, prefix_key
 from tenancy.apikeys import digest
 from tenancy.redis_client import sync_client
 from tenancy.schema import api_key_key, config_key
-from tenancy.store import get_tenant, set_status
+from tenancy.tenant_admin import get_tenant, set_status
 from tests import REPO
 from tests.faults.client import metric
 from tests.faults.conftest import expect_error, gateway_log, post

@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
-from config.launcher import free_port, wait_for_port
+from config.local_stack.launcher import free_port, wait_for_port
 from router.links.client import WorkerClient
 from tenancy.redis_client import sync_client
-from tenancy.store import issue_key, revoke_key
+from tenancy.tenant_admin import issue_key, revoke_key
 from tests.gateway_stack import GatewayStack
 from worker.text.tokenizer import load_tokenizer
 

@@ -26,7 +26,7 @@ import httpx
 import pytest
 import redis
 
-from config.launcher import Stack, StackConfig, free_port
+from config.local_stack.launcher import Stack, StackConfig, free_port
 from tenancy.schema import leases_key
 from tests import REPO
 
@@ -159,7 +159,7 @@ async def test_shutdown_ends_background_responses_and_exits_0(stack: Stack, tmp_
             ids = []
             for _ in range(6):
                 resp = await client.post("/v1/responses", json={"model": "default", "input": "Tell me a long story.",
-                                                                 "max_output_tokens": 1950, "background": True})
+                                                                "max_output_tokens": 1950, "background": True})
                 assert resp.status_code == 200 and resp.json()["status"] == "queued", resp.text
                 ids.append(resp.json()["id"])
             proc.send_signal(signal.SIGTERM)
@@ -177,7 +177,7 @@ async def test_shutdown_ends_background_responses_and_exits_0(stack: Stack, tmp_
     print("background runs at shutdown:", [e["status"] for e in ended])
     for e in ended:  # finished within the grace, or stopped by the shutdown: never left in progress
         assert e["status"] in ("completed", "incomplete") or (e["status"] == "failed" and "shut down" in
-                                                               e["error"]["message"]), e
+                                                              e["error"]["message"]), e
 
 
 async def test_sigterm_finishes_open_streams_refuses_new_and_exits_0(stack: Stack) -> None:

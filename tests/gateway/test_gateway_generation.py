@@ -14,6 +14,7 @@ from contextlib import AsyncExitStack
 import pytest
 
 from admission import AdmissionTicket, Reservation, ReserveResult
+from common.priorities import Priority
 from gateway.flow.generation import Generation, Prepared
 from gateway.flow.served_model import ServedModel
 from gateway.openai.bodies import ResponseShape, Usage
@@ -22,7 +23,7 @@ from gateway.web.api_errors import ApiError
 from router import WorkerError
 from router.links.client import LinkError
 from tenancy.schema import Tenant
-from worker.protocol import ErrorCode, OutItem, Priority
+from worker.protocol import ErrorCode, OutItem
 
 TEXT = "日本語のテスト 🎉👩‍👩‍👧 — done"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.priorities import Priority
 from gateway.flow.served_model import ServedModel
 from gateway.flow.service import GatewayService
 from gateway.openai.schemas import parse_chat, parse_completion
@@ -17,7 +18,6 @@ from router.links.membership import Membership
 from tenancy.directory import TenantDirectory
 from tenancy.redis_client import async_client
 from tenancy.schema import Tenant
-from worker.protocol import Priority
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from common.priorities import Priority
 from gateway.openai.schemas import parse_chat, parse_completion
 from gateway.web.api_errors import ApiError
-from worker.protocol import Priority
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMP = {"model": "m", "prompt": "hi"}

@@ -14,7 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from config.cmd_gateway import build_app
-from config.launcher import WorkerProc
+from config.local_stack.launcher import WorkerProc
 from config.settings import load_settings
 from tenancy import tenant_with_new_key
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from config.launcher import Stack, StackConfig, free_port
+from config.local_stack.launcher import Stack, StackConfig, free_port
 from tests.deploy.test_grafana_dashboard import CONTRACT
 
 pytestmark = pytest.mark.timeout(180)

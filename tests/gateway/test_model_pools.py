@@ -168,7 +168,7 @@ def test_sticky_prefix_is_the_same_on_every_turn_of_a_conversation() -> None:
 
 
 def test_capacity_is_admitted_per_version_and_per_traffic_class_pool() -> None:
-    from worker.protocol import Priority
+    from common.priorities import Priority
 
     m = SimMembership()
     fleet = Fleet(m, lambda view, served: Router(view, secret=b"s"), default=Served("own"))  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.worker_registry import Registration
 from router.disagg.prefill_target import (
     REASON_NO_PREFILL_WORKER,
     REASON_PREFILL_QUEUE,
@@ -17,7 +18,7 @@ from router.disagg.prefill_target import (
 )
 from router.links.membership import Member
 from router.placement.prefix import token_count
-from worker.protocol import PROTOCOL_VERSION, PrefillHint, Registration, WorkerStats
+from worker.protocol import PROTOCOL_VERSION, PrefillHint, WorkerStats
 
 RULE = DisaggRule(min_tokens=512, max_prefill_queue=4)
 

@@ -314,7 +314,7 @@ async def test_traced_request_records_its_route_and_hands_the_worker_its_context
     and the `gen` frame carries its traceparent, so the worker's spans join the same trace."""
     from opentelemetry import trace
 
-    from worker.protocol.trace_context import tracer
+    from common.trace_context import tracer
 
     async with setup("ok", "ok") as (router, req, a, b):
         with tracer("test").start_as_current_span("request") as parent:

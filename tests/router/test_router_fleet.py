@@ -9,6 +9,8 @@ import logging
 import pytest
 
 from bench.fleet import SimMembership, sim_fleet
+from common.priorities import Priority
+from common.worker_registry import Registration, encode_registration, parse_registration
 from router import (
     Alias,
     AliasTable,
@@ -21,7 +23,7 @@ from router import (
     parse_alias,
     sticky_key,
 )
-from worker.protocol import PROTOCOL_VERSION, Priority, Registration, encode_registration, parse_registration
+from worker.protocol import PROTOCOL_VERSION
 
 
 def test_registration_carries_what_the_worker_serves_and_old_records_parse() -> None:

@@ -9,19 +9,13 @@ import time
 import pytest
 import redis
 
+from common.worker_registry import REGISTRY_KEY_PREFIX, REGISTRY_SET_KEY, Registration, registration_key
 from router import FALLBACK_DEAD, FALLBACK_DRAINING, Membership, Router
 from router.placement.holders import PrefixHolders
 from router.placement.load import LoadTracker
 from tests.worker.server.test_worker_liveness import ThreadWorker
-from worker.protocol import (
-    PROTOCOL_VERSION,
-    REGISTRY_KEY_PREFIX,
-    REGISTRY_SET_KEY,
-    Registration,
-    WorkerStats,
-    registration_key,
-)
-from worker.server.registry import heartbeat
+from worker.protocol import PROTOCOL_VERSION, WorkerStats
+from worker.server.process.registry import heartbeat
 
 
 class Clock:

@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from tenancy import apikeys, store
+from tenancy import apikeys
+from tenancy import tenant_admin as store
 from tenancy.directory import TenantDirectory
-from tenancy.errors import AmbiguousKeyPrefix, KeyNotFound, TenancyError, TenantExists, TenantNotFound
 from tenancy.redis_client import async_client, sync_client
 from tenancy.schema import BATCH, INTERACTIVE, config_key
+from tenancy.tenancy_errors import AmbiguousKeyPrefix, KeyNotFound, TenancyError, TenantExists, TenantNotFound
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -251,7 +252,7 @@ async def test_known_keys_are_evicted_least_recently_used_first(r, redis_url):
 
 
 async def test_unknown_key_lookups_are_capped_and_known_keys_never_wait(r, redis_url):
-    from tenancy.errors import QuotaServiceUnavailable
+    from tenancy.tenancy_errors import QuotaServiceUnavailable
 
     store.create_tenant(r, "acme")
     key = store.issue_key(r, "acme")

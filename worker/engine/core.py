@@ -12,21 +12,21 @@ import time
 import torch
 
 from worker.config import EngineConfig
-from worker.engine.errors import RequestError, bad_request
 from worker.engine.export import PageExport
-from worker.engine.fairness import check_fair_params
-from worker.engine.grammar_wait import CompileWait, ready_state, replay_output
-from worker.engine.outputs import EngineStats, StepOutput
-from worker.engine.restore import make_restorer
+from worker.engine.records.outputs import EngineStats, StepOutput
+from worker.engine.records.request_errors import RequestError, bad_request
+from worker.engine.records.sequence import NgramIndex, Priority, ScheduledBatch, SeqStatus, Sequence
 from worker.engine.runner import ModelRunner, StepResult
-from worker.engine.scheduler import Scheduler, pages_for
-from worker.engine.sequence import NgramIndex, Priority, ScheduledBatch, SeqStatus, Sequence
-from worker.engine.speculative import speculation_allowed
-from worker.kvcache.kv_dtype import resolve_kv_dtype
+from worker.engine.scheduling.fairness import check_fair_params
+from worker.engine.scheduling.grammar_wait import CompileWait, ready_state, replay_output
+from worker.engine.scheduling.restore import make_restorer
+from worker.engine.scheduling.scheduler import Scheduler, pages_for
+from worker.engine.scheduling.speculative import speculation_allowed
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
 from worker.kvcache.tensors import num_pages_for
 from worker.kvcache.tiers.pages import PageCodec, fingerprint
+from worker.model.kv_dtype import resolve_kv_dtype
 from worker.model.loader import LoadedModel
 from worker.protocol import SamplingParams
 from worker.sample.grammar import BatchMasker, GrammarCache, grammar_tokenizer
@@ -80,7 +80,7 @@ class Engine:
     def add_request(self, rid: str, token_ids: list[int], sampling: SamplingParams,
                     priority: Priority = Priority.INTERACTIVE, namespace: bytes = b"", fkey: bytes = b"",
                     weight: float = 1.0, resumed: int = 0) -> None:
-        """`fkey`/`weight`: fairness key and share (worker.engine.fairness); no key => the cache namespace's.
+        """`fkey`/`weight`: fairness key and share (worker.engine.scheduling.fairness); no key => the cache namespace's.
 
         `resumed`: the last this many of `token_ids` were streamed already (by a worker that was lost): they are
         output, so sampling positions, penalties, `max_tokens` and the grammar carry on after them."""

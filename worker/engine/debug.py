@@ -11,8 +11,8 @@ from dataclasses import replace
 import torch
 
 from worker.engine.core import Engine, StepOutput
+from worker.engine.records.sequence import ScheduledBatch, Sequence
 from worker.engine.runner import ModelRunner
-from worker.engine.sequence import ScheduledBatch, Sequence
 from worker.model.llama import StepContext
 
 __all__ = ["DebugEngine", "DebugRunner"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.engine.sequence import ScheduledBatch
+from worker.engine.records.sequence import ScheduledBatch
 from worker.kvcache.tiers.pages import PageCodec
 
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from worker.config import EngineConfig
-from worker.engine.sequence import ScheduledBatch, Sequence
-from worker.kvcache.kv_dtype import resolve_kv_dtype
+from worker.engine.records.sequence import ScheduledBatch, Sequence
 from worker.kvcache.tensors import KVCache
 from worker.model.attention import BatchLayout
 from worker.model.backends import make_backend, make_ops
 from worker.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from worker.model.decode_stack import DecodeStack
+from worker.model.kv_dtype import resolve_kv_dtype
 from worker.model.llama import StepContext
 from worker.model.loader import LoadedModel
 from worker.model.prefill_choice import choose_prefill

@@ -3,7 +3,7 @@
 Paged decode attention reads K/V straight from the pages where the torch path gathers a padded copy; paged
 prefill attention does a step's prompt chunks in one call, 2-3x faster than torch's SDPA on them; the race
 sampler draws a token per row in one pass where the torch path makes [rows, vocab] temporaries; the fused ops
-(`worker.model.fused`) do a layer's norms, SiLU-mul and RoPE in one pass each; the int8 KV kernels (`kv_int8.cpp`)
+(`worker.kernels.layer_ops`) do a layer's norms, SiLU-mul and RoPE in one pass each; the int8 KV kernels (`kv_int8.cpp`)
 write and read 8-bit pages.
 """
 

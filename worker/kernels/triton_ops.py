@@ -13,7 +13,7 @@ import triton.language as tl
 from torch import nn
 
 from worker.kernels import triton_gemv
-from worker.model.fused import EagerOps, Rope
+from worker.kernels.layer_ops import EagerOps, Rope
 
 
 @triton.jit
@@ -158,5 +158,5 @@ class TritonOps(EagerOps):
         if t:
             block = min(1024, triton.next_power_of_2(inter))
             _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0),
-                                                            INTER=inter, BLOCK=block)
+                                                             INTER=inter, BLOCK=block)
         return out

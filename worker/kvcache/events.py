@@ -42,7 +42,7 @@ class KvEvents:
         self._tiered: set[int] = set()
         self._untiered: set[int] = set()
         self._overflow = False
-        self.tier_held: Callable[[], list[int]] | None = None  # set by `worker.kvcache.tiers.store.KvTiers`
+        self.tier_held: Callable[[], list[int]] | None = None  # set by `worker.kvcache.tiers.tier_store.KvTiers`
 
     @property
     def pending(self) -> int:

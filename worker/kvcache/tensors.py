@@ -10,7 +10,7 @@ import torch
 
 from worker.config import EngineConfig, ModelConfig
 
-KV_DTYPES = ("model", "int8")  # what `worker.kvcache.kv_dtype.resolve_kv_dtype` resolves "auto" to
+KV_DTYPES = ("model", "int8")  # what `worker.model.kv_dtype.resolve_kv_dtype` resolves "auto" to
 
 
 def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -11,8 +11,8 @@ import os
 
 import torch
 
+from worker.kernels.layer_ops import KERNEL_DTYPES, EagerOps, FusedOps
 from worker.model.attention import FlashAttention, Int8Kernels, TorchAttention
-from worker.model.fused import KERNEL_DTYPES, EagerOps, FusedOps
 from worker.model.triton_backend import TritonAttention
 
 log = logging.getLogger(__name__)

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from worker.config import LAYER_LINEARS
 from worker.kernels.cpu_features import has_int8_dot
+from worker.kernels.layer_ops import FusedOps
 from worker.kvcache import quant
 from worker.kvcache.tensors import KVCache
 from worker.model.attention import TorchAttention, TorchMeta
-from worker.model.fused import FusedOps
 from worker.quant.weights import QuantLinear
 
 __all__ = ["DecodeStack", "linear_kind"]
 
 VNNI, AVX2, WEIGHT_ONLY, INT_MM, A16, A16_VNNI = 0, 1, 2, 3, 4, 5  # csrc/decode_stack.cpp's `stack::Kind`
-_LINEARS = ("qkv", "o", "gate_up", "down")
 MAX_PLANS = 256  # row counts remembered (a step has at most max_num_seqs decode rows)
 
 
@@ -79,7 +79,7 @@ class DecodeStack:
         plan: tuple[list[torch.Tensor], list[int]] | None = (weights, kinds)
         kv = self.kv
         for i, layer in enumerate(self.model.layers):
-            found = [linear_kind(getattr(layer, name), rows) for name in _LINEARS]
+            found = [linear_kind(getattr(layer, name), rows) for name in LAYER_LINEARS]
             if any(f is None for f in found):
                 plan = None
                 break

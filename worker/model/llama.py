@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.config import ModelConfig
+from worker.config import LAYER_LINEARS, ModelConfig
+from worker.kernels.layer_ops import EagerOps, Rope
 from worker.kvcache.tensors import KVCache
 from worker.model.attention import BatchLayout, FlashAttention, FlashMeta, TorchAttention, TorchMeta
-from worker.model.fused import EagerOps, Rope
 
 
 class LayerStack(Protocol):
@@ -37,7 +37,7 @@ class StepContext:
     attn: TorchAttention | FlashAttention
     meta: TorchMeta | FlashMeta  # the backend's metadata for this step
     kv: KVCache
-    ops: EagerOps  # the layer's elementwise ops: eager (reference) or fused (`worker.model.fused`)
+    ops: EagerOps  # the layer's elementwise ops: eager (reference) or fused (`worker.kernels.layer_ops`)
     stack: LayerStack | None = None  # decode-only steps' layers in one C++ call where it covers them (CPU)
 
 
@@ -156,3 +156,23 @@ def reference_context(model: LlamaModel, n: int, logits_rows: torch.Tensor | Non
     lay = BatchLayout(block_size, torch.arange(n, device=dev), [], [], [list(range(pages))], [n], [n])
     return StepContext(torch.arange(n, device=dev), logits_rows, attn, attn.prepare(lay, dev), kv, EagerOps())
 
+
+@torch.inference_mode()
+def activation_maxima(model: nn.Module, ids: list[int]) -> dict[tuple[int, str], torch.Tensor]:
+    """Per input channel max |x| of every decoder linear (keyed by layer index and name) over one prefill of
+    `ids`, through the reference attention and eager ops on a scratch KV cache."""
+    dev = model.embed.weight.device
+    ctx = reference_context(model, len(ids), None)
+    maxima: dict[tuple[int, str], torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        for name in LAYER_LINEARS:
+            def record(_mod, args, key=(i, name)):
+                maxima[key] = args[0].reshape(-1, args[0].shape[-1]).abs().amax(0).float().cpu()
+            hooks.append(getattr(layer, name).register_forward_pre_hook(record))
+    try:
+        model(torch.tensor(ids, device=dev), ctx)
+    finally:
+        for h in hooks:
+            h.remove()
+    return maxima

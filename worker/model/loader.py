@@ -14,6 +14,7 @@ import torch
 from worker.config import ModelConfig
 from worker.model.build import LoadedModel, build_model, pick_device, pick_dtype
 from worker.model.gguf_dequant import dequantize
+from worker.model.llama import activation_maxima
 from worker.quant import w8a8 as smooth
 from worker.quant import weights as quant
 from worker.quant.packed import pack_model
@@ -37,7 +38,8 @@ def load_model(spec: str | Path = "default", *, dtype: str | torch.dtype | None 
         cfg, tensors = _read_hf(src)
     tok = load_tokenizer(src)
     model = build_model(cfg, tensors, dt, dev)
-    quant.quantize_model(model, mode, calibration_ids=smooth.calibration_ids(tok) if mode == "w8a8" else None)
+    quant.quantize_model(model, mode, calibration_ids=smooth.calibration_ids(tok) if mode == "w8a8" else None,
+                         measure=activation_maxima)
     pack_model(model)  # bf16 on CPU: the remaining linear layers prepacked for oneDNN
     log.info("loaded %s (%s, %s, quantization %s%s) in %.1fs", src.model_id, dt, dev, mode,
              " from auto" if quantization == "auto" else "", time.monotonic() - t0)
@@ -56,7 +58,7 @@ def load_any(spec: str, *, dtype: str | None = None, device: str | None = None,
         loaded = tiny_model.load_tiny_model(dtype=dtype or "float32", device=device)
         mode = "none" if quantization == "auto" else quant.resolve_mode(quantization, loaded.device)
         ids = smooth.calibration_ids(loaded.tokenizer) if mode == "w8a8" else None
-        quant.quantize_model(loaded.model, mode, calibration_ids=ids)
+        quant.quantize_model(loaded.model, mode, calibration_ids=ids, measure=activation_maxima)
         pack_model(loaded.model)
         loaded.quantization = mode
         return loaded

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.kernels.layer_ops import Rope
 from worker.kvcache.tensors import KVCache
 from worker.model.attention import BatchLayout, padded_table
-from worker.model.fused import Rope
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
-"""The wire contract between gateway and worker: frames, request and stats records, registration, block
-hashes and grammar specs. Light: no torch; other Switchyard packages may import it.
+"""The wire contract between gateway and worker: frames, request and stats records, block hashes
+and grammar specs. Light: no torch; other Switchyard packages may import it.
 """
 
 from worker.protocol.block_hash import HASH_ALGO as HASH_ALGO
@@ -12,16 +12,4 @@ from worker.protocol.grammar_spec import GrammarSpec as GrammarSpec
 from worker.protocol.grammar_spec import json_object_spec as json_object_spec
 from worker.protocol.grammar_spec import json_schema_spec as json_schema_spec
 from worker.protocol.grammar_spec import tool_call_spec as tool_call_spec
-from worker.protocol.redis_url import async_redis as async_redis
-from worker.protocol.redis_url import is_cluster_url as is_cluster_url
-from worker.protocol.redis_url import parse_cluster_url as parse_cluster_url
-from worker.protocol.redis_url import sync_redis as sync_redis
-from worker.protocol.registration import LEGACY_REGISTRY_KEY_PREFIX as LEGACY_REGISTRY_KEY_PREFIX
-from worker.protocol.registration import LEGACY_REGISTRY_SET_KEY as LEGACY_REGISTRY_SET_KEY
-from worker.protocol.registration import REGISTRY_KEY_PREFIX as REGISTRY_KEY_PREFIX
-from worker.protocol.registration import REGISTRY_SET_KEY as REGISTRY_SET_KEY
-from worker.protocol.registration import Registration as Registration
-from worker.protocol.registration import encode_registration as encode_registration
-from worker.protocol.registration import parse_registration as parse_registration
-from worker.protocol.registration import registration_key as registration_key
 from worker.protocol.transfer import *  # noqa: F401,F403 - disaggregated prefill's frames (decode <-> prefill worker)

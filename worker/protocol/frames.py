@@ -12,15 +12,15 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from worker.protocol.request import PRIORITY_NAMES as PRIORITY_NAMES
-from worker.protocol.request import ErrorCode, Priority, SamplingParams
+from common.priorities import MAX_WEIGHT, Priority
+from common.trace_context import valid_traceparent
+from worker.protocol.request import ErrorCode, SamplingParams
 from worker.protocol.request import RequestError as RequestError
 from worker.protocol.request import bad_request as bad_request
 from worker.protocol.stats import MAX_KV_IDS as MAX_KV_IDS
 from worker.protocol.stats import STATS, SYNC, Sync, WorkerStats, decode_kv, stats_fields
 from worker.protocol.stats import KvContract as KvContract
 from worker.protocol.stats import KvReport as KvReport
-from worker.protocol.trace_context import valid_traceparent
 from worker.protocol.transfer import (
     PF,
     PF_ABORT,
@@ -45,7 +45,6 @@ MAX_RID_LEN = 256
 MAX_NS_LEN = 1024
 MAX_GATEWAY_ID_LEN = 256
 MAX_FKEY_LEN = 64  # `gen.fkey`: opaque fairness key
-MAX_WEIGHT = 1000.0  # `gen.weight`: fair-share weight in (0, MAX_WEIGHT]
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 MAX_FINISH_LEN = 64

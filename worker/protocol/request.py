@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from enum import IntEnum, StrEnum
+from enum import StrEnum
 
 from worker.protocol.grammar_spec import GrammarError, wire_key
 
@@ -29,28 +29,6 @@ class ErrorCode(StrEnum):
     # the worker stopped waiting for the request's gateway (silent past its gateway timeout, e.g. a stalled event
     # loop): retryable, and a gateway that hears it carries the stream on (resume), as after a lost worker
     ABANDONED = "abandoned"
-
-
-class Priority(IntEnum):
-    """Scheduling class: an int on the wire, its lower-case name to operators, tenants and metrics."""
-
-    INTERACTIVE = 0
-    BATCH = 1
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-    @classmethod
-    def parse(cls, name: str) -> Priority:
-        """'interactive' or 'batch' (exactly) -> Priority; ValueError otherwise."""
-        for member in cls:
-            if name == member.label:
-                return member
-        raise ValueError(f"priority must be one of {', '.join(PRIORITY_NAMES)}, got {name!r}")
-
-
-PRIORITY_NAMES = tuple(p.label for p in Priority)
 
 
 class RequestError(Exception):

@@ -12,11 +12,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-__all__ = ["FINGERPRINT_LEN", "KV", "KV_ERR", "PF", "PF_ABORT", "ROLES", "FirstToken", "KvChunk", "KvError",
+__all__ = ["FINGERPRINT_LEN", "KV", "KV_ERR", "PF", "PF_ABORT", "FirstToken", "KvChunk", "KvError",
            "PrefillAbort", "PrefillHint", "PrefillRequest", "TransferFrameError", "decode_prefill_reply",
            "encode_kv_error", "encode_kv_header", "encode_prefill", "encode_prefill_abort"]
 
-ROLES = ("both", "prefill", "decode")  # both: serves gateways and prefills itself; prefill: only `pf` work
 PF = "pf"
 PF_ABORT = "pfabort"
 KV = "kv"

@@ -13,7 +13,7 @@ import torch
 __all__ = ["ROW_BUCKET", "OnednnInt8Weight", "available", "padded_rows"]
 
 # oneDNN builds a kernel per row count on first sight (~1-3 ms per linear shape) and the worker bounds its cache
-# at 256 kernels (worker.server.memory): rows are padded up to a multiple of 16 up to 128 rows, of 32 up to 512 and
+# at 256 kernels (worker.server.process.memory): rows are padded up to a multiple of 16 up to 128 rows, of 32 up to 512 and
 # of 64 above (28 shapes per linear up to 1,024 rows, at most ~6% padding on average)
 ROW_BUCKET = 16
 

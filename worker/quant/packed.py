@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 MAX_RESCORED = 64  # near-tied logits re-scored per row, on average (`PackedLinear.logits`)
 # Row counts up to this run as they come (decode batches: one kernel each); above, rows are padded to
 # `padded_rows`' buckets, as the int8 path does, so prefill and mixed steps reuse ~28 kernels per shape instead of
-# JIT-compiling one per new step size and thrashing the worker's 256-kernel cache (`worker.server.memory`)
+# JIT-compiling one per new step size and thrashing the worker's 256-kernel cache (`worker.server.process.memory`)
 EXACT_ROWS = 16
 
 

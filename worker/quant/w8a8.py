@@ -11,13 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from worker.kernels.cpu import extension
 from worker.kernels.cpu_features import has_int8_dot
 from worker.quant.onednn_int8 import OnednnInt8Weight, padded_rows
 
-__all__ = ["ALPHA", "AVX2_ROWS", "CALIBRATION_TEXT", "SMALL_ROWS", "W8A8Weight", "activation_maxima", "available",
+__all__ = ["ALPHA", "AVX2_ROWS", "CALIBRATION_TEXT", "SMALL_ROWS", "W8A8Weight", "available",
            "avx2_available", "small_available"]
 
 ALPHA = 0.5  # SmoothQuant migration strength: 0.5 balances activation and weight ranges
@@ -25,7 +24,6 @@ CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 CALIBRATION_TOKENS = 2048
 SMALL_ROWS = 16  # few-row kernel cutoff until `calibrate.calibrate` measures it
 AVX2_ROWS = 1 << 30  # the AVX2 kernel takes every row count unless `calibrate.calibrate_small_rows` finds otherwise
-_LINEARS = ("qkv", "o", "gate_up", "down")
 EXACT_FP32_K = (1 << 24) // (127 * 128)  # 1032: that many int8 x int8 products sum exactly in fp32
 
 
@@ -155,26 +153,3 @@ def avx2_available() -> bool:
 
 def calibration_ids(tokenizer) -> list[int]:
     return tokenizer.encode(CALIBRATION_TEXT.read_text())[:CALIBRATION_TOKENS]
-
-
-@torch.inference_mode()
-def activation_maxima(model: nn.Module, ids: list[int]) -> dict[tuple[int, str], torch.Tensor]:
-    """Per input channel max |x| of every decoder linear (keyed by layer index and name) over one prefill of
-    `ids`, through the reference attention and eager ops on a scratch KV cache."""
-    from worker.model.llama import reference_context
-
-    dev = model.embed.weight.device
-    ctx = reference_context(model, len(ids), None)
-    maxima: dict[tuple[int, str], torch.Tensor] = {}
-    hooks = []
-    for i, layer in enumerate(model.layers):
-        for name in _LINEARS:
-            def record(_mod, args, key=(i, name)):
-                maxima[key] = args[0].reshape(-1, args[0].shape[-1]).abs().amax(0).float().cpu()
-            hooks.append(getattr(layer, name).register_forward_pre_hook(record))
-    try:
-        model(torch.tensor(ids, device=dev), ctx)
-    finally:
-        for h in hooks:
-            h.remove()
-    return maxima

@@ -10,11 +10,13 @@ measured at load.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.config import LAYER_LINEARS
 from worker.kernels.cpu_features import has_int8_dot
 from worker.quant import fp8
 from worker.quant import w8a8 as smooth
@@ -204,10 +206,12 @@ def _int4_unpack_ok(n: int) -> bool:
 
 
 def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head: str = "int8",
-                   calibration_ids: list[int] | None = None) -> None:
+                   calibration_ids: list[int] | None = None,
+                   measure: Callable[[nn.Module, list[int]], dict] | None = None) -> None:
     """Swap the decoder's linear layers (and the LM head, as `head` says) for `QuantLinear`s in place.
 
-    `w8a8` smooths with activation maxima measured on `calibration_ids` (`worker.quant.w8a8`; none: unsmoothed).
+    `w8a8` smooths with activation maxima that `measure(model, calibration_ids)` takes (the model floor's
+    `worker.model.llama.activation_maxima`; no ids: unsmoothed).
     `fp8` swaps them for `fp8.Fp8Linear`s instead (any device: off Ada/Hopper GPUs they run an emulation)."""
     if mode == "none":
         return
@@ -216,11 +220,13 @@ def quantize_model(model: nn.Module, mode: str, *, group: int = INT4_GROUP, head
         return
     maxima: dict = {}
     if mode == "w8a8" and calibration_ids:
-        maxima = cached_maxima(model, calibration_ids, lambda: smooth.activation_maxima(model, calibration_ids))
+        if measure is None:
+            raise ValueError("w8a8 calibration ids need `measure` (worker.model.llama.activation_maxima)")
+        maxima = cached_maxima(model, calibration_ids, lambda: measure(model, calibration_ids))
     restore_choices()
     with torch.inference_mode(False), torch.no_grad():
         for i, layer in enumerate(model.layers):
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in LAYER_LINEARS:
                 lin = QuantLinear(getattr(layer, name).weight, mode, group, maxima.get((i, name)))
                 setattr(layer, name, lin)
         if head != "none":
@@ -263,7 +269,7 @@ def _quantize_fp8(model: nn.Module) -> None:
     # speed up) and the head (tied to it in the default model) decides the logits themselves
     with torch.inference_mode(False), torch.no_grad():
         for layer in model.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in LAYER_LINEARS:
                 setattr(layer, name, fp8.Fp8Linear(getattr(layer, name).weight))
     dev = model.embed.weight.device
     log.info("quantized linear layers to fp8 (e4m3, per-channel weight and per-token activation scales; %s); "

@@ -5,12 +5,26 @@ Built only for the rows that ask for them, so a step where no request does pays 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from worker.engine.sequence import Sequence
+from worker.protocol import SamplingParams
+
+
+class Adjusted(Protocol):
+    """What `build_adjust` reads of a request: the engine's `Sequence` (a floor above) has these."""
+
+    prompt_len: int
+    sampling: SamplingParams
+    stop_ids: Collection[int]
+    tokens: list[int]
+
+    @property
+    def num_output(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -49,7 +63,7 @@ class LogitAdjust:
         return rows - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0).to(rows.dtype)
 
 
-def build_adjust(seqs: list[Sequence], vocab: int, dev: torch.device) -> LogitAdjust | None:
+def build_adjust(seqs: list[Adjusted], vocab: int, dev: torch.device) -> LogitAdjust | None:
     """The step's adjustments, or None when no row uses any (the fast path)."""
     adds: list[tuple[int, int, float]] = []
     pen: list[int] = []

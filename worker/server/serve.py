@@ -10,22 +10,23 @@ import time
 
 import zmq
 
+from common.worker_registry import Registration
 from worker import protocol as proto
 from worker.engine.core import Engine
 from worker.kvcache.events import KvPromises, kv_report
-from worker.protocol import ErrorCode, GenRequest, OutItem, Registration, RequestError, SamplingParams
-from worker.server.decode_side import DecodeSide
-from worker.server.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, HANDOFF_MESSAGE, Drain
-from worker.server.inflight import InFlight, InFlightTable
-from worker.server.link_auth import LinkAuth
-from worker.server.memory import MemoryReport, TrimSchedule
-from worker.server.metrics import DISAGG_FALLBACKS, WorkerMetrics
-from worker.server.prefill_links import PrefillLinks
-from worker.server.prefill_side import PrefillSide
-from worker.server.registry import Registrar
-from worker.server.server_config import ServerConfig, advertised_endpoint
-from worker.server.stats_pulse import StatsPulse
-from worker.server.tracing import RequestSpans
+from worker.protocol import ErrorCode, GenRequest, OutItem, RequestError, SamplingParams
+from worker.server.disagg.decode_side import DecodeSide
+from worker.server.disagg.prefill_links import PrefillLinks
+from worker.server.disagg.prefill_side import PrefillSide
+from worker.server.process.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, HANDOFF_MESSAGE, Drain
+from worker.server.process.inflight import InFlight, InFlightTable
+from worker.server.process.link_auth import LinkAuth
+from worker.server.process.memory import MemoryReport, TrimSchedule
+from worker.server.process.registry import Registrar
+from worker.server.process.server_config import ServerConfig, advertised_endpoint
+from worker.server.process.stats_pulse import StatsPulse
+from worker.server.telemetry.worker_metrics import DISAGG_FALLBACKS, WorkerMetrics
+from worker.server.telemetry.worker_spans import RequestSpans
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +329,7 @@ class WorkerServer:
         if self.prefill.owns(engine_rid):
             self._abort_quietly(engine_rid)
             self._send_parts(entry.ident, [proto.encode_kv_error(entry.rid, "error", "the prefill worker stopped "
-                                                                  "waiting for the decode worker (silent)")])
+                                                                 "waiting for the decode worker (silent)")])
             return
         self._end(entry, ErrorCode.ABANDONED, "the worker stopped waiting for this gateway (silent)", retryable=True)
 

@@ -11,7 +11,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine
-from worker.engine.errors import RequestError
+from worker.engine.records.request_errors import RequestError
 from worker.kvcache.tensors import bytes_per_token
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams

@@ -10,7 +10,7 @@ import pytest
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine
-from worker.engine.errors import RequestError
+from worker.engine.records.request_errors import RequestError
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams, json_object_spec, json_schema_spec
 

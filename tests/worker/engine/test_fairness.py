@@ -1,4 +1,4 @@
-"""Counter rules of the worker's VTC fair share (worker.engine.fairness), without an engine."""
+"""Counter rules of the worker's VTC fair share (worker.engine.scheduling.fairness), without an engine."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from worker.engine.fairness import FairShare
+from worker.engine.scheduling.fairness import FairShare
 
 A, B, C = b"tenant-a", b"tenant-b", b"tenant-c"
 

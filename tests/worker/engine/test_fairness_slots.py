@@ -11,7 +11,7 @@ import torch
 
 from tests.worker.engine.test_engine_fairness import greedy, make_engine, prompt
 from worker.engine.core import Engine
-from worker.engine.fairness import FairShare
+from worker.engine.scheduling.fairness import FairShare
 from worker.model.tiny_model import load_tiny_model
 
 A, B, C = b"tenant-a", b"tenant-b", b"tenant-c"

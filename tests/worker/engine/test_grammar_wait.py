@@ -1,4 +1,4 @@
-"""Grammar work off the engine's loop (worker.engine.grammar_wait): a compiling request waits outside the scheduler
+"""Grammar work off the engine's loop (worker.engine.scheduling.grammar_wait): a compiling request waits outside the scheduler
 while others step, one validation and one compile serve every frame of a request, a compile past its deadline
 fails only its requests (a queued one is cancelled), and pending compiles are bounded per worker and tenant."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine
-from worker.engine.errors import RequestError
+from worker.engine.records.request_errors import RequestError
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams, grammar_spec, json_schema_spec
 from worker.sample import grammar
@@ -92,7 +92,7 @@ def test_one_validation_and_one_compile_serve_every_frame(tiny, monkeypatch):
     try:
         for i in range(16 * 8):  # 16 prompts x n 8, each frame with its own copy of the map
             eng.add_request(f"r{i}", [1 + i % 16, 2, 3], SamplingParams(max_tokens=2, temperature=1.0,
-                                                                      grammar=dict(wire)))
+                                                                        grammar=dict(wire)))
         done = run(eng)
         assert len(done) == 128 and all(err is None for _, _, err in done.values())
         cache = eng._grammars.cache

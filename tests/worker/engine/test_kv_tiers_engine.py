@@ -217,7 +217,7 @@ def test_disk_reads_start_while_the_request_waits(tiny, tmp_path):
 
 
 def test_auto_host_size_is_an_eighth_of_available_memory_at_least_the_pool(monkeypatch, tmp_path):
-    from worker.engine import restore
+    from worker.engine.scheduling import restore
     from worker.kvcache.tiers import host_budget
 
     monkeypatch.setenv(host_budget.CLAIMS_ENV, str(tmp_path / "claims.json"))

@@ -17,7 +17,7 @@ import torch
 from worker.config import EngineConfig
 from worker.engine.core import DEFAULT_NAMESPACE, Engine
 from worker.engine.debug import DebugEngine
-from worker.engine.waiting_order import CACHE_AWARE_MAX_SKIPS
+from worker.engine.scheduling.waiting_order import CACHE_AWARE_MAX_SKIPS
 from worker.kvcache.tensors import bytes_per_token
 from worker.model.loader import load_model
 from worker.model.tiny_model import load_tiny_model

@@ -15,7 +15,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine
-from worker.engine.sequence import NgramIndex
+from worker.engine.records.sequence import NgramIndex
 from worker.kvcache.tensors import bytes_per_token
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams
@@ -265,7 +265,7 @@ def test_speculative_field_on_the_wire():
     sp = SamplingParams(speculative=False)
     assert sp.to_dict()["speculative"] is False and "speculative" not in SamplingParams().to_dict()
     assert SamplingParams.from_dict(sp.to_dict()).speculative is False
-    from worker.engine.errors import RequestError
+    from worker.engine.records.request_errors import RequestError
 
     with pytest.raises(RequestError) as info:
         SamplingParams.from_dict({"speculative": "no"})

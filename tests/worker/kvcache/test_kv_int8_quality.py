@@ -11,7 +11,7 @@ from config.cmd_worker import engine_config
 from config.settings import WorkerSettings
 from worker.config import EngineConfig
 from worker.engine.core import Engine
-from worker.kvcache.kv_dtype import resolve_kv_dtype
+from worker.model.kv_dtype import resolve_kv_dtype
 from worker.model.loader import load_any, load_model
 from worker.protocol import SamplingParams
 

@@ -246,7 +246,7 @@ def test_a_full_queue_drops_instead_of_blocking(tmp_path, monkeypatch):
 
 
 def test_write_back_gate_keeps_unreused_pages_off_disk(tmp_path):
-    from worker.kvcache.tiers.store import KvTiers
+    from worker.kvcache.tiers.tier_store import KvTiers
 
     kv = _kv("int8")
     codec = PageCodec(kv)

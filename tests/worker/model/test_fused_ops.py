@@ -11,8 +11,8 @@ import torch
 from config import cmd_worker
 from worker.config import EngineConfig
 from worker.engine.core import Engine
+from worker.kernels.layer_ops import EagerOps, FusedOps, Rope
 from worker.model.backends import make_ops
-from worker.model.fused import EagerOps, FusedOps, Rope
 from worker.model.loader import load_model
 from worker.protocol import SamplingParams
 

@@ -94,8 +94,8 @@ CPU_ONLY = pytest.mark.skipif(DEVICE.type == "cuda", reason="no device check: th
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_ops_norm_linear_and_norm_mlp_are_the_separate_calls_bit_for_bit(dtype):
     """EagerOps (and the C++ FusedOps where built) keep today's sequence: x updated in place, the same bits."""
+    from worker.kernels.layer_ops import EagerOps
     from worker.model.backends import make_ops
-    from worker.model.fused import EagerOps
 
     torch.manual_seed(0)
     norm, qkv = _layer_parts(64, 96, dtype)
@@ -193,7 +193,7 @@ def test_greedy_decode_with_fused_projections_on_equals_off_fp32(monkeypatch):
     from worker.protocol import SamplingParams
 
     loaded = load_tiny_model(dtype="float32", device=DEVICE, tokenizer=os.environ.get("SWITCHYARD_TOKENIZER",
-                                                                                         "default"))
+                                                                                      "default"))
     prompts = [[5, 9, 11, 3, 7, 2, 8] * 3, [4, 4, 6, 1], [30, 31, 2, 7, 7]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     calls = []
@@ -217,7 +217,7 @@ def test_cuda_engine_greedy_tokens_equal_with_fused_projections_on_and_off():
     from worker.protocol import SamplingParams
 
     loaded = load_tiny_model(dtype="float32", device=DEVICE, tokenizer=os.environ.get("SWITCHYARD_TOKENIZER",
-                                                                                         "default"))
+                                                                                      "default"))
     prompts = [[5, 9, 11, 3, 7, 2, 8] * 3, [4, 4, 6, 1], [30, 31, 2]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outs = [DebugEngine(loaded, EngineConfig(dtype="float32", kv_cache_bytes=256 << 20, max_num_seqs=16,

@@ -106,9 +106,9 @@ def test_kv_write_skips_padded_rows():
 def test_rope_and_kv_write_in_one_kernel_equal_the_two(dtype, nh, kvh):
     """`paged_rope_kv_write` (what `TritonOps.attend` runs on model-dtype pages) gives the bits of TritonOps' RoPE
     followed by `paged_kv_write`: q and k rotated in place, k and v in their slots, a padded row (-1) skipped."""
+    from worker.kernels.layer_ops import Rope
     from worker.kernels.triton_attention import paged_kv_write, paged_rope_kv_write
     from worker.kernels.triton_ops import TritonOps
-    from worker.model.fused import Rope
 
     g = torch.Generator().manual_seed(nh)
     hd, t = 64, 4
@@ -129,8 +129,8 @@ def test_rope_and_kv_write_in_one_kernel_equal_the_two(dtype, nh, kvh):
 def test_triton_ops_attend_fuses_only_where_the_bits_match():
     """TritonOps.attend on the Triton backend (a mixed step, model-dtype pages): the fused kernel's output and
     pages equal the RoPE-then-forward path's; int8 pages take that path."""
+    from worker.kernels.layer_ops import EagerOps, Rope
     from worker.kernels.triton_ops import TritonOps
-    from worker.model.fused import EagerOps, Rope
 
     nh, kvh, hd, page = 6, 2, 32, 16
     lay, t = _layout(page, 32, [3, 40], [(20, 20)], random.Random(5))
@@ -190,8 +190,8 @@ def test_engine_greedy_with_triton_equals_torch_backend():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_triton_ops_match_eager_ops(dtype, tol):
+    from worker.kernels.layer_ops import EagerOps, Rope
     from worker.kernels.triton_ops import TritonOps
-    from worker.model.fused import EagerOps, Rope
 
     torch.manual_seed(0)
     eager, fused = EagerOps(), TritonOps()

@@ -9,12 +9,12 @@ import pytest
 
 from config.cli import main as cli_main
 from router import fairness_key
-from tenancy import store
-from tenancy.errors import TenancyError
+from tenancy import tenant_admin as store
 from tenancy.redis_client import sync_client
 from tenancy.schema import config_key, parse_tenant, parse_weight
+from tenancy.tenancy_errors import TenancyError
 from worker import protocol as p
-from worker.server.metrics import OTHER, FairLabels
+from worker.server.telemetry.worker_metrics import OTHER, FairLabels
 
 pytestmark = pytest.mark.timeout(30)
 SECRET = b"test-secret"

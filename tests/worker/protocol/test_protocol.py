@@ -151,7 +151,7 @@ def test_arbitrary_maps_only_ever_raise_protocol_error(obj: dict) -> None:
 
 
 def test_protocol_module_does_not_import_torch() -> None:
-    code = "import sys, worker.protocol, worker.server.registry; print('torch' in sys.modules)"
+    code = "import sys, worker.protocol, worker.server.process.registry; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
 

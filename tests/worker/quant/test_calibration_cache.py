@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker.model.llama import activation_maxima
 from worker.model.tiny_model import load_tiny_model
 from worker.quant import calibration_cache as cc
-from worker.quant import w8a8 as smooth
 from worker.text.model_source import prune_oldest
 
 
@@ -30,7 +30,7 @@ def test_second_call_reads_what_the_first_measured(tiny) -> None:
 
     def measure():
         calls.append(1)
-        return smooth.activation_maxima(tiny, ids)
+        return activation_maxima(tiny, ids)
 
     first = cc.cached_maxima(tiny, ids, measure)
     second = cc.cached_maxima(tiny, ids, measure)
@@ -42,7 +42,7 @@ def test_second_call_reads_what_the_first_measured(tiny) -> None:
 
 def test_corrupt_or_mismatched_files_are_measured_again(tiny) -> None:
     ids = list(range(5, 40))
-    measured = smooth.activation_maxima(tiny, ids)
+    measured = activation_maxima(tiny, ids)
     path = cc.cache_dir() / f"act-max-{cc.model_key(tiny, ids)}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"not a torch file")

@@ -8,7 +8,7 @@ import torch
 
 from worker.kernels.cpu import extension
 from worker.kernels.cpu_features import has_int8_dot
-from worker.model.fused import FusedOps
+from worker.kernels.layer_ops import FusedOps
 from worker.quant import onednn_int8
 from worker.quant import w8a8 as smooth
 from worker.quant import weights as quant

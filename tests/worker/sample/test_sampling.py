@@ -8,7 +8,7 @@ import torch
 from bench.cpu_kernels import full_sort_restrict, prefix_mass
 from worker.config import EngineConfig
 from worker.engine.core import Engine
-from worker.engine.errors import RequestError
+from worker.engine.records.request_errors import RequestError
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams
 from worker.sample.sampler import SamplingBatch, restrict_logits, sample, uniform_noise

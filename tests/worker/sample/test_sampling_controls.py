@@ -11,7 +11,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.debug import DebugEngine
-from worker.engine.errors import RequestError
+from worker.engine.records.request_errors import RequestError
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams
 from worker.sample.logit_adjust import build_adjust
@@ -158,7 +158,7 @@ def test_top_k_past_int64_is_refused_and_the_worker_keeps_serving():
     """A top_k of 2^63 once threw inside the step and ended every request on the worker."""
     from worker.config import EngineConfig
     from worker.engine.core import Engine
-    from worker.engine.errors import RequestError
+    from worker.engine.records.request_errors import RequestError
     from worker.model.tiny_model import load_tiny_model
 
     eng = Engine(load_tiny_model(dtype="float32", device="cpu"), EngineConfig(kv_cache_bytes=16 << 20))

@@ -13,7 +13,7 @@ from tests.worker.server.disagg_harness import BS, Gateway, ServerThread, prompt
 from worker import protocol as proto
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import PrefillHint, SamplingParams
-from worker.server import metrics as m
+from worker.server.telemetry import worker_metrics as m
 
 
 @pytest.fixture(scope="module")

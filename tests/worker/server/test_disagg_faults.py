@@ -26,7 +26,7 @@ from tests.worker.server.disagg_harness import prompt as harness_prompt
 from worker import protocol as proto
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import KvChunk, PrefillHint, SamplingParams
-from worker.server import metrics as m
+from worker.server.telemetry import worker_metrics as m
 
 SAMPLING = SamplingParams(max_tokens=6, ignore_eos=True)
 

@@ -13,7 +13,7 @@ from worker.engine.core import Engine
 from worker.kvcache.tensors import bytes_per_token
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams
-from worker.server.metrics import WorkerMetrics
+from worker.server.telemetry.worker_metrics import WorkerMetrics
 
 EPP_DEFAULTS = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 

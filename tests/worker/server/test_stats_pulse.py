@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from worker.server.stats_pulse import StatsPulse
+from worker.server.process.stats_pulse import StatsPulse
 
 
 def _pair(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket, bytes]:

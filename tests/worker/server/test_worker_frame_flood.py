@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from config.launcher import WorkerProc
+from config.local_stack.launcher import WorkerProc
 from worker import protocol as p
 
 pytestmark = pytest.mark.timeout(120)

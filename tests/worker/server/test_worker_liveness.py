@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from config.launcher import WorkerProc
+from config.local_stack.launcher import WorkerProc
 from router.links.client import WorkerClient, WorkerError
 from tests.conftest import free_port
 from worker import protocol as p

@@ -1,4 +1,4 @@
-"""worker.server.memory: malloc_trim at most once per interval, oneDNN kernel caches bounded at worker start (in a
+"""worker.server.process.memory: malloc_trim at most once per interval, oneDNN kernel caches bounded at worker start (in a
 subprocess: the settings apply before the first matmul), and the opt-in memory report."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tests import REPO
-from worker.server.memory import (
+from worker.server.process.memory import (
     KERNEL_CACHE_CAPACITY,
     KERNEL_CACHE_ENV,
     REPORT_ENV,
@@ -38,7 +38,7 @@ def test_trim_interval_from_the_environment(monkeypatch) -> None:
 
 _KERNEL_CACHE_PROBE = """
 import json, os, sys, torch
-from worker.server.memory import bound_native_memory, rss_mb
+from worker.server.process.memory import bound_native_memory, rss_mb
 caches = bound_native_memory()
 torch.set_num_threads(1)
 w = torch.randn(256, 64, dtype=torch.bfloat16)

@@ -24,12 +24,13 @@ import redis
 import zmq
 import zmq.asyncio
 
-from config.launcher import WorkerProc
+from common.worker_registry import parse_registration, registration_key
+from config.local_stack.launcher import WorkerProc
 from router.links.client import WorkerClient, WorkerError
 from tests import REPO
 from worker import protocol as p
-from worker.protocol import SamplingParams, parse_registration, registration_key
-from worker.server.registry import REGISTRATION_TTL_MS
+from worker.protocol import SamplingParams
+from worker.server.process.registry import REGISTRATION_TTL_MS
 
 pytestmark = pytest.mark.timeout(180)
 

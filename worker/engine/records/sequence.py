@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from worker.protocol import Priority, SamplingParams
+from common.priorities import Priority
+from worker.protocol import SamplingParams
 
 if TYPE_CHECKING:
     from worker.kvcache.radix_cache import RadixNode

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from opentelemetry.context import Context
 
+from common.trace_context import parent_context, tracer
 from worker.engine.core import Engine
-from worker.engine.outputs import StepOutput
-from worker.protocol.trace_context import parent_context, tracer
-from worker.server.metrics import WorkerMetrics
+from worker.engine.records.outputs import StepOutput
+from worker.server.telemetry.worker_metrics import WorkerMetrics
 
 MAX_TRACED = 4096  # traced requests followed at once; more are served untraced
 

@@ -11,12 +11,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from common.priorities import Priority
 from worker import protocol as proto
 from worker.engine.core import Engine, StepOutput
 from worker.engine.export import ReadyPages
-from worker.protocol import FirstToken, KvChunk, PrefillRequest, Priority, RequestError, SamplingParams
-from worker.server.inflight import InFlightTable
-from worker.server.metrics import DISAGG_PUSHED
+from worker.protocol import FirstToken, KvChunk, PrefillRequest, RequestError, SamplingParams
+from worker.server.process.inflight import InFlightTable
+from worker.server.telemetry.worker_metrics import DISAGG_PUSHED
 
 log = logging.getLogger(__name__)
 

@@ -78,7 +78,7 @@ class TrimSchedule:
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
 def rss_mb(pid: int | str = "self", field: str = "VmRSS") -> float:

@@ -1,14 +1,11 @@
-"""The Redis registration record a live worker keeps under a TTL, for gateways to discover it.
-
-Private to `worker.protocol`, which re-exports every name; import them from there.
-"""
+"""The Redis registration record a live worker keeps under a TTL, for gateways to discover it."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
 
-from worker.protocol.transfer import ROLES
+ROLES = ("both", "prefill", "decode")  # both: serves gateways and prefills itself; prefill: only `pf` work
 
 # Both under the hash tag `{sy:workers}`: one Redis Cluster slot, so one script reads the set and the records.
 REGISTRY_TAG = "{sy:workers}"

@@ -11,7 +11,8 @@ from typing import Any
 
 import redis
 
-from worker.protocol import REGISTRY_SET_KEY, Registration, encode_registration, registration_key, sync_redis
+from common.redis_url import sync_redis
+from common.worker_registry import REGISTRY_SET_KEY, Registration, encode_registration, registration_key
 
 REGISTRATION_TTL_MS = 5000
 REFRESH_INTERVAL_S = 1.0

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.loadgen import RequestRecord
+from config.loadtest.loadgen import RequestRecord
 
 RESULT_FILE = "result.json"
 SAMPLES_FILE = "samples.json"

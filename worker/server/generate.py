@@ -1,4 +1,4 @@
-"""Command line: `python -m worker.generate "What is the capital of France?"` prints the model's chat answer.
+"""Command line: `python -m worker.server.generate "What is the capital of France?"` prints the model's chat answer.
 
 Loads a model, applies its chat template, runs the engine to completion and prints the decoded answer.
 """
@@ -15,7 +15,7 @@ from worker.protocol import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m worker.generate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m worker.server.generate", description=__doc__.splitlines()[0])
     ap.add_argument("prompt")
     ap.add_argument("--model", default="default", help="'default', a .gguf file or a local HF folder")
     ap.add_argument("--max-tokens", type=int, default=256)

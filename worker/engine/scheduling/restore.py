@@ -9,13 +9,13 @@ import os
 import time
 
 from worker.config import EngineConfig
-from worker.engine.sequence import ScheduledBatch, Sequence
+from worker.engine.records.sequence import ScheduledBatch, Sequence
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
 from worker.kvcache.tiers import host_budget
 from worker.kvcache.tiers.disk import DiskTier
 from worker.kvcache.tiers.pages import PageCodec
-from worker.kvcache.tiers.store import KvTiers
+from worker.kvcache.tiers.tier_store import KvTiers
 from worker.protocol import chain
 
 log = logging.getLogger(__name__)

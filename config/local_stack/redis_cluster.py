@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from config.launcher import free_port, wait_for_port
+from config.local_stack.launcher import free_port, wait_for_port
 
 
 @dataclass(slots=True)

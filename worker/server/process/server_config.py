@@ -21,7 +21,7 @@ class ServerConfig:
     model_version: str = ""
     model_spec: str = ""
     pool: str = ""
-    # disaggregated prefill (worker.server.prefill_side / decode_side): the role announced, and how long a decode
+    # disaggregated prefill (worker.server.disagg.prefill_side / decode_side): the role announced, and how long a decode
     # worker waits for a prefill worker's next pages (stall) and for a whole transfer (lease) before prefilling itself
     role: str = "both"
     disagg_stall_s: float = 5.0

@@ -1,6 +1,6 @@
 """Tracing setup for a process: an OpenTelemetry SDK provider exporting over OTLP/HTTP when an endpoint is set.
 
-Nothing is installed without one, so spans cost nothing (`worker.protocol.trace_context.tracer` returns None).
+Nothing is installed without one, so spans cost nothing (`common.trace_context.tracer` returns None).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
-from worker.protocol.trace_context import set_tracer_provider
+from common.trace_context import set_tracer_provider
 
 
 def otlp_exporter(endpoint: str) -> SpanExporter:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from worker.engine.core import Engine, EngineStats, StepOutput
-from worker.kvcache.tiers.store import TierStats
-from worker.server import msp_metrics
+from worker.kvcache.tiers.tier_store import TierStats
+from worker.server.telemetry import msp_metrics
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.kvcache.tiers.store import TierStats
+from worker.kvcache.tiers.tier_store import TierStats
 from worker.protocol import RequestError
 
 

@@ -8,8 +8,8 @@ import concurrent.futures
 import time
 from dataclasses import dataclass
 
-from worker.engine.errors import RequestError, bad_request
-from worker.engine.sequence import Sequence
+from worker.engine.records.request_errors import RequestError, bad_request
+from worker.engine.records.sequence import Sequence
 from worker.protocol.grammar_spec import GrammarError
 from worker.sample.grammar import CacheKey, CompiledGrammar, GrammarBusy, GrammarCache, GrammarState
 

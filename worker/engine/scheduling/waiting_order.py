@@ -4,8 +4,8 @@ cache, the request of that class and key with the longest cached prefix (cache-a
 
 from __future__ import annotations
 
-from worker.engine.fairness import FairShare
-from worker.engine.sequence import Sequence
+from worker.engine.records.sequence import Sequence
+from worker.engine.scheduling.fairness import FairShare
 from worker.kvcache.radix_cache import RadixCache
 
 # cache-aware order: plain arrival order above this many waiting requests (bounds the per-step cost),

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from worker.protocol import MAX_FKEY_LEN, MAX_WEIGHT, bad_request
+from common.priorities import MAX_WEIGHT
+from worker.protocol import MAX_FKEY_LEN, bad_request
 
 POLICIES = ("vtc", "fifo")
 

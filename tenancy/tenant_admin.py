@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import redis
 
+from common.priorities import MAX_WEIGHT, Priority
 from tenancy import apikeys
-from tenancy.errors import AmbiguousKeyPrefix, KeyNotFound, TenancyError, TenantExists, TenantNotFound
 from tenancy.schema import (
     ACTIVE,
     API_KEY_PREFIX,
@@ -28,7 +28,7 @@ from tenancy.schema import (
     tenant_keys_key,
     validate_name,
 )
-from worker.protocol import MAX_WEIGHT, Priority
+from tenancy.tenancy_errors import AmbiguousKeyPrefix, KeyNotFound, TenancyError, TenantExists, TenantNotFound
 
 SETTABLE_FIELDS = (*INT_DEFAULTS, "priority", "allowed_models", "status", "weight")
 

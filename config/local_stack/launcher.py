@@ -283,7 +283,7 @@ def curl_line(base_url: str, key: str, model: str) -> str:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m config.launcher", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m config.local_stack.launcher", description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     p.add_argument("--model", default=os.environ.get("SWITCHYARD_MODEL", "default"))
     p.add_argument("--ready-timeout", type=float, default=300.0)

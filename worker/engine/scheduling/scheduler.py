@@ -2,18 +2,18 @@
 
 Decodes first, then prefill chunks within a token budget; pages come from eviction, then preemption.
 With the radix cache, admission reuses a cached prefix and finished or preempted sequences feed it.
-Within a priority class, VTC fair share (`worker.engine.fairness`) chooses whose request is admitted and whose is preempted.
+Within a priority class, VTC fair share (`worker.engine.scheduling.fairness`) chooses whose request is admitted and whose is preempted.
 """
 from __future__ import annotations
 
 import bisect
 
 from worker.config import EngineConfig
-from worker.engine.fairness import FairShare
-from worker.engine.restore import Restorer
-from worker.engine.sequence import ScheduledBatch, SeqStatus, Sequence
-from worker.engine.speculative import DraftPlanner
-from worker.engine.waiting_order import cache_aware_index, cached_len, fair_head
+from worker.engine.records.sequence import ScheduledBatch, SeqStatus, Sequence
+from worker.engine.scheduling.fairness import FairShare
+from worker.engine.scheduling.restore import Restorer
+from worker.engine.scheduling.speculative import DraftPlanner
+from worker.engine.scheduling.waiting_order import cache_aware_index, cached_len, fair_head
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
 

@@ -6,8 +6,8 @@ The runner verifies drafts in one forward and the engine keeps the longest agree
 from __future__ import annotations
 
 from worker.config import EngineConfig
-from worker.engine.fairness import FairShare
-from worker.engine.sequence import ScheduledBatch, Sequence
+from worker.engine.records.sequence import ScheduledBatch, Sequence
+from worker.engine.scheduling.fairness import FairShare
 from worker.kvcache.page_pool import PagePool
 from worker.protocol import SamplingParams
 

@@ -115,7 +115,7 @@ class KvTiers:
         if self.disk is None:
             return
         mark, clear = (self._in_memory, self._durable) if retention == "in_memory" else (self._durable,
-                                                                                            self._in_memory)
+                                                                                         self._in_memory)
         for h in hashes:
             clear.pop(h, None)
             mark[h] = None

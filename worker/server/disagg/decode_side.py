@@ -19,9 +19,9 @@ from worker import protocol as proto
 from worker.engine.core import DEFAULT_NAMESPACE, Engine
 from worker.kvcache.radix_cache import RadixNode
 from worker.protocol import FirstToken, GenRequest, KvChunk, KvError, OutItem, SamplingParams
-from worker.server import metrics as m
-from worker.server.inflight import InFlight
-from worker.server.prefill_links import Link, PrefillLinks
+from worker.server.disagg.prefill_links import Link, PrefillLinks
+from worker.server.process.inflight import InFlight
+from worker.server.telemetry import worker_metrics as m
 
 log = logging.getLogger(__name__)
 
