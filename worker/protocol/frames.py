@@ -14,6 +14,7 @@ import numpy as np
 
 from common.priorities import MAX_WEIGHT, Priority
 from common.trace_context import valid_traceparent
+from common.worker_registry import ROLES
 from worker.protocol.request import ErrorCode, SamplingParams
 from worker.protocol.request import RequestError as RequestError
 from worker.protocol.request import bad_request as bad_request
@@ -24,7 +25,6 @@ from worker.protocol.stats import KvReport as KvReport
 from worker.protocol.transfer import (
     PF,
     PF_ABORT,
-    ROLES,
     PrefillAbort,
     PrefillHint,
     PrefillRequest,
