@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]
 DEMO_TENANT = "demo"
 CLUSTER_KEY_ENV = "SWITCHYARD_CLUSTER_SECRET_KEY"
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
