@@ -37,7 +37,7 @@ class Peer:
         async with asyncio.timeout(timeout):
             while True:
                 ident, data = await self.sock.recv_multipart()
-                frame = p.decode_gateway_frame(data, max_tokens=1 << 16)
+                frame = p.decode_gateway_frame(data, max_prompt_tokens=1 << 16)
                 if {p.Hello: "hello", p.GenRequest: "gen", p.Abort: "abort"}[type(frame)] == kind:
                     return ident, frame
 

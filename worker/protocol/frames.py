@@ -229,7 +229,7 @@ def _usable_rid(obj: dict[str, Any]) -> str | None:
     return None
 
 
-def _decode_gen(obj: dict[str, Any], max_tokens: int) -> GenRequest:
+def _decode_gen(obj: dict[str, Any], max_prompt_tokens: int) -> GenRequest:
     rid = _usable_rid(obj)
     if rid is None:
         raise ProtocolError(f"field 'rid' must be a non-empty string of at most {MAX_RID_LEN} chars",
@@ -243,8 +243,8 @@ def _decode_gen(obj: dict[str, Any], max_tokens: int) -> GenRequest:
     n = len(raw) // 4
     if n == 0:
         raise ProtocolError("prompt has no tokens", rid=rid, param="tokens")
-    if n > max_tokens:
-        raise ProtocolError(f"prompt has {n} tokens, over the limit of {max_tokens}", rid=rid, param="tokens")
+    if n > max_prompt_tokens:
+        raise ProtocolError(f"prompt has {n} tokens, over the limit of {max_prompt_tokens}", rid=rid, param="tokens")
     tokens = np.frombuffer(raw, dtype=TOKEN_DTYPE)
     sampling = _field(obj, "sampling", dict, rid)
     priority = _field(obj, "priority", int, rid)
@@ -274,19 +274,19 @@ def _decode_gen(obj: dict[str, Any], max_tokens: int) -> GenRequest:
                       prefill=prefill)
 
 
-def decode_gateway_frame(data: bytes, max_tokens: int
+def decode_gateway_frame(data: bytes, max_prompt_tokens: int
                          ) -> Hello | GenRequest | Abort | Sync | PrefillRequest | PrefillAbort:
     """Decode a frame to a worker's port (a gateway's, or a decode worker's `pf`). Raises ProtocolError (with
     `.rid` when usable) on anything invalid, TransferFrameError for a bad `pf`.
 
-    `max_tokens` bounds the prompt length (the model context).
+    `max_prompt_tokens` bounds the prompt length (the model context).
     """
     obj = _load_map(data)
     kind = obj.get("t")
     if kind in (PF, PF_ABORT):
-        return decode_prefill(obj, max_tokens)
+        return decode_prefill(obj, max_prompt_tokens)
     if kind == GEN:
-        return _decode_gen(obj, max_tokens)
+        return _decode_gen(obj, max_prompt_tokens)
     if kind == ABORT:
         rid = _usable_rid(obj)
         if rid is None:

@@ -180,14 +180,14 @@ def decode_hint(raw: Any, rid: str) -> PrefillHint:
     return PrefillHint(wid, ep)
 
 
-def decode_prefill(obj: dict[str, Any], max_tokens: int) -> PrefillRequest | PrefillAbort:
+def decode_prefill(obj: dict[str, Any], max_prompt_tokens: int) -> PrefillRequest | PrefillAbort:
     """A `pf` or `pfabort` frame already unpacked as `obj`; TransferFrameError on anything invalid."""
     xid = _xid(obj)
     if obj.get("t") == PF_ABORT:
         return PrefillAbort(xid)
     tokens = _int32s(_get(obj, "tokens", bytes, xid), "tokens", xid)
-    if not 0 < len(tokens) <= max_tokens:
-        raise TransferFrameError(f"prefill prompt must have 1 to {max_tokens} tokens", xid)
+    if not 0 < len(tokens) <= max_prompt_tokens:
+        raise TransferFrameError(f"prefill prompt must have 1 to {max_prompt_tokens} tokens", xid)
     skip = _get(obj, "skip", int, xid)
     dest = _int32s(_get(obj, "dest", bytes, xid), "dest", xid)
     fp = _get(obj, "fp", bytes, xid)

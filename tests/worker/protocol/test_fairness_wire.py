@@ -28,11 +28,11 @@ def _gen(**extra) -> bytes:
 
 def test_gen_carries_fkey_and_weight_and_defaults_when_absent() -> None:
     frame = p.encode_gen("r", b"n", [1, 2], p.SamplingParams(), fkey=b"k" * 8, weight=2.5)
-    req = p.decode_gateway_frame(frame, max_tokens=8)
+    req = p.decode_gateway_frame(frame, max_prompt_tokens=8)
     assert (req.fkey, req.weight) == (b"k" * 8, 2.5)
-    old = p.decode_gateway_frame(_gen(), max_tokens=8)  # an older gateway sends neither
+    old = p.decode_gateway_frame(_gen(), max_prompt_tokens=8)  # an older gateway sends neither
     assert (old.fkey, old.weight) == (b"", 1.0)
-    assert p.decode_gateway_frame(_gen(weight=3), max_tokens=8).weight == 3.0
+    assert p.decode_gateway_frame(_gen(weight=3), max_prompt_tokens=8).weight == 3.0
 
 
 @pytest.mark.parametrize(("extra", "param"), [
@@ -42,7 +42,7 @@ def test_gen_carries_fkey_and_weight_and_defaults_when_absent() -> None:
 ])
 def test_bad_fairness_fields_name_rid_and_param(extra: dict, param: str) -> None:
     with pytest.raises(p.ProtocolError) as info:
-        p.decode_gateway_frame(_gen(**extra), max_tokens=8)
+        p.decode_gateway_frame(_gen(**extra), max_prompt_tokens=8)
     assert (info.value.rid, info.value.param) == ("r", param)
 
 

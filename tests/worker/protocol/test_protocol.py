@@ -19,7 +19,7 @@ def test_gen_round_trip_packs_tokens_as_int32_le() -> None:
     frame = p.encode_gen("r1", b"ns", [1, 2, 70000], sampling, priority=p.Priority.BATCH, deadline=12.5)
     raw = msgpack.unpackb(frame, raw=False)
     assert raw["tokens"] == b"\x01\x00\x00\x00\x02\x00\x00\x00\x70\x11\x01\x00"
-    req = p.decode_gateway_frame(frame, max_tokens=10)
+    req = p.decode_gateway_frame(frame, max_prompt_tokens=10)
     assert isinstance(req, p.GenRequest)
     assert (req.rid, req.ns, req.priority, req.deadline) == ("r1", b"ns", p.Priority.BATCH, 12.5)
     assert raw["priority"] == 1 and type(raw["priority"]) is int
@@ -54,23 +54,6 @@ def test_out_err_stats_round_trip() -> None:
         p.decode_worker_frame(msgpack.packb({"t": "err", "rid": "a", "code": "nope", "message": "", "retryable": 0}))
 
 
-def test_priority_names_parse_exactly() -> None:
-    assert [p.Priority.parse(n) for n in p.PRIORITY_NAMES] == [p.Priority.INTERACTIVE, p.Priority.BATCH]
-    assert p.Priority.BATCH.label == "batch"
-    for bad in ("Batch", "urgent", ""):
-        with pytest.raises(ValueError):
-            p.Priority.parse(bad)
-
-
-def test_registration_round_trip_and_rejects_bad_records() -> None:
-    reg = p.Registration("w1", "tcp://h:1", "m", p.PROTOCOL_VERSION, 12.5)
-    assert p.parse_registration(p.encode_registration(reg)) == reg
-    assert p.registration_key("w1") == p.REGISTRY_KEY_PREFIX + "w1" == "{sy:workers}:worker:w1"
-    for bad in ("{", "[]", '{"worker_id": "w"}', p.encode_registration(reg).replace('"m"', "3")):
-        with pytest.raises(ValueError):
-            p.parse_registration(bad)
-
-
 def _gen_map(**over: object) -> dict:
     base = {"t": "gen", "rid": "r", "ns": b"", "tokens": p.pack_tokens([1, 2]),
             "sampling": {}, "priority": 0, "deadline": 0.0}
@@ -80,11 +63,11 @@ def _gen_map(**over: object) -> dict:
 
 def test_traceparent_rides_only_on_traced_requests() -> None:
     tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
-    traced = p.decode_gateway_frame(p.encode_gen("r", b"", [1], p.SamplingParams(), traceparent=tp), max_tokens=4)
+    traced = p.decode_gateway_frame(p.encode_gen("r", b"", [1], p.SamplingParams(), traceparent=tp), max_prompt_tokens=4)
     assert traced.traceparent == tp
     plain = p.encode_gen("r", b"", [1], p.SamplingParams())
     assert "traceparent" not in msgpack.unpackb(plain, raw=False)
-    assert p.decode_gateway_frame(plain, max_tokens=4).traceparent == ""
+    assert p.decode_gateway_frame(plain, max_prompt_tokens=4).traceparent == ""
 
 
 _DROP = object()
@@ -109,7 +92,7 @@ _DROP = object()
 ])
 def test_bad_gen_frames_name_rid_and_param(over: dict, param: str) -> None:
     with pytest.raises(p.ProtocolError) as info:
-        p.decode_gateway_frame(msgpack.packb(_gen_map(**over), use_bin_type=True), max_tokens=64)
+        p.decode_gateway_frame(msgpack.packb(_gen_map(**over), use_bin_type=True), max_prompt_tokens=64)
     assert info.value.rid == "r"
     assert info.value.param == param
 
@@ -121,7 +104,7 @@ def test_bad_gen_frames_name_rid_and_param(over: dict, param: str) -> None:
 ])
 def test_frames_without_usable_rid_have_no_rid(data: bytes) -> None:
     with pytest.raises(p.ProtocolError) as info:
-        p.decode_gateway_frame(data, max_tokens=64)
+        p.decode_gateway_frame(data, max_prompt_tokens=64)
     assert info.value.rid is None
 
 
@@ -129,7 +112,7 @@ def test_frames_without_usable_rid_have_no_rid(data: bytes) -> None:
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_only_ever_raise_protocol_error(data: bytes) -> None:
     try:
-        p.decode_gateway_frame(data, max_tokens=64)
+        p.decode_gateway_frame(data, max_prompt_tokens=64)
     except p.ProtocolError:
         pass
     try:
@@ -145,7 +128,7 @@ def test_arbitrary_bytes_only_ever_raise_protocol_error(data: bytes) -> None:
                                  st.sampled_from(["gen", "abort", "hello"]))))
 def test_arbitrary_maps_only_ever_raise_protocol_error(obj: dict) -> None:
     try:
-        p.decode_gateway_frame(msgpack.packb(obj, use_bin_type=True), max_tokens=64)
+        p.decode_gateway_frame(msgpack.packb(obj, use_bin_type=True), max_prompt_tokens=64)
     except p.ProtocolError:
         pass
 
@@ -157,7 +140,7 @@ def test_protocol_module_does_not_import_torch() -> None:
 
 
 def test_tokens_view_is_int32() -> None:
-    req = p.decode_gateway_frame(p.encode_gen("r", b"", np.arange(5), p.SamplingParams()), max_tokens=8)
+    req = p.decode_gateway_frame(p.encode_gen("r", b"", np.arange(5), p.SamplingParams()), max_prompt_tokens=8)
     assert req.tokens.dtype == np.dtype("<i4")
 
 
