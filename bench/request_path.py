@@ -1,9 +1,9 @@
 """How many Switchyard modules one chat request runs code in, gateway and worker together (the request path).
 
-A private stack (`make run`'s launcher) starts with `bench/calltrace/sitecustomize.py` loaded in its children; after
-a warm-up request, both processes record the modules whose functions run (main thread: the gateway's event loop,
-the worker's serving loop) while one streamed chat completion is served. Prints one JSON line with the count, the
-modules per process, and exits 1 over the target (`--max-modules`, 50).
+A private stack (`make run`'s launcher) starts with `bench/calltrace/sitecustomize.py` loaded in its
+children; after a warm-up request, both processes record the modules whose functions run (main thread: the
+gateway's event loop, the worker's serving loop) while one streamed chat completion is served. Prints one JSON
+line with the count and the modules per process; exits 1 over the target (`--max-modules`, 50).
 Run: `python -m bench.request_path [--model default]` (needs redis-server).
 """
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.wait_ready(180)
         key = stack.create_tenant("path", tpm=0, rpm=0, max_concurrent=0)
-        chat(stack.base_url, key, args.model)  # warm-up: lazy imports and first-use caches stay out of the count
+        chat(stack.base_url, key, args.model)  # warm-up: lazy imports and first-use caches are not counted
         found = traced(stack, key, args.model, tmp / "trace")
     finally:
         stack.stop()

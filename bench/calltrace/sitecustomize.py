@@ -1,5 +1,6 @@
-"""Loaded only by `bench/request_path.py`'s child processes (through PYTHONPATH): between SIGUSR1 and SIGUSR2 the
-main thread records which Switchyard modules run code, then writes their names to `$SWITCHYARD_CALLTRACE.<pid>`."""
+"""Loaded only by `bench/request_path.py`'s child processes (through PYTHONPATH): between SIGUSR1 and
+SIGUSR2 the main thread records which Switchyard modules run code, then writes their names to
+`$SWITCHYARD_CALLTRACE.<pid>`."""
 
 import os
 import signal
