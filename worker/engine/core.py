@@ -13,6 +13,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.export import PageExport
+from worker.engine.prefix_pins import PrefixPins
 from worker.engine.records.outputs import EngineStats, StepOutput
 from worker.engine.records.request_errors import RequestError, bad_request
 from worker.engine.records.sequence import NgramIndex, Priority, ScheduledBatch, SeqStatus, Sequence
@@ -59,6 +60,7 @@ class Engine:
         self.pool = PagePool(num_pages)
         self.cache = RadixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(config, self.pool, self.cache)
+        self.pins = PrefixPins(self.cache)  # transferred prefixes held for their waiting requests
         self.runner = self.runner_class(model, config, num_pages)
         codec = PageCodec(self.runner.kv)  # pages to and from host rows: the KV tiers' and disaggregation's
         self.kv_fingerprint = fingerprint(model.model_id, model.weights_id, model.tokenizer_version, self.runner.kv)
@@ -160,6 +162,7 @@ class Engine:
         outputs = []
         for rid, error in failed:
             seq = self._seqs.pop(rid)
+            self.pins.release(rid)
             seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
             outputs.append(StepOutput(rid, [], "error", 0, None, error=error))
         return outputs
@@ -196,6 +199,7 @@ class Engine:
         seq = self._seqs.pop(rid, None)
         if seq is None:
             return False
+        self.pins.release(rid)
         if self._grammars is not None and self._grammars.remove(rid) is not None:
             seq.status = SeqStatus.FINISHED  # it never reached the scheduler
         else:
@@ -219,6 +223,8 @@ class Engine:
         """One iteration: schedule, run the model, postprocess (plus aborts and grammars settled since the last)."""
         outputs = self._settle_arrivals()
         batch = self.scheduler.schedule()
+        if self.pins:
+            self.pins.admitted(batch)
         if batch.empty:
             return outputs
         self._steps += 1
@@ -309,6 +315,7 @@ class Engine:
             seq.num_computed = min(seq.num_computed, len(seq.tokens))  # a verify run may end inside its drafts
             self.scheduler.finish(seq)
             del self._seqs[seq.rid]
+            self.pins.release(seq.rid)
         return emitted, reason, error
 
     def _append(self, seq: Sequence, tok: int, logprob: float | None) -> StepOutput:

@@ -77,8 +77,6 @@ class RadixCache:
         # called with (block digests, pages) just before evicted pages are released (the KV tiers keep them)
         self.on_evict: Callable[[list[bytes], list[int]], None] | None = None
 
-    # ----- counters -------------------------------------------------------------------------
-
     @property
     def cached_pages(self) -> int:
         return len(self._tree_pages)
@@ -96,15 +94,24 @@ class RadixCache:
         """Matched tokens over looked-up tokens since start (0.0 before any lookup)."""
         return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
-    # ----- public operations ----------------------------------------------------------------
-
     def match_prefix(self, ns: bytes, tokens: Sequence[int]) -> PrefixMatch:
         """Longest cached page-aligned prefix of `tokens` in `ns`: locked, one ref per page retained."""
         toks = self._check(ns, tokens)
         self.lookup_tokens += len(toks)
+        node, pos, pages = self._lock_longest(ns, toks)
+        self.pool.retain(pages)
+        self.hit_tokens += pos
+        return PrefixMatch(pages, pos, node)
+
+    def lock_prefix(self, ns: bytes, tokens: Sequence[int]) -> tuple[RadixNode | None, int]:
+        """`match_prefix` without taking page references or counting a look-up: (handle to `unlock`, tokens)."""
+        node, pos, _ = self._lock_longest(ns, self._check(ns, tokens))
+        return node, pos
+
+    def _lock_longest(self, ns: bytes, toks: tuple[int, ...]) -> tuple[RadixNode | None, int, list[int]]:
         root = self._roots.get(ns)
         if root is None:
-            return PrefixMatch([], 0, None)
+            return None, 0, []
         self._clock += 1
         node, pos, pages = root, 0, []
         while True:
@@ -118,11 +125,9 @@ class RadixCache:
             pos += len(child.key)
             node = child
         if node is root:
-            return PrefixMatch([], 0, None)
+            return None, 0, []
         self._lock(node)
-        self.pool.retain(pages)
-        self.hit_tokens += pos
-        return PrefixMatch(pages, pos, node)
+        return node, pos, pages
 
     def peek(self, ns: bytes, tokens: Sequence[int]) -> int:
         """Number of cached prefix tokens `match_prefix` would return; changes nothing."""
@@ -214,8 +219,6 @@ class RadixCache:
                 stack.extend(node.children.values())
         return ids
 
-    # ----- inspection (tests, debugging; walks the whole tree) -------------------------------
-
     def snapshot(self) -> dict[bytes, dict[tuple[int, ...], int]]:
         """Every cached page as {namespace: {page-aligned token prefix: page id}}."""
         out: dict[bytes, dict[tuple[int, ...], int]] = {}
@@ -256,8 +259,6 @@ class RadixCache:
         assert locked == self._locked_pages, "locked page counter out of sync"
         assert leaves == self._evictable_leaves, "evictable leaf set out of sync"
         assert all(self.pool.refcount(p) > 0 for p in seen), "a cached page is free in the pool"
-
-    # ----- tree mechanics -------------------------------------------------------------------
 
     def _check(self, ns: bytes, tokens: Sequence[int]) -> tuple[int, ...]:
         if not isinstance(ns, bytes):

@@ -178,7 +178,7 @@ class DecodeSide:
     # ------------------------------------------------------------ ends
 
     def _complete(self, lease: Lease, first: FirstToken) -> None:
-        self._close(lease)
+        kept = self._close(lease)
         m.DISAGG_TRANSFERS.labels("complete").inc()
         m.DISAGG_SECONDS.observe(time.monotonic() - lease.started)
         cached = max(lease.held * self.bs, first.cached_tokens)
@@ -190,15 +190,17 @@ class DecodeSide:
             self.send_out(entry, item)
             return
         if self.add_local(entry, lease.req, lease.prompt + first.tokens, lease.sampling, 1):
+            self.engine.pins.pin(entry.engine_rid, lease.ns, kept)  # evictable only once it is admitted
             self.send_out(entry, item)
 
     def _fallback(self, lease: Lease, reason: str) -> None:
         """Keep the pages that arrived as a cached prefix; prefill the rest here (the client sees no error)."""
-        self._close(lease)
+        kept = self._close(lease)
         self.links.send(lease.link, proto.encode_prefill_abort(lease.xid), time.monotonic())
         m.DISAGG_TRANSFERS.labels("fallback").inc()
         m.DISAGG_FALLBACKS.labels(reason).inc()
-        self.add_local(lease.entry, lease.req, lease.prompt, lease.sampling, 0)
+        if self.add_local(lease.entry, lease.req, lease.prompt, lease.sampling, 0):
+            self.engine.pins.pin(lease.entry.engine_rid, lease.ns, kept)
 
     def cancel(self, engine_rid: str) -> bool:
         """The request ended before its transfer did (abort, deadline, gateway gone): free its lease."""
@@ -211,8 +213,9 @@ class DecodeSide:
         m.DISAGG_TRANSFERS.labels("cancelled").inc()
         return True
 
-    def _close(self, lease: Lease) -> None:
-        """Forget the lease: its held and arrived pages join the radix cache, the rest return to the pool."""
+    def _close(self, lease: Lease) -> list[int]:
+        """Forget the lease: its held and arrived pages join the radix cache, the rest return to the pool; the
+        prompt tokens whose pages were kept."""
         self.leases.pop(lease.xid, None)
         self.by_rid.pop(lease.entry.engine_rid, None)
         cache, pool, keep = self.engine.cache, self.engine.pool, lease.held + lease.arrived
@@ -221,6 +224,7 @@ class DecodeSide:
             cache.insert(lease.ns, lease.prompt[:keep * self.bs], lease.held_pages + lease.pages[:lease.arrived])
         pool.release(lease.pages[lease.arrived:])
         cache.unlock(lease.handle)
+        return lease.prompt[:keep * self.bs]
 
     def housekeeping(self, now: float) -> None:
         for lease in list(self.leases.values()):
