@@ -1,5 +1,6 @@
-"""Pinned prefixes: pages a prefill worker pushed stay cached while their request waits, and the pin ends with
-the request's admission or its end (abort, finish), so no lock is leaked. KV tiers off: an evicted page is gone."""
+"""Pinned prefixes: pages a prefill worker pushed stay cached while their request waits, and the pin ends
+with the request's admission or its end (abort, finish), so no lock is leaked. KV tiers are off here, so an
+evicted page is gone."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import random
 import pytest
 import torch
 
-from tests.worker.engine.test_prefix_cache_engine import assert_no_leaks, drain, greedy, make_engine, rand_prompt
+from tests.worker.engine.test_prefix_cache_engine import (
+    assert_no_leaks,
+    drain,
+    greedy,
+    make_engine,
+    rand_prompt,
+)
 from worker.engine.core import DEFAULT_NAMESPACE
 from worker.model.tiny_model import load_tiny_model
 
