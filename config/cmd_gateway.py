@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-write-timeout", dest="stream_write_timeout", type=float,
                         help="seconds a streaming client may take no data before it is cut and its request "
                              "ends (default 30)")
+    parser.add_argument("--stream-detach-grace", dest="stream_detach_grace", type=float,
+                        help="seconds a stream whose client disconnected runs on for a reconnect with "
+                             "Last-Event-ID (default 30; 0: it ends at once)")
     parser.add_argument("--worker-timeout", dest="worker_timeout", type=float,
                         help="seconds without worker stats before it counts as lost once its link is down "
                              "(default 1)")
@@ -81,7 +84,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "keep_alive_timeout",
              "worker_timeout", "worker_stall_timeout", "log_level", "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
              "route_prefix_tokens", "max_resumes", "model_pools", "disagg_min_tokens", "disagg_max_prefill_queue",
-             "files_dir")
+             "files_dir", "stream_detach_grace")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:
         values["metrics_tenant_labels"] = [t.strip() for t in args.metrics_tenant_labels.split(",") if t.strip()]
@@ -105,6 +108,7 @@ def build_app(settings: Settings):
     from gateway.flow.served_model import ServedModel
     from gateway.flow.service import GatewayService, ServiceConfig
     from gateway.responses.response_store import ResponseStore
+    from gateway.streams.event_log import EventLogs
     from gateway.telemetry.gateway_metrics import configure as configure_metrics
     from router import Membership, WorkerClient
     from tenancy.directory import TenantDirectory
@@ -168,7 +172,9 @@ def build_app(settings: Settings):
                                               ready_check=redis_ok, metrics_token=gw.metrics_token,
                                               trace_tenant=gw.trace_tenant,
                                               trust_client_trace=gw.trust_client_trace,
-                                              files_dir=files_dir(gw.files_dir)),
+                                              files_dir=files_dir(gw.files_dir),
+                                              event_logs=EventLogs(redis) if gw.stream_resume else None,
+                                              stream_detach_grace_s=gw.stream_detach_grace),
                       on_close=close, response_store=ResponseStore(redis))
 
 

@@ -127,6 +127,9 @@ class GatewaySettings(BaseModel):
     # the Files API's directory (gateway.files): one volume shared by the replicas in compose and Kubernetes;
     # empty: ~/.cache/switchyard/files, "off": no /v1/files
     files_dir: str = ""
+    # resumable streams (gateway.streams): SSE event ids, an event log per stream in Redis, replay on any replica
+    stream_resume: bool = True
+    stream_detach_grace: float = Field(30.0, ge=0)  # a stream whose client left runs on this long for a reconnect
     # model pools (docs/routing.md): registry workers grouped by model version, each with its own router and
     # capacity gate; `model` picks a version directly, by model name or by a weighted alias (Redis `sy:aliases`)
     model_pools: bool = False

@@ -33,6 +33,8 @@ from gateway.responses.conversations import Conversations
 from gateway.responses.response_events import stream_events
 from gateway.responses.response_store import ResponseStore
 from gateway.responses.routes import cancel_response, stored_response
+from gateway.streams import resume_routes
+from gateway.streams.hooks import resumable
 from gateway.telemetry import gateway_metrics, gateway_spans
 from gateway.web import api_errors
 from gateway.web.api_errors import ApiError, install_handlers
@@ -65,6 +67,8 @@ class AppConfig:
     trace_tenant: bool = False  # request spans carry the tenant's name (`switchyard.tenant`)
     trust_client_trace: bool = False  # a client's traceparent parents the request span (else: a link only)
     files_dir: str | None = None  # the Files API's directory (gateway.files); None: /v1/files answers 404
+    event_logs: Any = None  # gateway.streams.event_log.EventLogs: streams carry event ids and can resume; None: off
+    stream_detach_grace_s: float = 30.0  # a stream whose client left runs on this long for a reconnect
 
 
 def _service(request: Request) -> GatewayService:
@@ -124,8 +128,10 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
                 body = stream_events(gen, first, trace, functools.partial(request.app.state.conversations.save_response, tenant, req))
             else:
                 body = _sse_body(gen, first, trace)
-            response: Response = SSEResponse(body, functools.partial(_close, gen, trace, span),
-                                             headers=gen.headers, write_timeout_s=config.stream_write_timeout_s)
+            body, closer = resumable(config, prepared, body, functools.partial(_close, gen, trace, span),
+                                     request.app.state.drain)
+            response: Response = SSEResponse(body, closer, headers=gen.headers,
+                                             write_timeout_s=config.stream_write_timeout_s)
             gen = None  # the response owns it now
             return response
         text, logprobs = await until_disconnect(request, gen.collect())
@@ -199,9 +205,10 @@ async def _generate_group(request: Request, svc: GatewayService, prepared: Prepa
             events = group.events()
             first = await until_disconnect(request, anext(events, None))
             trace.first_token(group.usage.completion_tokens)
-            response: Response = SSEResponse(
-                _group_sse(group, first, events), functools.partial(_close, group, trace, span), headers=group.headers,
-                write_timeout_s=request.app.state.config.stream_write_timeout_s)
+            body, closer = resumable(request.app.state.config, prepared, _group_sse(group, first, events),
+                                     functools.partial(_close, group, trace, span), request.app.state.drain)
+            response: Response = SSEResponse(body, closer, headers=group.headers,
+                                             write_timeout_s=request.app.state.config.stream_write_timeout_s)
             group = None  # the response owns it now
             return response
         return JSONResponse(await until_disconnect(request, group.collect()), headers=group.headers)
@@ -272,14 +279,21 @@ async def _sse_body(gen: Generation, first: Delta | None, trace: gateway_metrics
 
 
 async def chat_completions(request: Request) -> Response:
+    if "last-event-id" in request.headers:  # a reconnect: the stream's missed events, then its tail
+        return await resume_routes.resume_completion(request)
     return await _generate(request, parse_chat)
 
 
 async def completions(request: Request) -> Response:
+    if "last-event-id" in request.headers:
+        return await resume_routes.resume_completion(request)
     return await _generate(request, parse_completion)
 
 
 async def responses(request: Request) -> Response:
+    if "last-event-id" in request.headers:
+        raise api_errors.invalid("A response stream resumes with GET /v1/responses/{id}?stream=true&starting_after=N.",
+                                 param="Last-Event-ID")
     return await _generate(request, parse_responses)
 
 
@@ -335,10 +349,13 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.service = await make_service()
         app.state.background = BackgroundRuns(app.state.service, app.state.conversations, app.state.drain)
+        app.state.background.logs = app.state.config.event_logs
         try:
             yield
         finally:
             await app.state.background.shutdown()  # before the router and admission close under the runs
+            if app.state.config.event_logs is not None:
+                await app.state.config.event_logs.close()  # streams whose client left end; a last flush
             await app.state.service.close()
             if on_close is not None:
                 await on_close()

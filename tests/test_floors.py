@@ -18,7 +18,7 @@ FOLDER_FLOORS = {  # each package's folders, lowest first (a package's own modul
     "worker.engine": ("worker.engine.records", "worker.engine.scheduling", "worker.engine"),
     "worker.server": ("worker.server.process", "worker.server.telemetry", "worker.server.disagg", "worker.server"),
     "gateway": ("gateway.telemetry", "gateway.web", "gateway.openai", "gateway.flow", "gateway.files",
-                "gateway.responses", "gateway"),
+                "gateway.streams", "gateway.responses", "gateway"),
     "router": ("router.placement", "router.links", "router.disagg", "router.pools", "router"),
     "config": ("config.local_stack", "config.loadtest", "config"),
 }

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from gateway.openai.responses_shape import ResponsesShape, final_status
 from gateway.responses.conversations import Conversations
+from gateway.responses.logged_runs import logged_run
 from gateway.responses.response_store import ResponseStore, reported
 from gateway.telemetry.gateway_metrics import RequestTrace
 from gateway.web import api_errors
@@ -21,6 +22,7 @@ from gateway.web.drain_middleware import DrainState
 if TYPE_CHECKING:
     from gateway.flow.generation import Generation
     from gateway.flow.service import GatewayService
+    from gateway.streams.event_log import EventLogs
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -57,6 +59,7 @@ class BackgroundRuns:
         self.per_tenant, self.per_gateway = per_tenant, per_gateway
         self._runs: dict[str, Run] = {}
         self._watcher: asyncio.Task | None = None
+        self.logs: EventLogs | None = None  # set by the app: runs log their stream events for a streamed GET
 
     @property
     def store(self) -> ResponseStore:
@@ -113,6 +116,9 @@ class BackgroundRuns:
                 delta = await gen.next()
                 trace.first_token(gen.usage.completion_tokens)
                 await self._save(gen, "in_progress", [], deadline, final=False)
+                if self.logs is not None:
+                    finish = await logged_run(self.logs, gen, delta, trace, parts)
+                    delta = None
                 while delta is not None:
                     parts.append(delta.text)
                     finish = delta.finish_reason or finish

@@ -70,6 +70,11 @@ class GatewayMetrics:
         # A stream that fails after its 200 headers ends with an SSE error event; `requests` still says 200.
         self.stream_errors = counter("switchyard_stream_errors",
                                      "Streams ended by an SSE error event after a 200, by error status", ["status"])
+        # resumable streams (gateway.streams): replays by how they ended; streams no longer logged (Redis behind)
+        self.stream_resumes = counter("switchyard_stream_resumes", "Reconnected streams by how the replay ended "
+                                      "(done, cut, lost, timeout)", ["outcome"])
+        self.stream_log_dropped = counter("switchyard_stream_log_dropped", "Streams no longer logged: too many "
+                                          "events waited for Redis", [])
         # per model version (a canary is judged by these); versions are bounded (router.fleet.MAX_VERSIONS)
         self.version_ttft = Histogram("switchyard_version_ttft_seconds", "Time to first token by model version",
                                       ["version"], buckets=TTFT_BUCKETS, registry=registry)
@@ -79,7 +84,7 @@ class GatewayMetrics:
                                       "completion)", ["version", "kind"])
         self._collectors = (self.ttft, self.inter_token, self.e2e, self.queue, self.requests, self.prompt_tokens,
                             self.completion_tokens, self.cached_tokens, self.rate_limited, self.shed,
-                            self.stream_errors, self.version_ttft, self.version_requests, self.version_tokens)
+                            self.stream_errors, self.stream_resumes, self.stream_log_dropped, self.version_ttft, self.version_requests, self.version_tokens)
         for reason in SHED_REASONS:  # every reason is exported from the start, at 0
             self.shed.labels(reason)
         for reason in RATE_LIMIT_REASONS:

@@ -34,6 +34,11 @@ def event_named(kind: str, obj: dict) -> bytes:
     return b"event: " + kind.encode() + b"\n" + event(obj)
 
 
+def stalled_cut() -> bool:
+    """Whether this task's stream was cut because its client stopped reading (not because it left)."""
+    return _CUT.get()
+
+
 class WriteStalled(Exception):
     """The client did not take a chunk within the write deadline."""
 

@@ -1,0 +1,171 @@
+"""The event log of each stream: a Redis stream per SSE stream, under its tenant's hash tag, bounded and expiring.
+
+Writes are batched: events wait in memory and one flusher task sends every open stream's new events in one
+pipeline each FLUSH_S, one entry per stream and flush (its events joined; entry id = its last event's), so no
+token costs a Redis command. A `live` key, refreshed by the flusher while the stream's gateway still carries it,
+tells a reader on another gateway whether more events can come."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.telemetry import gateway_metrics
+
+log = logging.getLogger("switchyard.gateway")
+
+FLUSH_S = 0.05  # events reach Redis within this (plus one round trip)
+LIVE_TTL_S = 3.0  # a stream whose gateway wrote nothing and refreshed nothing for this long is lost
+LIVE_REFRESH_S = 1.0
+TTL_S = 600  # a log expires this long after its last write
+MAX_ENTRIES = 1024  # flushes kept per stream (at least 51 s of events): older ones are trimmed
+MAX_READERS = 1024  # reconnected streams one gateway serves at once (503 past it)
+MAX_PENDING = 65_536  # events waiting for a flush, all streams together; past it new events are not logged
+FIRST = b"s"  # an entry's fields: the sequence number of its first event, and its events joined (`DATA`)
+DATA = b"d"
+END = b"end"  # the field of the entry that closes a log: "done" (it ended) or "cut" (it stopped early)
+
+
+def log_key(tenant: str, stream_id: str) -> str:
+    return f"{{t:{tenant}}}:sse:{stream_id}"
+
+
+def live_key(tenant: str, stream_id: str) -> str:
+    return f"{{t:{tenant}}}:sse:{stream_id}:live"
+
+
+def entry_id(seq: int) -> str:
+    """The Redis stream entry id of event `seq` (0, 1, ...): `0-<seq + 1>` (ids must be above 0-0)."""
+    return f"0-{seq + 1}"
+
+
+def entry_seq(entry: bytes | str) -> int:
+    text = entry.decode() if isinstance(entry, bytes) else entry
+    return int(text.partition("-")[2]) - 1
+
+
+@dataclass(slots=True)
+class StreamLog:
+    """One stream's log: `append` numbers and buffers an event; `end` closes the log."""
+
+    tenant: str
+    stream_id: str
+    next_seq: int = 0
+    pending: list[bytes] = field(default_factory=list)  # events next_seq - len(pending) ... next_seq - 1
+    ended: bool = False
+    dropped: bool = False  # the pending bound was hit: this log stays incomplete, and says so when it ends
+    refreshed: float = 0.0  # time.monotonic() of the last `live` refresh (and expiry)
+    whole: bool = False  # it ended with its last event (not cut)
+
+    @property
+    def key(self) -> str:
+        return log_key(self.tenant, self.stream_id)
+
+
+class EventLogs:
+    """This gateway's open stream logs and their flusher."""
+
+    def __init__(self, client: Any, *, flush_s: float = FLUSH_S, ttl_s: int = TTL_S, max_entries: int = MAX_ENTRIES,
+                 max_pending: int = MAX_PENDING, live_ttl_s: float = LIVE_TTL_S) -> None:
+        self.redis = client
+        self.flush_s, self.ttl_s, self.max_entries = flush_s, ttl_s, max_entries
+        self.max_pending, self.live_ttl_s = max_pending, live_ttl_s
+        self._open: dict[str, StreamLog] = {}
+        self.readers, self.max_readers = 0, MAX_READERS  # replays being served (`gateway.streams.resume_routes`)
+        self._pending = 0
+        self._flusher: asyncio.Task | None = None
+        self._detached: set[asyncio.Task] = set()  # streams whose client left, running on (`resumable`)
+
+    def open(self, tenant: str, stream_id: str) -> StreamLog:
+        stream = StreamLog(tenant, stream_id)
+        self._open[stream.key] = stream
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_loop(), name="event log flusher")
+        return stream
+
+    def append(self, stream: StreamLog, data: bytes) -> int:
+        """Number one event and buffer it for the next flush; its sequence number."""
+        seq = stream.next_seq
+        stream.next_seq += 1
+        if self._pending >= self.max_pending:
+            if not stream.dropped:
+                gateway_metrics.current().stream_log_dropped.inc()
+                log.warning("event log: %d events wait for Redis; stream %s is no longer logged", self._pending,
+                            stream.stream_id)
+            stream.dropped = True
+        elif not stream.dropped:
+            stream.pending.append(data)
+            self._pending += 1
+        return seq
+
+    def end(self, stream: StreamLog, *, whole: bool) -> None:
+        """Close the log: an end entry (`done`, or `cut` when the stream stopped early or events were dropped),
+        at the sequence number after its last event's."""
+        if not stream.ended:
+            stream.ended, stream.whole = True, whole and not stream.dropped
+
+    def detached(self, task: asyncio.Task) -> None:
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+
+    async def _flush_loop(self) -> None:
+        while self._open:
+            await asyncio.sleep(self.flush_s)
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Send every buffered event, refresh the `live` keys and expiries, forget ended logs (one pipeline)."""
+        now = time.monotonic()
+        batch = [(s, s.pending, s.next_seq, s.ended) for s in self._open.values()
+                 if s.pending or s.ended or now - s.refreshed >= LIVE_REFRESH_S]
+        if not batch:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for s, chunk, next_seq, ended in batch:
+            s.pending = []  # events appended while this flush is on its way go in the next one
+            if chunk:
+                pipe.xadd(s.key, {FIRST: next_seq - len(chunk), DATA: b"".join(chunk)}, id=entry_id(next_seq - 1),
+                          maxlen=self.max_entries, approximate=False)
+            if ended:
+                pipe.xadd(s.key, {END: b"done" if s.whole else b"cut"}, id=entry_id(next_seq),
+                          maxlen=self.max_entries, approximate=False)
+                pipe.expire(s.key, self.ttl_s)
+                pipe.delete(live_key(s.tenant, s.stream_id))
+            elif now - s.refreshed >= LIVE_REFRESH_S:
+                pipe.expire(s.key, self.ttl_s)
+                pipe.set(live_key(s.tenant, s.stream_id), b"1", px=int(self.live_ttl_s * 1000))
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except Exception as exc:  # Redis down: the events wait for the next tick, within the pending bound
+            log.warning("event log: a flush failed: %s", type(exc).__name__)
+            for s, chunk, _, _ in batch:
+                s.pending[:0] = chunk
+            return
+        # an entry a failed flush had already written is refused as "equal or smaller" when sent again: it is there
+        refused = [r for r in results if isinstance(r, Exception) and "equal or smaller" not in str(r)]
+        if refused:
+            log.warning("event log: Redis refused %d writes: %s", len(refused), type(refused[0]).__name__)
+        for s, chunk, _, ended in batch:
+            self._pending -= len(chunk)
+            if now - s.refreshed >= LIVE_REFRESH_S:
+                s.refreshed = now
+            if ended:
+                self._open.pop(s.key, None)
+
+    async def close(self) -> None:
+        """Streams whose client left end (cut), a last flush (within the Redis client's timeouts), the flusher
+        stops."""
+        for task in list(self._detached):
+            task.cancel()
+        if self._detached:
+            await asyncio.wait(list(self._detached), timeout=5.0)
+        with contextlib.suppress(Exception):
+            await self.flush()
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(BaseException):
+                await self._flusher
