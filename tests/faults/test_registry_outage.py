@@ -107,8 +107,7 @@ async def run_outage(cluster: FaultCluster, http: httpx.AsyncClient, key: str, g
     await asyncio.to_thread(cluster.redis.start)
     up_at = time.monotonic()
     waits = await asyncio.gather(served_after(http, gw_open, key, up_at, 10),
-                                 served_after(http, gw_closed, key,
-                                                                                           up_at, 10))
+                                 served_after(http, gw_closed, key, up_at, 10))
     async with asyncio.timeout(120):
         await asyncio.gather(*streams)
     spanning = sum(1 for at, _ in ended if at > up_at + SERVED_WITHIN_S)
