@@ -35,7 +35,8 @@ def _start_redis() -> tuple[subprocess.Popen, str]:
     if binary is None:
         raise SystemExit("redis-server not found: install it (make redis-bin) or pass --redis-url")
     port = _free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -108,13 +109,15 @@ def _client_calls(r, internal: set[str]) -> int:
     return total
 
 
-def spawn_workers(url: str, key: str, procs: int, requests: int, inflight: int) -> tuple[list, object, object]:
+def spawn_workers(url: str, key: str, procs: int, requests: int,
+                  inflight: int) -> tuple[list, object, object]:
     """`procs` client processes sharing `requests`, each `inflight` at a time; they wait at the barrier twice
     (started, then counters read) before sending. Returns (processes, barrier, result queue)."""
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(procs + 1), ctx.Queue()
     share = [requests // procs + (1 if i < requests % procs else 0) for i in range(procs)]
-    workers = [ctx.Process(target=_worker, args=(url, key, share[i], inflight, barrier, queue)) for i in range(procs)]
+    workers = [ctx.Process(target=_worker, args=(url, key, share[i], inflight, barrier, queue))
+               for i in range(procs)]
     for w in workers:
         w.start()
     return workers, barrier, queue
@@ -152,7 +155,8 @@ def run(url: str, procs: int, requests: int, inflight: int, budget_tokens: int) 
         "denied": sum(res[2] for res in results), "budget_tokens": budget_tokens,
         "admitted_tokens": admitted * COST, "elapsed_s": round(elapsed, 3),
         "redis_round_trips_per_request": round((calls1 - calls0 - 1) / max(1, len(latencies)), 3),
-        "p50_us": latencies[len(latencies) // 2], "p99_us": latencies[min(len(latencies) - 1, len(latencies) * 99 // 100)],
+        "p50_us": latencies[len(latencies) // 2],
+        "p99_us": latencies[min(len(latencies) - 1, len(latencies) * 99 // 100)],
         "over_admit_frac": round(over, 6),
     }
 

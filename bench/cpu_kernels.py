@@ -36,8 +36,8 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
 
 def _batch(n: int) -> SamplingBatch:
     z = torch.zeros(n, dtype=torch.int64)
-    return SamplingBatch(torch.ones(n), z, torch.full((n,), 0.95), torch.arange(n, dtype=torch.int64), z, False,
-                         False, True, False)
+    return SamplingBatch(torch.ones(n), z, torch.full((n,), 0.95),
+                         torch.arange(n, dtype=torch.int64), z, False, False, True, False)
 
 
 def sampler(rows: int, reps: int) -> dict:
@@ -99,7 +99,8 @@ def attention(streams: int, context: int, dtype: torch.dtype, reps: int) -> dict
     k = torch.randn(streams, kvh, hd).to(dtype)
     out = {"streams": streams, "context": context, "dtype": str(dtype).replace("torch.", "")}
     kernel = paged_decode_kernel()
-    for name, attn in (("torch", TorchAttention(nh, kvh, hd)), ("kernel", TorchAttention(nh, kvh, hd, kernel))):
+    for name, attn in (("torch", TorchAttention(nh, kvh, hd)),
+                       ("kernel", TorchAttention(nh, kvh, hd, kernel))):
         if name == "kernel" and kernel is None:
             break
         meta = attn.prepare(lay, torch.device("cpu"))

@@ -1,6 +1,6 @@
-"""Disaggregated prefill vs colocated (two workers pinned to a core each; gateway and load unpinned): steady streams'
-inter-token latency, throughput and SLO goodput while long prompts arrive; one JSON line (docs/benchmarks.md).
-Run: `python -m bench.disagg [--duration 180] [--dtype float32]` (needs redis-server; ~2 x (duration + 70 s))."""
+"""Disaggregated prefill vs colocated (two workers pinned to a core each; gateway and load unpinned): steady
+streams' ITL, throughput and SLO goodput while long prompts arrive; one JSON line (docs/benchmarks.md).
+Run: `python -m bench.disagg [--duration 180]` (dtype float32; needs redis-server; ~2 x (duration + 70 s))."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ READ_TIMEOUT_S = 300.0
 
 @contextlib.contextmanager
 def pinned(core: int) -> Iterator[None]:
-    """This thread on `core` for the block: children started inside inherit the mask, as under `taskset -c`."""
+    """This thread on `core` for the block: children started inside inherit the mask (as `taskset -c`)."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {core})
     try:
@@ -80,7 +80,8 @@ def start_redis(log_dir: Path) -> tuple[subprocess.Popen, str]:
         raise RuntimeError("redis-server not found")
     port = free_port()
     with open(log_dir / "redis.log", "wb") as log:
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly",
                                  "no", "--loglevel", "warning"], stdout=log, stderr=subprocess.STDOUT)
     wait_for_port(port, 10.0)
     return proc, f"redis://127.0.0.1:{port}/0"
@@ -131,16 +132,18 @@ class Arm:
         """The gateway answers /ready and has heard stats from both workers."""
         deadline = time.monotonic() + timeout
         while not (self.gateway.ready() and heard(self.gateway.base_url) >= 2):
-            dead = [p.args for p in [self.gateway.proc, *(w.proc for w in self.workers)] if p.poll() is not None]
+            dead = [p.args for p in [self.gateway.proc, *(w.proc for w in self.workers)]
+                    if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"{self.name}: a process exited during start-up: {dead[0]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: not ready after {timeout}s (logs in {self.workers[0].log_path.parent})")
+                raise TimeoutError(f"{self.name}: not ready after {timeout}s "
+                                   f"(logs in {self.workers[0].log_path.parent})")
             time.sleep(0.5)
 
     def pinning(self) -> dict[str, list[str]]:
-        return {f"{role}@{core}": cores_of(w.proc.pid) for core, (role, w) in enumerate(zip(ROLES[self.name],
-                                                                                            self.workers, strict=True))}
+        return {f"{role}@{core}": cores_of(w.proc.pid)
+                for core, (role, w) in enumerate(zip(ROLES[self.name], self.workers, strict=True))}
 
     def stop(self) -> None:
         """Gateway first, then each worker, every one tried whatever the others do."""
@@ -159,8 +162,8 @@ def heard(base: str) -> int:
 def counters(url: str, name: str, label: str) -> dict[str, float]:
     """A counter's `_total` samples at `url`, by the value of `label`."""
     out: dict[str, float] = {}
-    for m in re.finditer(r"^" + re.escape(name) + r"_total(?:\{([^}]*)\})? (\S+)$", httpx.get(url, timeout=10).text,
-                         re.M):
+    for m in re.finditer(r"^" + re.escape(name) + r"_total(?:\{([^}]*)\})? (\S+)$",
+                         httpx.get(url, timeout=10).text, re.M):
         key = re.search(label + r'="([^"]*)"', m.group(1) or "")
         value = key.group(1) if key else label
         out[value] = out.get(value, 0.0) + float(m.group(2))
@@ -172,9 +175,10 @@ def scrape(arm: Arm) -> dict:
     workers = [f"http://127.0.0.1:{p}/metrics" for p in arm.metrics_ports]
     return {"gateway_requests": counters(gw, "switchyard_disagg_requests", "outcome"),
             "gateway_fallbacks": counters(gw, "switchyard_disagg_fallbacks", "reason"),
-            "worker_transfers": [counters(u, "switchyard_worker_disagg_transfers", "outcome") for u in workers],
-            "worker_fallbacks": [counters(u, "switchyard_worker_disagg_fallbacks", "reason") for u in workers],
-            "worker_mib": [transfer_mib(u) for u in workers]}
+            "worker_transfers": [counters(u, "switchyard_worker_disagg_transfers", "outcome")
+                                 for u in workers],
+            "worker_fallbacks": [counters(u, "switchyard_worker_disagg_fallbacks", "reason")
+                                 for u in workers], "worker_mib": [transfer_mib(u) for u in workers]}
 
 
 def transfer_mib(url: str) -> dict[str, float]:
@@ -194,8 +198,8 @@ def delta(after: object, before: object) -> object:
     return round(after - before, 3)
 
 
-async def stream_one(http: httpx.AsyncClient, url: str, key: str, model: str, sample: Sample, prompt: list[int],
-                     max_tokens: int) -> Sample:
+async def stream_one(http: httpx.AsyncClient, url: str, key: str, model: str, sample: Sample,
+                     prompt: list[int], max_tokens: int) -> Sample:
     """Stream one greedy completion into `sample` (chunk arrivals, token counts, tokens); errors are kept."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "logprobs": 0, "stream": True}
@@ -260,7 +264,7 @@ class Load:
 
 
 async def warm_up(base: str, key: str, model: str, w: Workload) -> None:
-    """Four short requests and two ~800-token prompts (long enough to disaggregate), none of the schedule's."""
+    """Four short requests and two ~800-token prompts (long enough to disaggregate), none scheduled."""
     async with httpx.AsyncClient(timeout=READ_TIMEOUT_S) as http:
         load = Load(http, base, key, model, Workload(seed=w.seed + 1_000_003))
         jobs = [load.request("short", i, short_turn(load.w, i, 0)[0], 8) for i in range(4)]
@@ -292,7 +296,7 @@ def run_arm(name: str, args: argparse.Namespace, w: Workload, slo: Slo, log_dir:
         pids = [os.getpid(), arm.gateway.proc.pid, *(wp.proc.pid for wp in arm.workers), redis_pid]
         busy, own = busy_cpu_s(), own_cpu_s(pids)
         t0, samples = asyncio.run(measure())
-        other = busy_cpu_s() - busy - (own_cpu_s(pids) - own)  # CPU others took from the arm: ~0 on an idle machine
+        other = busy_cpu_s() - busy - (own_cpu_s(pids) - own)  # CPU others took from the arm (~0 if idle)
         drained = max((s.chunks[-1][0] for s in samples if s.chunks), default=t0) - t0 - w.duration_s
         numbers = {**arm_numbers(samples, slo, t0, w.duration_s), "drain_s": round(max(drained, 0.0), 3),
                    "metrics": delta(scrape(arm), before), "pinned": arm.pinning(),
@@ -317,18 +321,18 @@ def summary(arms: dict[str, dict], greedy: dict, args: argparse.Namespace, w: Wo
            "goodput": p["goodput_ratio"] is not None and p["goodput_ratio"] >= TARGETS["goodput_ratio_min"]}
     fallbacks = sum(sum(f.values()) for f in dis["metrics"].get("worker_fallbacks", []))
     met["no_errors"] = co["errors"] == 0 and dis["errors"] == 0  # a failed request is never a fast one
-    met["no_fallbacks"] = fallbacks == 0  # a disaggregated arm that prefilled locally did not measure disaggregation
+    met["no_fallbacks"] = fallbacks == 0  # a disagg arm that prefilled locally did not measure disaggregation
     return {
         "bench": "disagg", "cpu": cpu_model(), "model": args.model, "dtype": args.dtype, **p,
         "greedy_identical": greedy["compared"] > 0 and greedy["identical"] == greedy["compared"],
         "greedy": greedy, "disaggregated_requests": remote.get("remote", 0),
         "local_requests": remote.get("local", 0),
-        "worker_fallbacks": fallbacks, "prefill_chunk": args.prefill_chunk,
-        "targets": TARGETS, "met": met,
-        "other_cpu_s": {name: arm["other_cpu_s"] for name, arm in arms.items()},  # other processes' CPU: noise
+        "worker_fallbacks": fallbacks, "prefill_chunk": args.prefill_chunk, "targets": TARGETS, "met": met,
+        "other_cpu_s": {name: arm["other_cpu_s"] for name, arm in arms.items()},  # others' CPU: noise
         "slo": {"ttft_short_s": slo.ttft_short_s, "ttft_long_s": f"{slo.ttft_long_base_s} + "
                 f"{slo.ttft_long_per_token_s} x prompt tokens", "itl_p99_per_request_s": slo.itl_p99_s},
-        "workload": {"duration_s": w.duration_s, "seed": w.seed, "streams": w.streams, "short_len": w.short_len,
+        "workload": {"duration_s": w.duration_s, "seed": w.seed, "streams": w.streams,
+                     "short_len": w.short_len,
                      "short_max_tokens": w.short_max_tokens, "stagger_s": w.stagger_s, "long_len": w.long_len,
                      "long_max_tokens": w.long_max_tokens, "long_mean_gap_s": w.long_mean_gap_s,
                      "long_prompts": len(long_schedule(w)), "greedy": True, "ignore_eos": True},
@@ -336,13 +340,13 @@ def summary(arms: dict[str, dict], greedy: dict, args: argparse.Namespace, w: Wo
                   "unpinned": "gateway, redis, load generator", "kv_cache_mib": args.kv_cache_mib,
                   "kv_host_tier": "off", "spec_decoding": "off", "disagg_min_tokens": args.disagg_min_tokens,
                   "disagg_max_prefill_queue": args.disagg_max_prefill_queue,
-                  "disagg_stall_s": args.stall_s or "worker default"},
-        "arms": arms,
+                  "disagg_stall_s": args.stall_s or "worker default"}, "arms": arms,
     }
 
 
 def run(args: argparse.Namespace) -> dict:
-    w = Workload(seed=args.seed, duration_s=args.duration, streams=args.streams, long_mean_gap_s=args.long_gap,
+    w = Workload(seed=args.seed, duration_s=args.duration, streams=args.streams,
+                 long_mean_gap_s=args.long_gap,
                  long_len=(args.long_min, args.long_max), long_max_tokens=args.long_max_tokens,
                  short_max_tokens=(args.short_min_tokens, args.short_max_tokens))
     slo = Slo(args.slo_ttft_short, args.slo_ttft_long_base, args.slo_ttft_long_per_token, args.slo_itl_p99)
@@ -364,15 +368,19 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Disaggregated prefill vs colocated: ITL, throughput, SLO goodput")
+    ap = argparse.ArgumentParser(
+        description="Disaggregated prefill vs colocated: ITL, throughput, SLO goodput")
     a, slo = ap.add_argument, Slo()
     a("--model", default="default")
-    a("--dtype", default="float32", help="the workers' dtype (float32: greedy outputs comparable across arms)")
+    a("--dtype", default="float32",
+      help="the workers' dtype (float32: greedy outputs comparable across arms)")
     a("--duration", type=float, default=180.0, help="seconds of load per arm, then in-flight requests drain")
     a("--drain-timeout", type=float, default=300.0, help="bound of the drain after the window")
     a("--seed", type=int, default=0)
-    a("--streams", type=int, default=6, help="steady streams (64-128-token prompts), each restarting when done")
-    a("--short-min-tokens", type=int, default=96, help="a steady stream's max_tokens: uniform per turn in min..max")
+    a("--streams", type=int, default=6,
+      help="steady streams (64-128-token prompts), each restarting when done")
+    a("--short-min-tokens", type=int, default=96,
+      help="a steady stream's max_tokens: uniform per turn in min..max")
     a("--short-max-tokens", type=int, default=160)
     a("--long-gap", type=float, default=15.0, help="mean seconds between long prompts (Poisson)")
     a("--long-min", type=int, default=2048)
@@ -381,11 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     a("--kv-cache-mib", type=int, default=2048, help="each worker's KV cache")
     a("--disagg-min-tokens", type=int, default=512, help="the gateway's flag (its default)")
     a("--disagg-max-prefill-queue", type=int, default=4, help="the gateway's flag (its default)")
-    a("--prefill-chunk", type=int, default=1024, help="every worker's --max-num-batched-tokens (the colocated arm's "
+    a("--prefill-chunk", type=int, default=1024,
+      help="every worker's --max-num-batched-tokens (the colocated arm's "
       "prefill chunk: compare 1024, 256 and 128 at the serving dtype, not one long chunk)")
     a("--stall-s", type=float, default=None, help="the workers' --disagg-stall-s (default: theirs, 5 s)")
-    a("--slo-ttft-short", type=float, default=slo.ttft_short_s, help="TTFT SLO of the steady streams' requests (s)")
-    a("--slo-ttft-long-base", type=float, default=slo.ttft_long_base_s, help="long prompts' TTFT SLO: base (s)")
+    a("--slo-ttft-short", type=float, default=slo.ttft_short_s,
+      help="TTFT SLO of the steady streams' requests (s)")
+    a("--slo-ttft-long-base", type=float, default=slo.ttft_long_base_s,
+      help="long prompts' TTFT SLO: base (s)")
     a("--slo-ttft-long-per-token", type=float, default=slo.ttft_long_per_token_s,
       help="long prompts' TTFT SLO: seconds per prompt token on top of the base")
     a("--slo-itl-p99", type=float, default=slo.itl_p99_s, help="per-request p99 inter-chunk gap SLO (s)")

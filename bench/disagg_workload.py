@@ -38,7 +38,8 @@ class Arrival:
 
 @dataclass(slots=True)
 class Sample:
-    """One request as the client saw it: monotonic times, and per content chunk its arrival and token count."""
+    """One request as the client saw it: monotonic times, and per
+    content chunk its arrival and token count."""
 
     kind: str  # "short" (a steady stream's request) or "long"
     index: int
@@ -64,7 +65,8 @@ class Sample:
 
 @dataclass(slots=True)
 class Slo:
-    """DistServe-style SLOs: a request meets them when its TTFT and its own p99 inter-chunk gap are within bounds."""
+    """DistServe-style SLOs: a request meets them when its TTFT and its
+    own p99 inter-chunk gap are within bounds."""
 
     # defaults for fp32 on a Zen 4 core (docs/benchmarks.md): unloaded, a steady stream's TTFT is ~1 s and its
     # p99 gap ~0.14 s, and a lone prefill takes ~4 ms per prompt token
@@ -127,7 +129,8 @@ def goodput(samples: list[Sample], slo: Slo, t0: float, duration_s: float) -> fl
 
 
 def arm_numbers(samples: list[Sample], slo: Slo, t0: float, duration_s: float) -> dict:
-    """One arm's raw numbers: steady streams' ITL and TTFT, long prompts' TTFT, throughput, goodput, errors."""
+    """One arm's raw numbers: steady streams' ITL and TTFT, long
+    prompts' TTFT, throughput, goodput, errors."""
     short = [s for s in samples if s.kind == "short"]
     long_ = [s for s in samples if s.kind == "long"]
     errors = [s.error for s in samples if s.error is not None]
@@ -153,7 +156,8 @@ def greedy_compare(a: list[Sample], b: list[Sample]) -> dict:
     left = {s.index: s for s in a if s.kind == "long" and s.ok}
     right = {s.index: s for s in b if s.kind == "long" and s.ok}
     both = sorted(left.keys() & right.keys())
-    differ = {i: next((k for k, (x, y) in enumerate(zip(left[i].tokens, right[i].tokens, strict=False)) if x != y),
+    differ = {i: next((k for k, (x, y) in enumerate(zip(left[i].tokens, right[i].tokens,
+                                                        strict=False)) if x != y),
                       min(len(left[i].tokens), len(right[i].tokens)))
               for i in both if left[i].tokens != right[i].tokens}
     return {"compared": len(both), "identical": len(both) - len(differ),

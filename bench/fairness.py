@@ -71,7 +71,8 @@ def start_stack(args: argparse.Namespace, policy: str, log_dir: Path) -> tuple[S
     mport = free_port()
     wargs = ["--model", args.model, *(["--fairness", policy] if policy != "none" else []),
              "--metrics-port", str(mport), "--metrics-host", "127.0.0.1",
-             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_batched_tokens),
+             "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_batched_tokens),
              "--num-threads", str(args.threads), *(["--dtype", args.dtype] if args.dtype else [])]
     # the gateway tokenizes with the default model's tokenizer whatever the worker runs (as in the tests)
     stack = Stack(StackConfig(port=free_port(), log_dir=log_dir / policy,
@@ -115,8 +116,8 @@ async def open_loop(env: Env, t: Tenant, rate: float, until: float, tasks: list[
         if loop.time() >= until:
             return
         spec = t.spec(i, env.args.max_tokens)
-        tasks.append(asyncio.create_task(send_request(t.client, env.base + "/chat/completions", env.model, spec,
-                                                      start, env.args.request_timeout)))
+        tasks.append(asyncio.create_task(send_request(t.client, env.base + "/chat/completions",
+                                                      env.model, spec, start, env.args.request_timeout)))
         i += 1
 
 
@@ -188,7 +189,8 @@ async def phase(env: Env, light: Tenant, heavy: Tenant | None, capacity: float) 
     ttft = [r.ttft for r in light_records if r.ok and r.ttft is not None]
     out = {"light_ttft_ms": latency_stats_ms(ttft), "light_requests": len(light_records),
            "light_errors": errors(light_records),
-           "tokens_per_s": round((after["generated_tokens_total"] - before["generated_tokens_total"]) / elapsed, 2)}
+           "tokens_per_s": round((after["generated_tokens_total"] - before["generated_tokens_total"])
+                                 / elapsed, 2)}
     if heavy is not None:
         out.update(heavy_requests=len(heavy_records), heavy_errors=errors(heavy_records),
                    heavy_completed=sum(r.ok for r in heavy_records),
@@ -228,7 +230,8 @@ async def run_policy(stack: Stack, metrics_url: str, policy: str, args: argparse
     try:
         env = Env(base, await discover_model(heavy.client, base, 30.0), metrics_url, args)
         out: dict = {}
-        if capacity is None:  # the first policy: capacity, and light alone (one key: the same for all policies)
+        # the first policy: capacity, and light alone (one key: the same for all policies)
+        if capacity is None:
             capacity = await calibrate(env, heavy)
             out["alone"] = await phase(env, light, None, capacity)
         # reseeded: both policies replay the same requests in the flood phase

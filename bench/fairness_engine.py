@@ -47,7 +47,8 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def make_engine(model, args: argparse.Namespace, policy: str) -> Engine:
-    return Engine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+    return Engine(model, EngineConfig(max_num_seqs=args.max_num_seqs,
+                                      max_num_batched_tokens=args.max_batched_tokens,
                                       fairness=policy, fair_step_tokens=args.fair_step_tokens))
 
 
@@ -71,11 +72,14 @@ def calibrate(model, args: argparse.Namespace) -> float:
 
 def phase(model, args: argparse.Namespace, policy: str, capacity: float, flood: bool) -> dict:
     rng = random.Random(args.seed + 1)
-    sched = [(t, LIGHT, f"l{i}") for i, t in enumerate(arrivals(rng, args.light_load * capacity, args.duration))]
+    sched = [(t, LIGHT, f"l{i}")
+             for i, t in enumerate(arrivals(rng, args.light_load * capacity, args.duration))]
     if flood:
-        sched += [(t, HEAVY, f"h{i}") for i, t in enumerate(arrivals(rng, args.heavy_load * capacity, args.duration))]
+        sched += [(t, HEAVY, f"h{i}")
+                  for i, t in enumerate(arrivals(rng, args.heavy_load * capacity, args.duration))]
     sched.sort()
-    prompts = {rid: tokens(rng, args.light_tokens if key == LIGHT else args.heavy_tokens) for _, key, rid in sched}
+    prompts = {rid: tokens(rng, args.light_tokens if key == LIGHT else args.heavy_tokens)
+               for _, key, rid in sched}
     eng = make_engine(model, args, policy)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     due: dict[str, float] = {}
@@ -122,7 +126,8 @@ def phase(model, args: argparse.Namespace, policy: str, capacity: float, flood: 
 
 
 def weighted(model, args: argparse.Namespace) -> dict:
-    """Both keys backlogged (enough requests queued for the whole phase): service ratio weight 2 / weight 1."""
+    """Both keys backlogged (enough requests queued for the whole
+    phase): service ratio weight 2 / weight 1."""
     eng, rng = make_engine(model, args, "vtc"), random.Random(args.seed + 2)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for i in range(4 * args.max_num_seqs):
@@ -135,7 +140,8 @@ def weighted(model, args: argparse.Namespace) -> dict:
         eng.step()
     s2, s1 = fair.service(b"w2"), fair.service(b"w1")
     eng.close()
-    return {"service_weight2": s2, "service_weight1": s1, "weighted_service_ratio": round(s2 / s1, 3) if s1 else None}
+    return {"service_weight2": s2, "service_weight1": s1,
+            "weighted_service_ratio": round(s2 / s1, 3) if s1 else None}
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -146,7 +152,8 @@ def bench(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     model = load_any(args.model, dtype=args.dtype)
     warm = make_engine(model, args, "fifo")  # kernels built and loaded before any clock starts
-    warm.generate([tokens(random.Random(0), args.heavy_tokens)], SamplingParams(max_tokens=2, ignore_eos=True))
+    warm.generate([tokens(random.Random(0), args.heavy_tokens)],
+                  SamplingParams(max_tokens=2, ignore_eos=True))
     warm.close()
     load_before = os.getloadavg()
     capacity = calibrate(model, args)
@@ -158,7 +165,8 @@ def bench(args: argparse.Namespace) -> dict:
            for p, r in res.items()}
     fifo_tps = res["fifo"]["tokens_per_s"]
     out["throughput_ratio_vs_fifo"] = round(res["vtc"]["tokens_per_s"] / fifo_tps, 3) if fifo_tps else None
-    # the bound the engine allows a light tenant under a flood: its solo p99 plus one flood step, at most 2 steps
+    # the bound the engine allows a light tenant under a flood: its
+    # solo p99 plus one flood step, at most 2 steps
     vtc = res["vtc"]
     out.update(light_ttft_p99_ms=vtc["light_ttft_ms"]["p99"], solo_ttft_p99_ms=a99,
                flood_step_ms_p99=vtc["step_ms_p99"], steps_waited_p99=vtc["steps_waited_p99"])
@@ -190,10 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     a("--max-tokens", type=int, default=32)
     a("--max-num-seqs", type=int, default=16)
     a("--max-batched-tokens", type=int, default=512)
-    a("--fair-step-tokens", type=int, default=0, help="the worker's shared-step prefill cap under VTC (0: none)")
+    a("--fair-step-tokens", type=int, default=0,
+      help="the worker's shared-step prefill cap under VTC (0: none)")
     a("--weights", action=argparse.BooleanOptionalAction, default=True)
     a("--max-wait-s", type=float, default=120.0,
-      help="after the arrivals, stop this long later; light requests still waiting count with their wait so far")
+      help="after the arrivals, stop this long later; "
+      "light requests still waiting count with their wait so far")
     a("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     result = bench(args)

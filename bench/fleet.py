@@ -1,10 +1,10 @@
 """Benchmark: model pools routed in-process (2 model versions x 2 simulated workers behind a weighted alias).
 
-Prints one JSON line: `hit_ratio_vs_single_model` (prefix hits with both versions in one fleet over each version
-routed alone), `weight_error` (largest observed-minus-configured share over 2,000 routed requests at 90/10),
-`sticky_frac` (repeated prefix keys that kept their version: 1.0 by construction while weights hold) and
-`moved_frac` (the conversations that change version when the weights change 90/10 -> 50/50: 0.4 is the least any
-router can move). Exits 1 when a target is missed. `--json` prints only the line.
+Prints one JSON line: `hit_ratio_vs_single_model` (prefix hits with both versions in one fleet over each
+version routed alone), `weight_error` (largest observed-minus-configured share over 2,000 routed requests at
+90/10), `sticky_frac` (repeated prefix keys that kept their version: 1.0 by construction while weights hold)
+and `moved_frac` (the conversations that change version when the weights change 90/10 -> 50/50: 0.4 is the
+least any router can move). Exits 1 when a target is missed. `--json` prints only the line.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class SimClient:
 
 
 class SimMembership:
-    """Workers added and dropped by hand, with one stats frame each: the Membership interface routing reads."""
+    """Workers added and dropped by hand, with one stats frame each:
+    the Membership interface routing reads."""
 
     def __init__(self) -> None:
         self.clock: Callable[[], float] = time.monotonic
@@ -70,17 +71,19 @@ class SimMembership:
 
     def add(self, mid: str, model: str, version: str = "", pool: str = "", kv_total: int = KV_TOKENS,
             spec: str = "", tokenizer: str = "") -> None:
-        reg = Registration(mid, f"sim://{mid}", model, PROTOCOL_VERSION, 0.0, model_version=version, pool=pool,
-                           spec=spec, tokenizer=tokenizer)
-        self._members[mid] = Member(mid, reg.endpoint, SimClient(), registration=reg)  # type: ignore[arg-type]
+        reg = Registration(mid, f"sim://{mid}", model, PROTOCOL_VERSION, 0.0,
+                           model_version=version, pool=pool, spec=spec, tokenizer=tokenizer)
+        self._members[mid] = Member(mid, reg.endpoint, SimClient(),
+                                    registration=reg)  # type: ignore[arg-type]
         for f in self._join:
             f(mid)
         self.report(mid, kv_total=kv_total)
 
-    def report(self, mid: str, *, running: int = 0, kv_total: int = KV_TOKENS, draining: bool = False) -> None:
+    def report(self, mid: str, *, running: int = 0, kv_total: int = KV_TOKENS,
+               draining: bool = False) -> None:
         member = self._members[mid]
-        member.stats = WorkerStats(mid, 0, running, kv_total, kv_total, 0.0, draining, member.registration.model,
-                                   PROTOCOL_VERSION)
+        member.stats = WorkerStats(mid, 0, running, kv_total, kv_total, 0.0, draining,
+                                   member.registration.model, PROTOCOL_VERSION)
         member.stats_at = self.clock()
         event = StatsEvent(mid, member.stats, member.stats_at)
         for f in self._stats:
@@ -123,7 +126,8 @@ class SimMembership:
 def sim_fleet(layout: dict[str, list[str]]) -> tuple[Fleet, SimMembership]:
     """A Fleet over simulated workers; `layout`: version key (`name@version`) -> worker ids."""
     m = SimMembership()
-    fleet = Fleet(m, lambda view, served: Router(view, secret=SECRET, block_size=BLOCK))  # type: ignore[arg-type]
+    fleet = Fleet(m, lambda view, served: Router(view, secret=SECRET,
+                                                 block_size=BLOCK))  # type: ignore[arg-type]
     for key, workers in layout.items():
         name, _, version = key.partition("@")
         for w in workers:
@@ -194,9 +198,11 @@ def run(requests: int, seed: int, weights: dict[str, float]) -> dict:
         "bench": "fleet", "cpu": cpu_model(), "versions": {k: len(w) for k, w in layout.items()},
         "requests": requests, "weights": weights, "observed_shares": shares,
         "weight_error": round(weight_error, 4), "sticky_frac": sticky,
-        "hit_ratio_fleet": round(fleet_hits / len(work), 4), "hit_ratio_single_model": round(single_hits / len(work), 4),
+        "hit_ratio_fleet": round(fleet_hits / len(work), 4),
+        "hit_ratio_single_model": round(single_hits / len(work), 4),
         "hit_ratio_vs_single_model": round(fleet_hits / single_hits, 4) if single_hits else None,
-        "moved_frac": round(moved, 4), "moved_frac_least": round(moved_min, 4), "weights_after": CHANGED_WEIGHTS,
+        "moved_frac": round(moved, 4), "moved_frac_least": round(moved_min, 4),
+        "weights_after": CHANGED_WEIGHTS,
         "route_us_per_request": round(per_route_us, 1),  # alias + version router's pick, in-process, no I/O
         "targets": {"hit_ratio_vs_single_model": ">= 0.95", "weight_error": "<= 0.03", "sticky_frac": "= 1.0",
                     "moved_frac": f"<= least + {MOVED_SLACK}"},
@@ -210,10 +216,10 @@ CHANGED_WEIGHTS = (50.0, 50.0)
 MOVED_SLACK = 0.05  # a weighted rendezvous pick moves about the least; a modulo pick would move about half
 
 
-def weight_change(fleet: Fleet, convs: list[tuple[str, list[int]]], before: list[str], weights: dict[str, float],
-                  caches: dict[str, set[bytes]]) -> tuple[float, float]:
-    """The fraction of conversations whose version changes when the alias's weights become CHANGED_WEIGHTS, and
-    the least fraction any assignment must move (the total share that leaves the versions that shrink)."""
+def weight_change(fleet: Fleet, convs: list[tuple[str, list[int]]], before: list[str],
+                  weights: dict[str, float], caches: dict[str, set[bytes]]) -> tuple[float, float]:
+    """The fraction of conversations whose version changes when the alias's weights become CHANGED_WEIGHTS,
+    and the least fraction any assignment must move (the total share that leaves the versions that shrink)."""
     after_w = dict(zip(sorted(weights), CHANGED_WEIGHTS, strict=True))
     alias = Alias(ALIAS, tuple(sorted(after_w.items())))
     after = [route(fleet, alias, t, o, 2, caches)[0] for t, o in convs]

@@ -1,4 +1,5 @@
-"""Unknown-key flood: rejections per second per gateway core, and a valid tenant's p99 while flooded at 80% of it.
+"""Unknown-key flood: rejections per second per gateway core, and a
+valid tenant's p99 while flooded at 80% of it.
 
 The gateway is pinned to CPU 0, the flood generator (`bench/flood_gen.py`) and the valid client to CPU 1.
 Prints one JSON line with the gateway's and Redis's CPU seconds (each unknown key costs a Redis read too), and
@@ -34,12 +35,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-# mode -> (connections, window): 4 keep-alive connections pipelining 32 requests each, or 16 clients opening a new
-# connection per request (what an attacker without keep-alive costs the gateway: accept, parse, close)
+# mode -> (connections, window): 4 keep-alive connections pipelining 32 requests each, or 16 clients opening a
+# new connection per request (what an attacker without keep-alive costs the gateway: accept, parse, close)
 MODES = {"pipelined": (4, 32), "per-request": (16, 0)}
 
 
-def flood(port: int, seconds: float, rate: float, cpu: int | None, mode: str = "pipelined") -> subprocess.Popen:
+def flood(port: int, seconds: float, rate: float, cpu: int | None,
+          mode: str = "pipelined") -> subprocess.Popen:
     """The generator process in `mode` (MODES), pinned to `cpu`."""
     connections, window = MODES[mode]
     cmd = [sys.executable, str(GEN), str(port), str(seconds), str(rate), str(connections), str(window)]
@@ -93,7 +95,8 @@ def run(seconds: float, samples: int, mode: str = "pipelined") -> dict:
     finally:
         stack.stop()
     solo_p99, flooded_p99 = latency_stats_ms(solo)["p99"], latency_stats_ms(flooded)["p99"]
-    return {"bench": "flood", "mode": mode, "cpu": cpu_model(), "gateway_cpu": gw_cpu, "generator_cpu": gen_cpu,
+    return {"bench": "flood", "mode": mode, "cpu": cpu_model(), "gateway_cpu": gw_cpu,
+            "generator_cpu": gen_cpu,
             "rejections": rejected, "statuses": report["statuses"], "gateway_cpu_s": round(gw_cpu_s, 2),
             "redis_cpu_s": round(redis_cpu_s, 2),
             "rejections_per_core_s_with_redis": round(rejected / (gw_cpu_s + redis_cpu_s)) if gw_cpu_s else 0,
@@ -108,12 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=8.0, help="length of the unpaced flood")
     ap.add_argument("--samples", type=int, default=200, help="valid requests per latency measurement")
     ap.add_argument("--mode", choices=list(MODES), default="pipelined",
-                    help="pipelined keep-alive connections (the target's mode) or a new connection per request")
+                    help="pipelined keep-alive connections (the target's mode) "
+                    "or a new connection per request")
     ap.add_argument("--json", action="store_true", help="(the output is always one JSON line)")
     args = ap.parse_args(argv)
     res = run(args.seconds, args.samples, args.mode)
     res["targets_met"] = {"valid_p99_ratio": res["valid_p99_ratio"] <= TARGET_P99_RATIO}
-    if args.mode == "pipelined":  # the per-core target is set for pipelined floods; per-request reports its rate
+    # the per-core target is set for pipelined floods; per-request reports its rate
+    if args.mode == "pipelined":
         res["targets_met"]["rejections_per_core_s"] = res["rejections_per_core_s"] >= TARGET_PER_CORE
     print(json.dumps(res))
     return 0 if all(res["targets_met"].values()) else 1

@@ -1,7 +1,8 @@
-"""An unknown-API-key flood (bench/flood.py and the hardening fault test), run as its own process: HTTP/1.1 keep-alive
-connections, each pipelining up to `window` requests that each carry a new well-formed key, at up to
-`rate` requests/s in total for `seconds` (rate 0: as fast as the gateway answers). Window 0: a new connection per
-request instead (`connection: close`, one request in flight per connection), the shape of a botnet's flood.
+"""An unknown-API-key flood (bench/flood.py and the hardening fault test), run as its own process: HTTP/1.1
+keep-alive connections, each pipelining up to `window` requests that each carry a new well-formed key, at up
+to `rate` requests/s in total for `seconds` (rate 0: as fast as the gateway answers). Window 0: a new
+connection per request instead (`connection: close`, one request in flight per connection), the shape of a
+botnet's flood.
 
 Prints one JSON line: requests sent and answered, seconds taken, the count of each response status and the
 generator's own CPU seconds.
@@ -26,8 +27,9 @@ class _Pipelined(asyncio.Protocol):
     """One connection: writes requests in batches, parses the answers as they come (status + length only)."""
 
     def __init__(self, port: int, statuses: Counter) -> None:
-        self.head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json"
-                     f"\r\ncontent-length: {len(BODY)}\r\nauthorization: Bearer sy-").encode()
+        self.head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+                     f"content-type: application/json\r\ncontent-length: {len(BODY)}\r\n"
+                     "authorization: Bearer sy-").encode()
         self.tail = b"\r\n\r\n" + BODY
         self.statuses = statuses
         self.buf = bytearray()
@@ -37,7 +39,8 @@ class _Pipelined(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport
+        # uvloop's transports are not asyncio.Transport
+        self.transport = transport  # type: ignore[assignment]
 
     def send(self, n: int) -> None:
         assert self.transport is not None
@@ -102,7 +105,8 @@ async def _connection(port: int, until: float, rate: float, window: int, statuse
 async def _per_request(port: int, until: float, rate: float, statuses: Counter) -> int:
     """One request per TCP connection, each waited for, at up to `rate` per second (0: back to back)."""
     head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nconnection: close\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(BODY)}\r\nauthorization: Bearer sy-").encode()
+            f"content-type: application/json\r\ncontent-length: {len(BODY)}\r\n"
+            "authorization: Bearer sy-").encode()
     sent, start = 0, time.monotonic()
     while (now := time.monotonic()) < until:
         if rate > 0 and sent >= (now - start) * rate:
@@ -127,7 +131,8 @@ async def main(port: int, seconds: float, rate: float, connections: int, window:
     if window == 0:
         jobs = [_per_request(port, start + seconds, rate / connections, statuses) for _ in range(connections)]
     else:
-        jobs = [_connection(port, start + seconds, rate / connections, window, statuses) for _ in range(connections)]
+        jobs = [_connection(port, start + seconds, rate / connections, window, statuses)
+                for _ in range(connections)]
     sent = await asyncio.gather(*jobs)
     elapsed = time.monotonic() - start
     print(json.dumps({"sent": sum(sent), "answered": sum(statuses.values()), "seconds": round(elapsed, 2),
@@ -136,7 +141,8 @@ async def main(port: int, seconds: float, rate: float, connections: int, window:
 
 
 if __name__ == "__main__":
-    port, seconds, rate, connections = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    port, seconds, rate, connections = (int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]),
+                                        int(sys.argv[4]))
     window = int(sys.argv[5]) if len(sys.argv) > 5 else 16
     import uvloop
 

@@ -1,9 +1,9 @@
 """GPU decode benchmark: step time at batch 1/16/64 against its HBM floor, CUDA-graph gain, prefill tokens/s.
 
-The floor is (weight bytes + K/V bytes read) / the device-to-device copy bandwidth measured in the same run, and
-`x_floor_sold` the same against the HBM bandwidth the device is sold at (`SOLD_BANDWIDTH`, where known). Models
-are random-weight Llama shapes (no download): the default model's (SmolLM2-135M) and an 8B one. One JSON line.
-Run: `python -m bench.gpu_decode [--shapes smollm2-135m,llama-8b] [--fp8] [--kv-int8] [--ctx N]`.
+The floor is (weight bytes + K/V bytes read) / the device-to-device copy bandwidth measured in the same run,
+and `x_floor_sold` the same against the HBM bandwidth the device is sold at (`SOLD_BANDWIDTH`, where known).
+Models are random-weight Llama shapes (no download): the default model's (SmolLM2-135M) and an 8B one. One
+JSON line. Run: `python -m bench.gpu_decode [--shapes smollm2-135m,llama-8b] [--fp8] [--kv-int8] [--ctx N]`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from worker.model.tiny_model import random_model
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                          head_dim=64, tie_word_embeddings=True, vocab_size=49152),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 tie_word_embeddings=True, vocab_size=49152),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, tie_word_embeddings=True, vocab_size=49152),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                      head_dim=64, tie_word_embeddings=True, vocab_size=128256),
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -39,10 +39,11 @@ SHAPES = {
 BATCHES = (1, 16, 64)
 
 
-# HBM bandwidth as sold (bytes/s), by a substring of the device name: the floor against it is reported beside the
-# measured-copy floor, which is lower (4.2 against 4.8 TB/s on an H200) and so flatters the x_floor ratio
+# HBM bandwidth as sold (bytes/s), by a substring of the device name: the floor against it is reported beside
+# the measured-copy floor, which is lower (4.2 against 4.8 TB/s on an H200) and so flatters the x_floor ratio
 SOLD_BANDWIDTH = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
-                  ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12), ("L40S", 0.864e12))
+                  ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12),
+                  ("L40S", 0.864e12))
 
 
 def sold_bandwidth(device_name: str) -> float | None:
@@ -105,8 +106,8 @@ def decode_inputs(batch: int, ctx: int, page: int) -> DecodeInputs:
     per = -(-(ctx + page) // page)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
     pos = ctx - 1
-    return DecodeInputs([1] * batch, [pos] * batch, [t[pos // page] * page + pos % page for t in tables], tables,
-                        [ctx] * batch)
+    return DecodeInputs([1] * batch, [pos] * batch,
+                        [t[pos // page] * page + pos % page for t in tables], tables, [ctx] * batch)
 
 
 def eager_step(runner: ModelRunner, inp: DecodeInputs) -> torch.Tensor:
@@ -123,7 +124,8 @@ def prefill_tok_s(runner: ModelRunner, chunks: int, length: int) -> float:
     per = -(-length // page)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(chunks)]
     slots = [t[p // page] * page + p % page for t in tables for p in range(length)]
-    lay = BatchLayout(page, torch.tensor(slots, device=dev), [], [], tables, [length] * chunks, [length] * chunks)
+    lay = BatchLayout(page, torch.tensor(slots, device=dev), [], [], tables, [length] * chunks,
+                      [length] * chunks)
     ids = torch.ones(chunks * length, dtype=torch.int64, device=dev)
     pos = torch.arange(length, device=dev).repeat(chunks)
     rows = torch.arange(1, chunks + 1, device=dev) * length - 1
@@ -137,7 +139,8 @@ def prefill_tok_s(runner: ModelRunner, chunks: int, length: int) -> float:
 
 def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches: tuple[int, ...],
                 prefill_len: int, dev: torch.device, iters: int = 50, profile: bool = False,
-                kv_dtype: str = "model", batches: tuple[int, ...] = BATCHES, fused_linear: str = "auto") -> dict:
+                kv_dtype: str = "model", batches: tuple[int, ...] = BATCHES,
+                fused_linear: str = "auto") -> dict:
     cfg = ModelConfig(max_position=8192, **SHAPES[name])
     tok = os.environ.get("SWITCHYARD_TOKENIZER", "default")
     loaded = random_model(cfg, dtype="bfloat16", device=dev, tokenizer=tok, on_device=True)
@@ -147,8 +150,8 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
         quant.quantize_model(loaded.model, quantization)
         loaded.quantization = quantization
     backend = "triton" if dev.type == "cpu" else "auto"  # CPU: the smoke run, under Triton's interpreter
-    ecfg = EngineConfig(max_num_seqs=max(batches), cuda_graphs="on", attention_backend=backend, kv_dtype=kv_dtype,
-                        fused_linear=fused_linear)
+    ecfg = EngineConfig(max_num_seqs=max(batches), cuda_graphs="on", attention_backend=backend,
+                        kv_dtype=kv_dtype, fused_linear=fused_linear)
     per_seq = -(-(ctx + ecfg.block_size) // ecfg.block_size)
     num_pages = max(batches) * per_seq + 8 * (-(-prefill_len // ecfg.block_size))
     runner = ModelRunner(loaded, ecfg, num_pages)
@@ -169,7 +172,8 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
             if runner.graphs is not None:
                 step = _time(lambda inp=inp: runner.graphs.run(inp).argmax(-1), iters)
                 if profile and b == 1:
-                    _profile(lambda inp=inp: runner.graphs.run(inp).argmax(-1), f"{name} {quantization} batch 1")
+                    _profile(lambda inp=inp: runner.graphs.run(inp).argmax(-1),
+                             f"{name} {quantization} batch 1")
                 row.update(step_ms=round(step * 1e3, 4), x_floor=round(step / floor, 3))
                 if sold is not None:
                     row["x_floor_sold"] = round(step * sold / (weights + b * ctx * kv_token), 3)
@@ -186,18 +190,23 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", help="comma-separated (default smollm2-135m,llama-8b; tiny with --cpu-smoke)")
-    ap.add_argument("--ctx", type=int, help="context length of every decoding sequence (default 512; 32 smoke)")
-    ap.add_argument("--prefill-len", type=int, help="tokens of each of the 8 prefill chunks (default 1024; 16 smoke)")
+    ap.add_argument("--ctx", type=int,
+                    help="context length of every decoding sequence (default 512; 32 smoke)")
+    ap.add_argument("--prefill-len", type=int,
+                    help="tokens of each of the 8 prefill chunks (default 1024; 16 smoke)")
     ap.add_argument("--fp8", action="store_true", help="also each shape with fp8 weights (Hopper)")
     ap.add_argument("--kv-int8", action="store_true", help="also each shape with int8 KV pages")
     ap.add_argument("--iters", type=int, help="timed steps (default 50; 1 smoke)")
     ap.add_argument("--fused-linear", choices=["auto", "on", "off", "both"], default="auto",
                     help="norms and SiLU-mul inside the decode projections (both: each variant off, then on)")
-    ap.add_argument("--profile", action="store_true", help="print the kernels of batch-1 graph steps (stderr)")
-    ap.add_argument("--cpu-smoke", action="store_true", help="run on CPU under Triton's interpreter (checks the "
+    ap.add_argument("--profile", action="store_true",
+                    help="print the kernels of batch-1 graph steps (stderr)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run on CPU under Triton's interpreter (checks the "
                     "bench itself; its times mean nothing)")
     args = ap.parse_args(argv)
-    smoke = args.cpu_smoke  # the interpreter runs a 135M step in minutes: the smoke run is small (batches 1, 2)
+    # the interpreter runs a 135M step in minutes: the smoke run is small (batches 1, 2)
+    smoke = args.cpu_smoke
     args.shapes = args.shapes or ("tiny" if smoke else "smollm2-135m,llama-8b")
     args.ctx = args.ctx or (32 if smoke else 512)
     args.prefill_len = args.prefill_len or (16 if smoke else 1024)
@@ -223,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                                            args.iters, args.profile, kv_dtype, batches, linear))
             except Exception as e:  # one failing variant still reports the others
                 traceback.print_exc()
-                results.append({"shape": name, "quantization": mode, "kv_dtype": kv_dtype, "fused_linear": linear,
-                                "error": f"{type(e).__name__}: {e}"[:300]})
+                results.append({"shape": name, "quantization": mode, "kv_dtype": kv_dtype,
+                                "fused_linear": linear, "error": f"{type(e).__name__}: {e}"[:300]})
             gc.collect()  # the shape's weights, KV cache and graphs go before the next one is built
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

@@ -1,9 +1,9 @@
-"""Greedy agreement with fp32: over natural chat prompts, how many greedy tokens each configuration keeps identical to
-transformers' fp32 output before it first diverges (median over the prompts), for ours at `auto` (dtype,
-quantization and KV dtype as `make run` resolves them on this CPU), ours in plain bf16 (no quantization,
-model-dtype KV), ours in fp32, and transformers in bf16 as the yardstick. Prints one JSON line; exits 1 when a
-target is missed: plain bf16 >= the yardstick's median, `auto` >= 0.8x it, and the README's demo question answered
-with "Paris" under `auto`."""
+"""Greedy agreement with fp32: over natural chat prompts, how many greedy tokens each configuration keeps
+identical to transformers' fp32 output before it first diverges (median over the prompts), for ours at `auto`
+(dtype, quantization and KV dtype as `make run` resolves them on this CPU), ours in plain bf16 (no
+quantization, model-dtype KV), ours in fp32, and transformers in bf16 as the yardstick. Prints one JSON line;
+exits 1 when a target is missed: plain bf16 >= the yardstick's median, `auto` >= 0.8x it, and the README's
+demo question answered with "Paris" under `auto`."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def agreement(ref: list[int], got: list[int]) -> int:
     return n if len(ref) == len(got) else n
 
 
-def ours(prompts: list[list[int]], new: int, dtype: str, quantization: str, kv_dtype: str) -> tuple[list, dict]:
+def ours(prompts: list[list[int]], new: int, dtype: str, quantization: str,
+         kv_dtype: str) -> tuple[list, dict]:
     loaded = load_model("default", dtype=dtype, device="cpu", quantization=quantization)
     engine = Engine(loaded, EngineConfig(kv_cache_bytes=256 << 20, kv_dtype=kv_dtype))
     outs: list[list[int]] = []
@@ -73,7 +74,8 @@ def ours(prompts: list[list[int]], new: int, dtype: str, quantization: str, kv_d
     return outs, config
 
 
-def transformers_greedy(prompts: list[list[int]], new: int, dtype: torch.dtype, eos: int | None) -> list[list[int]]:
+def transformers_greedy(prompts: list[list[int]], new: int, dtype: torch.dtype,
+                        eos: int | None) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
@@ -82,7 +84,8 @@ def transformers_greedy(prompts: list[list[int]], new: int, dtype: torch.dtype, 
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(x, max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=eos or 0)
+            y = model.generate(x, max_new_tokens=new, do_sample=False, eos_token_id=eos,
+                               pad_token_id=eos or 0)
             toks = y[0, len(ids):].tolist()
             if eos is not None and eos in toks:  # ours ends at EOS and does not return it
                 toks = toks[:toks.index(eos)]
@@ -105,8 +108,8 @@ def run(args: argparse.Namespace) -> dict:
                for name, (outs, _) in arms.items()}
     yard = max(medians["transformers_bf16"], 1)
     demo = tok.decode(arms["ours_auto"][0][0])
-    res = {"bench": "greedy_agreement", "cpu": cpu_model(), "prompts": len(prompts), "new_tokens": args.new_tokens,
-           "reference": "transformers fp32", "median_identical": medians,
+    res = {"bench": "greedy_agreement", "cpu": cpu_model(), "prompts": len(prompts),
+           "new_tokens": args.new_tokens, "reference": "transformers fp32", "median_identical": medians,
            "configs": {name: cfg for name, (_, cfg) in arms.items() if cfg},
            "bf16_vs_yardstick": round(medians["ours_bf16"] / yard, 3),
            "auto_vs_yardstick": round(medians["ours_auto"] / yard, 3),

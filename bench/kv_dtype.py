@@ -1,8 +1,8 @@
 """8-bit KV pages against the model dtype's, same process: quality, decode step time at 2k context, capacity.
 
-Quality is perplexity and top-1 agreement on `tests/data/quant_eval.txt` through the engine's paged prefill; the
-decode step is one forward of `rows` sequences at `context` tokens (pages filled with random K/V), the two KV
-dtypes alternating, the median of `reps` each; capacity is the tokens the same byte budget holds.
+Quality is perplexity and top-1 agreement on `tests/data/quant_eval.txt` through the engine's paged prefill;
+the decode step is one forward of `rows` sequences at `context` tokens (pages filled with random K/V), the two
+KV dtypes alternating, the median of `reps` each; capacity is the tokens the same byte budget holds.
 """
 
 from __future__ import annotations
@@ -108,13 +108,14 @@ def _prefill_path(path: str) -> Iterator[None]:
 
 def quality(loaded: LoadedModel, chunk: int) -> dict:
     """Both KV dtypes through the C++ prefill kernels, so that the ratio is what 8-bit storage costs; and the
-    model-dtype pages as a worker runs them (on a CPU with AMX, prefill on SDPA: `worker.model.prefill_choice`)."""
+    model-dtype pages as a worker runs them (on a CPU with AMX, prefill on SDPA:
+    `worker.model.prefill_choice`)."""
     ids = eval_ids(loaded)
     with _prefill_path("kernel"):
         ref, got = score(loaded, ids, chunk), score(loaded, ids, chunk, kv_dtype="int8")
     served = score(loaded, ids, chunk) if sdpa_wins(loaded.config, loaded.dtype, 16) else ref
-    return {"eval_tokens": len(ids), "ppl_model": round(ref.perplexity, 4), "ppl_int8": round(got.perplexity, 4),
-            "ppl_ratio": round(got.perplexity / ref.perplexity, 5),
+    return {"eval_tokens": len(ids), "ppl_model": round(ref.perplexity, 4),
+            "ppl_int8": round(got.perplexity, 4), "ppl_ratio": round(got.perplexity / ref.perplexity, 5),
             "top1_agreement": round((got.top1 == ref.top1).float().mean().item(), 4),
             "ppl_model_served": round(served.perplexity, 4)}
 
@@ -125,7 +126,8 @@ def run(args: argparse.Namespace) -> dict:
     mode = resolve_mode(args.quantization, base.device)
     loaded = quantized(base, mode)
     dtype = str(loaded.dtype).replace("torch.", "")
-    # the baseline is model-dtype pages: fp32 on AVX2-only CPUs (where ratios look twice as good), bf16 elsewhere
+    # the baseline is model-dtype pages: fp32 on AVX2-only CPUs (where
+    # ratios look twice as good), bf16 elsewhere
     res: dict = {"bench": "kv_dtype", "cpu": cpu_model(), "cpu_flags": describe(), "model": loaded.model_id,
                  "dtype": dtype, "baseline_kv_dtype": dtype, "quantization": mode,
                  "threads": torch.get_num_threads(), "rows": args.rows, "context": args.context}
@@ -135,7 +137,8 @@ def run(args: argparse.Namespace) -> dict:
             "decode_step_ratio_2k": steps["ratio"]}
     res |= capacity(loaded)
     res["targets_met"] = {"ppl_ratio": res["ppl_ratio"] <= TARGETS["ppl_ratio"],
-                          "decode_step_ratio_2k": res["decode_step_ratio_2k"] <= TARGETS["decode_step_ratio_2k"],
+                          "decode_step_ratio_2k":
+                              res["decode_step_ratio_2k"] <= TARGETS["decode_step_ratio_2k"],
                           "capacity_ratio": res["capacity_ratio"] >= TARGETS["capacity_ratio"]}
     return res
 
@@ -143,7 +146,8 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--dtype", default=None, help="model dtype (default: the loader's pick for this CPU)")
-    p.add_argument("--quantization", default="auto", help="weights: auto (the worker's default), none, int8, ...")
+    p.add_argument("--quantization", default="auto",
+                   help="weights: auto (the worker's default), none, int8, ...")
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--reps", type=int, default=9, help="timed steps per KV dtype (median)")

@@ -1,15 +1,16 @@
-"""KV tiers benchmark: T tenants, each with its own ~1,000-token system prompt, a working set of at least 4x the KV
-pool, requests in random tenant order; tiers off vs on (host RAM at its auto size) in one process, alternating.
+"""KV tiers benchmark: T tenants, each with its own ~1,000-token system prompt, a working set of at least 4x
+the KV pool, requests in random tenant order; tiers off vs on (host RAM at its auto size) in one process,
+alternating.
 
 Targets on CPU: `ttft_p50_ratio` (on / off) <= 0.35, `cached_frac_on` >= 0.8 (--json for one line).
 
-`--disk`: the tiers-on side restores from a disk tier instead: its host RAM tier is smaller than one page (every
-page the pool evicts passes through it to disk), the disk tier lives in a fresh directory under `--disk-dir` (the
-system's temporary directory by default; removed after the run) and every page leaving RAM is written
-(`--disk-min-hits 0`). Before each request of that side the writer's queue is drained and, unless
-`--keep-page-cache`, the tier's files are synced and dropped from the OS page cache, so restores read the device.
-The JSON line then also carries `disk_*` fields: pages and MB written and read, the writer thread's and the reads'
-MB/s, per-page read times, per-request restore times.
+`--disk`: the tiers-on side restores from a disk tier instead: its host RAM tier is smaller than one page
+(every page the pool evicts passes through it to disk), the disk tier lives in a fresh directory under
+`--disk-dir` (the system's temporary directory by default; removed after the run) and every page leaving RAM
+is written (`--disk-min-hits 0`). Before each request of that side the writer's queue is drained and, unless
+`--keep-page-cache`, the tier's files are synced and dropped from the OS page cache, so restores read the
+device. The JSON line then also carries `disk_*` fields: pages and MB written and read, the writer thread's
+and the reads' MB/s, per-page read times, per-request restore times.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from worker.protocol import SamplingParams
 TARGETS = {"ttft_p50_ratio": 0.35, "cached_frac_on": 0.8}
 COMPANIES = ("Northwind", "Contoso", "Fabrikam", "Tailspin", "Wingtip", "Litware", "Adatum", "Proseware",
              "Lucerne", "Margie's", "Woodgrove", "Alpine", "Coho", "Fourth Coffee", "Humongous", "Trey")
-DISK_HOST_BYTES = 1  # --disk: a host RAM tier smaller than one page holds nothing (0 would turn the tiers off)
+# --disk: a host RAM tier smaller than one page holds nothing (0 would turn the tiers off)
+DISK_HOST_BYTES = 1
 MB = 1e6
 
 
@@ -77,8 +79,9 @@ def fs_type(path: str | Path) -> str:
 
 
 class DiskProbe:
-    """Times the disk tier of one engine: its writer thread's file writes and every page file read (both wrapped
-    on the instance), and drains and uncaches the tier before each request (outside the timed window)."""
+    """Times the disk tier of one engine: its writer thread's file writes and every
+    page file read (both wrapped on the instance), and drains and uncaches the tier
+    before each request (outside the timed window)."""
 
     def __init__(self, tiers: KvTiers, drop_cache: bool) -> None:
         assert tiers.disk is not None
@@ -111,7 +114,8 @@ class DiskProbe:
         disk._write, disk.load = timed_write, timed_load  # type: ignore[method-assign]
 
     def before(self) -> None:
-        """Untimed: wait for queued writes (so reads come from files), then drop the files from the page cache."""
+        """Untimed: wait for queued writes (so reads come from files),
+        then drop the files from the page cache."""
         self.disk.flush()
         if self.drop_cache:
             drop_page_cache(self.disk)
@@ -136,7 +140,8 @@ class DiskProbe:
 
         restores = sorted(self.restores_s)
         return {
-            "disk_mode": True, "disk_fs": fs_type(dir_), "disk_page_cache": "dropped" if self.drop_cache else "kept",
+            "disk_mode": True, "disk_fs": fs_type(dir_),
+            "disk_page_cache": "dropped" if self.drop_cache else "kept",
             "disk_min_hits": self.tiers.disk_min_hits, "disk_capacity_mb": round(disk.capacity_bytes / MB, 1),
             "disk_writes": st.disk_writes, "disk_write_mb": round(self.write_bytes / MB, 2),
             "disk_write_mb_s": rate(self.write_bytes, self.write_s), "disk_dropped": st.disk_dropped,
@@ -167,15 +172,16 @@ def drop_page_cache(disk: DiskTier) -> None:
 
 
 class Side:
-    """One engine (tiers off or on) with its TTFTs and cached share; requests run one at a time. With `disk_dir`
-    the tiers-on engine restores from a disk tier there (host RAM tier below one page)."""
+    """One engine (tiers off or on) with its TTFTs and cached share; requests run one at a time. With
+    `disk_dir` the tiers-on engine restores from a disk tier there (host RAM tier below one page)."""
 
     def __init__(self, loaded: LoadedModel, systems: list[list[int]], args: argparse.Namespace, tiers: bool,
                  pages: int, kv_dtype: str, disk_dir: str | None = None) -> None:
         per_page = bytes_per_page(loaded.config, loaded.dtype, args.block_size, kv_dtype)
         disk = tiers and disk_dir is not None
         tier_config = dict(kv_host_bytes=DISK_HOST_BYTES, kv_disk_dir=disk_dir, kv_disk_bytes=args.disk_bytes,
-                           kv_disk_min_hits=args.disk_min_hits) if disk else dict(kv_host_bytes=None if tiers else 0)
+                           kv_disk_min_hits=args.disk_min_hits) if disk \
+            else dict(kv_host_bytes=None if tiers else 0)
         self.engine = Engine(loaded, EngineConfig(kv_cache_bytes=pages * per_page, kv_dtype=kv_dtype,
                                                   block_size=args.block_size, **tier_config))
         self.probe = DiskProbe(self.engine.restorer.tiers, not args.keep_page_cache) \
@@ -255,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk", action="store_true",
                     help="the tiers-on side restores from a disk tier (host RAM tier below one page)")
     ap.add_argument("--disk-dir", default=None,
-                    help="--disk: where the disk tier's fresh directory goes (removed after the run; default: the "
-                         "system's temporary directory); put it on the device to measure")
+                    help="--disk: where the disk tier's fresh directory goes (removed after the run; "
+                         "default: the system's temporary directory); put it on the device to measure")
     ap.add_argument("--disk-bytes", type=int, default=16 << 30, help="--disk: the disk tier's bound in bytes")
     ap.add_argument("--disk-min-hits", type=int, default=0,
                     help="--disk: hits a page needs before it goes to disk (0: every page leaving RAM)")
@@ -272,17 +278,20 @@ def main(argv: list[str] | None = None) -> int:
     pages = int(working_set / args.pool_factor) // args.block_size
     rng = random.Random(args.seed)
     order = [rng.randrange(args.tenants) for _ in range(args.requests)]
-    # a fresh directory: page files an earlier run left (same fingerprint) would be indexed and hit from the start
+    # a fresh directory: page files an earlier run left (same
+    # fingerprint) would be indexed and hit from the start
     disk_dir = tempfile.mkdtemp(prefix="kv-tiers-bench-", dir=args.disk_dir) if args.disk else None
     if disk_dir is not None and fs_type(disk_dir) == "tmpfs":
-        print(f"warning: {disk_dir} is on tmpfs (RAM): pass --disk-dir on the device to measure", file=sys.stderr)
+        print(f"warning: {disk_dir} is on tmpfs (RAM): pass --disk-dir on the device to measure",
+              file=sys.stderr)
     try:
         res = run(loaded, systems, order, args, pages, kv_dtype, disk_dir)
     finally:
         if disk_dir is not None:
             shutil.rmtree(disk_dir, ignore_errors=True)
     for tiers in (False, True):
-        print(f"tiers {'on' if tiers else 'off'}: ttft p50 {statistics.median(res[tiers]['ttft']) * 1e3:.1f} ms, "
+        print(f"tiers {'on' if tiers else 'off'}: "
+              f"ttft p50 {statistics.median(res[tiers]['ttft']) * 1e3:.1f} ms, "
               f"cached {res[tiers]['cached_frac']:.3f}", file=sys.stderr, flush=True)
     off, on = res[False], res[True]
     assert working_set >= 4 * on["pool_tokens"], "the working set must be at least 4x the KV pool"
@@ -292,12 +301,14 @@ def main(argv: list[str] | None = None) -> int:
         "cached_frac_on": round(on["cached_frac"], 4), "cached_frac_off": round(off["cached_frac"], 4),
         "ttft_p50_on_ms": round(statistics.median(on["ttft"]) * 1e3, 1),
         "ttft_p50_off_ms": round(statistics.median(off["ttft"]) * 1e3, 1),
-        "ttft_p99_on_ms": round(p99(on["ttft"]) * 1e3, 1), "ttft_p99_off_ms": round(p99(off["ttft"]) * 1e3, 1),
+        "ttft_p99_on_ms": round(p99(on["ttft"]) * 1e3, 1),
+        "ttft_p99_off_ms": round(p99(off["ttft"]) * 1e3, 1),
         "restored_tokens": on["restored_tokens"], "restore_ms_per_1k_tokens": on["restore_ms_per_1k"],
         "skipped_by_cost": on["skipped_by_cost"], "host_tier_mb": on["host_mb"],
         "pool_tokens": on["pool_tokens"], "working_set_tokens": working_set,
         "working_set_over_pool": round(working_set / on["pool_tokens"], 2),
-        "tenants": args.tenants, "requests": args.requests, "warmup_per_tenant": 1, "output_tokens": args.output_tokens,
+        "tenants": args.tenants, "requests": args.requests, "warmup_per_tenant": 1,
+        "output_tokens": args.output_tokens,
         "cpu": cpu_model(), "dtype": str(loaded.dtype).replace("torch.", ""), "kv_dtype": kv_dtype,
         "threads": torch.get_num_threads(), **machine_fields(load_before),
     }

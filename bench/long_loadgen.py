@@ -1,11 +1,12 @@
-"""The peers' side-by-side load generator (`../shared/peers/loadgen.py`) with more workloads: `long` (prompts of
-about 2-3k tokens of its random-word vocabulary, 256 out) and natural-text twins of its three (`nmixed`, `nprefix`,
-`nsingle`), whose prompts are passages of the Python Language Reference shipped with every CPython
-(`pydoc_data.topics`, ~65k words of English prose with code), so greedy continuations do not repeat the way
-random-word prompts make them. Same protocol, fields and JSON line; a stream short of its `max_tokens` is an
-error here.
+"""The peers' side-by-side load generator (`../shared/peers/loadgen.py`) with more workloads: `long`
+(prompts of about 2-3k tokens of its random-word vocabulary, 256 out) and natural-text twins of its
+three (`nmixed`, `nprefix`, `nsingle`), whose prompts are passages of the Python Language Reference
+shipped with every CPython (`pydoc_data.topics`, ~65k words of English prose with code), so greedy
+continuations do not repeat the way random-word prompts make them. Same protocol, fields and JSON line;
+a stream short of its `max_tokens` is an error here.
 
-Run as a script with the peer's python (stdlib and httpx only): `long_loadgen.py PEER_LOADGEN --workload long ...`.
+Run as a script with the peer's python (stdlib and httpx only):
+`long_loadgen.py PEER_LOADGEN --workload long ...`.
 """
 
 import asyncio
@@ -39,7 +40,8 @@ def natural(name: str, n: int, seed: int) -> list[tuple[str, int]]:
     if name == "nprefix":
         system = "You are a careful assistant. Answer from the reference below.\n\n"
         system += passage(words, random.Random(7), PREFIX_WORDS)
-        return [(f"{system}\n\nQuestion: {passage(words, rng, rng.randint(10, 30))}\nAnswer:", 24) for _ in range(n)]
+        return [(f"{system}\n\nQuestion: {passage(words, rng, rng.randint(10, 30))}\nAnswer:", 24)
+                for _ in range(n)]
     return [(passage(words, rng, 200), 128) for _ in range(n)]
 
 

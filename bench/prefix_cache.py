@@ -96,15 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model("default", dtype=args.dtype, device=args.device)
     tok = loaded.tokenizer
     system = system_prompt(tok, args.system_tokens)
-    prompts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
+    prompts = [tok.apply_chat_template([{"role": "system", "content": system},
+                                        {"role": "user", "content": q}])
                for q in questions(args.questions)]
     results = {}
     for cache in (False, True):
         results[cache] = run(loaded, prompts, args.output_tokens, args.concurrency, cache,
                              args.max_num_batched_tokens)
-        print(f"cache {'on' if cache else 'off'}: ttft p50 {statistics.median(results[cache][0]) * 1e3:.1f} ms, "
+        print(f"cache {'on' if cache else 'off'}: "
+              f"ttft p50 {statistics.median(results[cache][0]) * 1e3:.1f} ms, "
               f"{results[cache][3]:.1f}s", file=sys.stderr, flush=True)
-    (cold, cold_out, cold_stats, cold_wall), (warm, warm_out, warm_stats, warm_wall) = results[False], results[True]
+    (cold, cold_out, cold_stats, cold_wall), (warm, warm_out, warm_stats, warm_wall) = \
+        results[False], results[True]
     cold_p50, warm_p50 = statistics.median(cold), statistics.median(warm)
     same = sum(cold_out[r] == warm_out[r] for r in cold_out) / len(cold_out)
     result = {

@@ -113,14 +113,15 @@ def run(modes: list[str], steps: int, chunk: int) -> dict:
     ids = eval_ids(base)
     ref = score(base, ids, 4096)
     gbps = matvec_gbps(base.dtype)
-    out: dict = {"model": base.model_id, "dtype": str(base.dtype).replace("torch.", ""), "eval_tokens": len(ids),
+    out: dict = {"model": base.model_id, "dtype": str(base.dtype).replace("torch.", ""),
+                 "eval_tokens": len(ids),
                  "threads": torch.get_num_threads(), "matvec_gbps": round(gbps, 2), "modes": {}}
     for mode in modes:
         lm = quantized(base, mode)
         sc = ref if mode == "none" else score(lm, ids, chunk)
         wb = quant.weight_bytes(lm.model)
-        row = {"weight_bytes": wb, "floor_ms": round(wb / gbps / 1e6, 2), "perplexity": round(sc.perplexity, 4),
-               "ppl_ratio": round(sc.perplexity / ref.perplexity, 4),
+        row = {"weight_bytes": wb, "floor_ms": round(wb / gbps / 1e6, 2),
+               "perplexity": round(sc.perplexity, 4), "ppl_ratio": round(sc.perplexity / ref.perplexity, 4),
                "top1_agreement": round((sc.top1 == ref.top1).float().mean().item(), 4)}
         for b in (1, 16):
             row[f"step_ms_b{b}"] = round(decode_step_ms(lm, b, steps), 2)
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--modes", default="none,int8,int4,w8a8")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--chunk", type=int, default=4096, help="prefill tokens per step when scoring (<= 24: packed kernels)")
+    p.add_argument("--chunk", type=int, default=4096,
+                   help="prefill tokens per step when scoring (<= 24: packed kernels)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     args = p.parse_args(argv)
     res = run(args.modes.split(","), args.steps, args.chunk)

@@ -76,7 +76,8 @@ def resumes(base: str) -> float:
 
 def workers_heard(base: str) -> int:
     """Workers the gateway has had stats from (each gets a hit-rate series)."""
-    return len(re.findall(r'^switchyard_router_prefix_hit_rate\{', httpx.get(base + "/metrics", timeout=10).text, re.M))
+    return len(re.findall(r'^switchyard_router_prefix_hit_rate\{',
+                          httpx.get(base + "/metrics", timeout=10).text, re.M))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -100,7 +101,8 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         second.stop()
         stack.stop()
-    whole = sum(r["error"] is None and r["finish"] == "length" and r["usage"]["completion_tokens"] == args.max_tokens
+    whole = sum(r["error"] is None and r["finish"] == "length"
+                and r["usage"]["completion_tokens"] == args.max_tokens
                 for r in out["results"])
     gaps = sorted(out["gaps"], reverse=True)[:moved]
     stats = latency_stats_ms(gaps)
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--after", type=int, default=20, help="tokens every stream has before the kill")
-    ap.add_argument("--worker-timeout", type=float, default=1.0, help="the gateway's silence limit (its default)")
+    ap.add_argument("--worker-timeout", type=float, default=1.0,
+                    help="the gateway's silence limit (its default)")
     ap.add_argument("--json", action="store_true", help="(the output is always one JSON line)")
     print(json.dumps(run(ap.parse_args(argv))))
     return 0

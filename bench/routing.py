@@ -40,7 +40,8 @@ def kv_bytes_per_token(model: str, dtype: str | None) -> int:
     from worker.text.model_source import resolve
 
     if model == TINY_SPEC:
-        return bytes_per_token(tiny_config(1, None, None), pick_dtype(dtype or "float32", torch.device("cpu")))
+        return bytes_per_token(tiny_config(1, None, None),
+                               pick_dtype(dtype or "float32", torch.device("cpu")))
     src = resolve(model)
     if src.kind != "gguf":
         raise SystemExit("pass --kv-bytes-per-token for a Hugging Face folder model")
@@ -56,7 +57,8 @@ class Result:
     predicted: int = -1  # prompt tokens the router expected cached (-1: not routed)
 
 
-def build_workload(seed: int, n_prompts: int, prompt_len: int, per_prompt: int) -> list[tuple[int, list[int]]]:
+def build_workload(seed: int, n_prompts: int, prompt_len: int,
+                   per_prompt: int) -> list[tuple[int, list[int]]]:
     """(system prompt index, tokens) in random order; tokens are ids in a safe range of the vocabulary."""
     rng = random.Random(seed)
     systems = [[rng.randrange(100, 40000) for _ in range(prompt_len)] for _ in range(n_prompts)]
@@ -109,7 +111,8 @@ async def run_mode(mode: str, membership: Membership, cluster: list[str], oracle
         async with sem:
             target = cluster[i % len(cluster)] if mode == "round_robin" else oracle
             try:
-                return await stream_direct(membership.client(target), f"{mode}-{seed}-{i}", ns, tokens, sampling)
+                return await stream_direct(membership.client(target), f"{mode}-{seed}-{i}", ns,
+                                           tokens, sampling)
             except WorkerError as err:
                 return Result(len(tokens), 0, float("nan"), err.code)
 
@@ -118,9 +121,10 @@ async def run_mode(mode: str, membership: Membership, cluster: list[str], oracle
 
 
 async def gateway_share(g: int, n_gateways: int, cluster: list[str], work: list[tuple[int, list[int]]],
-                        args: argparse.Namespace, seed: int, barrier) -> tuple[list[Result], list[dict[str, float]]]:
-    """One gateway replica's part: its own membership, sockets and router; requests i = g mod N, with its share
-    of the concurrency. All replicas (and the parent) pass `barrier` once each sees the cluster live."""
+                        args: argparse.Namespace, seed: int,
+                        barrier) -> tuple[list[Result], list[dict[str, float]]]:
+    """One gateway replica's part: its own membership, sockets and router; requests i = g mod N, with its
+    share of the concurrency. All replicas (and the parent) pass `barrier` once each sees the cluster live."""
     membership = Membership(gateway_id=f"bench-gw{g}", static_endpoints=cluster, dead_after=args.dead_after)
     samples: list[dict[str, float]] = []
     try:
@@ -152,17 +156,20 @@ async def gateway_share(g: int, n_gateways: int, cluster: list[str], work: list[
         await membership.close()
 
 
-def gateway_process(g: int, n_gateways: int, cluster: list[str], work, args, seed: int, barrier, results) -> None:
+def gateway_process(g: int, n_gateways: int, cluster: list[str], work, args, seed: int, barrier,
+                    results) -> None:
     out, samples = asyncio.run(gateway_share(g, n_gateways, cluster, work, args, seed, barrier))
-    results.put((g, [(r.prompt_tokens, r.cached_tokens, r.ttft_s, r.error, r.predicted) for r in out], samples))
+    results.put((g, [(r.prompt_tokens, r.cached_tokens, r.ttft_s, r.error, r.predicted)
+                     for r in out], samples))
 
 
-def run_gateways(n_gateways: int, cluster: list[str], work: list[tuple[int, list[int]]], args: argparse.Namespace,
-                 seed: int) -> tuple[list[Result], list[dict[str, float]]]:
+def run_gateways(n_gateways: int, cluster: list[str], work: list[tuple[int, list[int]]],
+                 args: argparse.Namespace, seed: int) -> tuple[list[Result], list[dict[str, float]]]:
     """The router mode from `n_gateways` gateway processes at once; returns their pooled results and loads."""
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(n_gateways + 1), ctx.Queue()
-    procs = [ctx.Process(target=gateway_process, args=(g, n_gateways, cluster, work, args, seed, barrier, results),
+    procs = [ctx.Process(target=gateway_process,
+                         args=(g, n_gateways, cluster, work, args, seed, barrier, results),
                          daemon=True) for g in range(n_gateways)]
     for p in procs:
         p.start()
@@ -191,7 +198,8 @@ def run_gateways(n_gateways: int, cluster: list[str], work: list[tuple[int, list
 
 def precision_p50(results: list[Result]) -> float | None:
     """Median over requests with a predicted hit of the share of the predicted tokens really cached."""
-    shares = [min(r.predicted, r.cached_tokens) / r.predicted for r in results if r.error is None and r.predicted > 0]
+    shares = [min(r.predicted, r.cached_tokens) / r.predicted for r in results
+              if r.error is None and r.predicted > 0]
     return round(statistics.median(shares), 3) if shares else None
 
 
@@ -210,7 +218,8 @@ def load_ratio(samples: list[dict[str, float]], cluster: list[str]) -> float:
 
 
 def oracle_kv_tokens(args: argparse.Namespace) -> int:
-    """The cluster's total cache, or more if that cannot hold the whole workload: the oracle must not thrash."""
+    """The cluster's total cache, or more if that cannot hold the
+    whole workload: the oracle must not thrash."""
     working_set = int(1.1 * args.prompts * (args.prompt_len + 32)) + args.concurrency * (32 + args.max_tokens)
     return max(3 * args.kv_tokens, working_set)
 
@@ -223,7 +232,8 @@ async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
                         extra=common + ["--kv-cache-bytes", str(args.kv_tokens * bytes_per_token)])
              for _ in range(3)]
     procs.append(WorkerProc(log_dir, model=args.model, threads=args.threads,
-                            extra=common + ["--kv-cache-bytes", str(oracle_kv_tokens(args) * bytes_per_token)]))
+                            extra=common + ["--kv-cache-bytes",
+                                            str(oracle_kv_tokens(args) * bytes_per_token)]))
     # WorkerProc passes its own --kv-cache-bytes first; ours, later on the command line, wins.
     cluster, oracle = [p.endpoint for p in procs[:3]], procs[3].endpoint
     membership = Membership(gateway_id="bench-routing", static_endpoints=cluster + [oracle],
@@ -240,7 +250,8 @@ async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
             for mode in modes:
                 t0 = time.perf_counter()
                 if mode.startswith("router"):
-                    results, their = await asyncio.to_thread(run_gateways, int(mode[6:]), cluster, work, args, seed)
+                    results, their = await asyncio.to_thread(run_gateways, int(mode[6:]), cluster,
+                                                             work, args, seed)
                     samples[mode] += their
                 else:
                     results = await run_mode(mode, membership, cluster, oracle, work, args, seed)
@@ -253,7 +264,8 @@ async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
             out["hit_rate"][mode], out["ttft_p50_ms"][mode] = summarize(results)
             out["errors"][mode] = sum(r.error is not None for r in results)
         first = f"router{args.gateways[0]}"
-        by_n = {str(n): {"hit_rate": out["hit_rate"][f"router{n}"], "ttft_p50_ms": out["ttft_p50_ms"][f"router{n}"],
+        by_n = {str(n): {"hit_rate": out["hit_rate"][f"router{n}"],
+                         "ttft_p50_ms": out["ttft_p50_ms"][f"router{n}"],
                          "max_over_mean_load": load_ratio(samples[f"router{n}"], cluster),
                          "precision_p50": precision_p50(pooled[f"router{n}"])} for n in args.gateways}
         for key in ("hit_rate", "ttft_p50_ms", "hit_rate_per_order", "wall_s", "errors"):
@@ -276,7 +288,8 @@ async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
                 round(by_n[last]["hit_rate"] / hr["oracle"], 3) if hr["oracle"] else None)
         out.update(model=args.model, workers=3, gateways=args.gateways, orders=args.orders,
                    requests=len(pooled[first]), concurrency=args.concurrency, prompt_len=args.prompt_len,
-                   max_tokens=args.max_tokens, epsilon=args.epsilon, cpu=cpu_model(), dtype=args.dtype or "auto")
+                   max_tokens=args.max_tokens, epsilon=args.epsilon, cpu=cpu_model(),
+                   dtype=args.dtype or "auto")
         return out
     finally:
         await membership.close()
@@ -306,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds without stats before a worker counts as lost (CPU steps can be long)")
     ap.add_argument("--seed", type=int, default=1, help="the first order's seed; order k uses seed + k")
     ap.add_argument("--orders", type=int, default=5,
-                    help="random orders of the workload, each run by all three modes; hit rates and TTFT pool them")
+                    help="random orders of the workload, each run by all three modes; "
+                    "hit rates and TTFT pool them")
     ap.add_argument("--ready-timeout", type=float, default=180.0)
     ap.add_argument("--gateways", default="1",
                     help="comma list of gateway process counts, each run over the same orders (e.g. 1,3)")

@@ -1,4 +1,5 @@
-"""N-gram speculative decoding on a repetitive workload: TPOT with speculation on vs off, same prompts, greedy.
+"""N-gram speculative decoding on a repetitive workload: TPOT with
+speculation on vs off, same prompts, greedy.
 
 The prompts ask the model to copy a passage with one change, so answers repeat spans of the prompt.
 """
@@ -20,28 +21,31 @@ from worker.model.loader import LoadedModel, load_model
 from worker.protocol import SamplingParams
 
 PASSAGES = [
-    ("The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night the keeper "
-     "climbed the narrow stairs, trimmed the wick and watched the ships pass safely through the dark water. "
-     "When the storms came, the light never failed, and the sailors told stories about the keeper who never slept.",
+    ("The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night the "
+     "keeper climbed the narrow stairs, trimmed the wick and watched the ships pass safely through the dark "
+     "water. When the storms came, the light never failed, and the sailors told stories about the keeper who "
+     "never slept.",
      "keeper", "guardian"),
-    ("def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal += item.price "
-     "* item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n\n\ndef print_receipt(items, "
-     "tax_rate):\n    for item in items:\n        print(item.name, item.price * item.quantity)\n    print('total', "
-     "total_price(items, tax_rate))\n", "items", "products"),
+    ("def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal += "
+     "item.price * item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n\n\ndef "
+     "print_receipt(items, tax_rate):\n    for item in items:\n        print(item.name, item.price * "
+     "item.quantity)\n    print('total', total_price(items, tax_rate))\n", "items", "products"),
     ("Our team meets every Monday at nine in the small conference room on the third floor. Please bring your "
      "weekly report, your list of open questions and any blockers you have found. If you cannot attend the "
      "meeting, send your report to the team lead before Monday morning.", "Monday", "Tuesday"),
-    ("To make the bread, mix the flour, the salt and the yeast in a large bowl. Add the warm water slowly and "
-     "knead the dough for ten minutes until it is smooth. Let the dough rise for one hour, shape it into a loaf "
-     "and bake it for forty minutes.", "dough", "batter"),
+    ("To make the bread, mix the flour, the salt and the yeast in a large bowl. Add the warm water slowly "
+     "and knead the dough for ten minutes until it is smooth. Let the dough rise for one hour, shape it into "
+     "a loaf and bake it for forty minutes.", "dough", "batter"),
 ]
 
 
-# open-ended questions: answers copy little of the prompt (what speculation costs when drafts are mostly wrong)
+# open-ended questions: answers copy little of the prompt (what
+# speculation costs when drafts are mostly wrong)
 FREE = ["Write a short story about a fox who learns to fly.", "Explain why the sky is blue to a child.",
         "Give three tips for learning a new language.", "Describe your ideal weekend in a few sentences.",
         "What are the pros and cons of working from home?", "Invent a recipe that uses apples and cheese.",
-        "Write a haiku sequence about winter mornings.", "Summarize the plot of a detective novel you invent."]
+        "Write a haiku sequence about winter mornings.",
+        "Summarize the plot of a detective novel you invent."]
 
 
 def prompts(loaded: LoadedModel, n: int, workload: str = "repetitive") -> list[list[int]]:
@@ -51,7 +55,8 @@ def prompts(loaded: LoadedModel, n: int, workload: str = "repetitive") -> list[l
             msg = FREE[i % len(FREE)]
         else:
             text, old, new = PASSAGES[i % len(PASSAGES)]
-            msg = (f"Repeat the following passage exactly, changing only the word '{old}' to '{new}' everywhere."
+            msg = (f"Repeat the following passage exactly, changing only the word '{old}' to '{new}' "
+                   "everywhere."
                    f"\n\n{text}")
         out.append(loaded.tokenizer.apply_chat_template([{"role": "user", "content": msg}]))
     return out
@@ -95,8 +100,10 @@ def measure(loaded: LoadedModel, batch: int, rounds: int, max_tokens: int, workl
             texts.setdefault(on, out)
     s = engines[True].stats()
     on_ms, off_ms = statistics.median(tpot[True]), statistics.median(tpot[False])
-    return {"tpot_ms_on": round(on_ms, 2), "tpot_ms_off": round(off_ms, 2), "tpot_ratio": round(on_ms / off_ms, 3),
-            "acceptance_rate": round(s.spec_acceptance_rate, 3), "tokens_per_step": round(s.spec_tokens_per_step, 3),
+    return {"tpot_ms_on": round(on_ms, 2), "tpot_ms_off": round(off_ms, 2),
+            "tpot_ratio": round(on_ms / off_ms, 3),
+            "acceptance_rate": round(s.spec_acceptance_rate, 3),
+            "tokens_per_step": round(s.spec_tokens_per_step, 3),
             "out_tok_s_ratio": round(statistics.median(tok_s[True]) / statistics.median(tok_s[False]), 3),
             "identical_text": texts[True] == texts[False],
             "output_tokens": sum(len(t) for t in texts[False])}
@@ -113,7 +120,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     args = ap.parse_args()
     loaded = load_model("default", dtype=args.dtype, quantization=args.quantization)
-    result = {"bench": "spec_decode", "model": loaded.model_id, "cpu": cpu_model(), "threads": torch.get_num_threads(),
+    result = {"bench": "spec_decode", "model": loaded.model_id, "cpu": cpu_model(),
+              "threads": torch.get_num_threads(),
               "dtype": str(loaded.dtype).replace("torch.", ""), "quantization": loaded.quantization,
               "workload": args.workload, "spec_tokens": 4, "batches": {}}
     for b in (int(x) for x in args.batches.split(",")):

@@ -1,4 +1,5 @@
-"""Structured-output cost: output tokens/s with a `response_format` JSON schema vs without, same prompts, same run.
+"""Structured-output cost: output tokens/s with a `response_format`
+JSON schema vs without, same prompts, same run.
 
 Target: `ratio` (constrained over unconstrained tok/s) >= 0.8. `--json` prints one line.
 """
@@ -33,11 +34,13 @@ JOBS = ("baker", "pilot", "teacher", "nurse", "farmer", "painter", "chemist", "j
 
 def prompts(loaded: LoadedModel, n: int) -> list[list[int]]:
     tok = loaded.tokenizer
-    return [tok.apply_chat_template([{"role": "user", "content": f"Describe a {JOBS[i % len(JOBS)]} number {i} "
+    return [tok.apply_chat_template([{"role": "user",
+                                      "content": f"Describe a {JOBS[i % len(JOBS)]} number {i} "
                                       "as JSON with name, age, city, skills and role."}]) for i in range(n)]
 
 
-def run(loaded: LoadedModel, ids: list[list[int]], max_tokens: int, grammar: dict | None) -> tuple[int, float]:
+def run(loaded: LoadedModel, ids: list[list[int]], max_tokens: int,
+        grammar: dict | None) -> tuple[int, float]:
     """All prompts at once, seeded sampling at temperature 1; (output tokens, wall seconds)."""
     engine = Engine(loaded, EngineConfig(kv_cache_bytes=512 << 20))
     try:

@@ -40,8 +40,10 @@ QUICK = {"mixed": (8, 4), "prefix": (4, 2), "single": (2, 1), "long": (2, 2),
 RATIOS = {"mixed_out_tok_s": ("mixed", "out_tok_s"), "prefix_ttft_p50": ("prefix", "ttft_p50_ms"),
           "single_tpot_p50": ("single", "tpot_p50_ms"), "single_ttft_p50": ("single", "ttft_p50_ms"),
           "long_out_tok_s": ("long", "out_tok_s"),
-          "natural_mixed_out_tok_s": ("nmixed", "out_tok_s"), "natural_prefix_ttft_p50": ("nprefix", "ttft_p50_ms"),
-          "natural_single_tpot_p50": ("nsingle", "tpot_p50_ms"), "natural_single_ttft_p50": ("nsingle", "ttft_p50_ms")}
+          "natural_mixed_out_tok_s": ("nmixed", "out_tok_s"),
+          "natural_prefix_ttft_p50": ("nprefix", "ttft_p50_ms"),
+          "natural_single_tpot_p50": ("nsingle", "tpot_p50_ms"),
+          "natural_single_ttft_p50": ("nsingle", "ttft_p50_ms")}
 # the shared generator plus `long` and the natural-text workloads (nmixed, nprefix, nsingle)
 LONG_LOADGEN = Path(__file__).with_name("long_loadgen.py")
 UNLIMITED = {"tpm": 0, "rpm": 0, "max_concurrent": 0, "max_tokens": 4096}
@@ -65,7 +67,8 @@ def start_ours(args: argparse.Namespace, log_dir: Path) -> Server:
     """One worker and one gateway through the project's launcher, with a demo tenant with no limits."""
     from config.local_stack.launcher import DEMO_TENANT, Stack, StackConfig, free_port
 
-    wargs = ["--quantization", args.quantization, "--num-threads", str(args.threads), *shlex.split(args.worker_args)]
+    wargs = ["--quantization", args.quantization, "--num-threads", str(args.threads),
+             *shlex.split(args.worker_args)]
     if args.dtype != "auto":
         wargs += ["--dtype", args.dtype]
     stack = Stack(StackConfig(port=free_port(), model=args.model, worker_args=wargs,
@@ -80,10 +83,12 @@ def start_ours(args: argparse.Namespace, log_dir: Path) -> Server:
 
 
 def start_peer(args: argparse.Namespace) -> Server:
-    """The peer at --peer-url, started by --peer-start (which prints a PID) when given, ready on /v1/models."""
+    """The peer at --peer-url, started by --peer-start (which prints a PID) when given, ready on
+    /v1/models."""
     pid = None
     if args.peer_start:
-        out = subprocess.run(shlex.split(args.peer_start), capture_output=True, text=True, timeout=60, check=True)
+        out = subprocess.run(shlex.split(args.peer_start), capture_output=True, text=True,
+                             timeout=60, check=True)
         pid = out.stdout.strip().split()[-1] if out.stdout.strip() else None
 
     def stop() -> None:
@@ -119,7 +124,8 @@ def loadgen_python() -> str:
 
 
 def run_workload(server: Server, workload: str, n: int, concurrency: int, args: argparse.Namespace) -> dict:
-    gen = [str(LONG_LOADGEN), str(args.loadgen)]  # the shared generator's workloads too, short outputs checked
+    # the shared generator's workloads too, short outputs checked
+    gen = [str(LONG_LOADGEN), str(args.loadgen)]
     cmd = [loadgen_python(), *gen, "--url", server.url, "--key", server.key, "--model", server.model,
            "--workload", workload, "--n", str(n), "--concurrency", str(concurrency), "--json",
            "--timeout", str(args.request_timeout)]
@@ -127,7 +133,8 @@ def run_workload(server: Server, workload: str, n: int, concurrency: int, args: 
     if out.returncode != 0:
         raise RuntimeError(f"loadgen {workload} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    if res["errors"] or res["ok"] != n:  # a failed or short request is never a fast one: no ratio from this run
+    # a failed or short request is never a fast one: no ratio from this run
+    if res["errors"] or res["ok"] != n:
         raise RuntimeError(f"{server.url} {workload}: {res['errors']} of {n} requests failed or ended short "
                            f"({res.get('first_error')})")
     return res
@@ -169,7 +176,8 @@ def resolved(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def compare(args: argparse.Namespace, ours: Side, peer: Side) -> dict:
-    sizes = {w: nc for w, nc in (QUICK if args.quick else FULL).items() if not args.workloads or w in args.workloads}
+    sizes = {w: nc for w, nc in (QUICK if args.quick else FULL).items()
+             if not args.workloads or w in args.workloads}
     dtype, quantization = resolved(args)
     passes = []
     for i in range(args.passes):
@@ -191,10 +199,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peer-url", default="http://127.0.0.1:8101")
     ap.add_argument("--peer-model", default="smollm2")
     ap.add_argument("--peer-key", default="")
-    ap.add_argument("--peer-dtype", default="bfloat16", help="reported only: the peer's start command sets it")
+    ap.add_argument("--peer-dtype", default="bfloat16",
+                    help="reported only: the peer's start command sets it")
     ap.add_argument("--peer-start", default=None, help="command that starts the peer and prints its PID "
                     "(e.g. ../shared/peers/start_vllm.sh)")
-    ap.add_argument("--peer-stop", default=None, help="command that stops it, given that PID (e.g. stop_vllm.sh)")
+    ap.add_argument("--peer-stop", default=None,
+                    help="command that stops it, given that PID (e.g. stop_vllm.sh)")
     ap.add_argument("--peer-ready-timeout", type=float, default=600.0)
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
@@ -202,8 +212,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the worker's torch threads")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="small n per workload (a smoke test, not a figure)")
-    ap.add_argument("--workloads", nargs="*", choices=list(FULL), default=[], help="run only these (default: all)")
-    ap.add_argument("--worker-args", default="", help="more worker flags for our side, e.g. '--spec-tokens 0'")
+    ap.add_argument("--workloads", nargs="*", choices=list(FULL), default=[],
+                    help="run only these (default: all)")
+    ap.add_argument("--worker-args", default="",
+                    help="more worker flags for our side, e.g. '--spec-tokens 0'")
     ap.add_argument("--loadgen", type=Path, default=LOADGEN)
     ap.add_argument("--ready-timeout", type=float, default=300.0, help="our stack's start-up deadline")
     ap.add_argument("--request-timeout", type=float, default=600.0)

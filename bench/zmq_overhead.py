@@ -75,7 +75,8 @@ async def _through_worker(endpoint: str, workload: list[tuple[list[int], int]],
     await client.start()
     try:
         await client.wait_ready(ready_timeout)
-        async for _ in client.generate("warm-up", b"bench", workload[0][0][:32], SamplingParams(max_tokens=4)):
+        async for _ in client.generate("warm-up", b"bench", workload[0][0][:32],
+                                       SamplingParams(max_tokens=4)):
             pass
         hops: list[float] = []
         start = time.perf_counter()

@@ -43,8 +43,8 @@ class AdmissionStack:
 
     def _spawn_gateway(self, config: Path) -> GatewayProc:
         assert self.worker is not None
-        return GatewayProc.spawn(self.log_dir, ["--config", str(config), "--redis-url", self.redis.url, "--workers",
-                                                self.worker.endpoint, "--worker-timeout", "10",
+        return GatewayProc.spawn(self.log_dir, ["--config", str(config), "--redis-url", self.redis.url,
+                                                "--workers", self.worker.endpoint, "--worker-timeout", "10",
                                                 "--log-level", "WARNING"])
 
     def wait_ready(self, timeout: float) -> None:
@@ -79,7 +79,8 @@ class AdmissionStack:
                     resp = await http.post(url + "/v1/completions", json=body,
                                            headers={"authorization": f"Bearer {key}"})
                     return resp.status_code
-                return await asyncio.gather(*(one(g.base_url) for g in self.gateways for _ in range(concurrent)))
+                return await asyncio.gather(*(one(g.base_url) for g in self.gateways
+                                              for _ in range(concurrent)))
 
         if 200 not in asyncio.run(burst()):
             raise RuntimeError("no request succeeded during the warm-up")

@@ -18,12 +18,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# the host tiers' shared budget (worker.kvcache.tiers.host_budget): one claims file per test session, so that no
-# process outside it (a `make run` left running) holds this session's workers' shares
+# the host tiers' shared budget (worker.kvcache.tiers.host_budget): one claims file per test session, so that
+# no process outside it (a `make run` left running) holds this session's workers' shares
 os.environ.setdefault("SWITCHYARD_HOST_CLAIMS", os.path.join(
     os.environ.get("TMPDIR", "/tmp"), f"sy-host-claims-{os.getpid()}.json"))
 
-from config.local_stack.launcher import free_port, wait_for_port  # noqa: E402, F401 - re-exported to the tests
+# re-exported to the tests
+from config.local_stack.launcher import free_port, wait_for_port  # noqa: E402, F401
 from tests.gateway_stack import GatewayStack, shared_stack, stop_shared_stack  # noqa: E402
 
 
@@ -99,8 +100,9 @@ def stack() -> Iterator[GatewayStack]:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--order", default="file", metavar="file|reverse|shuffle:SEED",
-                     help="run the collected tests in file order, reversed, or shuffled with a seed: a test whose "
-                          "outcome depends on what ran before it fails in one of them (`make test-heavy-reordered`)")
+                     help="run the collected tests in file order, reversed, or shuffled with a seed: "
+                          "a test whose outcome depends on what ran before it fails in one of them "
+                          "(`make test-heavy-reordered`)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -115,8 +117,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_torch_threads() -> Iterator[None]:
-    """torch's thread count is process-wide, and the kernels (and the kernel choices, stored per thread count) a
-    model runs depend on it: a module that sets it gets it back at its end, so no later module sees its choice."""
+    """torch's thread count is process-wide, and the kernels (and the kernel choices,
+    stored per thread count) a model runs depend on it: a module that sets it gets it
+    back at its end, so no later module sees its choice."""
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)

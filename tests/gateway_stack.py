@@ -31,8 +31,8 @@ class GatewayStack:
 
 def start_gateway_stack(*, worker_model: str = "default", prefix_cache: bool = False,
                         worker_args: Sequence[str] = (),
-                        gateway_args: Sequence[str] = ("--max-body-bytes", "1000000", "--worker-timeout", "20",
-                                                       "--stream-detach-grace", "0"),
+                        gateway_args: Sequence[str] = ("--max-body-bytes", "1000000",
+                                                       "--worker-timeout", "20", "--stream-detach-grace", "0"),
                         ) -> GatewayStack:
     """A new stack with the three tenants; the caller stops it (`stack.stack.stop()`).
 
@@ -74,14 +74,15 @@ def tenant_state(redis_url: str, name: str) -> dict:
     charged, reserved or leased."""
     r = sync_client(redis_url)
     try:
-        return {k: r.dump(k) for k in sorted(r.scan_iter(match=f"{{t:{name}}}:*")) if not k.endswith(b":config")}
+        return {k: r.dump(k) for k in sorted(r.scan_iter(match=f"{{t:{name}}}:*"))
+                if not k.endswith(b":config")}
     finally:
         r.close()
 
 
 def charged_as_invalid(redis_url: str, name: str, before: dict) -> bool:
-    """After a request refused as invalid (tenant with default limits): nothing but the rate bucket changed, and
-    that by one request of `rpm`, no tokens (tenants.md: an invalid request costs one request)."""
+    """After a request refused as invalid (tenant with default limits): nothing but the rate bucket changed,
+    and that by one request of `rpm`, no tokens (tenants.md: an invalid request costs one request)."""
     from tenancy.schema import INT_DEFAULTS, bucket_key
 
     after = tenant_state(redis_url, name)

@@ -1,4 +1,5 @@
-"""Shared by the tool-call tests: a tool set (weather, time), its validators and a user turn asking for them."""
+"""Shared by the tool-call tests: a tool set (weather, time), its
+validators and a user turn asking for them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Each worker's footprint as its own reports show it: blocks it stored, each weighted by exp(-blocks stored anywhere
-since / the cluster's KV blocks), so every replica fed the same reports sees the same footprints.
+"""Each worker's footprint as its own reports show it: blocks it stored, each weighted by exp(-blocks stored
+anywhere since / the cluster's KV blocks), so every replica fed the same reports sees the same footprints.
 """
 
 from __future__ import annotations

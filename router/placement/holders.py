@@ -1,6 +1,8 @@
-"""Which worker holds which prompt prefix, as this gateway learned from its own traffic, and each worker's footprint.
+"""Which worker holds which prompt prefix, as this gateway learned
+from its own traffic, and each worker's footprint.
 
-Footprints decay as new prefixes come in (scale: the cluster's KV tokens), so they follow the working set, not history.
+Footprints decay as new prefixes come in (scale: the cluster's KV
+tokens), so they follow the working set, not history.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ class PrefixHolders:
 
 
 class InFlightPrefixes:
-    """Prefix keys of this gateway's requests in flight, per worker: what a worker will hold before it reports it."""
+    """Prefix keys of this gateway's requests in flight, per worker:
+    what a worker will hold before it reports it."""
 
     def __init__(self) -> None:
         self._keys: dict[bytes, dict[str, list[int]]] = {}  # key -> worker -> [requests, tokens]

@@ -1,9 +1,9 @@
-"""Which blocks each worker reports holding: one set of 64-bit block ids per worker (and one of the blocks its KV
-tiers hold below memory), kept in step with the numbered batches on its stats stream, and the longest reported
-prefix of a prompt on each worker.
+"""Which blocks each worker reports holding: one set of 64-bit block ids per worker (and one of the blocks its
+KV tiers hold below memory), kept in step with the numbered batches on its stats stream, and the longest
+reported prefix of a prompt on each worker.
 
-Bounded: a worker may index at most its own KV pages (with slack for a late eviction batch) and the whole index
-at most `max_blocks` ids; a report past either is dropped and the worker counts as reporting nothing.
+Bounded: a worker may index at most its own KV pages (with slack for a late eviction batch) and the whole
+index at most `max_blocks` ids; a report past either is dropped and the worker counts as reporting nothing.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class _Blocks:
 class KvIndex:
     """Block ids per worker; all calls are synchronous and O(size of the report) or O(prompt blocks)."""
 
-    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS, max_tier_blocks: int = DEFAULT_MAX_TIER_BLOCKS) -> None:
+    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS,
+                 max_tier_blocks: int = DEFAULT_MAX_TIER_BLOCKS) -> None:
         if max_blocks <= 0:
             raise ValueError("max_blocks must be > 0")
         self.max_blocks = max_blocks
@@ -100,8 +101,8 @@ class KvIndex:
             self._total -= len(w.ids)
 
     def match_tiered(self, ids: list[int], workers: Iterable[str]) -> dict[str, tuple[int, int]]:
-        """For each of `workers` holding the prompt's first block in memory or a tier: (leading blocks of `ids`
-        in memory, the blocks after those that memory or a tier holds)."""
+        """For each of `workers` holding the prompt's first block in memory or a tier: (leading blocks of
+        `ids` in memory, the blocks after those that memory or a tier holds)."""
         out: dict[str, tuple[int, int]] = {}
         if not ids:
             return out
@@ -120,7 +121,8 @@ class KvIndex:
         return out
 
     def match(self, ids: list[int], workers: Iterable[str]) -> dict[str, int]:
-        """For each of `workers` holding the prompt's first block, how many leading blocks of `ids` it holds."""
+        """For each of `workers` holding the prompt's first block, how
+        many leading blocks of `ids` it holds."""
         out: dict[str, int] = {}
         if not ids:
             return out
@@ -139,7 +141,8 @@ class KvIndex:
 
     def _add(self, w: _Blocks, stored: list[int], capacity_blocks: int) -> Applied:
         bound = capacity_blocks * _SLACK + 64
-        if len(stored) > bound or len(stored) > self.max_blocks:  # over a bound however many repeat: take nothing
+        # over a bound however many repeat: take nothing
+        if len(stored) > bound or len(stored) > self.max_blocks:
             self._set(w, set())
             w.synced = False
             return Applied.OVERFLOW

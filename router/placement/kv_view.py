@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 SYNC_RETRY_S = 0.5  # at most one snapshot request per worker in this interval
 MAX_INDEX_BLOCKS = 4096  # prompt blocks looked up at most (64k tokens at block size 16)
 # A block a worker holds only in a KV tier below memory counts this much of a block in memory: restoring it is
-# far cheaper than a prefill (docs/engine.md "KV tiers") but not free, and it may sit on disk; so of two workers
-# with the same prefix, the one holding it in memory wins.
+# far cheaper than a prefill (docs/engine.md "KV tiers") but not free, and it may sit on disk; so of two
+# workers with the same prefix, the one holding it in memory wins.
 TIER_CREDIT = 0.5
 
 
@@ -74,7 +74,8 @@ class KvView:
         self._refused.pop(worker_id, None)
         self._asked_at.pop(worker_id, None)
 
-    def matched(self, ns: bytes, tokens: Sequence[int] | np.ndarray | bytes, workers: Iterable[str]) -> dict[str, int]:
+    def matched(self, ns: bytes, tokens: Sequence[int] | np.ndarray | bytes,
+                workers: Iterable[str]) -> dict[str, int]:
         """Prompt tokens each worker reports holding as a prefix of `tokens` (only those holding some); blocks
         held only in a worker's KV tiers count TIER_CREDIT of a token each."""
         if not self.active:
@@ -83,7 +84,8 @@ class KvView:
         n_tokens = token_count(tokens)
         # a worker's own match leaves out the prompt's last token (it must compute one position)
         ids = block_ids(ns, tokens, bs, min((n_tokens - 1) // bs, MAX_INDEX_BLOCKS))
-        out = {w: n * bs + int(TIER_CREDIT * t * bs) for w, (n, t) in self.index.match_tiered(ids, workers).items()}
+        out = {w: n * bs + int(TIER_CREDIT * t * bs)
+               for w, (n, t) in self.index.match_tiered(ids, workers).items()}
         return {w: n for w, n in out.items() if n > 0}
 
     # ------------------------------------------------------------ internals
@@ -100,10 +102,11 @@ class KvView:
             self._refused[worker_id] = why
             self.index.forget(worker_id)
             routing_metrics.REFUSED.labels(why).inc()
-            log.error("refusing worker %s: its block-hash contract differs in %s (worker: block_size=%d hash=%s "
-                      "tokenizer=%s; this gateway: block_size=%d hash=%s tokenizer=%s); it gets no requests",
-                      worker_id, why, contract.block_size, contract.hash_algo, contract.tokenizer, self.block_size,
-                      HASH_ALGO, self.tokenizer_version)
+            log.error("refusing worker %s: its block-hash contract differs in %s (worker: block_size=%d "
+                      "hash=%s tokenizer=%s; this gateway: block_size=%d hash=%s tokenizer=%s); it gets no "
+                      "requests",
+                      worker_id, why, contract.block_size, contract.hash_algo, contract.tokenizer,
+                      self.block_size, HASH_ALGO, self.tokenizer_version)
         return False
 
     def _mismatch(self, c: KvContract) -> str | None:

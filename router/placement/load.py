@@ -1,6 +1,7 @@
 """Outstanding KV tokens per worker: this gateway's own requests exactly, other gateways' from worker stats.
 
-Routing counts a request net of the prefix hit it expects; `committed` (for admission) only net of reported hits.
+Routing counts a request net of the prefix hit it expects;
+`committed` (for admission) only net of reported hits.
 """
 
 from __future__ import annotations

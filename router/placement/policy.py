@@ -1,6 +1,7 @@
 """The routing policy: consistent hashing with bounded loads (Mirrokni et al. 2018), made cache-aware.
 
-One pure `choose` over a `Candidates` view, so every rule and fallback reason lives here; `RoutingPolicy` adds the ring.
+One pure `choose` over a `Candidates` view, so every rule and fallback
+reason lives here; `RoutingPolicy` adds the ring.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class NoWorkerAvailable(RuntimeError):
 
 @dataclass(slots=True, frozen=True)
 class Bounds:
-    """Slack over the mean: loads below (1 + epsilon) x mean fit; new prefixes go below (1 + footprint) x mean."""
+    """Slack over the mean: loads below (1 + epsilon) x mean fit; new
+    prefixes go below (1 + footprint) x mean."""
 
     epsilon: float = DEFAULT_EPSILON
     footprint: float = DEFAULT_FOOTPRINT_EPSILON
@@ -58,8 +60,10 @@ class Candidates:
     loads: Mapping[str, float]  # outstanding KV tokens (missing: 0)
     keyed: bool = True
     excluded: frozenset[str] = frozenset()
-    held: Mapping[str, int] = field(default_factory=dict)  # prompt tokens of the prefix each worker should hold
-    footprints: Mapping[str, float] | None = None  # prefix tokens placed on each worker; None: no footprint rule
+    # prompt tokens of the prefix each worker should hold
+    held: Mapping[str, int] = field(default_factory=dict)
+    # prefix tokens placed on each worker; None: no footprint rule
+    footprints: Mapping[str, float] | None = None
 
     def reason(self, worker_id: str) -> str | None:
         if worker_id in self.excluded:
@@ -71,10 +75,9 @@ def choose(view: Candidates, cost: int, *, span: int = 0, bounds: Bounds = Bound
            rng: random.Random | None = None) -> Choice:
     """Pick a worker for a request of `cost` KV tokens whose key covers `span` prompt tokens.
 
-    Keyed: the holder of the longest prefix that fits, ties in walk order (a holder may exceed the bound by what it
-    need not recompute),
-    else for a new prefix the first fitting worker below its footprint share, else plain bounded loads on the walk.
-    Keyless: the least-loaded usable worker, ties broken at random.
+    Keyed: the holder of the longest prefix that fits, ties in walk order (a holder may exceed the bound by
+    what it need not recompute), else for a new prefix the first fitting worker below its footprint share,
+    else plain bounded loads on the walk. Keyless: the least-loaded usable worker, ties broken at random.
     """
     if cost < 0:
         raise ValueError("cost must be >= 0")
@@ -103,7 +106,8 @@ def choose(view: Candidates, cost: int, *, span: int = 0, bounds: Bounds = Bound
 
 def _place_new_prefix(footprints: Mapping[str, float], usable: list[str], span: int, bounds: Bounds,
                       fits: Callable[[str], bool]) -> Choice | None:
-    """The first worker on the walk within the load bound whose footprint is below its share (bounded cache space)."""
+    """The first worker on the walk within the load bound whose footprint
+    is below its share (bounded cache space)."""
     share = (1.0 + bounds.footprint) * (sum(footprints.get(w, 0) for w in usable) + span) / len(usable)
     taken = next((w for w in usable if fits(w) and footprints.get(w, 0) < share), None)
     if taken is None:
@@ -134,10 +138,12 @@ def _least_loaded(usable: list[str], loads: Mapping[str, float], rng: random.Ran
 
 
 class RoutingPolicy:
-    """The ring over the known workers (eligible or not, so a worker that comes back gets its keys back) and `choose`."""
+    """The ring over the known workers (eligible or not, so a worker that comes back gets its keys back) and
+    `choose`."""
 
     def __init__(self, *, vnodes: int = DEFAULT_VNODES, epsilon: float = DEFAULT_EPSILON,
-                 footprint_epsilon: float = DEFAULT_FOOTPRINT_EPSILON, rng: random.Random | None = None) -> None:
+                 footprint_epsilon: float = DEFAULT_FOOTPRINT_EPSILON,
+                 rng: random.Random | None = None) -> None:
         self.bounds = Bounds(epsilon, footprint_epsilon)
         self._ring = HashRing(vnodes=vnodes)
         self._rng = rng or random.Random()

@@ -1,6 +1,7 @@
 """A consistent hash ring: virtual-node points per worker and each key's walk order over them.
 
-Points are xxh3-64 of "<worker id>#<i>", so every gateway replica with the same members walks a key the same way.
+Points are xxh3-64 of "<worker id>#<i>", so every gateway replica
+with the same members walks a key the same way.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Prometheus collectors for routing decisions (`switchyard_router_*`, `switchyard_disagg_*`), labelled by worker id,
-fallback reason or outcome.
+"""Prometheus collectors for routing decisions (`switchyard_router_*`, `switchyard_disagg_*`), labelled by
+worker id, fallback reason or outcome.
 
-Label sets stay bounded: a departed worker's series are removed, reasons are a fixed set, no tenant data appears.
+Label sets stay bounded: a departed worker's series are removed,
+reasons are a fixed set, no tenant data appears.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import contextlib
 from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter(
-    "switchyard_router_requests", "Requests dispatched to each worker (failover re-sends included)", ["worker"]
+    "switchyard_router_requests",
+    "Requests dispatched to each worker (failover re-sends included)", ["worker"]
 )
 OUTSTANDING_TOKENS = Gauge(
     "switchyard_router_outstanding_tokens", "Outstanding KV tokens per worker as this gateway estimates them",
@@ -33,8 +35,8 @@ FALLBACKS = Counter(
 
 RESUMES = Counter(
     "switchyard_router_resumes",
-    "Streams carried on after tokens were streamed, by reason (worker_lost, drain, link, abandoned: the worker gave "
-    "up on this gateway while its loop stalled)",
+    "Streams carried on after tokens were streamed, by reason (worker_lost, drain, link, abandoned: the "
+    "worker gave up on this gateway while its loop stalled)",
     ["reason"],
 )
 RESUME_GAP = Histogram(
@@ -53,12 +55,12 @@ PRECISION = Histogram(
     buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
 )
 KV_INDEX_BLOCKS = Gauge(
-    "switchyard_router_kv_index_blocks", "Block ids each worker reports holding, as this gateway indexes them",
-    ["worker"],
+    "switchyard_router_kv_index_blocks",
+    "Block ids each worker reports holding, as this gateway indexes them", ["worker"],
 )
 KV_SYNCS = Counter(
-    "switchyard_router_kv_syncs", "Block snapshots asked of workers, by reason (gap, overflow, corrupt, stale)",
-    ["reason"],
+    "switchyard_router_kv_syncs",
+    "Block snapshots asked of workers, by reason (gap, overflow, corrupt, stale)", ["reason"],
 )
 REFUSED = Counter(
     "switchyard_router_refused_workers",
@@ -68,7 +70,8 @@ REFUSED = Counter(
 
 DISAGG_REQUESTS = Counter(
     "switchyard_disagg_requests",
-    "Routed attempts by where their prefill ran: remote (a prefill worker) or local (the decode worker itself)",
+    "Routed attempts by where their prefill ran: remote (a prefill worker) or local (the decode worker "
+    "itself)",
     ["outcome"],
 )
 DISAGG_FALLBACKS = Counter(
@@ -78,7 +81,8 @@ DISAGG_FALLBACKS = Counter(
     ["reason"],
 )
 
-_PER_WORKER = (REQUESTS, OUTSTANDING_TOKENS, PREFIX_HIT_RATE, CACHED_TOKENS, PREDICTED_TOKENS, KV_INDEX_BLOCKS)
+_PER_WORKER = (REQUESTS, OUTSTANDING_TOKENS, PREFIX_HIT_RATE, CACHED_TOKENS, PREDICTED_TOKENS,
+               KV_INDEX_BLOCKS)
 
 
 def forget_worker(worker_id: str) -> None:

@@ -1,5 +1,6 @@
-"""Aliases as live-editable Redis records (hash `sy:aliases`: alias -> JSON of version -> weight), polled so an
-edit applies on every gateway within a poll interval; a malformed record is logged and the last good one stays.
+"""Aliases as live-editable Redis records (hash `sy:aliases`: alias -> JSON of version
+-> weight), polled so an edit applies on every gateway within a poll interval; a
+malformed record is logged and the last good one stays.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class AliasTable:
         return sorted(self._good)
 
     def broken(self, name: str) -> bool:
-        """A record of `name` exists but none of it was ever good (an operator's mistake, not the client's)."""
+        """A record of `name` exists but none of it was ever good (an operator's mistake, not the
+        client's)."""
         return name in self._raw and name not in self._good
 
     async def start(self) -> None:

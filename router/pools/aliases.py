@@ -1,4 +1,5 @@
-"""Model aliases: a name mapped to model versions by weight, and the sticky weighted choice among the live ones.
+"""Model aliases: a name mapped to model versions by weight, and the
+sticky weighted choice among the live ones.
 
 The choice hashes the tenant and prefix key onto the cumulative weights, so a key keeps its version while the
 weights hold, and a weight change moves only the keys of the share that moved.
@@ -66,7 +67,8 @@ def parse_alias(name: str, raw: str | bytes) -> Alias:
     for key, weight in obj.items():
         if not key or len(key) > MAX_NAME:
             raise ValueError(f"alias {name!r} names a version of bad length")
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) \
+                or weight < 0:
             raise ValueError(f"alias {name!r}: the weight of {key!r} is not a finite number >= 0")
         targets.append((key, float(weight)))
     if not any(w > 0 for _, w in targets):

@@ -1,5 +1,5 @@
-"""What a worker serves (`Served`: model name, version, tokenizer, pool label) and `PoolView`, the members of one
-model version shown to that version's Router as if they were the whole Membership.
+"""What a worker serves (`Served`: model name, version, tokenizer, pool label) and `PoolView`, the members of
+one model version shown to that version's Router as if they were the whole Membership.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ VERSION_SEP = "@"
 
 @dataclass(slots=True, frozen=True)
 class Served:
-    """A model version as workers announce it; `key` (`<name>@<version>`, or the name alone) names its pool."""
+    """A model version as workers announce it; `key`
+    (`<name>@<version>`, or the name alone) names its pool."""
 
     name: str
     version: str = ""

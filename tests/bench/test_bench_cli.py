@@ -1,4 +1,5 @@
-"""`switchyard bench`: workloads, summary numbers, argument errors, a dead server, and a run against the gateway."""
+"""`switchyard bench`: workloads, summary numbers, argument errors, a
+dead server, and a run against the gateway."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def test_bad_workload_and_url_are_rejected() -> None:
         build_workload("single", 0)
     with pytest.raises(ValueError, match="prompt_words"):
         build_workload("mixed", 3, prompt_words=2)
-    assert max(len(s.messages[0]["content"].split()) for s in build_workload("mixed", 50, prompt_words=30)) <= 33
+    assert max(len(s.messages[0]["content"].split())
+               for s in build_workload("mixed", 50, prompt_words=30)) <= 33
     with pytest.raises(ValueError, match="http"):
         api_base("localhost:8000")
     assert api_base("http://h:1/") == api_base("http://h:1/v1") == "http://h:1/v1"

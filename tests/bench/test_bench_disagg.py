@@ -1,4 +1,5 @@
-"""bench/disagg.py's pure parts: the seeded schedule and prompts, SLOs and goodput, greedy comparison, pinning."""
+"""bench/disagg.py's pure parts: the seeded schedule and prompts,
+SLOs and goodput, greedy comparison, pinning."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_the_long_schedule_is_seeded_poisson_within_the_window() -> None:
     assert [a.index for a in first] == list(range(len(first)))
     assert 0.9 < len(first) * w.long_mean_gap_s / w.duration_s < 1.1  # rate 1/6 per second
     assert all(2048 <= a.length <= 4096 for a in first)
-    assert long_prompt(w, first[0]) == long_prompt(w, first[0]) and len(long_prompt(w, first[0])) == first[0].length
+    assert (long_prompt(w, first[0]) == long_prompt(w, first[0])
+            and len(long_prompt(w, first[0])) == first[0].length)
 
 
 def test_prompts_are_the_same_per_index_and_share_no_prefix() -> None:
@@ -62,7 +64,8 @@ def test_slo_bounds_ttft_by_kind_and_the_request_p99_gap() -> None:
 def test_goodput_and_throughput_count_the_window_only() -> None:
     slo = Slo(ttft_short_s=1.0, itl_p99_s=1.0)
     samples = [sample("short", 10.0, [10.5, 11.0]), sample("short", 12.0, [14.0]),  # second misses TTFT
-               sample("short", 9.0, [9.5]), sample("short", 30.0, [30.2, 30.4])]  # before and after the window
+               # before and after the window
+               sample("short", 9.0, [9.5]), sample("short", 30.0, [30.2, 30.4])]
     assert goodput(samples, slo, t0=10.0, duration_s=10.0) == pytest.approx(0.1)
     assert window_tokens(samples, t0=10.0, duration_s=10.0) == 3
 
@@ -106,7 +109,8 @@ def _arm(errors: int, fallbacks: int = 0) -> dict:
 
 @pytest.mark.parametrize(("co_errors", "dis_errors", "fallbacks", "ok"),
                          [(0, 0, 0, True), (1, 0, 0, False), (0, 2, 0, False), (0, 0, 3, False)])
-def test_errors_and_fallbacks_miss_the_targets(co_errors: int, dis_errors: int, fallbacks: int, ok: bool) -> None:
+def test_errors_and_fallbacks_miss_the_targets(co_errors: int, dis_errors: int, fallbacks: int,
+                                               ok: bool) -> None:
     import argparse
 
     from bench import disagg

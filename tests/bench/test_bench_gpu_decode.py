@@ -1,5 +1,5 @@
-"""`bench/gpu_decode.py --cpu-smoke`: the GPU bench's own code runs end to end on CPU under Triton's interpreter
-(a tiny shape, batches 1 and 2) and prints its one JSON line; its times mean nothing."""
+"""`bench/gpu_decode.py --cpu-smoke`: the GPU bench's own code runs end to end on CPU under Triton's
+interpreter (a tiny shape, batches 1 and 2) and prints its one JSON line; its times mean nothing."""
 
 from __future__ import annotations
 
@@ -19,14 +19,15 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 @pytest.mark.heavy  # half a minute under the interpreter: `make test-heavy`
 def test_cpu_smoke_run_prints_the_benchs_json_line():
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_decode", "--cpu-smoke"], cwd=REPO, capture_output=True,
-                          text=True, timeout=400)
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_decode", "--cpu-smoke"], cwd=REPO,
+                          capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["bench"] == "gpu_decode" and line["copy_bw_GBps"] > 0
     (result,) = line["results"]
     assert "error" not in result, result
-    assert result["attention_backend"] == "triton" and result["shape"] == "tiny" and result["prefill_tok_s"] > 0
+    assert (result["attention_backend"] == "triton" and result["shape"] == "tiny"
+            and result["prefill_tok_s"] > 0)
     assert set(result["decode"]) == {"1", "2"}
     for row in result["decode"].values():
         assert row["floor_ms"] > 0 and row["eager_ms"] > 0

@@ -1,4 +1,5 @@
-"""bench/kv_dtype.py: the decode-step timing runs both KV dtypes on the same shape, and capacity counts tokens."""
+"""bench/kv_dtype.py: the decode-step timing runs both KV dtypes on
+the same shape, and capacity counts tokens."""
 
 from __future__ import annotations
 

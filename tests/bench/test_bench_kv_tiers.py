@@ -1,5 +1,5 @@
-"""bench/kv_tiers.py on the tiny model: the default JSON line keeps its fields, and `--disk` restores from a disk tier
-(in a fresh directory under the one given, removed after the run) and adds the disk fields."""
+"""bench/kv_tiers.py on the tiny model: the default JSON line keeps its fields, and `--disk` restores from a
+disk tier (in a fresh directory under the one given, removed after the run) and adds the disk fields."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ SMALL = ["--json", "--model", "tiny-random", "--dtype", "float32", "--tenants", 
 DISK_FIELDS = {"disk_mode", "disk_fs", "disk_page_cache", "disk_min_hits", "disk_capacity_mb", "disk_writes",
                "disk_write_mb", "disk_write_mb_s", "disk_dropped", "disk_hits", "ram_hits", "disk_reads",
                "disk_read_mb", "disk_read_mb_s", "disk_read_ms_p50", "disk_read_ms_p99", "disk_corrupt",
-               "disk_evictions", "disk_tier_mb", "restore_mb_s", "restores", "restore_ms_p50", "restore_ms_p99"}
+               "disk_evictions", "disk_tier_mb", "restore_mb_s", "restores", "restore_ms_p50",
+               "restore_ms_p99"}
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
@@ -25,7 +26,8 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
 
 @pytest.fixture
 def always_restore(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiny model prefills faster than its tiny pages load, so the cost model would refuse most restores."""
+    """The tiny model prefills faster than its tiny pages load, so the cost model would refuse most
+    restores."""
     monkeypatch.setattr(CostModel, "worth", lambda self, ram, disk, tokens: True)
 
 
@@ -33,9 +35,11 @@ def test_disk_mode_restores_from_disk_and_reports_it(tmp_path, capsys, always_re
     res = _run([*SMALL, "--disk", "--disk-dir", str(tmp_path)], capsys)
     assert DISK_FIELDS <= res.keys()
     assert res["disk_mode"] is True and res["disk_page_cache"] == "dropped" and res["disk_min_hits"] == 0
-    assert res["ram_hits"] == 0 and res["host_tier_mb"] == 0  # the RAM tier holds nothing: restores are disk reads
+    # the RAM tier holds nothing: restores are disk reads
+    assert res["ram_hits"] == 0 and res["host_tier_mb"] == 0
     assert res["restores"] > 0 and res["restored_tokens"] > 0 and res["skipped_by_cost"] == 0
-    assert res["disk_hits"] > 0 and res["disk_reads"] > 0 and res["disk_read_mb"] > 0 and res["disk_read_mb_s"] > 0
+    assert (res["disk_hits"] > 0 and res["disk_reads"] > 0 and res["disk_read_mb"] > 0
+            and res["disk_read_mb_s"] > 0)
     assert res["disk_writes"] > 0 and res["disk_write_mb"] > 0 and res["disk_write_mb_s"] > 0
     assert res["disk_corrupt"] == 0 and res["disk_tier_mb"] > 0 and res["restore_mb_s"] > 0
     assert 0 < res["disk_read_ms_p50"] <= res["disk_read_ms_p99"]

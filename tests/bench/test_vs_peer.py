@@ -1,4 +1,5 @@
-"""`bench/vs_peer.py` without a peer: argument checks, alternation of the sides, the JSON line and its ratios."""
+"""`bench/vs_peer.py` without a peer: argument checks, alternation
+of the sides, the JSON line and its ratios."""
 
 from __future__ import annotations
 
@@ -83,8 +84,10 @@ def test_ratios_median_and_missing_figures():
                 "peer": {"mixed": {"out_tok_s": peer}, "prefix": {}, "single": {"tpot_p50_ms": 10.0}}}
 
     r = vs_peer.ratios([p(1.0, 2.0), p(3.0, 2.0), p(2.0, None)])
-    assert r["mixed_out_tok_s"] == 1.0  # the median of 0.5 and 1.5; a pass without the peer's figure is left out
-    assert all(v is None for k, v in r.items() if k != "mixed_out_tok_s")  # no figure, or no such workload run
+    # the median of 0.5 and 1.5; a pass without the peer's figure is left out
+    assert r["mixed_out_tok_s"] == 1.0
+    # no figure, or no such workload run
+    assert all(v is None for k, v in r.items() if k != "mixed_out_tok_s")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -110,7 +113,8 @@ def test_peer_not_ready_is_a_timeout_and_stops_it(tmp_path):
 
 
 def test_long_workload_runs_through_the_shared_generator(tmp_path):
-    """bench/long_loadgen.py adds `long` to the peers' generator: 2-3k-token-sized prompts, 256 out, same fields."""
+    """bench/long_loadgen.py adds `long` to the peers' generator:
+    2-3k-token-sized prompts, 256 out, same fields."""
     import subprocess
     import sys
 
@@ -133,7 +137,8 @@ def test_long_workload_runs_through_the_shared_generator(tmp_path):
     assert all(1600 <= w <= 2400 for w in got["words"]) and got["out"] == [256] * 3
     assert run("mixed") == {"words": [1] * 3, "out": [1] * 3}  # the others are the shared generator's own
     nat = run("nprefix")
-    assert all(w > 1400 for w in nat["words"]) and nat["out"] == [24] * 3  # a long shared passage, then a question
+    # a long shared passage, then a question
+    assert all(w > 1400 for w in nat["words"]) and nat["out"] == [24] * 3
 
 
 def test_a_stream_short_of_its_max_tokens_is_an_error():
@@ -160,8 +165,10 @@ def test_a_failed_request_fails_the_workload(monkeypatch):
 
 def test_workloads_and_worker_args_narrow_the_run(monkeypatch):
     seen = []
-    monkeypatch.setattr(vs_peer, "run_workload", lambda server, w, n, c, args: seen.append(w) or fake_load(server.url, w))
-    args = vs_peer.parse(["--quick", "--workloads", "single", "--worker-args", "--spec-tokens 0", "--passes", "1"])
+    monkeypatch.setattr(vs_peer, "run_workload",
+                        lambda server, w, n, c, args: seen.append(w) or fake_load(server.url, w))
+    args = vs_peer.parse(["--quick", "--workloads", "single", "--worker-args", "--spec-tokens 0",
+                          "--passes", "1"])
     result = vs_peer.compare(args, lambda: vs_peer.Server("ours", "k", "m", lambda: None),
                              lambda: vs_peer.Server("peer", "k", "m", lambda: None))
     assert seen == ["single", "single"] and set(result["sizes"]) == {"single"}

@@ -1,4 +1,5 @@
-"""`bench.admission_cluster` end to end, small: its JSON fields, no over-admission, two admission round trips."""
+"""`bench.admission_cluster` end to end, small: its JSON fields, no
+over-admission, two admission round trips."""
 
 from __future__ import annotations
 

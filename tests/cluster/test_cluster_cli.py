@@ -55,7 +55,8 @@ def test_tenants_and_keys_commands_against_the_cluster(cluster_url) -> None:
         r.close()
 
 
-async def test_quota_edited_with_redis_cli_applies_on_every_gateway_within_1s(cluster_url, redis_cluster) -> None:
+async def test_quota_edited_with_redis_cli_applies_on_every_gateway_within_1s(cluster_url,
+                                                                              redis_cluster) -> None:
     r = sync_client(cluster_url)
     store.create_tenant(r, "acme", tpm=1000)
     key = store.issue_key(r, "acme")

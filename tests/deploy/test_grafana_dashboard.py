@@ -23,7 +23,8 @@ OTHERS = {
     "switchyard_router_requests_total", "switchyard_router_outstanding_tokens",
     "switchyard_router_fallbacks_total", "switchyard_router_prefix_hit_rate",
     "switchyard_worker_running_requests", "switchyard_worker_waiting_requests",
-    "switchyard_worker_kv_pages_used", "switchyard_worker_kv_pages_total", "switchyard_worker_prefix_hit_rate",
+    "switchyard_worker_kv_pages_used", "switchyard_worker_kv_pages_total",
+    "switchyard_worker_prefix_hit_rate",
     "switchyard_worker_batch_size", "switchyard_worker_preemptions_total",
     "switchyard_worker_prompt_tokens_total", "switchyard_worker_cached_tokens_total",
     "switchyard_worker_generated_tokens_total",
@@ -31,7 +32,8 @@ OTHERS = {
     "switchyard_worker_disagg_fallbacks_total", "switchyard_worker_disagg_received_bytes_total",
     "switchyard_worker_prefill_tokens_computed_total",
 }
-# The KV tiers below the radix cache (worker.server.telemetry.worker_metrics: TIER_*), all on the "KV tiers" row.
+# The KV tiers below the radix cache (worker.server.telemetry.worker_metrics: TIER_*),
+# all on the "KV tiers" row.
 KV_TIERS = {
     "switchyard_worker_kv_tier_hits_total", "switchyard_worker_kv_tier_evictions_total",
     "switchyard_worker_kv_tier_bytes", "switchyard_worker_kv_tier_load_seconds_total",
@@ -49,11 +51,13 @@ GAUGES = {  # `_kv_pages_total` is a gauge (pages in the pool), not a counter
     "switchyard_worker_kv_tier_disk_full",
 }
 COUNTERS = OTHERS - GAUGES
-# The worker's model-server-protocol gauges (worker.server.telemetry.msp_metrics) that Kubernetes routers read.
+# The worker's model-server-protocol gauges (worker.server.telemetry.msp_metrics)
+# that Kubernetes routers read.
 ROUTER_GAUGES = {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
 NAME = re.compile(r"\bswitchyard_[a-z0-9_]+")
 VLLM_NAME = re.compile(r"\bvllm:[a-z0-9_]+")
-QUANTILE = re.compile(r"histogram_quantile\(\s*(0?\.\d+|1(?:\.0)?)\s*,\s*sum by \(([^)]*)\)\s*\(rate\((\w+)\[")
+QUANTILE = re.compile(r"histogram_quantile\(\s*(0?\.\d+|1(?:\.0)?)\s*,"
+                      r"\s*sum by \(([^)]*)\)\s*\(rate\((\w+)\[")
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +159,8 @@ def test_counters_are_rated_and_labelled_panels_split_by_label(dashboard: dict) 
     for expr in exprs:
         for name in NAME.findall(expr):
             if name in COUNTERS:
-                assert re.search(rf"rate\({name}(\{{[^}}]*\}})?\[", expr), f"counter {name} not rated: {expr!r}"
+                assert re.search(rf"rate\({name}(\{{[^}}]*\}})?\[", expr), \
+                    f"counter {name} not rated: {expr!r}"
             if name in GAUGES:
                 assert f"rate({name}" not in expr, f"gauge {name} must not be rated: {expr!r}"
     joined = "\n".join(exprs)
@@ -176,8 +181,8 @@ def _row(dashboard: dict, title: str) -> list[dict]:
 
 
 def test_kv_tiers_row_plots_every_tier_metric_the_worker_exports(dashboard: dict) -> None:
-    """The row's tier names are exactly the worker's `_kv_tier_` collectors (a new one must get a panel), and the
-    per-tier counters and the occupancy gauge are split by tier."""
+    """The row's tier names are exactly the worker's `_kv_tier_` collectors (a new one must get a panel), and
+    the per-tier counters and the occupancy gauge are split by tier."""
     from prometheus_client import REGISTRY
 
     import worker.server.telemetry.worker_metrics  # noqa: F401 - registers its collectors on import

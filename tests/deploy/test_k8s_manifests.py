@@ -1,5 +1,6 @@
-"""The Kubernetes manifests under docker/k8s validate offline against the Kubernetes schemas (kubernetes-validate,
-strict: unknown fields fail) and agree with the code: settings they set exist, metrics they scale on are ours."""
+"""The Kubernetes manifests under docker/k8s validate offline against the Kubernetes schemas
+(kubernetes-validate, strict: unknown fields fail) and agree with the code: settings they set exist, metrics
+they scale on are ours."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_the_deployment_shape() -> None:
     (worker,) = [s for s in by_kind("StatefulSet") if s["metadata"]["name"] == "switchyard-worker"]
     resources = worker["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == 1 == resources["limits"]["nvidia.com/gpu"]
-    assert {s["metadata"]["name"] for s in by_kind("Service")} == {"redis", "switchyard-gateway", "switchyard-worker"}
+    assert {s["metadata"]["name"] for s in by_kind("Service")} == {"redis", "switchyard-gateway",
+                                                                   "switchyard-worker"}
     (secret,) = by_kind("Secret")
     assert set(secret["stringData"]) == {"cluster-secret-key", "hash-secret", "metrics-token"}
     assert all(v == "" for v in secret["stringData"].values())  # no key ships in the repository
@@ -71,11 +73,13 @@ def test_settings_and_metrics_named_exist() -> None:
                     fields = fields[parts[0]].annotation.model_fields
                 assert parts[-1] in fields, f"{name} sets no setting"
     hpa = next(h for h in by_kind("HorizontalPodAutoscaler") if h["metadata"]["name"] == "switchyard-worker")
-    names = {m.get("pods", m.get("external", {})).get("metric", {}).get("name") for m in hpa["spec"]["metrics"]}
+    names = {m.get("pods", m.get("external", {})).get("metric", {}).get("name")
+             for m in hpa["spec"]["metrics"]}
     assert names == {"switchyard_worker_waiting_requests", "switchyard_ttft_p95_seconds"}
     rules = yaml.safe_load(next(c for c in by_kind("ConfigMap"))["data"]["config.yaml"])
     queries = " ".join(r["seriesQuery"] for r in rules["rules"] + rules["externalRules"])
-    from gateway.telemetry.gateway_metrics import TTFT_BUCKETS  # noqa: F401 - the module defining switchyard_ttft_seconds
+    # the module defining switchyard_ttft_seconds
+    from gateway.telemetry.gateway_metrics import TTFT_BUCKETS  # noqa: F401
     from worker.server.telemetry.worker_metrics import WAITING
 
     assert WAITING._name in queries and "switchyard_ttft_seconds_bucket" in queries

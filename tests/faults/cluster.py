@@ -6,9 +6,9 @@ and configures every gateway with one TOML `[gateway]` table listing all worker 
 can set the worker-loss timeout, lease TTL, drain grace period and admission wait it needs. Gateways log
 JSON at INFO to their own file; `gateway_log_records` parses it and `unattributed_errors` returns the
 ERROR lines without a request id (and any line that is not JSON, such as a stray traceback).
-`bucket_level`/`set_bucket` (from `tests.admission_stack`) read and write a tenant's token bucket on the Redis clock, so refund
-arithmetic is exact. With `discover=True` the gateways list no workers and find them in the Redis
-registry instead; with `cluster_key` every worker link is CURVE-secured with that key (given to the
+`bucket_level`/`set_bucket` (from `tests.admission_stack`) read and write a tenant's token bucket on the Redis
+clock, so refund arithmetic is exact. With `discover=True` the gateways list no workers and find them in the
+Redis registry instead; with `cluster_key` every worker link is CURVE-secured with that key (given to the
 processes in their TOML files, never on a command line), and `add_gateway` starts a gateway with its own
 settings. Everything started is stopped by `stop()`, SIGKILL after a grace period.
 """
@@ -69,7 +69,8 @@ class FaultCluster:
             config = self.log_dir / "worker.toml"
             config.write_text(self._key_line())
             extra += ["--config", str(config)]
-        return WorkerProc(self.log_dir, extra=extra, port=port, redis_url=self.redis.url if self.discover else None)
+        return WorkerProc(self.log_dir, extra=extra, port=port,
+                          redis_url=self.redis.url if self.discover else None)
 
     def write_gateway_config(self, path: Path, gateway_settings: dict[str, object]) -> None:
         settings = {"worker_timeout": 1.0, **gateway_settings}
@@ -143,8 +144,8 @@ async def _wait_stats(endpoints: list[str], timeout: float, cluster_key: str | N
     from router.links.client import WorkerClient
 
     for endpoint in endpoints:
-        client = WorkerClient(endpoint, gateway_id=f"faults-observer-{time.monotonic_ns()}", worker_timeout=5.0,
-                              cluster_key=cluster_key)
+        client = WorkerClient(endpoint, gateway_id=f"faults-observer-{time.monotonic_ns()}",
+                              worker_timeout=5.0, cluster_key=cluster_key)
         await client.start()
         try:
             await client.wait_ready(timeout)
@@ -172,7 +173,8 @@ def shared_cluster() -> FaultCluster:
         try:
             _SHARED = FaultCluster.start(
                 workers=3, gateway_settings=SHARED_GATEWAY_SETTINGS, ready_timeout=SHARED_READY_TIMEOUT_S,
-                worker_args=["--no-prefix-cache", "--kv-cache-bytes", str(SHARED_KV_BYTES), "--drain-timeout", "30"])
+                worker_args=["--no-prefix-cache", "--kv-cache-bytes", str(SHARED_KV_BYTES),
+                             "--drain-timeout", "30"])
         except Exception as exc:
             _START_FAILED = repr(exc)  # fail the other modules at once instead of retrying for minutes each
             raise
@@ -214,5 +216,6 @@ def gateway_log_records(gw: GatewayProc) -> tuple[list[dict], list[str]]:
 def unattributed_errors(gw: GatewayProc) -> list[str]:
     """ERROR/CRITICAL log lines without a request id, plus any non-JSON line (a stray traceback)."""
     records, other = gateway_log_records(gw)
-    bad = [json.dumps(r) for r in records if r.get("level") in ("ERROR", "CRITICAL") and not r.get("request_id")]
+    bad = [json.dumps(r) for r in records if r.get("level") in ("ERROR", "CRITICAL")
+           and not r.get("request_id")]
     return bad + other

@@ -38,7 +38,8 @@ def worker_metrics_port() -> int:
 def fault_stack(worker_metrics_port: int) -> Iterator[GatewayStack]:
     s = start_gateway_stack(
         worker_model="tiny-random", prefix_cache=True,
-        worker_args=["--num-threads", "1", "--metrics-port", str(worker_metrics_port), "--drain-timeout", "2"],
+        worker_args=["--num-threads", "1", "--metrics-port", str(worker_metrics_port),
+                     "--drain-timeout", "2"],
         gateway_args=["--body-timeout", str(BODY_TIMEOUT_S), "--worker-timeout", "20", "--log-level", "DEBUG",
                       "--drain-timeout", "2"])
     try:
@@ -60,7 +61,8 @@ def cluster(_shared_fault_cluster: None) -> FaultCluster:
 
 def post(stack: GatewayStack, path: str, content: bytes, key: str | None = None,
          headers: dict[str, str] | None = None, timeout: float = 60.0) -> httpx.Response:
-    hdrs = {"authorization": f"Bearer {key or stack.key}", "content-type": "application/json", **(headers or {})}
+    hdrs = {"authorization": f"Bearer {key or stack.key}", "content-type": "application/json",
+            **(headers or {})}
     return httpx.post(stack.base_url + path, content=content, headers=hdrs, timeout=timeout)
 
 

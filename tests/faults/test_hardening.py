@@ -7,10 +7,10 @@
   its p99 within 3x, with no 503 at all. The p99 bound is looser than the issue's 2x because the flood
   generator, the gateway and the test client share 2 cores: one CI run measured x2.58 (31 -> 80 ms) with
   every key answered 401 in time, while the failure this guards against (real keys evicted, the Redis
-  pool saturated) costs seconds or 503s. The aim was 20,000 a second: the gateway spends 420-800 us of CPU per rejected key
-  (measured on the loaded 2-core VM; one Redis look-up each, as every key is new) and the generator
-  75-140 us, so one gateway process tops out near 2,000 rejections a second and 20,000 would take about
-  8 cores for the gateway alone. The cache bound and look-up cap are checked with small caches in
+  pool saturated) costs seconds or 503s. The aim was 20,000 a second: the gateway spends 420-800 us of CPU per
+  rejected key (measured on the loaded 2-core VM; one Redis look-up each, as every key is new) and the
+  generator 75-140 us, so one gateway process tops out near 2,000 rejections a second and 20,000 would take
+  about 8 cores for the gateway alone. The cache bound and look-up cap are checked with small caches in
   tests/tenancy/test_tenancy_store.py.
 - 4 MB token-list bodies (one every 0.2 s) leave the inter-token p99 of other open streams within 2x
   its baseline.
@@ -101,7 +101,8 @@ def test_a_client_that_stops_reading_is_cut_and_settled(gw: FaultCluster):
     assert not unattributed_errors(gw.gateways[0])
 
 
-async def _valid_latencies(base_url: str, key: str, seconds: float, clients: int = 2) -> tuple[list[float], list[int]]:
+async def _valid_latencies(base_url: str, key: str, seconds: float,
+                           clients: int = 2) -> tuple[list[float], list[int]]:
     body = {"model": "default", "prompt": [100, 200, 300, 400], "max_tokens": 2, "temperature": 0}
     latencies: list[float] = []
     statuses: list[int] = []
@@ -140,8 +141,9 @@ def test_unknown_key_flood_spares_a_valid_tenant(gw: FaultCluster):
     rate = report["answered"] / report["seconds"]
     ratio = p99(loaded) / p99(base)
     median_ratio = statistics.median(loaded) / statistics.median(base)
-    print(f"flood: {rate:.0f} distinct unknown keys/s for {report['seconds']:.1f}s, statuses {report['statuses']}; "
-          f"valid tenant p50 x{median_ratio:.2f}, p99 {p99(base) * 1000:.1f} ms -> {p99(loaded) * 1000:.1f} ms "
+    print(f"flood: {rate:.0f} distinct unknown keys/s for {report['seconds']:.1f}s, "
+          f"statuses {report['statuses']}; valid tenant p50 x{median_ratio:.2f}, "
+          f"p99 {p99(base) * 1000:.1f} ms -> {p99(loaded) * 1000:.1f} ms "
           f"(x{ratio:.2f}), {len(loaded)} requests")
     assert set(base_status) == {200} and set(loaded_status) == {200}, (base_status, loaded_status)
     assert set(report["statuses"]) == {"401"}, report  # no 503: the look-up cap never ran out at this rate
@@ -173,7 +175,8 @@ async def _stream_gaps(base_url: str, key: str, streams: int, max_tokens: int) -
 
 
 BASELINE_FLOOR_S = 0.010
-STALL_BOUND_S = 0.150  # a sixth of the stall this guards against: below it, a gap is CPU contention on 2 cores
+# a sixth of the stall this guards against: below it, a gap is CPU contention on 2 cores
+STALL_BOUND_S = 0.150
 
 
 def test_huge_token_list_bodies_do_not_stall_other_streams(gw: FaultCluster):

@@ -6,8 +6,9 @@ gateway with a 2 s body timeout). Each case asserts status, `type`, `code` and
 chunked), 100k-deep nesting, huge `max_tokens`, negative/NaN/Infinity numbers,
 invalid UTF-8 and lone surrogate escapes, out-of-vocabulary token ids, 5,000
 stop strings, prompts over the context window, and slowloris headers and bodies
-trickled over a raw socket (cut off by the gateway's header and body deadlines). The last test checks the aftermath: no 5xx but 503 in the
-gateway's own counters, no internal error logged, process up, normal request OK.
+trickled over a raw socket (cut off by the gateway's header and body deadlines). The
+last test checks the aftermath: no 5xx but 503 in the gateway's own counters, no
+internal error logged, process up, normal request OK.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def test_ten_megabyte_body_chunked(fault_stack):
         yield b'"}'
 
     resp = httpx.post(fault_stack.base_url + COMPLETIONS, content=chunks(), timeout=60,
-                      headers={"authorization": f"Bearer {fault_stack.key}", "content-type": "application/json"})
+                      headers={"authorization": f"Bearer {fault_stack.key}",
+                               "content-type": "application/json"})
     expect_error(resp, 413, "request_too_large", None)
 
 
@@ -179,7 +181,8 @@ def test_lone_surrogate_escapes(fault_stack):
         content = b'{"model": "default", "max_tokens": 2, ' + field + b"}"
         expect_error(post(fault_stack, COMPLETIONS, content), 400, None, None)
     # a proper escaped pair (what json.dumps sends for emoji) is fine
-    ok = post(fault_stack, COMPLETIONS, b'{"model": "default", "prompt": "smile \\ud83d\\ude00", "max_tokens": 2}')
+    ok = post(fault_stack, COMPLETIONS,
+              b'{"model": "default", "prompt": "smile \\ud83d\\ude00", "max_tokens": 2}')
     assert ok.status_code == 200, ok.text
 
 
@@ -207,7 +210,8 @@ def test_prompt_over_context_window(fault_stack):
     ids = [1000] * (CONTEXT + 10)
     expect_error(post(fault_stack, COMPLETIONS, body(prompt=ids)), 400, "context_length_exceeded", "prompt")
     chat = {"model": "default", "messages": [{"role": "user", "content": "hello " * (CONTEXT + 10)}]}
-    expect_error(post(fault_stack, CHAT, json.dumps(chat).encode()), 400, "context_length_exceeded", "messages")
+    expect_error(post(fault_stack, CHAT, json.dumps(chat).encode()), 400,
+                 "context_length_exceeded", "messages")
 
 
 def test_prompt_plus_max_tokens_over_context(fault_stack):
@@ -272,7 +276,8 @@ def test_an_early_response_closes_the_connection(fault_stack):
                 if readable:
                     try:
                         data = sock.recv(65536)
-                    except ConnectionResetError:  # closed with our trickled bytes unread: the kernel sends RST
+                    # closed with our trickled bytes unread: the kernel sends RST
+                    except ConnectionResetError:
                         data = b""
                     received += data
                     closed = not data
@@ -283,4 +288,5 @@ def test_an_early_response_closes_the_connection(fault_stack):
                         closed = True
             if received:  # an RST may overtake the answer on loopback; the close is what this test is about
                 assert received.split(b" ", 2)[1] in (b"401", b"404"), received[:80]
-            assert closed, f"{path}: the connection stayed open {time.monotonic() - start:.1f}s after the answer"
+            assert closed, \
+                f"{path}: the connection stayed open {time.monotonic() - start:.1f}s after the answer"

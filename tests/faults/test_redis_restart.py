@@ -77,10 +77,12 @@ async def test_redis_restart_during_load(cluster: FaultCluster) -> None:
                 task.cancel()
         await asyncio.to_thread(cluster.redis.start)
         up_at = time.monotonic()
-        assert scripts_loaded(cluster.redis.url) == [False, False], "the restarted Redis should have no scripts"
+        assert scripts_loaded(cluster.redis.url) == [False, False], \
+            "the restarted Redis should have no scripts"
         deadline = time.monotonic() + 10
         while True:
-            after = await stream_completion(http, gw.base_url, key, completion_body(list(range(3000, 3020)), 4))
+            after = await stream_completion(http, gw.base_url, key,
+                                            completion_body(list(range(3000, 3020)), 4))
             if after.outcome == "completed":
                 break
             assert time.monotonic() < deadline, f"not served again after Redis came back: {after}"
@@ -90,7 +92,8 @@ async def test_redis_restart_during_load(cluster: FaultCluster) -> None:
         settle_deadline = time.monotonic() + 5
         while scripts_loaded(cluster.redis.url) != [True, True] and time.monotonic() < settle_deadline:
             await asyncio.sleep(0.05)
-    assert scripts_loaded(cluster.redis.url) == [True, True], "NOSCRIPT was not answered by loading the script"
+    assert scripts_loaded(cluster.redis.url) == [True, True], \
+        "NOSCRIPT was not answered by loading the script"
 
     # Before the outage: every request that had ended, or was already streaming, when Redis began to stop
     # (SAVE, SIGTERM, exit: `down_at` is when that is over). One that began just before the stop and was
@@ -101,10 +104,12 @@ async def test_redis_restart_during_load(cluster: FaultCluster) -> None:
     classified = {id(res) for res in before + during}
     racing = [res for _, res in results if id(res) not in classified]
     print(f"before the outage {dict(Counter(r.outcome for r in before))}, during "
-          f"{dict(Counter(r.outcome for r in during))}, racing the stop {dict(Counter(r.outcome for r in racing))}; "
+          f"{dict(Counter(r.outcome for r in during))}, "
+          f"racing the stop {dict(Counter(r.outcome for r in racing))}; "
           f"p99 refusal latency {p99([r.elapsed_s for r in during]) * 1000:.0f} ms; served again "
           f"{recovered_s:.2f}s after Redis was started")
-    assert before and all(r.outcome == "completed" for r in before), [r for r in before if r.outcome != "completed"]
+    assert before and all(r.outcome == "completed" for r in before), \
+        [r for r in before if r.outcome != "completed"]
     assert len(during) >= CLIENTS
     for res in during:
         assert res.status == 503 and res.code == "quota_service_unavailable", res

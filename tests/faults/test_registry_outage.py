@@ -57,7 +57,8 @@ def left_lines(gw: GatewayProc) -> list[str]:
 
 
 async def test_redis_outage_under_registry_discovery_cuts_no_stream() -> None:
-    cluster = FaultCluster.start(workers=2, gateways=0, discover=True, cluster_key=zmq.curve_keypair()[1].decode(),
+    cluster = FaultCluster.start(workers=2, gateways=0, discover=True,
+                                 cluster_key=zmq.curve_keypair()[1].decode(),
                                  worker_args=["--no-prefix-cache", "--max-num-seqs", "8"])
     try:
         common = {"worker_timeout": 1.0, "lease_ttl": 30.0, "admission_wait_ms": 1000}
@@ -86,24 +87,27 @@ async def run_outage(cluster: FaultCluster, http: httpx.AsyncClient, key: str, g
 
     async def one(gw: GatewayProc, i: int) -> None:
         prompt = [2000 + (37 * i + j) % 30_000 for j in range(20)]
-        body = completion_body(prompt, LONG_TOKENS, speculative=False)  # one token a step: the streams span the outage
+        # one token a step: the streams span the outage
+        body = completion_body(prompt, LONG_TOKENS, speculative=False)
         res = await stream_completion(http, gw.base_url, key, body, started)
         ended.append((time.monotonic(), res))
 
-    streams = [asyncio.create_task(one(gw, i)) for i, gw in enumerate([gw_open, gw_closed] * STREAMS_PER_GATEWAY)]
+    streams = [asyncio.create_task(one(gw, i))
+               for i, gw in enumerate([gw_open, gw_closed] * STREAMS_PER_GATEWAY)]
     async with asyncio.timeout(60):
         for _ in streams:
             await started.acquire()
     await asyncio.to_thread(cluster.redis.stop)
     down_at = time.monotonic()
     await asyncio.sleep(2.0)
-    during = await stream_completion(http, gw_closed.base_url, key, completion_body(list(range(3000, 3010)), 2))
+    during = await stream_completion(http, gw_closed.base_url, key,
+                                     completion_body(list(range(3000, 3010)), 2))
     assert during.status == 503 and during.code == "quota_service_unavailable", during
     await asyncio.sleep(max(0.0, down_at + OUTAGE_S - time.monotonic()))
     await asyncio.to_thread(cluster.redis.start)
     up_at = time.monotonic()
-    waits = await asyncio.gather(served_after(http, gw_open, key, up_at, 10), served_after(http, gw_closed, key,
-                                                                                           up_at, 10))
+    waits = await asyncio.gather(served_after(http, gw_open, key, up_at, 10),
+                                 served_after(http, gw_closed, key, up_at, 10))
     async with asyncio.timeout(120):
         await asyncio.gather(*streams)
     spanning = sum(1 for at, _ in ended if at > up_at + SERVED_WITHIN_S)

@@ -1,7 +1,7 @@
 """No stream lost when a worker dies or drains: two workers, one gateway, 8 greedy streams (tiny model, fp32).
 
-SIGKILL of a worker mid-stream, and SIGTERM of one (a drain that hands its streams over): every stream finishes
-whole, with the text, finish reason and usage of an undisturbed run, carried on by the other worker.
+SIGKILL of a worker mid-stream, and SIGTERM of one (a drain that hands its streams over): every stream
+finishes whole, with the text, finish reason and usage of an undisturbed run, carried on by the other worker.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def _assert_whole(got: list[dict], want: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def pair() -> FaultCluster:
-    cluster = FaultCluster.start(workers=2, gateways=1, worker_args=("--no-prefix-cache", "--drain-handoff", "0.5"))
+    cluster = FaultCluster.start(workers=2, gateways=1,
+                                 worker_args=("--no-prefix-cache", "--drain-handoff", "0.5"))
     try:
         yield cluster
     finally:

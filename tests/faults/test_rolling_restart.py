@@ -38,7 +38,8 @@ async def open_streams(http: httpx.AsyncClient, url: str, key: str, n: int, max_
                        first: int = 0) -> list[asyncio.Task[StreamResult]]:
     """Start `n` long streams and return once every one has produced a token."""
     started = asyncio.Semaphore(0)
-    tasks = [asyncio.create_task(stream_completion(http, url, key, completion_body(prompt(first + i), max_tokens),
+    tasks = [asyncio.create_task(stream_completion(http, url, key,
+                                                   completion_body(prompt(first + i), max_tokens),
                                                    started)) for i in range(n)]
     async with asyncio.timeout(60):
         for _ in range(n):
@@ -54,7 +55,8 @@ async def wait_gateway_draining(http: httpx.AsyncClient, base_url: str, timeout:
         resp = await http.get(base_url + "/ready")
         if resp.status_code == 503 and resp.json().get("status") == "draining":
             return
-        assert time.monotonic() < deadline, f"the gateway did not start draining: {resp.status_code} {resp.text}"
+        assert time.monotonic() < deadline, \
+            f"the gateway did not start draining: {resp.status_code} {resp.text}"
         await asyncio.sleep(0.02)
 
 
@@ -63,7 +65,8 @@ async def sigterm_worker(victim: WorkerProc, timeout: float = 10.0) -> None:
     beforehand hears them (the worker sends stats to every client about every 100 ms)."""
     from router.links.client import WorkerClient
 
-    observer = WorkerClient(victim.endpoint, gateway_id=f"roll-observer-{time.monotonic_ns()}", worker_timeout=5.0)
+    observer = WorkerClient(victim.endpoint, gateway_id=f"roll-observer-{time.monotonic_ns()}",
+                            worker_timeout=5.0)
     await observer.start()
     try:
         await observer.wait_ready(timeout)
@@ -105,8 +108,9 @@ async def test_gateway_sigterm_finishes_20_streams(cluster: FaultCluster) -> Non
     async with httpx.AsyncClient(timeout=60) as http:
         after = await stream_completion(http, replacement.base_url, key, completion_body(prompt(200), 4))
     assert after.outcome == "completed", after
-    print(f"gateway drain: 20/20 streams completed, {len(refused)} new requests refused with 503 + retry-after, "
-          f"exit 0; streams took {min(r.elapsed_s for r in results):.1f}-{max(r.elapsed_s for r in results):.1f}s")
+    print(f"gateway drain: 20/20 streams completed, {len(refused)} new requests refused with 503 + "
+          f"retry-after, exit 0; streams took {min(r.elapsed_s for r in results):.1f}-"
+          f"{max(r.elapsed_s for r in results):.1f}s")
 
 
 async def test_worker_sigterm_finishes_its_streams_and_gets_no_new_ones(cluster: FaultCluster) -> None:
@@ -121,7 +125,8 @@ async def test_worker_sigterm_finishes_its_streams_and_gets_no_new_ones(cluster:
         await sigterm_worker(victim)
         await asyncio.sleep(0.3)  # the gateway's copy of those stats, sent at the same time, is handled
         sent_draining = metric(gw.base_url, "switchyard_router_requests_total", series)
-        new = await asyncio.gather(*(stream_completion(http, gw.base_url, key, completion_body(prompt(400 + i), 4))
+        new = await asyncio.gather(*(stream_completion(http, gw.base_url, key,
+                                                       completion_body(prompt(400 + i), 4))
                                      for i in range(8)))
         assert metric(gw.base_url, "switchyard_router_requests_total", series) == sent_draining
         assert all(r.outcome == "completed" for r in new), new

@@ -78,8 +78,9 @@ class SoakRun:
 
     def report(self) -> str:
         errors = {k: v for k, v in self.outcomes.items() if k != "ok"}
-        return (f"soak {self.seconds:.0f}s: calibrated capacity {self.capacity:.1f} req/s, offered {self.rate:.1f}"
-                f" req/s, {self.outcomes['ok']} ok, errors {errors}, {self.saturated_s:.1f}s with "
+        return (f"soak {self.seconds:.0f}s: calibrated capacity {self.capacity:.1f} req/s, "
+                f"offered {self.rate:.1f} req/s, {self.outcomes['ok']} ok, errors {errors}, "
+                f"{self.saturated_s:.1f}s with "
                 f"{MAX_OUTSTANDING} outstanding")
 
     def steady(self, name: str) -> list[tuple[float, int, float, float]]:
@@ -87,7 +88,8 @@ class SoakRun:
         return series[int(len(series) * WARMUP_SHARE):]
 
 
-def floors(steady: list[tuple[float, int, float, float]], chunks: int = FLOOR_CHUNKS) -> list[tuple[int, float]]:
+def floors(steady: list[tuple[float, int, float, float]],
+           chunks: int = FLOOR_CHUNKS) -> list[tuple[int, float]]:
     """(requests finished, anonymous RSS) at the lowest sample of each of `chunks` consecutive stretches:
     memory just after a heap trim, so the fit follows what stays resident, not where a sample fell in the
     trim sawtooth. Anonymous pages only: file pages (the parts of libtorch that new code paths touch) are
@@ -115,8 +117,8 @@ async def one_request(http: httpx.AsyncClient, url: str, key: str, i: int) -> st
         return "ok" if res.outcome == "completed" else f"stream {res.outcome} {res.status} {res.code}"
     headers = {"authorization": f"Bearer {key}"}
     if kind in (1, 2):
-        body = {"model": "default", "prompt": " ".join(f"word{i % 97}" for _ in range(words)), "max_tokens": 4 + i % 9,
-                "temperature": 0.7, "seed": i, "stream": kind == 2}
+        body = {"model": "default", "prompt": " ".join(f"word{i % 97}" for _ in range(words)),
+                "max_tokens": 4 + i % 9, "temperature": 0.7, "seed": i, "stream": kind == 2}
         path = "/v1/completions"
     else:
         body = {"model": "default", "max_tokens": 4 + i % 9, "temperature": 0,
@@ -127,7 +129,8 @@ async def one_request(http: httpx.AsyncClient, url: str, key: str, i: int) -> st
     if resp.status_code != 200:
         return f"{path} {resp.status_code} {resp.text[:200]}"
     if body.get("stream"):
-        return "ok" if resp.text.rstrip().endswith("data: [DONE]") else f"stream without [DONE]: {resp.text[-200:]}"
+        return "ok" if resp.text.rstrip().endswith("data: [DONE]") \
+            else f"stream without [DONE]: {resp.text[-200:]}"
     return "ok" if resp.json()["usage"]["completion_tokens"] > 0 else "no completion tokens"
 
 
@@ -152,7 +155,8 @@ async def soak(cluster: FaultCluster, key: str, seconds: float) -> SoakRun:
     gw = cluster.gateways[0]
     pids = {"gateway": gw.proc.pid, **{f"worker{i}": w.proc.pid for i, w in enumerate(cluster.workers)}}
     run = SoakRun(seconds, samples={name: [] for name in pids})
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=MAX_OUTSTANDING + 8)) as http:
+    async with httpx.AsyncClient(timeout=60,
+                                 limits=httpx.Limits(max_connections=MAX_OUTSTANDING + 8)) as http:
         run.capacity = await calibrate(http, gw.base_url, key, run)
         run.rate = LOAD_SHARE * run.capacity
         interval = 1.0 / run.rate
@@ -191,7 +195,8 @@ async def worker_stats(cluster: FaultCluster) -> list[object]:
 
     stats = []
     for w in cluster.workers:
-        client = WorkerClient(w.endpoint, gateway_id=f"soak-observer-{time.monotonic_ns()}", worker_timeout=5.0)
+        client = WorkerClient(w.endpoint, gateway_id=f"soak-observer-{time.monotonic_ns()}",
+                              worker_timeout=5.0)
         await client.start()
         try:
             stats.append(await client.wait_ready(10.0))
@@ -203,7 +208,8 @@ async def worker_stats(cluster: FaultCluster) -> list[object]:
 def assert_served_and_settled(cluster: FaultCluster, run: SoakRun) -> None:
     print(run.report())
     assert not {k: v for k, v in run.outcomes.items() if k != "ok"}
-    assert run.saturated_s < SATURATED_SHARE * run.seconds, "the cluster does not keep up with 70% of its capacity"
+    assert run.saturated_s < SATURATED_SHARE * run.seconds, \
+        "the cluster does not keep up with 70% of its capacity"
     assert run.outcomes["ok"] >= 0.9 * run.rate * run.seconds
     r = redis.Redis.from_url(cluster.redis.url)
     try:
@@ -233,7 +239,8 @@ def test_soak_ci_bounded_growth_per_request(cluster: FaultCluster) -> None:
         growth[name] = slope(floors(steady)) * 1024 * 100
         print(f"  {name}: RSS {steady[0][2]:.1f} -> {steady[-1][2]:.1f} MB (anonymous {steady[0][3]:.1f} -> "
               f"{steady[-1][3]:.1f}) over requests {steady[0][1]}-{steady[-1][1]}: anonymous floor slope "
-              f"{growth[name]:+.1f} KB per 100 requests (bound {CI_KB_PER_100:.0f}; RSS, all samples {raw:+.1f})")
+              f"{growth[name]:+.1f} KB per 100 requests "
+              f"(bound {CI_KB_PER_100:.0f}; RSS, all samples {raw:+.1f})")
     assert_served_and_settled(cluster, run)
     for name, kb_per_100 in growth.items():
         assert kb_per_100 < CI_KB_PER_100, f"{name} RSS grows {kb_per_100:.0f} KB per 100 requests"
@@ -254,6 +261,6 @@ def test_soak_mixed_load_memory_flat(cluster: FaultCluster) -> None:
         mean = sum(mb for _, _, mb, _ in steady) / len(steady)
         growth = slope([(t, mb) for t, _, mb, _ in steady]) * SOAK_S
         bound = max(GROWTH_FLOOR_MB, GROWTH_FRACTION * mean)
-        print(f"  {name}: RSS {steady[0][2]:.1f} -> {steady[-1][2]:.1f} MB, trend {growth:+.1f} MB over the run "
-              f"(bound {bound:.1f} MB)")
+        print(f"  {name}: RSS {steady[0][2]:.1f} -> {steady[-1][2]:.1f} MB, "
+              f"trend {growth:+.1f} MB over the run (bound {bound:.1f} MB)")
         assert growth < bound, f"{name} RSS grows {growth:.1f} MB over {SOAK_S:.0f}s"

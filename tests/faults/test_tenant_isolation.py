@@ -41,7 +41,8 @@ pytestmark = pytest.mark.timeout(330)
 SECRET = b"switchyard-dev-secret"  # the gateway's default hash_secret
 CANARY = "zebra-canary-7f3a"  # prompt text that must never reach a log
 # ~190 tokens: several whole KV pages, so a cache hit is visible in cached_tokens
-SHARED_PROMPT = "You are a careful assistant for the accounts team. " * 19 + f"Question {CANARY}: what is due?"
+SHARED_PROMPT = ("You are a careful assistant for the accounts team. " * 19
+                 + f"Question {CANARY}: what is due?")
 LIMIT_S = 1.0  # a disable must take effect within this
 
 
@@ -84,7 +85,8 @@ def test_other_tenant_gets_no_cached_tokens(shared_prompt_runs):
 def test_same_tenant_repeat_is_cached(shared_prompt_runs):
     # proves the cache is on, so B's zero above is isolation, not a cold cache
     repeat, first = shared_prompt_runs["repeat"], shared_prompt_runs["first"]
-    assert 0 < cached(repeat) < first["usage"]["prompt_tokens"], "the prefix cache served nothing to A's repeat"
+    assert 0 < cached(repeat) < first["usage"]["prompt_tokens"], \
+        "the prefix cache served nothing to A's repeat"
 
 
 def test_namespaces_and_routing_keys_differ_per_tenant(fault_stack, rds):
@@ -107,11 +109,14 @@ def test_namespaces_and_routing_keys_differ_per_tenant(fault_stack, rds):
         prefix_key(tokens[:16], None, root=ns_b, block_size=16)
 
 
-async def _stream(client: httpx.AsyncClient, key: str, started: asyncio.Event) -> tuple[int, dict | None, float]:
+async def _stream(client: httpx.AsyncClient, key: str,
+                  started: asyncio.Event) -> tuple[int, dict | None, float]:
     """One long stream: (content chunks, the error event if any, monotonic time it ended)."""
-    body = {"model": "default", "prompt": "Count forever:", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    body = {"model": "default", "prompt": "Count forever:", "max_tokens": 1900, "ignore_eos": True,
+            "stream": True}
     chunks, error = 0, None
-    async with client.stream("POST", "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}) as r:
+    async with client.stream("POST", "/v1/completions", json=body,
+                             headers={"authorization": f"Bearer {key}"}) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -214,7 +219,8 @@ def test_revoked_key_streams_end_and_new_requests_401(fault_stack, rds):
 # After the disable test (file order), so its error events and 401s are in the logs scanned here.
 @pytest.fixture(scope="module")
 def all_keys(fault_stack: GatewayStack, disabled_key: str) -> list[str]:
-    """Every kind of key: the stack's three tenants, two more that make requests, and the disabled tenant's."""
+    """Every kind of key: the stack's three tenants, two more that make requests, and the disabled
+    tenant's."""
     return [fault_stack.key, fault_stack.limited_key, fault_stack.batch_key,
             *(fault_stack.stack.create_tenant(name) for name in ("iso-log-1", "iso-log-2")), disabled_key]
 
@@ -230,7 +236,8 @@ def test_api_keys_never_in_logs_or_metrics(fault_stack, worker_metrics_port, all
             "worker": (fault_stack.stack.config.log_dir / "worker.log").read_text(errors="replace"),
             "gateway /metrics": httpx.get(fault_stack.base_url + "/metrics", timeout=10).text,
             "worker /metrics": httpx.get(f"http://127.0.0.1:{worker_metrics_port}/metrics", timeout=10).text}
-    assert "switchyard_requests_total" in logs["gateway /metrics"] and "POST /v1/completions" in logs["gateway"]
+    assert ("switchyard_requests_total" in logs["gateway /metrics"]
+            and "POST /v1/completions" in logs["gateway"])
     for where, text in logs.items():
         for key in [*keys, bad]:
             assert key not in text and key[3:] not in text, f"an API key appears in the {where}"

@@ -1,5 +1,6 @@
-"""Disaggregated prefill through the Router: prefill-role workers never take a gen nor count for capacity, each
-attempt decides afresh, the hint reaches the wire, the in-flight count follows each prefill, and the metrics."""
+"""Disaggregated prefill through the Router: prefill-role workers never take a gen nor
+count for capacity, each attempt decides afresh, the hint reaches the wire, the
+in-flight count follows each prefill, and the metrics."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class GenClient(FakeClient):
         self.two = False
         self.more = asyncio.Event()
 
-    async def generate(self, rid, ns, tokens, sampling, priority, deadline, *, prefill=None, **_):  # noqa: ANN001, ANN202
+    async def generate(self, rid, ns, tokens, sampling, priority, deadline, *, prefill=None,
+                       **_):  # noqa: ANN001, ANN202
         self.hints.append(prefill)
         await self.gate.wait()
         if self.fail:
@@ -169,7 +171,8 @@ async def test_the_prefill_worker_holding_the_prompt_is_chosen() -> None:
 
 
 async def test_a_remote_prefill_is_in_flight_until_the_first_output() -> None:
-    router = await fleet({"d": "decode", "p": "prefill"}, rule=DisaggRule(min_tokens=512, max_prefill_queue=0))
+    router = await fleet({"d": "decode", "p": "prefill"},
+                         rule=DisaggRule(min_tokens=512, max_prefill_queue=0))
     d = client(router, "d")
     d.gate.clear()
     first = asyncio.create_task(run(router, request("r1", 1000)))

@@ -1,5 +1,5 @@
-"""The disaggregation rule on its own: the lacking-token threshold, the choice of prefill worker (most held, then
-shortest queue), busy prefill workers, roles, and the in-flight count of unacknowledged prefills."""
+"""The disaggregation rule on its own: the lacking-token threshold, the choice of prefill worker (most held,
+then shortest queue), busy prefill workers, roles, and the in-flight count of unacknowledged prefills."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def cand(wid: str, held: int = 0, queue: int = 0) -> PrefillCandidate:
 def test_lacking_tokens_below_the_threshold_stay_local() -> None:
     assert decide(511, [cand("p")], RULE) == (None, REASON_SHORT)
     assert decide(0, [cand("p")], RULE) == (None, REASON_SHORT)
-    assert decide(-5, [cand("p")], RULE) == (None, REASON_SHORT)  # the decode worker holds more than the prompt
+    # the decode worker holds more than the prompt
+    assert decide(-5, [cand("p")], RULE) == (None, REASON_SHORT)
     assert decide(512, [cand("p")], RULE) == (PrefillHint("p", "tcp://p:1"), None)  # at the threshold: remote
     assert decide(600, [cand("p")], DisaggRule(min_tokens=601)) == (None, REASON_SHORT)
 
@@ -40,7 +41,8 @@ def test_no_live_prefill_worker_stays_local() -> None:
 
 
 def test_the_prefill_worker_holding_most_of_the_prompt_wins_then_the_shortest_queue() -> None:
-    hint, _ = decide(2000, [cand("a", held=0, queue=0), cand("b", held=256, queue=3), cand("c", held=128)], RULE)
+    hint, _ = decide(2000, [cand("a", held=0, queue=0), cand("b", held=256, queue=3),
+                            cand("c", held=128)], RULE)
     assert hint is not None and hint.worker_id == "b"  # held beats a shorter queue
     hint, _ = decide(2000, [cand("a", queue=2), cand("b", queue=1), cand("c", queue=3)], RULE)
     assert hint is not None and hint.worker_id == "b"
@@ -77,7 +79,8 @@ def test_member_role_comes_from_stats_else_registration_else_both() -> None:
     assert member_role(None) == "both"
     assert member_role(Member("w", "tcp://w:1", None)) == "both"  # type: ignore[arg-type]
     assert member_role(Member("w", "tcp://w:1", None, registration=reg)) == "prefill"  # type: ignore[arg-type]
-    assert member_role(Member("w", "tcp://w:1", None, stats=_stats("decode"), registration=reg)) == "decode"  # type: ignore[arg-type]
+    assert member_role(Member("w", "tcp://w:1", None, stats=_stats("decode"),
+                              registration=reg)) == "decode"  # type: ignore[arg-type]
 
 
 def test_token_count_counts_ids_and_packed_tokens() -> None:
@@ -92,7 +95,8 @@ class Members:
         self.dead: set[str] = set()
 
     def add(self, wid: str, stats: WorkerStats) -> None:
-        self.members[wid] = Member(wid, f"tcp://{wid}:1", None, stats=stats, stats_at=0.0)  # type: ignore[arg-type]
+        self.members[wid] = Member(wid, f"tcp://{wid}:1", None, stats=stats,
+                                   stats_at=0.0)  # type: ignore[arg-type]
 
     def member(self, mid: str) -> Member | None:
         return self.members.get(mid)

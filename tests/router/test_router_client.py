@@ -1,4 +1,5 @@
-"""WorkerClient against a real ZeroMQ ROUTER peer driven by the test (the worker process tests cover the rest).
+"""WorkerClient against a real ZeroMQ ROUTER peer driven by the
+test (the worker process tests cover the rest).
 
 The peer is a real socket speaking the real codec, so these tests pin the client's
 own behaviour: demultiplexing, errors, deadlines, abort on early exit, version refusal.
@@ -74,8 +75,8 @@ async def link() -> AsyncIterator[tuple[Peer, WorkerClient]]:
 async def test_streams_tokens_and_callback(link: tuple[Peer, WorkerClient]) -> None:
     peer, client = link
     assert client.seen  # type: ignore[attr-defined]
-    stream = client.generate("r1", b"ns", [1, 2, 3], p.SamplingParams(max_tokens=3), priority=p.Priority.BATCH,
-                             deadline=99.0)
+    stream = client.generate("r1", b"ns", [1, 2, 3], p.SamplingParams(max_tokens=3),
+                             priority=p.Priority.BATCH, deadline=99.0)
     got: list[p.OutItem] = []
 
     async def consume() -> None:
@@ -84,12 +85,14 @@ async def test_streams_tokens_and_callback(link: tuple[Peer, WorkerClient]) -> N
 
     task = asyncio.create_task(consume())
     ident, gen = await peer.recv("gen")
-    assert gen.rid == "r1" and gen.tokens.tolist() == [1, 2, 3] and gen.priority == p.Priority.BATCH and gen.deadline == 99.0
+    assert (gen.rid == "r1" and gen.tokens.tolist() == [1, 2, 3] and gen.priority == p.Priority.BATCH
+            and gen.deadline == 99.0)
     other = p.OutItem("zz", [9], None, 0, None)  # an unknown rid is ignored
     await peer.send(ident, p.encode_out([p.OutItem("r1", [7], None, 2, [-0.5]), other], sent_at=5.0))
     await peer.send(ident, p.encode_out([p.OutItem("r1", [8, 9], "length", 2, None)]))
     await asyncio.wait_for(task, 5)
-    assert got == [p.OutItem("r1", [7], None, 2, [-0.5], sent_at=5.0), p.OutItem("r1", [8, 9], "length", 2, None)]
+    assert got == [p.OutItem("r1", [7], None, 2, [-0.5], sent_at=5.0),
+                   p.OutItem("r1", [8, 9], "length", 2, None)]
     assert client.open_streams == 0
 
 
@@ -166,9 +169,11 @@ async def test_inter_token_timeout(link: tuple[Peer, WorkerClient]) -> None:
     assert abort.rid == "r5"
 
 
-async def test_queued_request_waits_for_its_first_token_until_its_deadline(link: tuple[Peer, WorkerClient]) -> None:
+async def test_queued_request_waits_for_its_first_token_until_its_deadline(
+        link: tuple[Peer, WorkerClient]) -> None:
     """A request queued behind others gets its first token after more than inter_token_timeout (1 s here): the
-    wait before it is bounded by the request's deadline instead; gaps after it by inter_token_timeout again."""
+    wait before it is bounded by the request's deadline instead; gaps
+    after it by inter_token_timeout again."""
     peer, client = link
     loop = asyncio.get_running_loop()
     stream = client.generate("r7", b"", [1], p.SamplingParams(max_tokens=4), deadline=time.time() + 4.0)
@@ -309,7 +314,8 @@ async def test_malformed_out_frames_end_only_their_requests(link: tuple[Peer, Wo
     good = [p.OutItem("m1", [5], None, 0, None)]
     await peer.send(ident, p.encode_out(good))
     assert (await asyncio.wait_for(firsts["m1"], 5)).tokens == [5]
-    bad = msgpack.unpackb(p.encode_out([p.OutItem("m1", [6], None, 0, None), p.OutItem("m2", [6], None, 0, None)]),
+    bad = msgpack.unpackb(p.encode_out([p.OutItem("m1", [6], None, 0, None),
+                                        p.OutItem("m2", [6], None, 0, None)]),
                           raw=False)
     bad["items"][1][3] = "lots"  # cached_tokens of the wrong type: both rows of the frame are lost
     await peer.send(ident, msgpack.packb(bad, use_bin_type=True))
@@ -367,7 +373,8 @@ async def test_fuzzed_frames_leave_the_client_usable(link: tuple[Peer, WorkerCli
     assert await asyncio.wait_for(task, 5) == [2, 3]
 
 
-async def test_an_oversized_worker_frame_drops_the_link_not_the_gateway(link: tuple[Peer, WorkerClient]) -> None:
+async def test_an_oversized_worker_frame_drops_the_link_not_the_gateway(
+        link: tuple[Peer, WorkerClient]) -> None:
     """The gateway's worker socket refuses frames past MAX_WORKER_FRAME_BYTES (it once took any size): the
     link drops and comes back, and the client keeps working."""
     from router.links.client import MAX_WORKER_FRAME_BYTES

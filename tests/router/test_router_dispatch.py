@@ -115,7 +115,8 @@ class ScriptedWorker:
         elif self.script == "abandon_after_first":  # gave up on a silent gateway once, then serves as usual
             self.script = "ok"
             await self._sock.send_multipart([ident, out([1], None)])
-            await self._sock.send_multipart([ident, proto.encode_err(rid, "abandoned", "gateway silent", True)])
+            await self._sock.send_multipart([ident,
+                                             proto.encode_err(rid, "abandoned", "gateway silent", True)])
 
 
 @contextlib.asynccontextmanager
@@ -129,8 +130,8 @@ async def setup(first: str, second: str):
         await membership.wait_until(lambda m: len(m.live()) == 2, timeout=10)
         router = Router(membership, secret=SECRET)
         for p in range(500):
-            req = RouteRequest(rid=f"r{p}", ns=NS, tokens=[p] * 32, cost=40, sampling=SamplingParams(max_tokens=3),
-                               deadline=time.time() + 30)
+            req = RouteRequest(rid=f"r{p}", ns=NS, tokens=[p] * 32, cost=40,
+                               sampling=SamplingParams(max_tokens=3), deadline=time.time() + 30)
             if router.policy.order(router.key_for(req))[0] == a.endpoint:
                 break
         yield router, req, a, b
@@ -160,13 +161,15 @@ async def test_a_sent_prefix_counts_as_held_by_its_worker() -> None:
         first = router.stream(req)
         chunk = await asyncio.wait_for(anext(first), 10)  # a answered with cached_tokens 16
         assert chunk.tokens == [1]
-        assert router.holders.expected_cached(a.endpoint, key) == 32  # the key's span: the whole 32-token prompt
+        # the key's span: the whole 32-token prompt
+        assert router.holders.expected_cached(a.endpoint, key) == 32
         assert router.holders.expected_cached(b.endpoint, key) == 0
-        assert router.holders.footprints() == {a.endpoint: 32}  # what the footprint rule balances for new prefixes
+        # what the footprint rule balances for new prefixes
+        assert router.holders.footprints() == {a.endpoint: 32}
         assert loads.load(a.endpoint) == 40 - 16
         await first.aclose()
-        again = RouteRequest(rid="again", ns=NS, tokens=req.tokens, cost=40, sampling=SamplingParams(max_tokens=3),
-                             deadline=time.time() + 30)
+        again = RouteRequest(rid="again", ns=NS, tokens=req.tokens, cost=40,
+                             sampling=SamplingParams(max_tokens=3), deadline=time.time() + 30)
         second = router.stream(again)
         await asyncio.wait_for(anext(second), 10)
         assert a.gens == [req.rid, "again"]
@@ -177,7 +180,8 @@ async def test_a_sent_prefix_counts_as_held_by_its_worker() -> None:
 async def test_a_new_prefix_passes_a_home_filled_beyond_its_allowance() -> None:
     async with setup("ok", "ok") as (router, req, a, b):
         key = router.key_for(req)
-        router.holders.remember(a.endpoint, b"x" * 16, 200)  # within a quarter of a's 1000-token cache: no preference
+        # within a quarter of a's 1000-token cache: no preference
+        router.holders.remember(a.endpoint, b"x" * 16, 200)
         assert router.pick(key, 40, span=32) == Choice(a.endpoint)
         router.holders.remember(a.endpoint, b"y" * 16, 200)  # 150 tokens beyond it, b has none
         assert router.pick(key, 40, span=32) == Choice(b.endpoint, FALLBACK_FOOTPRINT)
@@ -228,8 +232,8 @@ async def test_death_after_first_token_resumes_on_another_worker() -> None:
 
 
 async def test_a_worker_that_gave_up_on_a_stalled_gateway_carries_the_stream_on() -> None:
-    """`abandoned` (the worker stopped waiting for this gateway while its loop stalled) resumes the stream, and may
-    resume it on the same worker, which is healthy."""
+    """`abandoned` (the worker stopped waiting for this gateway while its loop stalled) resumes the stream,
+    and may resume it on the same worker, which is healthy."""
     async with setup("abandon_after_first", "ok") as (router, req, a, b):
         b.die()  # the only other worker is gone: the resume must be allowed back on a
         await router.membership.wait_until(lambda m: m.live() == [a.endpoint], timeout=5)
@@ -310,8 +314,8 @@ async def test_metrics_count_per_worker_and_drop_departed_workers() -> None:
 
 
 async def test_traced_request_records_its_route_and_hands_the_worker_its_context(spans) -> None:
-    """With tracing on, a `route` span (worker, reason, predicted cached tokens) is a child of the request's span,
-    and the `gen` frame carries its traceparent, so the worker's spans join the same trace."""
+    """With tracing on, a `route` span (worker, reason, predicted cached tokens) is a child of the request's
+    span, and the `gen` frame carries its traceparent, so the worker's spans join the same trace."""
     from opentelemetry import trace
 
     from common.trace_context import tracer
@@ -322,7 +326,8 @@ async def test_traced_request_records_its_route_and_hands_the_worker_its_context
         trace_id = parent.get_span_context().trace_id
     (route,) = [s for s in spans.get_finished_spans() if s.name == "route"]
     assert route.parent.span_id == parent.get_span_context().span_id and route.context.trace_id == trace_id
-    assert route.attributes["switchyard.worker"] == a.endpoint and route.attributes["switchyard.route.reason"] == "home"
+    assert (route.attributes["switchyard.worker"] == a.endpoint
+            and route.attributes["switchyard.route.reason"] == "home")
     assert "switchyard.route.predicted_cached_tokens" in route.attributes
     (sent,) = a.requests
     assert sent.traceparent[:52] == f"00-{trace_id:032x}-{route.context.span_id:016x}"

@@ -30,7 +30,8 @@ def test_registration_carries_what_the_worker_serves_and_old_records_parse() -> 
     reg = Registration("w", "tcp://h:1", "m", PROTOCOL_VERSION, 1.0, model_version="v2", tokenizer="ab",
                        spec="default", pool="batch")
     assert parse_registration(encode_registration(reg)) == reg
-    old = parse_registration('{"worker_id": "w", "endpoint": "e", "model": "m", "version": 1, "started_at": 0}')
+    old = parse_registration('{"worker_id": "w", "endpoint": "e", "model": "m", '
+                             '"version": 1, "started_at": 0}')
     assert (old.model_version, old.pool, old.spec, old.tokenizer) == ("", "", "", "")
     with pytest.raises(ValueError, match="pool"):
         parse_registration('{"worker_id": "w", "endpoint": "e", "model": "m", "version": 1, "started_at": 0, '
@@ -54,7 +55,8 @@ def test_fleet_gives_each_version_its_own_router_over_its_workers() -> None:
 
 def test_static_workers_serve_the_default_model() -> None:
     m = SimMembership()
-    fleet = Fleet(m, lambda view, served: Router(view, secret=b"s"), default=Served("own"))  # type: ignore[arg-type]
+    fleet = Fleet(m, lambda view, served: Router(view, secret=b"s"),
+                  default=Served("own"))  # type: ignore[arg-type]
     m.add("x", "whatever")
     m.member("x").registration = None  # type: ignore[union-attr]  # as a static endpoint has none
     m.add("y", "whatever")
@@ -137,7 +139,9 @@ def test_alias_table_keeps_the_last_good_record(caplog: pytest.LogCaptureFixture
 
 def test_a_priority_class_prefers_its_pool_and_spills_under_load() -> None:
     m = SimMembership()
-    router = Router(m, secret=b"s", class_pools={Priority.BATCH: "batch", Priority.INTERACTIVE: "interactive"})  # type: ignore[arg-type]
+    router = Router(m, secret=b"s",
+                    class_pools={Priority.BATCH: "batch",
+                                 Priority.INTERACTIVE: "interactive"})  # type: ignore[arg-type]
     for w, pool in (("i1", "interactive"), ("i2", "interactive"), ("b1", "batch")):
         m.add(w, "m", pool=pool)
     ns = namespace_root("m", "v", "t", b"s")

@@ -16,7 +16,8 @@ def test_remembers_per_worker_spans() -> None:
     assert h.expected_cached("w", key) == 0 and h.expected_cached("w", None) == 0
     h.remember("w", key, 592)
     h.remember("w", None, 592)  # keyless requests are not remembered
-    assert (h.expected_cached("w", key), h.expected_cached("v", key), h.expected_cached("w", other)) == (592, 0, 0)
+    assert (h.expected_cached("w", key), h.expected_cached("v", key),
+            h.expected_cached("w", other)) == (592, 0, 0)
 
 
 def test_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

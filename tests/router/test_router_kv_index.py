@@ -52,7 +52,8 @@ def test_a_gap_asks_for_a_snapshot_which_restores_the_view() -> None:
 def test_a_restarted_worker_starts_empty_under_a_new_epoch() -> None:
     idx = KvIndex()
     idx.apply("w", report(5, [1, 2], snapshot=True), 100)
-    assert idx.apply("w", report(1, [8], epoch=8), 100) is Applied.APPLIED  # its first batch, on an empty view
+    # its first batch, on an empty view
+    assert idx.apply("w", report(1, [8], epoch=8), 100) is Applied.APPLIED
     assert idx.match([1], ["w"]) == {} and idx.match([8], ["w"]) == {"w": 1}
     assert idx.apply("w", report(3, [9], epoch=9), 100) is Applied.GAP  # missed its first batches
     assert idx.blocks("w") == 0
@@ -156,7 +157,8 @@ async def test_replicas_fed_the_same_reports_choose_alike() -> None:
         for r in routers:
             matched = r.kv.matched(NS, p, r.policy.members)
             assert matched == {eps[n % 3]: 128}
-            picks.add(r.pick(r.key_for(RouteRequest('x', NS, p, 300)), 300, span=128, matched=matched).worker_id)
+            picks.add(r.pick(r.key_for(RouteRequest('x', NS, p, 300)), 300, span=128,
+                             matched=matched).worker_id)
         assert picks == {eps[n % 3]}
     # a prompt nobody reported falls back to the ring and footprints, alike on both (same history here)
     fresh = [rng.randrange(100, 30000) for _ in range(200)]
@@ -167,7 +169,8 @@ async def test_replicas_fed_the_same_reports_choose_alike() -> None:
 async def test_a_worker_with_another_contract_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     eps = ["tcp://127.0.0.1:5100", "tcp://127.0.0.1:5101"]
     r = await replica(eps, "gw")
-    before = REGISTRY.get_sample_value("switchyard_router_refused_workers_total", {"reason": "block_size"}) or 0
+    before = REGISTRY.get_sample_value("switchyard_router_refused_workers_total",
+                                       {"reason": "block_size"}) or 0
     with caplog.at_level(logging.ERROR, logger="router.placement.kv_view"):
         r.membership.observe(eps[0], stats(eps[0], report(0, [1], snapshot=True)))
         r.membership.observe(eps[1], stats(eps[1], report(0, [1], snapshot=True,

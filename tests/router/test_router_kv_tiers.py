@@ -1,5 +1,6 @@
 """Routing credit for KV tiers: a worker's tier-held blocks (tadd/tdel) count below memory-held ones, reports
-without tiers read as before, and a routed pick prefers the memory holder, then the tier holder, over a stranger."""
+without tiers read as before, and a routed pick prefers the memory holder, then the tier holder, over a
+stranger."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_tier_changes_apply_and_match_counts_tier_blocks_after_memory_ones() -> 
     assert idx.match_tiered([1, 2, 3, 4], ["w"]) == {"w": (2, 1)}
     assert idx.apply("w", report(2, evicted=[1, 2], tiered=[1, 2]), 100) is Applied.APPLIED
     assert idx.match_tiered([1, 2, 3], ["w"]) == {"w": (0, 3)} and idx.match([1, 2, 3], ["w"]) == {}
-    assert idx.apply("w", report(3, [7], snapshot=True), 100) is Applied.APPLIED  # a snapshot replaces the tiers
+    # a snapshot replaces the tiers
+    assert idx.apply("w", report(3, [7], snapshot=True), 100) is Applied.APPLIED
     assert idx.match_tiered([1, 2], ["w"]) == {}
 
 

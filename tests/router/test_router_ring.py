@@ -1,4 +1,5 @@
-"""Ring and routing policy: replica agreement, prefix affinity, bounded loads, minimal movement, random ties."""
+"""Ring and routing policy: replica agreement, prefix affinity,
+bounded loads, minimal movement, random ties."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class PolicyRing:
                held: Callable[[str], int] | None = None, footprints: Mapping[str, float] | None = None,
                span: int = 0) -> Choice:
         order = self.policy.order(key)
-        view = Candidates(order, {w: eligible(w) for w in order}, loads, keyed=key is not None, excluded=exclude,
+        view = Candidates(order, {w: eligible(w) for w in order}, loads, keyed=key is not None,
+                          excluded=exclude,
                           held={w: held(w) for w in order} if held is not None and key is not None else {},
                           footprints=footprints if key is not None else None)
         return self.policy.choose(view, cost, span)
@@ -168,7 +170,8 @@ def test_a_holder_later_on_the_walk_comes_before_the_home() -> None:
     loads = dict.fromkeys(WORKERS, 100.0)
     assert ring.choose(k, 700, loads, eligible=live, held=lambda w: 0) == Choice(home)
     holds = {second: 600}
-    assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0)) == Choice(second, FALLBACK_HOLDER)
+    assert ring.choose(k, 700, loads, eligible=live,
+                       held=lambda w: holds.get(w, 0)) == Choice(second, FALLBACK_HOLDER)
     loads[second] = 5000.0  # a holder beyond the bound is passed over: back to the walk's rule
     assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0)) == Choice(home)
 
@@ -178,7 +181,8 @@ def place_new_prefixes(ring: PolicyRing, keys: list[bytes], span: int) -> dict[s
     footprints = dict.fromkeys(ring.members, 0)
     loads = dict.fromkeys(ring.members, 0.0)
     for k in keys:
-        choice = ring.choose(k, span + 32, loads, eligible=live, held=lambda w: 0, footprints=footprints, span=span)
+        choice = ring.choose(k, span + 32, loads, eligible=live, held=lambda w: 0,
+                             footprints=footprints, span=span)
         footprints[choice.worker_id] += span
     return footprints
 
@@ -207,7 +211,8 @@ def test_footprint_rule_keeps_replicas_agreeing_and_names_its_fallback() -> None
     empty = dict.fromkeys(WORKERS, 0)
     assert ring.choose(k, 700, loads, eligible=live, footprints=empty, span=600) == Choice(home)
     crowded = dict.fromkeys(WORKERS, 0) | {home: 6000}
-    assert ring.choose(k, 700, loads, eligible=live, footprints=crowded, span=600) == Choice(second, FALLBACK_FOOTPRINT)
+    assert ring.choose(k, 700, loads, eligible=live, footprints=crowded,
+                       span=600) == Choice(second, FALLBACK_FOOTPRINT)
     holds = {home: 600}  # a known holder wins over the footprint rule
     assert ring.choose(k, 700, loads, eligible=live, held=lambda w: holds.get(w, 0), footprints=crowded,
                        span=600) == Choice(home)

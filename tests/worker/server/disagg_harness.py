@@ -1,5 +1,5 @@
-"""Two in-process worker servers (tiny fp32 model, real ZeroMQ sockets on loopback) and a gateway-side DEALER, for
-the disaggregated prefill tests; engines stay reachable so tests can check that every page went back."""
+"""Two in-process worker servers (tiny fp32 model, real ZeroMQ sockets on loopback) and a gateway-side DEALER,
+for the disaggregated prefill tests; engines stay reachable so tests can check that every page went back."""
 
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def first_reply(sock: zmq.Socket, timeout: float = 10.0) -> proto.KvChunk | proto.KvError | None:
-    """The first transfer message a prefill worker sends `sock` (its stats frames skipped); None on timeout."""
+    """The first transfer message a prefill worker sends `sock` (its
+    stats frames skipped); None on timeout."""
     until = time.monotonic() + timeout
     while time.monotonic() < until:
         if sock.poll(100):
@@ -125,7 +126,8 @@ def reference(model, tokens: list[int], sampling: SamplingParams) -> list[int]:
 
 
 def prefix_rows(model, tokens: list[int]) -> torch.Tensor:
-    """The K/V page rows of `tokens`' full blocks as a real prefill computes them (what a prefill worker pushes)."""
+    """The K/V page rows of `tokens`' full blocks as a real prefill
+    computes them (what a prefill worker pushes)."""
     engine = Engine(model, engine_config())
     try:
         engine.generate([tokens], SamplingParams(max_tokens=1))

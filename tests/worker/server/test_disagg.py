@@ -1,5 +1,5 @@
-"""Disaggregated prefill between two real worker servers: the decode worker leases pages, the prefill worker pushes
-them, and greedy output matches a worker doing both; pages all return to their pools."""
+"""Disaggregated prefill between two real worker servers: the decode worker leases pages, the prefill worker
+pushes them, and greedy output matches a worker doing both; pages all return to their pools."""
 
 from __future__ import annotations
 
@@ -109,8 +109,9 @@ def test_short_prompt_or_cached_prompt_prefills_locally(tiny, pair) -> None:
 
 
 def test_worker_to_worker_link_is_curve_authenticated(tiny) -> None:
-    """With a cluster key both ports are CURVE servers: the decode worker's link presents the cluster key pair and
-    the transfer completes; a prefill worker under another key never answers, so the decode worker prefills."""
+    """With a cluster key both ports are CURVE servers: the decode worker's link presents the cluster key pair
+    and the transfer completes; a prefill worker under another key never answers, so the decode worker
+    prefills."""
     _, secret = zmq.curve_keypair()
     _, other = zmq.curve_keypair()
     key = secret.decode()
@@ -130,7 +131,8 @@ def test_worker_to_worker_link_is_curve_authenticated(tiny) -> None:
             out, _, _ = gw.generate("forged", toks[::-1], sampling, PrefillHint("x", stranger.endpoint))
             assert out == reference(tiny, toks[::-1], sampling)
             assert m.DISAGG_FALLBACKS.labels("stall")._value.get() == stalls + 1
-            assert not stranger.engine.stats().prompt_tokens  # it never took work from an unauthenticated link
+            # it never took work from an unauthenticated link
+            assert not stranger.engine.stats().prompt_tokens
             gw.close()
         assert decode.idle() and prefill.idle()
     finally:

@@ -1,5 +1,5 @@
-"""Disaggregated prefill faults, against a scripted fake prefill worker: a stall, stray and malformed frames, a
-prefill worker that dies after some pages, a client abort and a refused fingerprint. No request is lost, the
+"""Disaggregated prefill faults, against a scripted fake prefill worker: a stall, stray and malformed frames,
+a prefill worker that dies after some pages, a client abort and a refused fingerprint. No request is lost, the
 pages that arrived in order are kept, and every page returns to the decode worker's pool."""
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def test_stray_frame_is_dropped_and_malformed_chunk_ends_only_its_transfer(tiny,
     def script(ident: bytes, pf: dict) -> None:
         unknown = dict(pf, xid="not-a-transfer")
         fake.send(ident, *chunk(unknown, pf["skip"], None))
-        fake.send(ident, *chunk(pf, pf["skip"], np.zeros((1, pf["pb"]), np.uint8), dest=np.array([999_999], "<i4")))
+        fake.send(ident, *chunk(pf, pf["skip"], np.zeros((1, pf["pb"]), np.uint8),
+                                dest=np.array([999_999], "<i4")))
 
     out = run_against(fake, decode, "bad", toks, script)
     assert out == reference(tiny, toks, SAMPLING)
@@ -127,7 +128,8 @@ def test_client_abort_during_a_transfer_frees_the_lease_and_tells_the_prefill_wo
     fake = FakePrefill(zmq.Context.instance())
     with zmq_context() as ctx:
         gw = Gateway(ctx, decode.endpoint)
-        gw.sock.send(proto.encode_gen("ab", b"ns", prompt(4, 4), SAMPLING, prefill=PrefillHint("f", fake.endpoint)))
+        gw.sock.send(proto.encode_gen("ab", b"ns", prompt(4, 4), SAMPLING,
+                                      prefill=PrefillHint("f", fake.endpoint)))
         ident, pf = fake.next_prefill()
         assert decode.engine.pool.num_free < decode.engine.pool.num_pages  # the lease holds pages
         gw.sock.send(proto.encode_abort("ab"))
@@ -152,7 +154,8 @@ def test_prefill_worker_refuses_a_mismatched_fingerprint(tiny) -> None:
             sock.connect(prefill.endpoint)
             req = proto.PrefillRequest(xid="x1", ns=b"ns", tokens=np.arange(5, 5 + 3 * BS, dtype=np.int32),
                                        sampling=SAMPLING.to_dict(), skip=0, dest=np.arange(3, dtype=np.int32),
-                                       fingerprint=b"\0" * 16, page_bytes=prefill.engine.exports.codec.page_bytes,
+                                       fingerprint=b"\0" * 16,
+                                       page_bytes=prefill.engine.exports.codec.page_bytes,
                                        deadline=time.time() + 10)
             sock.send(proto.encode_prefill(req))
             reply = first_reply(sock)
@@ -172,9 +175,10 @@ def test_decode_worker_gone_mid_transfer_frees_the_prefill_workers_pages(tiny) -
         codec = prefill.engine.exports.codec
         n_blocks = 30  # 8 prefill steps of 64 tokens: the peer leaves after the first pages
         req = proto.PrefillRequest(xid="gone", ns=b"ns", tokens=np.array(prompt(5, n_blocks), dtype=np.int32),
-                                   sampling=SAMPLING.to_dict(), skip=0, dest=np.arange(n_blocks, dtype=np.int32),
-                                   fingerprint=prefill.server.prefill.fingerprint, page_bytes=codec.page_bytes,
-                                   deadline=time.time() + 30)
+                                   sampling=SAMPLING.to_dict(), skip=0,
+                                   dest=np.arange(n_blocks, dtype=np.int32),
+                                   fingerprint=prefill.server.prefill.fingerprint,
+                                   page_bytes=codec.page_bytes, deadline=time.time() + 30)
         sock.send(proto.encode_prefill(req))
         got = first_reply(sock)
         assert isinstance(got, proto.KvChunk) and got.first == 0 and got.n > 0
@@ -211,9 +215,9 @@ def test_a_busy_prefill_worker_that_keeps_talking_is_not_a_stall(tiny, decode) -
 
 
 def test_a_silent_decode_peer_hears_that_its_transfer_was_given_up(tiny) -> None:
-    """A decode worker whose loop stalls past the prefill worker's gateway timeout: the prefill worker ends the
-    transfer with an explicit error (the decode side then prefills locally at once), never a silent abort that
-    would leave the decode side waiting for its whole lease."""
+    """A decode worker whose loop stalls past the prefill worker's gateway timeout: the prefill worker ends
+    the transfer with an explicit error (the decode side then prefills locally at once), never a silent abort
+    that would leave the decode side waiting for its whole lease."""
     prefill = ServerThread(tiny, role="prefill", gateway_timeout=0.5)
     step = prefill.engine.step
 
@@ -227,10 +231,13 @@ def test_a_silent_decode_peer_hears_that_its_transfer_was_given_up(tiny) -> None
             sock = ctx.socket(zmq.DEALER)
             sock.connect(prefill.endpoint)
             n_blocks = 30
-            req = proto.PrefillRequest(xid="quiet", ns=b"ns", tokens=np.array(prompt(7, n_blocks), dtype=np.int32),
-                                       sampling=SAMPLING.to_dict(), skip=0, dest=np.arange(n_blocks, dtype=np.int32),
+            req = proto.PrefillRequest(xid="quiet", ns=b"ns",
+                                       tokens=np.array(prompt(7, n_blocks), dtype=np.int32),
+                                       sampling=SAMPLING.to_dict(), skip=0,
+                                       dest=np.arange(n_blocks, dtype=np.int32),
                                        fingerprint=prefill.server.prefill.fingerprint,
-                                       page_bytes=prefill.engine.exports.codec.page_bytes, deadline=time.time() + 30)
+                                       page_bytes=prefill.engine.exports.codec.page_bytes,
+                                       deadline=time.time() + 30)
             t0 = time.monotonic()
             sock.send(proto.encode_prefill(req))  # then silence: no heartbeat
             error = None

@@ -1,5 +1,6 @@
 """The model-server-protocol metrics (Gateway API Inference Extension) follow the engine: queued and running
-requests, KV-cache use as a 0-1 fraction, the cache config, in the Prometheus text the endpoint picker reads."""
+requests, KV-cache use as a 0-1 fraction, the cache config, in the
+Prometheus text the endpoint picker reads."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_protocol_metrics_follow_the_engine(engine: Engine) -> None:
     assert [sample(n) for n in EPP_DEFAULTS] == [0, 0, 0]
     assert sample("vllm:cache_config_info", block_size="16", num_gpu_blocks="64") == 1
     for i in range(5):  # two run (max_num_seqs), three wait
-        engine.add_request(f"r{i}", list(range(10 + i, 10 + i + 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.add_request(f"r{i}", list(range(10 + i, 10 + i + 40)),
+                           SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     metrics.refresh()
     s = engine.stats()

@@ -16,7 +16,8 @@ from worker import protocol as p
 
 pytestmark = pytest.mark.timeout(120)
 FRAMES = 4000
-MAX_STATS_GAP_S = 0.35  # stats every 100 ms (drains end when they are due, the pulse covers a step); slack for 2 loaded cores
+# stats every 100 ms (drains end when they are due, the pulse covers a step); slack for 2 loaded cores
+MAX_STATS_GAP_S = 0.35
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def test_stats_keep_flowing_while_a_flood_of_frames_is_admitted(worker: WorkerPr
         while not _stats_times(sock, time.monotonic() + 0.5):
             assert time.monotonic() < deadline, "worker not ready:\n" + worker.log_text()
         sampling = p.SamplingParams(max_tokens=1)
-        frames = [p.encode_gen(f"f{i}", b"ns", list(range(1 + i % 7, 301 + i % 7)), sampling) for i in range(FRAMES)]
+        frames = [p.encode_gen(f"f{i}", b"ns", list(range(1 + i % 7, 301 + i % 7)), sampling)
+                  for i in range(FRAMES)]
         for frame in frames:
             sock.send(frame)
         sent_at = time.monotonic()

@@ -1,7 +1,8 @@
 """The gateway's liveness rule: a frozen worker process (SIGSTOP: its ZeroMQ I/O thread stops answering pings
 too) is lost within about `worker_timeout`, like a dead one; the link's state is what tells it apart from a
-busy worker, whose I/O thread keeps answering (tests/router/test_router_client.py); and a stall of the gateway's own
-event loop is not taken for a worker's silence (`ThreadWorker`, also used by tests/router/test_router_membership.py)."""
+busy worker, whose I/O thread keeps answering (tests/router/test_router_client.py); and a stall of the
+gateway's own event loop is not taken for a worker's silence (`ThreadWorker`, also used by
+tests/router/test_router_membership.py)."""
 
 from __future__ import annotations
 

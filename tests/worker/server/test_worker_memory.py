@@ -1,5 +1,5 @@
-"""worker.server.process.memory: malloc_trim at most once per interval, oneDNN kernel caches bounded at worker start (in a
-subprocess: the settings apply before the first matmul), and the opt-in memory report."""
+"""worker.server.process.memory: malloc_trim at most once per interval, oneDNN kernel caches bounded at worker
+start (in a subprocess: the settings apply before the first matmul), and the opt-in memory report."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def test_kernel_caches_are_bounded_at_worker_start() -> None:
 
 
 def test_an_operator_setting_wins() -> None:
-    report = _probe({"PYTHONPATH": str(REPO), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"})
+    report = _probe({"PYTHONPATH": str(REPO), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16",
+                     "LRU_CACHE_CAPACITY": "16"})
     assert report["caches"] == {k: "16" for k in KERNEL_CACHE_ENV}
     assert report["growth_mb"] < 40, report
 

@@ -1,9 +1,8 @@
 """Acceptance tests of the worker process over ZeroMQ: real processes, real sockets, real Redis, real models.
 
-One shared `tiny-random` worker serves the streaming, abort, garbage, deadline and
-dead-gateway tests; drain, SIGKILL-expiry and the 32-request default-model test
-start their own. Every wait has a deadline and every process is stopped in a
-`finally`.
+One shared `tiny-random` worker serves the streaming, abort, garbage, deadline and dead-gateway tests; drain,
+SIGKILL-expiry and the 32-request default-model test start their own. Every wait has a deadline and every
+process is stopped in a `finally`.
 """
 
 from __future__ import annotations
@@ -67,7 +66,8 @@ async def tiny(tiny_worker: WorkerProc) -> AsyncIterator[WorkerClient]:
         await client.close()
 
 
-async def collect(client: WorkerClient, rid: str, tokens: list[int], sampling: SamplingParams) -> tuple[list[int], str]:
+async def collect(client: WorkerClient, rid: str, tokens: list[int],
+                  sampling: SamplingParams) -> tuple[list[int], str]:
     out: list[int] = []
     finish = ""
     async for chunk in client.generate(rid, b"ns", tokens, sampling):
@@ -112,7 +112,8 @@ async def test_stream_and_abort_frees_pages(tiny: WorkerClient) -> None:
 
 async def test_garbage_frames_get_err_or_drop_and_worker_keeps_serving(tiny_worker: WorkerProc,
                                                                        tiny: WorkerClient) -> None:
-    good = asyncio.create_task(collect(tiny, "keep", [7, 8, 9], SamplingParams(max_tokens=60, ignore_eos=True)))
+    good = asyncio.create_task(collect(tiny, "keep", [7, 8, 9],
+                                       SamplingParams(max_tokens=60, ignore_eos=True)))
     ctx = zmq.asyncio.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -125,8 +126,7 @@ async def test_garbage_frames_get_err_or_drop_and_worker_keeps_serving(tiny_work
         return msgpack.packb({k: v for k, v in frame.items() if v is not None}, use_bin_type=True)
 
     expected = {
-        "unknown-t": bad("unknown-t", t="launch"),
-        "missing": bad("missing", tokens=None),
+        "unknown-t": bad("unknown-t", t="launch"), "missing": bad("missing", tokens=None),
         "wrong-type": bad("wrong-type", tokens=[1, 2, 3]),
         "huge": bad("huge", tokens=p.pack_tokens([5] * 20_000)),  # past the 8192-token context
         "neg-max": bad("neg-max", sampling={"max_tokens": -3}),
@@ -183,7 +183,8 @@ GATEWAY_SCRIPT = textwrap.dedent("""
         await c.start()
         await c.wait_ready(60)
         async def one(i):
-            async for _ in c.generate(f"k{i}", b"", [5, 6, 7], SamplingParams(max_tokens=2000, ignore_eos=True)):
+            async for _ in c.generate(f"k{i}", b"", [5, 6, 7],
+                                      SamplingParams(max_tokens=2000, ignore_eos=True)):
                 print("tok", flush=True)
         await asyncio.gather(*(one(i) for i in range(3)))
 
@@ -192,7 +193,8 @@ GATEWAY_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
-async def test_lost_gateway_leaves_no_running_work(tiny_worker: WorkerProc, tiny: WorkerClient, sig: int) -> None:
+async def test_lost_gateway_leaves_no_running_work(tiny_worker: WorkerProc, tiny: WorkerClient,
+                                                   sig: int) -> None:
     """SIGKILL closes the TCP link (the worker notices at once); SIGSTOP leaves it open (the timeout path)."""
     idle_stats = await wait_stats(tiny, idle, 10)
     gateway_id = f"doomed-{sig.name if hasattr(sig, 'name') else sig}-{time.monotonic_ns()}"
@@ -208,7 +210,8 @@ async def test_lost_gateway_leaves_no_running_work(tiny_worker: WorkerProc, tiny
         assert back.running == 0
         assert time.monotonic() - killed_at < 1.5 + 5  # gateway timeout + housekeeping slack
         how = "disconnected" if sig == signal.SIGKILL else "silent for"
-        ending = "aborting its 3 requests" if sig == signal.SIGKILL else "ending its 3 requests with a retryable error"
+        ending = "aborting its 3 requests" if sig == signal.SIGKILL \
+            else "ending its 3 requests with a retryable error"
         assert any(gateway_id in line and how in line and ending in line
                    for line in tiny_worker.log_text().splitlines())
     finally:
@@ -303,7 +306,8 @@ async def test_32_concurrent_default_model_match_in_process_engine(tmp_path: Pat
     from worker.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer("default")
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Tell me fact number {i} about {topic}."}])
+    prompts = [tok.apply_chat_template([{"role": "user",
+                                         "content": f"Tell me fact number {i} about {topic}."}])
                for i, topic in enumerate(["the sea", "Paris", "cats", "trains"] * 8)]
     worker = WorkerProc(tmp_path, model="default", extra=["--dtype", "float32"])
     client = None
@@ -314,7 +318,8 @@ async def test_32_concurrent_default_model_match_in_process_engine(tmp_path: Pat
         except WorkerError:
             pytest.fail("worker not ready:\n" + worker.log_text())
         results = await asyncio.wait_for(asyncio.gather(
-            *(collect(client, f"q{i}", pr, SamplingParams(max_tokens=16)) for i, pr in enumerate(prompts))), 150)
+            *(collect(client, f"q{i}", pr, SamplingParams(max_tokens=16))
+              for i, pr in enumerate(prompts))), 150)
         assert [toks for toks, _ in results] == expected
         assert all(finish in ("stop", "length") for _, finish in results)
         assert all(len(toks) == 16 for toks, finish in results if finish == "length")
@@ -356,14 +361,16 @@ async def test_worker_port_needs_the_cluster_key(tmp_path: Path) -> None:
         plain = ctx.socket(zmq.DEALER)  # no CURVE at all
         other_public, other_secret = zmq.curve_keypair()
         forged = ctx.socket(zmq.DEALER)  # CURVE with the server's public key but its own key pair
-        forged.curve_serverkey, forged.curve_publickey, forged.curve_secretkey = public, other_public, other_secret
+        forged.curve_serverkey, forged.curve_publickey, forged.curve_secretkey = \
+            public, other_public, other_secret
         for sock in (plain, forged):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, b"keyed")  # even a known routing id gets nothing
             sock.connect(worker.endpoint)
             intruders.append(sock)
-            for frame in (p.encode_hello("intruder"), p.encode_gen(f"x-{len(intruders)}", b"", [5, 6, 7], LONG)):
-                # a refused handshake can drop the socket's only pipe, and then a send waits for a peer forever
+            for frame in (p.encode_hello("intruder"),
+                          p.encode_gen(f"x-{len(intruders)}", b"", [5, 6, 7], LONG)):
+                # a refused handshake can drop the socket's only pipe; then a send waits for a peer forever
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(sock.send(frame), 1.0)
         busy = []
@@ -376,7 +383,8 @@ async def test_worker_port_needs_the_cluster_key(tmp_path: Path) -> None:
         assert set(busy) == {0}, "work submitted without the cluster key was run"
         for sock in intruders:
             assert await _frames_within(sock, 0.5) == []
-        tokens, finish = await asyncio.wait_for(collect(good, "ok", [5, 6, 7], SamplingParams(max_tokens=4)), 30)
+        tokens, finish = await asyncio.wait_for(collect(good, "ok", [5, 6, 7],
+                                                        SamplingParams(max_tokens=4)), 30)
         assert len(tokens) == 4 and finish == "length"
         assert secret.decode() not in worker.log_text()
     finally:

@@ -1,5 +1,6 @@
-"""Worker spans of a traced request (queue, prefill, decode), children of the gateway's route span, recorded by
-the real serve loop's admit and step paths with a tiny engine; untraced requests and tracing off record none."""
+"""Worker spans of a traced request (queue, prefill, decode), children of the
+gateway's route span, recorded by the real serve loop's admit and step paths with a
+tiny engine; untraced requests and tracing off record none."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def test_traced_request_gets_queue_prefill_and_decode_spans(tiny, spans) -> None
     for span in got.values():
         assert f"{span.context.trace_id:032x}" == TRACE_ID and f"{span.parent.span_id:016x}" == ROUTE_SPAN
     queue, prefill, decode = got["worker.queue"], got["worker.prefill"], got["worker.decode"]
-    assert queue.start_time <= queue.end_time <= prefill.start_time + 1 and prefill.end_time <= decode.start_time + 1
+    assert (queue.start_time <= queue.end_time <= prefill.start_time + 1
+            and prefill.end_time <= decode.start_time + 1)
     assert decode.end_time >= decode.start_time
     assert decode.attributes["switchyard.completion_tokens"] == 4
     assert decode.attributes["switchyard.finish_reason"] == "length"

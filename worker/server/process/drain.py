@@ -19,7 +19,8 @@ HANDOFF_MESSAGE = "worker is draining: the stream carries on on another worker"
 
 class Drain:
     """`handoff_after`: seconds into a drain at which running streams are handed over (an `err` with code
-    `draining`; the gateway resumes each on another worker); None keeps them here until they end or time out."""
+    `draining`; the gateway resumes each on another worker); None
+    keeps them here until they end or time out."""
 
     def __init__(self, timeout: float, handoff_after: float | None = None) -> None:
         self.timeout = timeout
@@ -41,7 +42,8 @@ class Drain:
         return self.deadline is not None and now >= self.deadline
 
     def handoff_due(self, now: float) -> bool:
-        return self.started is not None and self.handoff_after is not None and now >= self.started + self.handoff_after
+        return (self.started is not None and self.handoff_after is not None
+                and now >= self.started + self.handoff_after)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT start the drain (main thread only)."""

@@ -14,7 +14,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-TRIM_INTERVAL_S = 30.0  # SWITCHYARD_MALLOC_TRIM_S overrides it (the CI soak trims every 5 s for a smoother series)
+# SWITCHYARD_MALLOC_TRIM_S overrides it (the CI soak trims every 5 s for a smoother series)
+TRIM_INTERVAL_S = 30.0
 TRIM_ENV = "SWITCHYARD_MALLOC_TRIM_S"
 # bf16 matmuls run through oneDNN: every distinct shape (a step's row count varies from 1 to
 # max_num_batched_tokens) gets a JIT'd primitive of 0.65-1 MB, kept by ideep's cache and oneDNN's, 1,024
@@ -97,13 +98,15 @@ def heap_mb() -> dict[str, float]:
         return {}
     fn.restype = _MallInfo2
     mi = fn()
-    return {"heap_used": mi.uordblks / 2**20, "heap_free": mi.fordblks / 2**20, "heap_mmap": mi.hblkhd / 2**20}
+    return {"heap_used": mi.uordblks / 2**20, "heap_free": mi.fordblks / 2**20,
+            "heap_mmap": mi.hblkhd / 2**20}
 
 
 class MemoryReport:
-    """Debug only, off unless SWITCHYARD_MEMORY_REPORT names a file ("{pid}" in it: this process id): every SWITCHYARD_MEMORY_REPORT_S
-    seconds (default 10) append one JSON line with RSS, glibc heap figures, the traced Python heap and the
-    ten source lines whose Python allocations grew most since the first report (tracemalloc, 1 frame)."""
+    """Debug only, off unless SWITCHYARD_MEMORY_REPORT names a file ("{pid}" in it: this process id): every
+    SWITCHYARD_MEMORY_REPORT_S seconds (default 10) append one JSON line with RSS, glibc heap figures, the
+    traced Python heap and the ten source lines whose Python allocations grew most since the first report
+    (tracemalloc, 1 frame)."""
 
     def __init__(self, path: str | None = None, interval: float | None = None) -> None:
         path = path if path is not None else os.environ.get(REPORT_ENV) or None

@@ -66,7 +66,8 @@ class Registrar:
                 self._write()
             except Exception as exc:  # Redis blips must not kill the worker; gateways keep a live link
                 if not failing:
-                    log.warning("registry refresh failed (retrying every %.0f s): %s", REFRESH_INTERVAL_S, exc)
+                    log.warning("registry refresh failed (retrying every %.0f s): %s",
+                                REFRESH_INTERVAL_S, exc)
                 failing = True
                 continue
             if failing:

@@ -17,12 +17,14 @@ class ServerConfig:
     gateway_timeout: float = 5.0
     stats_interval: float = 0.1
     cluster_key: str | None = None  # z85 CURVE secret key; None: plain TCP, loopback binds only
-    # announced in the registration (model pools): version label, spec gateways load the tokenizer from, pool label
+    # announced in the registration (model pools): version label, spec
+    # gateways load the tokenizer from, pool label
     model_version: str = ""
     model_spec: str = ""
     pool: str = ""
-    # disaggregated prefill (worker.server.disagg.prefill_side / decode_side): the role announced, and how long a decode
-    # worker waits for a prefill worker's next pages (stall) and for a whole transfer (lease) before prefilling itself
+    # disaggregated prefill (worker.server.disagg.prefill_side / decode_side): the role announced, and how
+    # long a decode worker waits for a prefill worker's next pages (stall) and for a whole transfer (lease)
+    # before prefilling itself
     role: str = "both"
     disagg_stall_s: float = 5.0
     disagg_lease_s: float = 60.0

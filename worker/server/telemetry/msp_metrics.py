@@ -11,8 +11,10 @@ from worker.engine.core import EngineStats
 
 QUEUED = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (model-server protocol)")
 RUNNING = Gauge("vllm:num_requests_running", "Requests being prefilled or decoded (model-server protocol)")
-KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV cache pages in use, 0 to 1 (cached but unreferenced pages free)")
-KV_USAGE_OLD = Gauge("vllm:gpu_cache_usage_perc", "Same as vllm:kv_cache_usage_perc (the name of EPPs before v1.0)")
+KV_USAGE = Gauge("vllm:kv_cache_usage_perc",
+                 "KV cache pages in use, 0 to 1 (cached but unreferenced pages free)")
+KV_USAGE_OLD = Gauge("vllm:gpu_cache_usage_perc",
+                     "Same as vllm:kv_cache_usage_perc (the name of EPPs before v1.0)")
 CACHE_INFO = Gauge("vllm:cache_config_info", "1, labelled with the KV page size and the pages in the pool",
                    ["block_size", "num_gpu_blocks"])
 

@@ -28,9 +28,10 @@ RUNNING = Gauge("switchyard_worker_running_requests", "Requests being decoded or
 WAITING = Gauge("switchyard_worker_waiting_requests", "Requests waiting to be scheduled")
 KV_USED = Gauge("switchyard_worker_kv_pages_used", "KV cache pages in use")
 KV_TOTAL = Gauge("switchyard_worker_kv_pages_total", "KV cache pages in the pool")
-KV_CAPACITY = Gauge("switchyard_worker_kv_capacity_tokens", "Tokens the KV cache pool holds (pages x page size)")
-KV_DTYPE = Gauge("switchyard_worker_kv_dtype", "1 for the dtype the KV pages are stored in (--kv-dtype resolved)",
-                 ["dtype"])
+KV_CAPACITY = Gauge("switchyard_worker_kv_capacity_tokens",
+                    "Tokens the KV cache pool holds (pages x page size)")
+KV_DTYPE = Gauge("switchyard_worker_kv_dtype",
+                 "1 for the dtype the KV pages are stored in (--kv-dtype resolved)", ["dtype"])
 HIT_RATE = Gauge("switchyard_worker_prefix_hit_rate", "Share of prompt tokens served by the prefix cache")
 BATCH = Gauge("switchyard_worker_batch_size", "Sequences sampled in the last engine step")
 PREEMPTIONS = Counter("switchyard_worker_preemptions", "Sequences preempted for lack of KV pages")
@@ -43,41 +44,55 @@ SPEC_PROPOSED = Counter("switchyard_worker_spec_proposed_tokens", "N-gram draft 
 SPEC_ACCEPTED = Counter("switchyard_worker_spec_accepted_tokens", "Draft tokens the model agreed with")
 SPEC_STEPS = Counter("switchyard_worker_spec_verify_steps", "Sequence-steps that verified drafts")
 SPEC_RATE = Gauge("switchyard_worker_spec_acceptance_rate", "Accepted / proposed draft tokens since start")
-SPEC_TPS = Gauge("switchyard_worker_spec_tokens_per_step", "Tokens per verifying sequence per forward since start")
+SPEC_TPS = Gauge("switchyard_worker_spec_tokens_per_step",
+                 "Tokens per verifying sequence per forward since start")
 FAIR_SERVICE = Counter("switchyard_worker_fair_service_tokens",
-                       "Fair-share service (w_p x computed prefill + w_d x decode tokens) per fairness key", ["fkey"])
-FAIR_QUEUE = Histogram("switchyard_worker_fair_queue_seconds", "Admission to first scheduled step, per fairness key",
+                       "Fair-share service (w_p x computed prefill + w_d x decode tokens) per fairness key",
+                       ["fkey"])
+FAIR_QUEUE = Histogram("switchyard_worker_fair_queue_seconds",
+                       "Admission to first scheduled step, per fairness key",
                        ["fkey"], buckets=LATENCY_BUCKETS)
 FAIR_KEYS = Gauge("switchyard_worker_fair_keys", "Fairness keys the scheduler tracks")
 TIER_HITS = Counter("switchyard_worker_kv_tier_hits", "KV pages restored from a tier below memory", ["tier"])
 TIER_EVICTIONS = Counter("switchyard_worker_kv_tier_evictions", "KV pages a tier evicted", ["tier"])
 TIER_BYTES = Gauge("switchyard_worker_kv_tier_bytes", "Bytes of KV pages a tier holds", ["tier"])
-TIER_LOAD = Counter("switchyard_worker_kv_tier_load_seconds", "Seconds spent restoring KV pages from the tiers")
-TIER_RESTORED = Counter("switchyard_worker_kv_tier_restored_tokens", "Prompt tokens restored from the KV tiers")
-TIER_RESTORED_BYTES = Counter("switchyard_worker_kv_tier_restored_bytes", "Bytes of KV pages restored from the tiers")
-TIER_DISK_WRITES = Counter("switchyard_worker_kv_tier_disk_writes", "KV page files the disk tier wrote or dropped "
+TIER_LOAD = Counter("switchyard_worker_kv_tier_load_seconds",
+                    "Seconds spent restoring KV pages from the tiers")
+TIER_RESTORED = Counter("switchyard_worker_kv_tier_restored_tokens",
+                        "Prompt tokens restored from the KV tiers")
+TIER_RESTORED_BYTES = Counter("switchyard_worker_kv_tier_restored_bytes",
+                              "Bytes of KV pages restored from the tiers")
+TIER_DISK_WRITES = Counter("switchyard_worker_kv_tier_disk_writes",
+                           "KV page files the disk tier wrote or dropped "
                            "(outcome: written | dropped: queue or disk full)", ["outcome"])
-TIER_DISK_CORRUPT = Counter("switchyard_worker_kv_tier_disk_corrupt", "Disk tier files found corrupt (recomputed)")
-TIER_SKIPPED = Counter("switchyard_worker_kv_tier_skipped_by_cost", "Tier restores the cost model turned down")
+TIER_DISK_CORRUPT = Counter("switchyard_worker_kv_tier_disk_corrupt",
+                            "Disk tier files found corrupt (recomputed)")
+TIER_SKIPPED = Counter("switchyard_worker_kv_tier_skipped_by_cost",
+                       "Tier restores the cost model turned down")
 TIER_DISK_FULL = Gauge("switchyard_worker_kv_tier_disk_full", "1 while the disk tier is full (writes stop)")
-DISAGG_TRANSFERS = Counter("switchyard_worker_disagg_transfers", "Disaggregated prefills this worker received pages "
+DISAGG_TRANSFERS = Counter("switchyard_worker_disagg_transfers",
+                           "Disaggregated prefills this worker received pages "
                            "for, by how they ended (complete, fallback, cancelled)", ["outcome"])
-DISAGG_FALLBACKS = Counter("switchyard_worker_disagg_fallbacks", "Hinted requests prefilled here, by reason", ["reason"])
-DISAGG_BYTES = Counter("switchyard_worker_disagg_received_bytes", "KV page bytes received from prefill workers")
+DISAGG_FALLBACKS = Counter("switchyard_worker_disagg_fallbacks",
+                           "Hinted requests prefilled here, by reason", ["reason"])
+DISAGG_BYTES = Counter("switchyard_worker_disagg_received_bytes",
+                       "KV page bytes received from prefill workers")
 DISAGG_PUSHED = Counter("switchyard_worker_disagg_pushed_bytes", "KV page bytes pushed to decode workers")
-DISAGG_SECONDS = Histogram("switchyard_worker_disagg_transfer_seconds", "Hint to first token of a completed transfer",
-                           buckets=LATENCY_BUCKETS)
-DISAGG_STRAY = Counter("switchyard_worker_disagg_stray_frames", "Transfer frames with an unknown or ended id, dropped")
-DISAGG_REASONS = ("short", "no_cache", "resumed", "invalid", "cached", "links", "decode_pages", "link", "prefill_lost",
-                  "malformed", "stall", "incompatible", "refused", "draining", "bad_request", "capacity", "ended",
-                  "error", "seqs")
+DISAGG_SECONDS = Histogram("switchyard_worker_disagg_transfer_seconds",
+                           "Hint to first token of a completed transfer", buckets=LATENCY_BUCKETS)
+DISAGG_STRAY = Counter("switchyard_worker_disagg_stray_frames",
+                       "Transfer frames with an unknown or ended id, dropped")
+DISAGG_REASONS = ("short", "no_cache", "resumed", "invalid", "cached", "links", "decode_pages", "link",
+                  "prefill_lost", "malformed", "stall", "incompatible", "refused", "draining", "bad_request",
+                  "capacity", "ended", "error", "seqs")
 
 FAIR_LABELS = 16  # distinct fkey label values per process; later keys share "other"
 OTHER = "other"
 
 
 class FairLabels:
-    """Bounded label values for fairness keys: the first FAIR_LABELS keys get their hex prefix, then "other"."""
+    """Bounded label values for fairness keys: the first FAIR_LABELS
+    keys get their hex prefix, then "other"."""
 
     def __init__(self, limit: int = FAIR_LABELS) -> None:
         self.limit = limit
@@ -219,7 +234,8 @@ class WorkerMetrics:
         SPEC_TPS.set(s.spec_tokens_per_step)
 
     def _refresh_fair(self) -> None:
-        """Per label, advance the service counter by the growth of its keys' total (forgotten keys: no advance)."""
+        """Per label, advance the service counter by the growth of its keys' total (forgotten keys: no
+        advance)."""
         fair = self.engine.scheduler.fair
         FAIR_KEYS.set(len(fair))
         totals: dict[str, float] = {}

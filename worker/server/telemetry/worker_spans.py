@@ -1,6 +1,6 @@
 """The worker's spans of a traced request: queue, prefill and decode, children of the gateway's `route` span
-(the `gen` frame's traceparent). Times come from the loop's metrics; spans are made when the request ends, never
-per token.
+(the `gen` frame's traceparent). Times come from the loop's metrics; spans are made when the request ends,
+never per token.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class _Traced:
 
 
 class RequestSpans:
-    """Call `stepped` before `WorkerMetrics.stepped`: a request's timing leaves the metrics at its first output."""
+    """Call `stepped` before `WorkerMetrics.stepped`: a request's
+    timing leaves the metrics at its first output."""
 
     def __init__(self, engine: Engine, metrics: WorkerMetrics) -> None:
         self.engine = engine
@@ -78,7 +79,8 @@ class RequestSpans:
         tr, parent = self._tracer, t.parent
         tr.start_span("worker.queue", context=parent, start_time=t.admitted_ns).end(end_time=t.prefill_ns)
         tr.start_span("worker.prefill", context=parent, start_time=t.prefill_ns,
-                      attributes={"switchyard.cached_tokens": out.cached_tokens}).end(end_time=t.first_ns or end_ns)
+                      attributes={"switchyard.cached_tokens": out.cached_tokens}
+                      ).end(end_time=t.first_ns or end_ns)
         attributes: dict[str, str | int] = {"switchyard.completion_tokens": t.tokens,
                                             "switchyard.finish_reason": out.finish_reason or "error"}
         if out.error is not None:
