@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -30,48 +29,12 @@ from bench.disagg_workload import (
     ratio,
     short_turn,
 )
-from bench.flood import cpu_seconds
-from bench.machine import cpu_model
+from bench.machine import busy_cpu_s, cores_of, cpu_model, own_cpu_s, pinned
 from config.local_stack.launcher import GatewayProc, WorkerProc, free_port, wait_for_port
 
 ROLES = {"colocated": ("both", "both"), "disagg": ("prefill", "decode")}  # the workers on cores 0 and 1
 TARGETS = {"itl_p99_ratio_max": 0.5, "throughput_ratio_min": 0.9, "goodput_ratio_min": 1.3}
 READ_TIMEOUT_S = 300.0
-
-
-@contextlib.contextmanager
-def pinned(core: int) -> Iterator[None]:
-    """This thread on `core` for the block: children started inside inherit the mask (as `taskset -c`)."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {core})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def cores_of(pid: int) -> list[str]:
-    """The distinct CPU lists of a process's threads (one entry when all are pinned alike)."""
-    lists = set()
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
-        with contextlib.suppress(OSError):
-            lists |= set(re.findall(r"^Cpus_allowed_list:\s*(\S+)$", status.read_text(), re.M))
-    return sorted(lists)
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine spent busy so far (/proc/stat: all but idle and iowait)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s(pids: list[int]) -> float:
-    """CPU seconds of the bench's processes (a gone one counts as zero)."""
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            total += cpu_seconds(pid)
-    return total
 
 
 def start_redis(log_dir: Path) -> tuple[subprocess.Popen, str]:

@@ -20,19 +20,13 @@ from pathlib import Path
 
 import httpx
 
-from bench.machine import cpu_model
+from bench.machine import cpu_model, cpu_seconds
 from config.loadtest.report import latency_stats_ms
 from config.local_stack.launcher import Stack, StackConfig, free_port
 
 GEN = Path(__file__).with_name("flood_gen.py")
 TARGET_PER_CORE = 5000
 TARGET_P99_RATIO = 2.0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # mode -> (connections, window): 4 keep-alive connections pipelining 32 requests each, or 16 clients opening a

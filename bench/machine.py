@@ -1,12 +1,15 @@
-"""The CPU a benchmark ran on, for its JSON line (figures are only comparable on the same CPU), and the
-line's printing."""
+"""The CPU a benchmark ran on, for its JSON line (figures are only comparable on the same CPU), the line's
+printing, and CPU pinning and accounting of the processes a benchmark runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -32,3 +35,44 @@ def emit(result: dict, as_json: bool) -> int:
         print(json.dumps(result, indent=2), file=sys.stderr)
     print(json.dumps(result))
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def pinned(core: int) -> Iterator[None]:
+    """This thread on `core` for the block: children started inside inherit the mask (as `taskset -c`)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def cores_of(pid: int) -> list[str]:
+    """The distinct CPU lists of a process's threads (one entry when all are pinned alike)."""
+    lists = set()
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        with contextlib.suppress(OSError):
+            lists |= set(re.findall(r"^Cpus_allowed_list:\s*(\S+)$", status.read_text(), re.M))
+    return sorted(lists)
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine spent busy so far (/proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s(pids: list[int]) -> float:
+    """CPU seconds of the bench's processes (a gone one counts as zero)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(pid)
+    return total

@@ -1,14 +1,14 @@
 """Benchmark: the gateway's cost of resumable streams (event ids, the batched Redis event log, the pump task).
 
-N concurrent streams of M chat-sized events each go through the gateway's SSE framing with resumability off (the
-body as is) and on (`gateway.streams.ResumableStream` over a real Redis), in alternating rounds of one run.
-Prints one JSON line: events per second of each mode (best round), the microseconds each event costs more with
-it on, and on/off (target >= 0.95). Each event is framed as the gateway frames a chat chunk, but nothing is sent
-over HTTP and no worker is involved, so on/off here is a lower bound on the end-to-end ratio.
-With `--http` the same comparison runs end to end instead: one worker, two gateways (`stream_resume` on and off),
-`--streams` concurrent streaming completions of `--events` tokens each, alternating between the gateways; it
-prints completion tokens per second of each (best round) and on/off.
-Run: `python -m bench.stream_log_overhead [--http] [--streams 64 --events 300 --rounds 3]` (needs redis-server).
+N concurrent streams of M chat-sized events each go through the gateway's SSE framing with resumability off
+(the body as is) and on (`gateway.streams.ResumableStream` over a real Redis), in alternating rounds of one
+run. Prints one JSON line: events per second of each mode (best round), the microseconds each event costs
+more with it on, and on/off (target >= 0.95). Each event is framed as the gateway frames a chat chunk, but
+nothing is sent over HTTP and no worker is involved, so on/off here is a lower bound on the end-to-end ratio.
+With `--http` the same comparison runs end to end instead: one worker, two gateways (`stream_resume` on and
+off), `--streams` concurrent streaming completions of `--events` tokens each, alternating between the
+gateways; it prints completion tokens per second of each (best round) and on/off.
+Run: `python -m bench.stream_log_overhead [--http] [--streams 64 --events 300 --rounds 3]` (redis-server).
 """
 
 from __future__ import annotations
@@ -82,14 +82,15 @@ async def run(url: str, streams: int, events: int, rounds: int) -> dict:
     ratio = best["on"] / best["off"]
     return {"bench": "stream_log_overhead", "cpu": cpu_model(), "streams": streams, "events": events,
             "events_per_s_off": round(best["off"]), "events_per_s_on": round(best["on"]),
-            "added_us_per_event": round(1e6 / best["on"] - 1e6 / best["off"], 2), "on_over_off": round(ratio, 3), "logged_per_stream": logged, "met": ratio >= TARGET}
+            "added_us_per_event": round(1e6 / best["on"] - 1e6 / best["off"], 2),
+            "on_over_off": round(ratio, 3), "logged_per_stream": logged, "met": ratio >= TARGET}
 
 
 async def _http_round(base: str, key: str, streams: int, events: int) -> float:
     import httpx
 
-    body = {"model": "default", "prompt": [100 + i for i in range(8)], "max_tokens": events, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {"model": "default", "prompt": [100 + i for i in range(8)], "max_tokens": events,
+            "ignore_eos": True, "temperature": 0, "stream": True}
 
     async def one(http: httpx.AsyncClient) -> int:
         n = 0
@@ -139,9 +140,9 @@ def run_http(url: str, args: argparse.Namespace) -> dict:
             g.stop()
         worker.stop()
     ratio = best["on"] / best["off"]
-    return {"bench": "stream_log_overhead_http", "cpu": cpu_model(), "model": args.model, "streams": args.streams,
-            "tokens": args.events, "tokens_per_s_off": round(best["off"], 1), "tokens_per_s_on": round(best["on"], 1),
-            "on_over_off": round(ratio, 3), "met": ratio >= TARGET}
+    return {"bench": "stream_log_overhead_http", "cpu": cpu_model(), "model": args.model,
+            "streams": args.streams, "tokens": args.events, "tokens_per_s_off": round(best["off"], 1),
+            "tokens_per_s_on": round(best["on"], 1), "on_over_off": round(ratio, 3), "met": ratio >= TARGET}
 
 
 def main() -> int:
@@ -158,12 +159,13 @@ def main() -> int:
     if binary is None:
         raise SystemExit("redis-server not installed")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(port)
         url = f"redis://127.0.0.1:{port}/0"
-        out = run_http(url, args) if args.http else asyncio.run(run(url, args.streams, args.events, args.rounds))
+        out = run_http(url, args) if args.http else \
+            asyncio.run(run(url, args.streams, args.events, args.rounds))
     finally:
         proc.terminate()
         proc.wait(timeout=10)

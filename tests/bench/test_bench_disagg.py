@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bench.disagg import delta, pinned
+from bench.disagg import delta
 from bench.disagg_workload import (
     Sample,
     Slo,
@@ -19,6 +19,7 @@ from bench.disagg_workload import (
     short_turn,
     window_tokens,
 )
+from bench.machine import pinned
 
 
 def sample(kind: str, start: float, arrivals: list[float], prompt_len: int = 100, index: int = 0,
