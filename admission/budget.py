@@ -17,8 +17,8 @@ import redis.asyncio as aredis
 from redis.exceptions import RedisClusterException, RedisError
 
 from admission.local_limits import LocalLimiter
+from admission.lua.scripts import CHARGE_INVALID, RENEW, RESERVE, SETTLE
 from admission.results import ADMITTED, Renewal, ReserveResult, error_for
-from admission.scripts import CHARGE_INVALID, RENEW, RESERVE, SETTLE
 from tenancy.schema import INT_DEFAULTS, Tenant, bucket_key, config_key, leases_key, usage_key
 from tenancy.tenancy_errors import QuotaServiceUnavailable
 

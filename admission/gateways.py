@@ -13,7 +13,7 @@ import socket
 
 import redis.asyncio as aredis
 
-from admission.scripts import HEARTBEAT
+from admission.lua.scripts import HEARTBEAT
 from tenancy.schema import GATEWAYS_KEY
 from tenancy.tenancy_errors import QuotaServiceUnavailable
 

@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from admission.scripts import RESERVE, SETTLE
+from admission.lua.scripts import RESERVE, SETTLE
 from tenancy import create_tenant, issue_key, revoke_key, sync_client
 
 TENANT = "bench"

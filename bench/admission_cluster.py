@@ -15,7 +15,7 @@ import statistics
 
 import redis
 
-from admission.scripts import RESERVE, SETTLE
+from admission.lua.scripts import RESERVE, SETTLE
 from bench.admission import COST, TENANT, _client_calls, _script_commands, _start_redis, spawn_workers
 from bench.machine import cpu_model, emit, machine_fields
 from config.local_stack.redis_cluster import RedisClusterProcs

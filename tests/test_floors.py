@@ -22,6 +22,7 @@ FOLDER_FLOORS = {  # each package's folders, lowest first (a package's own modul
                 "gateway.streams", "gateway.responses", "gateway"),
     "router": ("router.placement", "router.links", "router.disagg", "router.pools", "router"),
     "config": ("config.local_stack", "config.loadtest", "config"),
+    "admission": ("admission.lua", "admission.money", "admission"),
 }
 PRODUCT = ("common", "worker", "tenancy", "admission", "router", "gateway", "config")
 MAX_MODULES = 12  # per folder, `__init__` not counted

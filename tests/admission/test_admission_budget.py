@@ -234,7 +234,7 @@ async def test_read_only_or_full_redis_is_quota_service_unavailable(r, redis_url
     from redis.exceptions import ResponseError
 
     from admission.gate import error_response
-    from admission.scripts import is_unavailable_reply
+    from admission.lua.scripts import is_unavailable_reply
     from tenancy.tenancy_errors import QuotaServiceUnavailable
     from tests.conftest import free_port
 

@@ -76,7 +76,7 @@ async def test_noscript_is_answered_on_the_node_that_owns_the_slot(r, cluster_ur
         res = await Budget(client).reserve(t, 1, 1)
         assert res.result.admitted
         with owner.client() as c:
-            from admission.scripts import RESERVE
+            from admission.lua.scripts import RESERVE
             assert c.script_exists(RESERVE.sha) == [True]
     finally:
         await client.aclose()

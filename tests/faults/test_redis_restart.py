@@ -19,7 +19,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from admission.scripts import RESERVE, SETTLE
+from admission.lua.scripts import RESERVE, SETTLE
 from tenancy.redis_client import sync_client
 from tenancy.schema import leases_key
 from tests.admission_stack import redis_now_us

@@ -42,7 +42,7 @@ class LuaScript:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.source = resources.files("admission").joinpath("lua", f"{name}.lua").read_text()
+        self.source = resources.files(__package__).joinpath(f"{name}.lua").read_text()
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     async def __call__(self, client: aredis.Redis, keys: list[str], args: list[Any]) -> Any:

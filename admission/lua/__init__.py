@@ -1,0 +1,1 @@
+"""The Lua scripts of admission and their EVALSHA caller (`scripts.py`)."""
