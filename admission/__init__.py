@@ -11,6 +11,8 @@ from admission.headers import format_duration, rate_limit_headers, retry_headers
 from admission.hold import BudgetGuard
 from admission.local_limits import LocalLimiter
 from admission.metering import DayUsage, read_usage
+from admission.money import BudgetExceeded
+from admission.money.money_gate import MoneyGate
 from admission.results import (
     ADMITTED,
     DENIED,
@@ -32,6 +34,7 @@ __all__ = [
     "AdmissionTicket",
     "Budget",
     "BudgetError",
+    "BudgetExceeded",
     "BudgetGuard",
     "CapacityGate",
     "CapacityNeverFits",
@@ -40,6 +43,7 @@ __all__ = [
     "ErrorSpec",
     "GatewayRegistry",
     "LocalLimiter",
+    "MoneyGate",
     "Overloaded",
     "QuotaExceeded",
     "Renewal",

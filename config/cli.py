@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tenants": ("config.cmd_tenants", "create, update, list and disable tenants"),
     "keys": ("config.cmd_keys", "issue and revoke tenant API keys"),
     "usage": ("config.cmd_usage", "print a tenant's metered usage"),
+    "money": ("config.cmd_money", "prices, dollar budgets per organization/project/key/user, and spend"),
     "redis": ("config.cmd_redis", "Redis maintenance: migrate-keys (hash-tagged names for Redis Cluster)"),
     "bench": ("config.cmd_bench", "load-test an OpenAI-compatible server"),
 }

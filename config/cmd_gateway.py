@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ends (default 30)")
     parser.add_argument("--stream-detach-grace", dest="stream_detach_grace", type=float,
                         help="seconds a stream whose client disconnected runs on for a reconnect with "
-                             "Last-Event-ID (default 30; 0: it ends at once)")
+                             "Last-Event-ID (default 0: it ends at once; its generated tokens are billed)")
     parser.add_argument("--worker-timeout", dest="worker_timeout", type=float,
                         help="seconds without worker stats before it counts as lost once its link is down "
                              "(default 1)")
@@ -103,7 +103,7 @@ def files_dir(setting: str) -> str | None:
 
 def build_app(settings: Settings):
     """The Starlette app of one gateway process (services start in its lifespan)."""
-    from admission import Admission, Budget, BudgetGuard, GatewayRegistry, LocalLimiter
+    from admission import Admission, Budget, BudgetGuard, GatewayRegistry, LocalLimiter, MoneyGate
     from gateway.app import AppConfig, create_app
     from gateway.flow.served_model import ServedModel
     from gateway.flow.service import GatewayService, ServiceConfig
@@ -153,6 +153,8 @@ def build_app(settings: Settings):
         tenants = TenantDirectory(redis, serve_stale_on_error=gw.fail_open)
         service = GatewayService(model, tenants, router, admission, ServiceConfig(request_timeout_s=gw.request_timeout),
                                  pools=pools)
+        if gw.money_budgets:  # a hold outlives its request's whole deadline
+            service.money = MoneyGate(redis, hold_ttl_s=gw.request_timeout + 60.0)
         gc.freeze()  # the tokenizer and the rest built at start live as long as the process: out of the collector's sight
         return service
 

@@ -6,6 +6,7 @@ import argparse
 
 import redis
 
+from admission.money.hierarchy import migrate_projects
 from config.cmd_tenants import add_redis_argument, run_operator_command
 from tenancy.migrate import migrate_keys
 
@@ -27,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
             for old, new in pairs:
                 print(f"{verb} {old} -> {new}{kind}")
         print(f"{report.total} key(s) {verb}" + ("" if report.total else ": nothing to migrate"))
+        if not args.dry_run:  # today's tenants become projects of the default organization (once)
+            for name in migrate_projects(r):
+                print(f"tenant {name} -> a project of organization default")
         return 0
 
     return run_operator_command(args, action)

@@ -117,6 +117,7 @@ class GatewaySettings(BaseModel):
     capacity_fair_queue: bool = True  # capacity waiters: fair across tenants (false: one FIFO per priority)
     fail_open: bool = False  # Redis down: admit up to this gateway's share of each limit instead of 503
     lease_ttl: float = Field(60.0, gt=0)  # concurrency lease expiry (renewed every ttl/3 while streaming)
+    money_budgets: bool = False  # dollar budgets per organization/project/key/user (admission/money)
     drain_timeout: float = Field(30.0, gt=0)  # SIGTERM: seconds for in-flight requests to finish
     # tenants with their own `tenant` metric label (the rest are "other"); empty = no tenant label
     metrics_tenant_labels: list[str] = Field(default_factory=list, max_length=100)
@@ -129,7 +130,8 @@ class GatewaySettings(BaseModel):
     files_dir: str = ""
     # resumable streams (gateway.streams): SSE event ids, an event log per stream in Redis, replay on any replica
     stream_resume: bool = True
-    stream_detach_grace: float = Field(30.0, ge=0)  # a stream whose client left runs on this long for a reconnect
+    # a stream whose client left runs on this long for a reconnect (0: a client that leaves ends its stream)
+    stream_detach_grace: float = Field(0.0, ge=0)
     # model pools (docs/routing.md): registry workers grouped by model version, each with its own router and
     # capacity gate; `model` picks a version directly, by model name or by a weighted alias (Redis `sy:aliases`)
     model_pools: bool = False

@@ -68,7 +68,7 @@ class AppConfig:
     trust_client_trace: bool = False  # a client's traceparent parents the request span (else: a link only)
     files_dir: str | None = None  # the Files API's directory (gateway.files); None: /v1/files answers 404
     event_logs: Any = None  # gateway.streams.event_log.EventLogs: streams carry event ids and can resume; None: off
-    stream_detach_grace_s: float = 30.0  # a stream whose client left runs on this long for a reconnect
+    stream_detach_grace_s: float = 0.0  # a stream whose client left runs on this long for a reconnect
 
 
 def _service(request: Request) -> GatewayService:

@@ -12,7 +12,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from admission import Admission, AdmissionTicket, error_response
+from admission import Admission, AdmissionTicket, BudgetExceeded, MoneyGate, error_response
 from common.priorities import Priority
 from gateway.flow.choices import GenerationGroup
 from gateway.flow.generation import Generation, Prepared
@@ -52,6 +52,7 @@ class GatewayService:
         self.config = config or ServiceConfig()
         self.pools: ModelPools = pools or SinglePool(model, router)
         self._invalid_until: dict[str, float] = {}  # tenant -> when it has a request left (charge_invalid)
+        self.money: MoneyGate | None = None  # dollar budgets (settings.gateway.money_budgets)
 
     @property
     def ready(self) -> bool:
@@ -229,7 +230,31 @@ class GatewayService:
         # Runs before the admission context exits (LIFO), so settle sees the real usage.
         stack.callback(lambda: ticket.record_usage(usage.prompt_tokens, usage.completion_tokens,
                                                    usage.cached_tokens))
+        if self.money is not None:
+            await self._hold_money(stack, p, usage, ticket, p.max_tokens if max_tokens is None else max_tokens)
         return ticket
+
+    async def _hold_money(self, stack: AsyncExitStack, p: Prepared, usage: Usage, ticket: AdmissionTicket,
+                          max_tokens: int) -> None:
+        """Hold the maximum cost on every level of the request's path; settle the exact cost when it ends."""
+        assert self.money is not None
+        money = self.money
+        try:
+            model = self._target(p).response_model or p.req.model
+            hold = await money.hold(p.tenant.name, p.key_digest, model, p.req.user, usage.prompt_tokens,
+                                    max_tokens)
+        except BudgetExceeded as exc:
+            ticket.unserved()  # the token reservation is refunded in full
+            gateway_metrics.current().count_shed("insufficient_quota")
+            raise ApiError(429, exc.message(), "insufficient_quota", code="insufficient_quota",
+                           headers=exc.headers()) from None
+        except QuotaServiceUnavailable:
+            ticket.unserved()
+            gateway_metrics.current().count_shed("quota_service_unavailable")
+            raise api_errors.quota_unavailable() from None
+        ticket.headers.update(hold.headers())
+        stack.push_async_callback(lambda: money.settle(hold, ticket.reservation.served, usage.prompt_tokens,
+                                                       usage.cached_tokens, usage.completion_tokens))
 
 
 def sibling_seed(seed: int | None, j: int) -> int | None:

@@ -27,7 +27,8 @@ RESP = {"model": "default", "input": "Tell me a story.", "max_output_tokens": 12
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[FaultCluster]:
-    c = FaultCluster.start(workers=1, gateways=2, worker_args=("--no-prefix-cache",))
+    c = FaultCluster.start(workers=1, gateways=2, worker_args=("--no-prefix-cache",),
+                           gateway_settings={"stream_detach_grace": 30})
     yield c
     c.stop()
 

@@ -1,0 +1,113 @@
+"""Organizations, their projects (today's tenants) and each level's dollar budget, as operators edit them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio as aredis
+
+from admission.money.keys import (
+    DEFAULT_ORG,
+    LEVELS,
+    ORGS_SET,
+    PERIODS,
+    PROJECT_ORG_KEY,
+    balance_key,
+    config_key,
+    spend_key,
+    usd_to_micro,
+    user_ident,
+    validate_org,
+)
+from tenancy.schema import TENANTS_SET
+
+DIRECTORY_REFRESH_S = 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class BudgetSetting:
+    """One level's budget: micro-dollars per period (0: unlimited)."""
+
+    budget_micro: int
+    period: str
+
+
+def _text(v: str | bytes | None) -> str | None:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def migrate_projects(r: redis.Redis) -> list[str]:
+    """Make every tenant without an organization a project of the default one; return those it moved."""
+    moved = []
+    for name in sorted(_text(n) or "" for n in r.smembers(TENANTS_SET)):
+        if r.hsetnx(PROJECT_ORG_KEY, name, DEFAULT_ORG):
+            moved.append(name)
+    r.sadd(ORGS_SET, DEFAULT_ORG)
+    return moved
+
+
+def assign_project(r: redis.Redis, project: str, org: str) -> None:
+    """Put a project into an organization (its balances start afresh under the new organization's tag)."""
+    r.sadd(ORGS_SET, validate_org(org))
+    r.hset(PROJECT_ORG_KEY, project, org)
+
+
+def project_org(r: redis.Redis, project: str) -> str:
+    return _text(r.hget(PROJECT_ORG_KEY, project)) or DEFAULT_ORG
+
+
+def set_budget(r: redis.Redis, org: str, level: str, ident: str, usd: str, period: str = "month",
+               *, user_default: bool = False) -> BudgetSetting:
+    """Set a level's budget in USD per `period`; `user_default` sets a project's limit for each end user."""
+    if level not in LEVELS or level == "user":
+        raise ValueError(f"level must be one of organization, project, key, not {level!r}")
+    if period not in PERIODS:
+        raise ValueError(f"period must be day or month, not {period!r}")
+    if level == "organization" and ident != org:
+        raise ValueError(f"an organization's budget is its own: ident {ident!r} is not {org!r}")
+    if user_default and level != "project":
+        raise ValueError("a per-user default budget belongs to a project")
+    micro = usd_to_micro(usd, "budget")
+    prefix = "user_" if user_default else ""
+    r.hset(config_key(validate_org(org), level, ident),
+           mapping={prefix + "budget_micro": micro, prefix + "period": period})
+    return BudgetSetting(micro, period)
+
+
+def read_balance(r: redis.Redis, org: str, level: str, ident: str, project: str = "") -> dict[str, int]:
+    """A level's settled spend and in-flight holds of its current period (as last written)."""
+    if level == "user":
+        ident = user_ident(project, ident)
+    spent, held = r.hmget(balance_key(org, level, ident), "spent", "held")
+    return {"spent_micro": int(spent or 0), "held_micro": int(held or 0)}
+
+
+def read_spend(r: redis.Redis, org: str, days: int = 7) -> dict[str, dict[str, int]]:
+    """The organization's recorded spend per UTC day (today first): `<dimension>|<counter>` -> value."""
+    now = time.time()
+    out = {}
+    for i in range(max(1, days)):
+        day = time.strftime("%Y%m%d", time.gmtime(now - i * 86_400))
+        raw = r.hgetall(spend_key(org, day))
+        out[day] = {_text(k) or "": int(v) for k, v in raw.items()}
+    return out
+
+
+class OrgDirectory:
+    """A gateway's project -> organization map, re-read from Redis when older than 1 s."""
+
+    def __init__(self, client: aredis.Redis, refresh_s: float = DIRECTORY_REFRESH_S) -> None:
+        self.redis = client
+        self.refresh_s = refresh_s
+        self._orgs: dict[str, str] = {}
+        self._loaded = -float("inf")
+
+    async def org_of(self, project: str) -> str:
+        started = time.monotonic()
+        if started - self._loaded >= self.refresh_s:
+            raw = await self.redis.hgetall(PROJECT_ORG_KEY)
+            self._orgs = {_text(k) or "": _text(v) or DEFAULT_ORG for k, v in raw.items()}
+            self._loaded = started
+        return self._orgs.get(project, DEFAULT_ORG)

@@ -1,0 +1,41 @@
+"""A gateway's dollar-budget step: hold the maximum cost before the worker, settle the exact cost after."""
+
+from __future__ import annotations
+
+import logging
+
+import redis.asyncio as aredis
+
+from admission.money.hierarchy import OrgDirectory
+from admission.money.ledger import MoneyHold, MoneyLedger, MoneyPath
+from admission.money.prices import PriceBook
+from tenancy.tenancy_errors import QuotaServiceUnavailable
+
+log = logging.getLogger("switchyard.admission")
+
+
+class MoneyGate:
+    """Dollar budgets of the organization -> project -> key -> user path of each request."""
+
+    def __init__(self, client: aredis.Redis, hold_ttl_s: float) -> None:
+        self.orgs = OrgDirectory(client)
+        self.ledger = MoneyLedger(client, PriceBook(client), hold_ttl_s)
+
+    async def hold(self, project: str, key_digest: str, model: str, user: str | None, prompt_tokens: int,
+                   max_tokens: int) -> MoneyHold:
+        """Hold the maximum cost on every level, or raise `BudgetExceeded` (or `QuotaServiceUnavailable`)."""
+        org = await self.orgs.org_of(project)
+        path = MoneyPath(org, project, key_digest, model, user or None)
+        return await self.ledger.reserve(path, prompt_tokens, max_tokens)
+
+    async def settle(self, hold: MoneyHold, served: bool, prompt_tokens: int, cached_tokens: int,
+                     completion_tokens: int) -> None:
+        """Charge what was served (nothing if the request never reached a worker) and free the hold."""
+        try:
+            if served:
+                await self.ledger.settle(hold, prompt_tokens, cached_tokens, completion_tokens)
+            else:
+                await self.ledger.refund(hold)
+        except QuotaServiceUnavailable as exc:
+            # The hold is given back when its lease ends (the reserve script sweeps it); the cost is lost.
+            log.warning("money settle of hold %s failed: %s", hold.hold_id, exc)

@@ -1,0 +1,95 @@
+"""`switchyard money prices|budget|assign|migrate|spend`: prices, dollar budgets and spend in Redis."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import redis
+
+from admission.money.hierarchy import assign_project, migrate_projects, read_spend, set_budget
+from admission.money.keys import DEFAULT_ORG, PERIODS, micro_to_usd
+from admission.money.prices import list_prices, set_price
+from config.cmd_tenants import add_redis_argument, run_operator_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="verb", required=True)
+    p = sub.add_parser("prices", help="set a model's prices (USD per million tokens) or list them")
+    p.add_argument("model", nargs="?", help="model id, or '*' for models without their own (omit: list)")
+    p.add_argument("--input", help="USD per million input tokens")
+    p.add_argument("--cached", help="USD per million cached input tokens (default: the input price)")
+    p.add_argument("--output", help="USD per million output tokens")
+    b = sub.add_parser("budget", help="set a level's dollar budget per day or month (0 = unlimited)")
+    b.add_argument("level", choices=("organization", "project", "key", "user"))
+    b.add_argument("ident", help="organization or project name, or key digest; for `user`, the project")
+    b.add_argument("--usd", required=True, help="budget in USD per period")
+    b.add_argument("--period", choices=PERIODS, default="month")
+    b.add_argument("--org", default=DEFAULT_ORG,
+                   help=f"the project's or key's organization (default {DEFAULT_ORG!r})")
+    a = sub.add_parser("assign", help="put a project (tenant) into an organization")
+    a.add_argument("project")
+    a.add_argument("org")
+    sub.add_parser("migrate", help="make every tenant without an organization a project of the default one")
+    s = sub.add_parser("spend", help="an organization's recorded spend per UTC day")
+    s.add_argument("--org", default=DEFAULT_ORG)
+    s.add_argument("--days", type=int, default=7)
+    s.add_argument("--by", default="org",
+                   help="dimension: org, project, key, model, user or p (all combined); default org")
+    for sp in (p, b, a, s, sub.choices["migrate"]):
+        add_redis_argument(sp)
+        sp.add_argument("--json", action="store_true", help="print JSON on one line")
+
+
+def _prices(r: redis.Redis, args: argparse.Namespace) -> object:
+    if args.model is None:
+        return list_prices(r)
+    if args.input is None or args.output is None:
+        raise ValueError("setting a price needs --input and --output")
+    set_price(r, args.model, args.input, args.cached, args.output)
+    return {args.model: list_prices(r)[args.model]}
+
+
+def _budget(r: redis.Redis, args: argparse.Namespace) -> object:
+    level, user_default = ("project", True) if args.level == "user" else (args.level, False)
+    org = args.ident if level == "organization" else args.org
+    ident = args.ident
+    s = set_budget(r, org, level, ident, args.usd, args.period, user_default=user_default)
+    return {"org": org, "level": args.level, "ident": ident, "budget_usd": micro_to_usd(s.budget_micro),
+            "period": s.period}
+
+
+def _spend(r: redis.Redis, args: argparse.Namespace) -> object:
+    out = {}
+    for day, fields in read_spend(r, args.org, args.days).items():
+        rows: dict[str, dict[str, object]] = {}
+        for name, value in fields.items():
+            dim, _, counter = name.rpartition("|")
+            if dim.split(":", 1)[0] != args.by:
+                continue
+            row = rows.setdefault(dim, {})
+            if counter == "cost_micro":
+                row["cost_usd"] = micro_to_usd(value)
+            else:
+                row[counter] = value
+        out[day] = rows
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    def action(r: redis.Redis) -> int:
+        if args.verb == "prices":
+            result = _prices(r, args)
+        elif args.verb == "budget":
+            result = _budget(r, args)
+        elif args.verb == "assign":
+            assign_project(r, args.project, args.org)
+            result = {"project": args.project, "org": args.org}
+        elif args.verb == "migrate":
+            result = {"moved": migrate_projects(r)}
+        else:
+            result = _spend(r, args)
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+
+    return run_operator_command(args, action)
