@@ -16,7 +16,8 @@ FOLDER_FLOORS = {  # each package's folders, lowest first (a package's own modul
     "worker": ("worker", "worker.protocol", "worker.text", "worker.kvcache", "worker.kernels", "worker.quant",
                "worker.model", "worker.sample", "worker.engine", "worker.server"),
     "worker.engine": ("worker.engine.records", "worker.engine.scheduling", "worker.engine"),
-    "worker.server": ("worker.server.process", "worker.server.telemetry", "worker.server.disagg", "worker.server"),
+    "worker.server": ("worker.server.process", "worker.server.telemetry", "worker.server.disagg",
+                      "worker.server"),
     "gateway": ("gateway.telemetry", "gateway.web", "gateway.openai", "gateway.flow", "gateway.files",
                 "gateway.responses", "gateway"),
     "router": ("router.placement", "router.links", "router.disagg", "router.pools", "router"),
@@ -40,7 +41,8 @@ def _common_parent(a: str, b: str) -> str:
 
 
 def _floor(order: tuple[str, ...], parent: str, folder: str) -> int | None:
-    """Index of the floor `folder` stands on in `parent`'s order (its own folder, or the one it is nested in)."""
+    """Index of the floor `folder` stands on in `parent`'s order (its own folder, or the one it is nested
+    in)."""
     best = None
     for i, name in enumerate(order):
         if folder == name or (name != parent and folder.startswith(name + ".")):
@@ -72,7 +74,8 @@ def check_floors(sources: Iterable[Source], is_module: Callable[[str], bool],
             if top_here != top_there:
                 if top_here in PACKAGE_FLOORS and top_there in PACKAGE_FLOORS and \
                         PACKAGE_FLOORS.index(top_there) > PACKAGE_FLOORS.index(top_here):
-                    found.append(f"{where}: {top_here} imports {imp.target} (package {top_there} is a floor above)")
+                    found.append(f"{where}: {top_here} imports {imp.target} "
+                                 f"(package {top_there} is a floor above)")
                 continue
             parent = _common_parent(here, there)
             order = floors.get(parent)
@@ -82,7 +85,8 @@ def check_floors(sources: Iterable[Source], is_module: Callable[[str], bool],
             if mine is None or theirs is None:
                 found.append(f"{where}: {here if mine is None else there} has no floor in {parent}'s order")
             elif theirs > mine:
-                found.append(f"{where}: {here} imports {imp.target} ({order[theirs]} is a floor above {order[mine]})")
+                found.append(f"{where}: {here} imports {imp.target} "
+                             f"({order[theirs]} is a floor above {order[mine]})")
     return found
 
 
@@ -138,16 +142,20 @@ def test_no_folder_holds_more_than_twelve_modules_and_no_name_repeats() -> None:
 
 
 def test_floor_checker_catches_planted_violations() -> None:
-    known = {"worker.kernels.cpu", "worker.model.llama", "worker.engine.core", "worker.engine.records.sequence",
-             "worker.sample.sampler", "gateway.app", "gateway.web.sse", "router.dispatch", "tenancy.schema",
-             "admission.gate", "common.priorities"}
+    known = {"worker.kernels.cpu", "worker.model.llama", "worker.engine.core",
+             "worker.engine.records.sequence", "worker.sample.sampler", "gateway.app", "gateway.web.sse",
+             "router.dispatch", "tenancy.schema", "admission.gate", "common.priorities"}
     planted = [
-        Source("worker.kernels.cpu", False, "def f():\n    from worker.model.llama import x\n"),  # up, local import
-        Source("worker.engine.records.sequence", False, "from worker.engine.core import Engine\n"),  # nested up
-        Source("gateway.web.sse", False, "from gateway.app import create_app\n"),  # the package root is its top
+        # up, local import
+        Source("worker.kernels.cpu", False, "def f():\n    from worker.model.llama import x\n"),
+        # nested up
+        Source("worker.engine.records.sequence", False, "from worker.engine.core import Engine\n"),
+        # the package root is its top
+        Source("gateway.web.sse", False, "from gateway.app import create_app\n"),
         Source("tenancy.schema", False, "from admission.gate import Admission\n"),  # package floors
         Source("common.priorities", False, "from worker.sample.sampler import x\n"),
-        Source("worker.sample.sampler", False, "from worker.kernels.cpu import x\nfrom common.priorities import P\n"),
+        Source("worker.sample.sampler", False,
+               "from worker.kernels.cpu import x\nfrom common.priorities import P\n"),
         Source("gateway.app", False, "from gateway.web.sse import event\nimport router.dispatch\n"),
         Source("worker.engine.core", False, "from worker.engine.records.sequence import Sequence\n"),
     ]
@@ -163,7 +171,9 @@ def test_floor_checker_catches_planted_violations() -> None:
         assert any(v.startswith(prefix) for v in found), f"missed {prefix!r} in {found}"
     assert len(found) == len(expected), found
     unplaced = check_floors([Source("worker.newfolder.x", False, "from worker.kernels.cpu import y\n"),
-                             Source("worker.kernels.cpu", False, "")], {"worker.kernels.cpu", "worker.newfolder.x"}.__contains__)
+                             Source("worker.kernels.cpu", False, "")],
+                            {"worker.kernels.cpu", "worker.newfolder.x"}.__contains__)
     assert unplaced == ["worker.newfolder.x:1: worker.newfolder has no floor in worker's order"], unplaced
-    cyclic = [Source("p.a.m", False, "from p.b.n import x\n"), Source("p.b.n", False, "from p.a.m import y\n")]
+    cyclic = [Source("p.a.m", False, "from p.b.n import x\n"),
+              Source("p.b.n", False, "from p.a.m import y\n")]
     assert folder_cycles(cyclic, {"p.a.m", "p.b.n"}.__contains__) == ["p.a <-> p.b"]

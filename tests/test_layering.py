@@ -80,19 +80,23 @@ def check(sources: Iterable[Source], is_module: Callable[[str], bool]) -> list[s
             where = f"{imp.module}:{imp.line}"
             if owner == "worker" and _top(target) in PACKAGES and _top(target) not in ("worker", "common"):
                 found.append(f"{where}: worker imports {target} (worker imports only common of the others)")
-            if owner == "common" and (_top(target) in PACKAGES and _top(target) != "common" or _top(target) == "torch"):
-                found.append(f"{where}: common imports {target} (the shared floor imports no torch and nothing above)")
+            if owner == "common" and (_top(target) in PACKAGES and _top(target) != "common"
+                                      or _top(target) == "torch"):
+                found.append(f"{where}: common imports {target} "
+                             "(the shared floor imports no torch and nothing above)")
             if owner in ("router", "gateway", "admission", "tenancy") and _top(target) == "worker" \
                     and not any(_under(target, face) for face in WORKER_FACES):
                 found.append(f"{where}: {owner} imports {target} (only {' and '.join(WORKER_FACES)} allowed)")
             if owner == "gateway" and _top(target) in FACED and target != _top(target):
-                found.append(f"{where}: gateway imports {target} (use the face: from {_top(target)} import ...)")
+                found.append(f"{where}: gateway imports {target} "
+                             f"(use the face: from {_top(target)} import ...)")
             if owner != "tests" and _under(target, RING) and src.module != RING_OWNER and src.module != RING:
                 found.append(f"{where}: imports {target} (only {RING_OWNER} may use the ring)")
             if any(_under(src.module, light) for light in LIGHT) and (
-                    _top(target) == "torch" or (_top(target) == "worker" and not any(_under(target, x) for x in LIGHT))):
-                found.append(f"{where}: light module imports {target} ({' and '.join(LIGHT)} import no torch and "
-                             "no other worker module)")
+                    _top(target) == "torch"
+                    or (_top(target) == "worker" and not any(_under(target, x) for x in LIGHT))):
+                found.append(f"{where}: light module imports {target} "
+                             f"({' and '.join(LIGHT)} import no torch and no other worker module)")
             if owner == "bench" and _top(target) == "tests":
                 found.append(f"{where}: bench imports {target} (tests are not installed with the package)")
     return found
@@ -190,7 +194,8 @@ def test_cycle_check_counts_annotation_only_and_function_local_imports() -> None
     known = {"pkg.a", "pkg.b", "pkg.c", "pkg.d"}.__contains__
     planted = [
         Source("pkg.a", False, "from pkg.b import B\n"),
-        Source("pkg.b", False, "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n"),
+        Source("pkg.b", False,
+               "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n"),
         Source("pkg.c", False, "def f():\n    from pkg.d import g\n    return g\n"),
         Source("pkg.d", False, "from pkg import c\n"),
     ]
@@ -199,8 +204,8 @@ def test_cycle_check_counts_annotation_only_and_function_local_imports() -> None
 
 
 def test_checker_catches_light_and_bench_rules() -> None:
-    known = {"worker.protocol", "worker.protocol.frames", "worker.text", "worker.text.tokenizer", "worker.engine.core",
-             "tests.worker_procs", "bench.routing"}.__contains__
+    known = {"worker.protocol", "worker.protocol.frames", "worker.text", "worker.text.tokenizer",
+             "worker.engine.core", "tests.worker_procs", "bench.routing"}.__contains__
     bad = [
         Source("worker.protocol.frames", False, "import torch\n"),
         Source("worker.text.tokenizer", False, "from worker.engine.core import Engine\n"),
@@ -211,19 +216,22 @@ def test_checker_catches_light_and_bench_rules() -> None:
                    "worker.text.tokenizer:1: light module imports worker.engine.core",
                    "bench.routing:1: bench imports tests.worker_procs"):
         assert any(v.startswith(prefix) for v in found), f"missed {prefix!r} in {found}"
-    good = [Source("worker.text.tokenizer", False, "import tokenizers\nfrom worker.text.model_source import x\n"),
+    good = [Source("worker.text.tokenizer", False,
+                   "import tokenizers\nfrom worker.text.model_source import x\n"),
             Source("bench.routing", False, "from config.local_stack.launcher import Stack\n")]
     assert check(good, known) == []
 
 
 def test_checker_catches_violations() -> None:
     """The checker flags each kind of violation on synthetic modules, and passes the allowed forms."""
-    known = {"router.placement.ring", "router.placement.policy", "router.links.client", "tenancy.tenant_admin",
-             "worker.engine.core", "worker.protocol", "worker.text", "worker.text.tokenizer", "gateway.web.sse"}
+    known = {"router.placement.ring", "router.placement.policy", "router.links.client",
+             "tenancy.tenant_admin", "worker.engine.core", "worker.protocol", "worker.text",
+             "worker.text.tokenizer", "gateway.web.sse"}
     bad = [
         Source("worker.engine.core", False, "import gateway.app\nfrom tenancy import Tenant\n"),
         Source("router.links.client", False, "from worker.engine.core import Engine\n"),
-        Source("gateway.flow.service", False, "from router.links.client import WorkerClient\nfrom tenancy import tenant_admin\n"),
+        Source("gateway.flow.service", False,
+               "from router.links.client import WorkerClient\nfrom tenancy import tenant_admin\n"),
         Source("gateway.app", False, "import admission.gate\n"),
         Source("config.cmd_gateway", False, "from router.placement.ring import HashRing\n"),
         Source("router.placement.kv_view", False, "from . import ring\n"),
@@ -249,8 +257,10 @@ def test_checker_catches_violations() -> None:
     assert len(found) == len(expected), found
 
     good = [
-        Source("worker.server.serve", False, "from worker.protocol import Frame\nfrom . import engine\nimport zmq\n"),
-        Source("gateway.flow.service", False, "import router\nfrom router import Router\nfrom admission import Admission\n"
+        Source("worker.server.serve", False,
+               "from worker.protocol import Frame\nfrom . import engine\nimport zmq\n"),
+        Source("gateway.flow.service", False,
+               "import router\nfrom router import Router\nfrom admission import Admission\n"
                "from tenancy import Tenant\nfrom worker.protocol import Priority\n"
                "from .sse import event\nfrom worker.text import tokenizer\n"),
         Source("router.placement.policy", False, "from router.placement.ring import HashRing\n"),
