@@ -1,6 +1,6 @@
 """The Router: route a request to a worker, stream its tokens, fail over once before the first token.
 
-It owns what routing learns (loads, prefix holders, the policy's ring) and keeps them in step with the Membership.
+It owns what routing learns (loads, prefix holders, the policy's ring), kept in step with the Membership.
 """
 
 from __future__ import annotations
@@ -73,22 +73,12 @@ class RouteRequest:
 class Router:
     """Prefix-aware, load-bounded routing over a Membership; one per gateway process."""
 
-    def __init__(
-        self,
-        membership: Membership,
-        *,
-        secret: bytes,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        route_prefix_tokens: int = DEFAULT_ROUTE_PREFIX_TOKENS,
-        max_stream_seconds: float = DEFAULT_MAX_STREAM_S,
-        max_resumes: int = DEFAULT_MAX_RESUMES,
-        epsilon: float = DEFAULT_EPSILON,
-        footprint_epsilon: float = DEFAULT_FOOTPRINT_EPSILON,
-        rng: random.Random | None = None,
-        tokenizer_version: str | None = None,
-        class_pools: dict[Priority, str] | None = None,
-        disagg: DisaggRule | None = None,
-    ) -> None:
+    def __init__(self, membership: Membership, *, secret: bytes, block_size: int = DEFAULT_BLOCK_SIZE,
+                 route_prefix_tokens: int = DEFAULT_ROUTE_PREFIX_TOKENS,
+                 max_stream_seconds: float = DEFAULT_MAX_STREAM_S, max_resumes: int = DEFAULT_MAX_RESUMES,
+                 epsilon: float = DEFAULT_EPSILON, footprint_epsilon: float = DEFAULT_FOOTPRINT_EPSILON,
+                 rng: random.Random | None = None, tokenizer_version: str | None = None,
+                 class_pools: dict[Priority, str] | None = None, disagg: DisaggRule | None = None) -> None:
         if not secret:
             raise ValueError("secret must be non-empty bytes")
         self.membership = membership
@@ -126,16 +116,18 @@ class Router:
         return [w for w in self.membership.live() if not self.kv.refused(w) and w not in pf]
 
     def reporting(self) -> list[Member]:
-        """Workers with current stats, live or draining (what capacity admission counts; not prefill-role ones)."""
+        """Workers with current stats, live or draining (what capacity admission counts), not prefill-role."""
         pf = self.disagg.ids
-        return [m for m in self.membership.reporting() if not self.kv.refused(m.member_id) and m.member_id not in pf]
+        return [m for m in self.membership.reporting()
+                if not self.kv.refused(m.member_id) and m.member_id not in pf]
 
     def member_ids(self) -> list[str]:
-        """Known workers that take requests while live: every member but the prefill-role ones (the ring's)."""
+        """Known workers that take requests while live: all members but the prefill-role ones (the ring's)."""
         return sorted(self.policy.members)
 
     def on_precision(self, listener: PrecisionListener) -> None:
-        """Call `listener(rid, worker, predicted, actual)` with each request's predicted and reported cached tokens."""
+        """Call `listener(rid, worker, predicted, actual)` with each request's cached tokens, predicted and
+        reported."""
         self._precision.append(listener)
 
     def committed(self, worker_id: str) -> float:
@@ -157,7 +149,7 @@ class Router:
                 self._observed(StatsEvent(mid, member.stats, member.stats_at))
 
     def _joined(self, mid: str) -> None:
-        self.disagg.place(mid, member_role(self.membership.member(mid)), self.policy)  # on the ring unless prefill
+        self.disagg.place(mid, member_role(self.membership.member(mid)), self.policy)  # prefill: off the ring
 
     def _left(self, mid: str) -> None:
         self.policy.remove(mid)
@@ -200,8 +192,8 @@ class Router:
 
     def _pick_in_class(self, key: bytes | None, req: RouteRequest, exclude: frozenset[str], span: int,
                        matched: dict[str, int]) -> Choice:
-        """`pick` within the pool of the request's priority class, spilling to every worker when the pool's choice
-        is over the load bound (or the pool has none usable)."""
+        """`pick` within the pool of the request's priority class, spilling to every worker when the pool's
+        choice is over the load bound (or the pool has none usable)."""
         label = self.class_pools.get(req.priority)
         pool_of = getattr(self.membership, "pool_of", None)
         others = outside_pool(self.policy.members, pool_of, label) if label and pool_of is not None else None
@@ -209,7 +201,8 @@ class Router:
             try:
                 choice = self.pick(key, req.cost, exclude | others, span, matched)
                 usable = [w for w in self.live() if w not in exclude]
-                if not over_bound(choice.worker_id, usable, self.loads.loads(), req.cost, self.policy.bounds.epsilon):
+                if not over_bound(choice.worker_id, usable, self.loads.loads(), req.cost,
+                                  self.policy.bounds.epsilon):
                     return choice
             except NoWorkerAvailable:
                 pass
@@ -218,7 +211,8 @@ class Router:
 
     def _candidates(self, key: bytes | None, exclude: frozenset[str], matched: dict[str, int]) -> Candidates:
         order = self.policy.order(key)
-        status = {w: FALLBACK_INCOMPATIBLE if self.kv.refused(w) else self.membership.status(w) for w in order}
+        status = {w: FALLBACK_INCOMPATIBLE if self.kv.refused(w) else self.membership.status(w)
+                  for w in order}
         held = _distinct(matched, order)
         for w, tokens in self.sending.held(key).items():  # in flight here: held soon, maybe not yet reported
             held[w] = max(held.get(w, 0), tokens)
@@ -228,13 +222,14 @@ class Router:
                           held=held or self.holders.held(key), footprints=self._footprints_over_allowance())
 
     def _footprints_over_allowance(self) -> dict[str, float]:
-        """Prefix tokens placed on each worker beyond FREE_FOOTPRINT_SHARE of its KV cache: the larger of what this
-        gateway placed (known at once) and what the worker reports storing (every gateway's placements)."""
+        """Prefix tokens placed on each worker beyond FREE_FOOTPRINT_SHARE of its KV cache: the larger of what
+        this gateway placed (known at once) and what the worker reports storing (all gateways' placements)."""
         holders = self.holders
         placed = holders.footprints()
         for wid, tokens in self.kv.footprints.footprints().items():
             placed[wid] = max(placed.get(wid, 0.0), tokens)
-        return {wid: max(0.0, tokens - FREE_FOOTPRINT_SHARE * holders.capacity(wid)) for wid, tokens in placed.items()}
+        return {wid: max(0.0, tokens - FREE_FOOTPRINT_SHARE * holders.capacity(wid))
+                for wid, tokens in placed.items()}
 
     async def stream(self, req: RouteRequest) -> AsyncIterator[OutItem]:
         """Yield the request's chunks; raises WorkerError or NoWorkerAvailable (before any output)."""
@@ -242,7 +237,8 @@ class Router:
             raise ValueError("cost must be >= 0")
         key = self.key_for(req)
         # what a worker holds under `key` once it has prefilled this request
-        span = key_span(req.tokens, req.stable_len, block_size=self.block_size, max_tokens=self.route_prefix_tokens)
+        span = key_span(req.tokens, req.stable_len, block_size=self.block_size,
+                        max_tokens=self.route_prefix_tokens)
         matched = self.kv.matched(req.ns, req.tokens, self.policy.members | self.disagg.ids)
         exclude: frozenset[str] = frozenset()
         failed: WorkerError | None = None
@@ -285,7 +281,7 @@ class Router:
                 else:
                     failed = err
                     routing_metrics.FALLBACKS.labels(FALLBACK_FAILOVER).inc()
-                if err.code != ErrorCode.ABANDONED:  # that worker is fine: it gave up on this gateway's silence
+                if err.code != ErrorCode.ABANDONED:  # that worker is fine: it gave up on our silence
                     exclude = exclude | {choice.worker_id}
 
     async def _attempt(self, choice: Choice, req: RouteRequest, key: bytes | None, span: int,
@@ -296,7 +292,7 @@ class Router:
         loads, holders = self.loads, self.holders
         loop = asyncio.get_running_loop()
         hard_deadline = loop.time() + self._time_left(req)
-        # what the worker reported holding; else what this gateway sent it (learned, in flight or not yet reported)
+        # what the worker reported holding; else what this gateway sent it (learned, in flight, unreported)
         reported = matched.get(wid)
         predicted = reported if reported is not None else holders.expected_cached(wid, key)
         loads.add(wid, req.rid, req.cost, m.clock(), predicted)
@@ -307,10 +303,10 @@ class Router:
         routing_metrics.REQUESTS.labels(wid).inc()
         routing_metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
         tokens = _with_streamed(req.tokens, streamed) if streamed else req.tokens
-        hint = self.disagg.choose(req.rid, token_count(tokens) - predicted, matched)  # decided afresh per attempt
+        hint = self.disagg.choose(req.rid, token_count(tokens) - predicted, matched)  # afresh per attempt
         stream = client.generate(req.rid, req.ns, tokens, req.sampling, req.priority, req.deadline,
-                                 fkey=req.fkey, weight=req.weight, resumed=len(streamed),
-                                 traceparent=_route_span(choice, predicted, len(streamed), hint), prefill=hint)
+                                 fkey=req.fkey, weight=req.weight, resumed=len(streamed), prefill=hint,
+                                 traceparent=_route_span(choice, predicted, len(streamed), hint))
         first = True
         cached = 0
         try:
@@ -391,7 +387,8 @@ def _resume_reason(err: WorkerError) -> str | None:
 
 def _with_streamed(tokens: Sequence[int] | np.ndarray | bytes, streamed: list[int]) -> np.ndarray:
     """The request's tokens followed by those already streamed (int32, as the wire packs them)."""
-    head = np.frombuffer(tokens, dtype="<i4") if isinstance(tokens, bytes) else np.asarray(tokens, dtype="<i4")
+    head = (np.frombuffer(tokens, dtype="<i4") if isinstance(tokens, bytes)
+            else np.asarray(tokens, dtype="<i4"))
     return np.concatenate([head, np.asarray(streamed, dtype="<i4")])
 
 

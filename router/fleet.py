@@ -19,9 +19,11 @@ RouterFactory = Callable[[PoolView, Served], Router]
 
 
 class Fleet:
-    """Model version -> (Served, PoolView, Router), kept in step with the Membership's joins, leaves and stats."""
+    """Model version -> (Served, PoolView, Router), kept in step with the Membership's joins, leaves and
+    stats."""
 
-    def __init__(self, membership: Membership, make_router: RouterFactory, *, default: Served | None = None) -> None:
+    def __init__(self, membership: Membership, make_router: RouterFactory, *,
+                 default: Served | None = None) -> None:
         self.membership = membership
         self.default = default  # what a static endpoint (no registration) serves
         self._make_router = make_router
@@ -83,7 +85,8 @@ class Fleet:
         view = self._views.get(key)
         if view is not None:
             if served.tokenizer and served.tokenizer != self._served[key].tokenizer:
-                log.warning("model version %s announced with two tokenizer fingerprints; keeping the first", key)
+                log.warning("model version %s announced with two tokenizer fingerprints; keeping the first",
+                            key)
             return view
         if len(self._views) >= MAX_VERSIONS and not self._drop_idle_version():
             log.warning("over %d model versions: ignoring %s", MAX_VERSIONS, key)

@@ -42,8 +42,8 @@ def _common_parent(a: str, b: str) -> str:
 
 
 def _floor(order: tuple[str, ...], parent: str, folder: str) -> int | None:
-    """Index of the floor `folder` stands on in `parent`'s order (its
-    own folder, or the one it is nested in)."""
+    """Index of the floor `folder` stands on in `parent`'s order (its own folder, or the one it is nested
+    in)."""
     best = None
     for i, name in enumerate(order):
         if folder == name or (name != parent and folder.startswith(name + ".")):

@@ -1,6 +1,7 @@
 """Conditional disaggregation: whether a request's prefill runs on a prefill-role worker, and on which one.
 
-`decide` is the pure rule; `Disaggregation` keeps a Router's prefill-role members and their in-flight prefills.
+`decide` is the pure rule; `Disaggregation` keeps a Router's prefill-role members and their in-flight
+prefills.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ REASON_PREFILL_QUEUE = "prefill_queue"  # every live prefill worker's queue is o
 
 @dataclass(slots=True, frozen=True)
 class DisaggRule:
-    """Disaggregate when the decode worker lacks at least `min_tokens` of the prompt and some prefill worker has
-    at most `max_prefill_queue` prefills queued, running or sent by this gateway and not yet acknowledged."""
+    """Disaggregate when the decode worker lacks at least `min_tokens` of the prompt and some prefill worker
+    has at most `max_prefill_queue` prefills queued, running or sent by this gateway and not yet
+    acknowledged."""
 
     min_tokens: int = DEFAULT_DISAGG_MIN_TOKENS
     max_prefill_queue: int = DEFAULT_DISAGG_MAX_PREFILL_QUEUE
@@ -52,8 +54,9 @@ class PrefillCandidate:
 
 def decide(lacking: int, candidates: Sequence[PrefillCandidate], rule: DisaggRule
            ) -> tuple[PrefillHint | None, str | None]:
-    """(hint, None) to prefill on the chosen worker: the most prompt tokens held, then the shortest queue, then
-    the smallest id; (None, reason) to prefill on the decode worker. `lacking`: prompt tokens it does not hold."""
+    """(hint, None) to prefill on the chosen worker: the most prompt tokens held, then the shortest queue,
+    then the smallest id; (None, reason) to prefill on the decode worker. `lacking`: prompt tokens it does
+    not hold."""
     if lacking < rule.min_tokens:
         return None, REASON_SHORT
     if not candidates:
@@ -66,7 +69,8 @@ def decide(lacking: int, candidates: Sequence[PrefillCandidate], rule: DisaggRul
 
 
 def member_role(member: Member | None) -> str:
-    """A member's role: its latest stats', else its registration's (a worker not yet heard from), else both."""
+    """A member's role: its latest stats', else its registration's (a worker not yet heard from), else
+    both."""
     if member is None:
         return ROLE_BOTH
     if member.stats is not None:
@@ -91,8 +95,8 @@ class Ring(Protocol):
 
 
 class Disaggregation:
-    """A Router's prefill-role members, the prefills this gateway sent each and it has not yet acknowledged (the
-    request's first output, or its attempt's end), and the rule applied to each attempt."""
+    """A Router's prefill-role members, the prefills this gateway sent each and it has not yet acknowledged
+    (the request's first output, or its attempt's end), and the rule applied to each attempt."""
 
     def __init__(self, membership: MemberSource, rule: DisaggRule, refused: Callable[[str], bool]) -> None:
         self.membership = membership
@@ -132,7 +136,8 @@ class Disaggregation:
         out: list[PrefillCandidate] = []
         for mid in sorted(self.ids):
             member = self.membership.member(mid)
-            if member is None or member.stats is None or self.membership.status(mid) is not None or self._refused(mid):
+            if (member is None or member.stats is None or self.membership.status(mid) is not None
+                    or self._refused(mid)):
                 continue
             queue = member.stats.queue + member.stats.running + self.inflight(mid)
             out.append(PrefillCandidate(mid, member.endpoint, matched.get(mid, 0), queue))

@@ -126,7 +126,8 @@ class WorkerClient:
             async with asyncio.timeout(timeout):
                 await self._ready.wait()
         except TimeoutError:
-            raise WorkerError(LinkError.TIMEOUT, f"no stats from {self.endpoint} within {timeout}s", True) from None
+            raise WorkerError(LinkError.TIMEOUT, f"no stats from {self.endpoint} within {timeout}s",
+                              True) from None
         if self.incompatible:
             raise WorkerError(LinkError.INCOMPATIBLE, self.incompatible, False)
         assert self.stats is not None
@@ -184,8 +185,9 @@ class WorkerClient:
                        priority: Priority = Priority.INTERACTIVE, deadline: float = 0.0, *, fkey: bytes = b"",
                        weight: float = 1.0, resumed: int = 0, traceparent: str = "",
                        prefill: PrefillHint | None = None) -> AsyncIterator[OutItem]:
-        """Stream a request's tokens (the `gen` goes out on the first iteration). `prefill`: the worker receives
-        the prompt's pages from that prefill worker instead of computing them (disaggregated prefill).
+        """Stream a request's tokens (the `gen` goes out on the first iteration). `prefill`: the worker
+        receives the prompt's pages from that prefill worker instead of computing them (disaggregated
+        prefill).
 
         Raises WorkerError; leaving the iterator early sends `abort` to the worker.
         """
@@ -198,9 +200,11 @@ class WorkerClient:
         queue: asyncio.Queue[OutItem | WorkerError] = asyncio.Queue()
         self._streams[rid] = queue
         ended = False
-        # Before the first item the request may wait its turn in the worker's queue: that wait is bounded by the
-        # request's deadline (a live worker's queue is not a stall; a dead or frozen one is lost by its stats)
-        wait = max(self.inter_token_timeout, deadline - time.time()) if deadline > 0 else self.inter_token_timeout
+        # Before the first item the request may wait its turn in the worker's queue: that wait is bounded by
+        # the request's deadline (a live worker's queue is not a stall; a dead or frozen one is lost by its
+        # stats)
+        wait = (max(self.inter_token_timeout, deadline - time.time()) if deadline > 0
+                else self.inter_token_timeout)
         try:
             self._send_soon(encode_gen(rid, ns, tokens, sampling, priority, deadline, fkey, weight, resumed,
                                        traceparent, prefill))
@@ -287,7 +291,8 @@ class WorkerClient:
         than after worker_timeout of silence. Output sent meanwhile is gone with the connection either way."""
         if self._streams and not self._lost_reported:
             self._lost_reported = True
-            self._fail_all(WorkerError(LinkError.WORKER_LOST, f"link to {self.endpoint} closed (link down)", True))
+            self._fail_all(WorkerError(LinkError.WORKER_LOST, f"link to {self.endpoint} closed (link down)",
+                                       True))
 
     async def _drain(self) -> bool:
         """Take every waiting frame, up to MAX_FRAMES_PER_DRAIN; True when the socket was left empty."""

@@ -77,7 +77,8 @@ class _Wanted:
 
 
 class MemberEvents:
-    """Subscribers to member joins, leaves and recorded stats frames (a Membership, or one pool's view of it)."""
+    """Subscribers to member joins, leaves and recorded stats frames (a Membership, or one pool's view of
+    it)."""
 
     def __init__(self) -> None:
         self._on_join: list[MemberListener] = []
@@ -98,7 +99,8 @@ class MemberEvents:
 
 
 class Membership(MemberEvents):
-    """Known workers, their clients and liveness; listeners hear every join, leave and recorded stats frame."""
+    """Known workers, their clients and liveness; listeners hear every join, leave and recorded stats
+    frame."""
 
     def __init__(
         self,
@@ -150,7 +152,8 @@ class Membership(MemberEvents):
             # A stop flag, not only cancel(): a cancel landing inside WorkerClient.close() is swallowed there.
             self._stop.set()
             try:
-                await asyncio.wait_for(asyncio.shield(self._task), self.poll_interval + 2 * REDIS_TIMEOUT_S + 1)
+                await asyncio.wait_for(asyncio.shield(self._task),
+                                       self.poll_interval + 2 * REDIS_TIMEOUT_S + 1)
             except TimeoutError:
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -289,7 +292,8 @@ class Membership(MemberEvents):
             listener(event)
 
     def status(self, mid: str) -> str | None:
-        """None if `mid` may take new requests, else why not (a routing fallback reason): the one liveness rule."""
+        """None if `mid` may take new requests, else why not (a routing fallback reason): the one liveness
+        rule."""
         member = self._members.get(mid)
         if member is None or member.stats is None or member.stats_at is None:
             return FALLBACK_DEAD
@@ -340,7 +344,8 @@ class Membership(MemberEvents):
         return [m for mid, m in sorted(self._members.items()) if self.status(mid) != FALLBACK_DEAD]
 
     async def wait_until(self, predicate: Callable[[Membership], bool], timeout: float) -> None:
-        """Wait until `predicate(self)` holds, rechecked on changes and every 50 ms; TimeoutError after `timeout`."""
+        """Wait until `predicate(self)` holds, rechecked on changes and every 50 ms; TimeoutError after
+        `timeout`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while not predicate(self):

@@ -1,5 +1,5 @@
-"""Cached prefixes held for requests that wait (pages a prefill worker pushed): not evictable until the scheduler
-admits the request, which then holds them under its own match, or the request ends."""
+"""Cached prefixes held for requests that wait (pages a prefill worker pushed): not evictable until the
+scheduler admits the request, which then holds them under its own match, or the request ends."""
 
 from __future__ import annotations
 

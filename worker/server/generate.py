@@ -1,4 +1,5 @@
-"""Command line: `python -m worker.server.generate "What is the capital of France?"` prints the model's chat answer.
+"""Command line: `python -m worker.server.generate "What is the capital of France?"` prints the model's chat
+answer.
 
 Loads a model, applies its chat template, runs the engine to completion and prints the decoded answer.
 """

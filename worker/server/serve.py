@@ -57,8 +57,9 @@ class WorkerServer:
         self._pulse: StatsPulse | None = None
         self._last_stats = b""
         self.metrics = WorkerMetrics(engine)
-        self.spans = RequestSpans(engine, self.metrics)  # traced requests only: a no-op without a tracer provider
-        self._promises = KvPromises(engine.cache, engine.config.block_size) if engine.cache is not None else None
+        self.spans = RequestSpans(engine, self.metrics)  # traced requests only: no-op with no tracer provider
+        self._promises = (KvPromises(engine.cache, engine.config.block_size) if engine.cache is not None
+                          else None)
         fp = engine.kv_fingerprint
         self.prefill = PrefillSide(engine, self.table, self._send_parts, config.role, fp)
         links = PrefillLinks(self.ctx, config.cluster_key, config.worker_id or "")
@@ -68,7 +69,7 @@ class WorkerServer:
     # ------------------------------------------------------------ lifecycle
 
     def bind(self) -> str:
-        """Bind the ROUTER socket, CURVE-secured when a cluster key is set (InsecureBind: an open port without)."""
+        """Bind the ROUTER socket, CURVE-secured given a cluster key (InsecureBind: an open port without)."""
         sock = self.sock
         self._auth = LinkAuth(self.ctx, self.config.cluster_key, self.config.bind)
         self._auth.secure(sock)
@@ -90,22 +91,22 @@ class WorkerServer:
     def register(self) -> None:
         if self.config.redis_url:
             reg = Registration(worker_id=self.worker_id, endpoint=self.endpoint, model=self.engine.model_id,
-                               version=proto.PROTOCOL_VERSION, started_at=time.time(),
-                               model_version=self.config.model_version, tokenizer=self.engine.tokenizer_version,
-                               spec=self.config.model_spec, pool=self.config.pool, role=self.config.role)
+                               version=proto.PROTOCOL_VERSION, started_at=time.time(), role=self.config.role,
+                               model_version=self.config.model_version, spec=self.config.model_spec,
+                               tokenizer=self.engine.tokenizer_version, pool=self.config.pool)
             self._registrar = Registrar(self.config.redis_url, reg)
             self._registrar.start()
 
     def run(self, signals: bool = True) -> int:
-        """Serve until a drain completes; returns the process exit code (0). `signals`: SIGTERM/SIGINT start the
-        drain (only the main thread may install them: in-process tests pass False and call `drain.start`)."""
+        """Serve until a drain completes; returns the exit code (0). `signals`: SIGTERM/SIGINT start the drain
+        (only the main thread may install them: in-process tests pass False and call `drain.start`)."""
         if not self.endpoint:
             self.bind()
         if signals:
             self.drain.install_signal_handlers()
         self.register()
         self._pulse = StatsPulse(self.sock, self.config.stats_interval)
-        self.engine.prepare_grammars()  # not inside a tenant's first constrained request: see GrammarCache.warm
+        self.engine.prepare_grammars()  # not in a tenant's first constrained request: see GrammarCache.warm
         try:
             self._loop()
         finally:
@@ -287,7 +288,8 @@ class WorkerServer:
             if out.error is not None:
                 table.remove(out.rid)
                 error = out.error
-                self._send(entry.ident, proto.encode_err(entry.rid, error.code, error.message, error.retryable))
+                self._send(entry.ident, proto.encode_err(entry.rid, error.code, error.message,
+                                                         error.retryable))
                 continue
             if out.finish_reason is not None:
                 table.remove(out.rid)
@@ -320,18 +322,19 @@ class WorkerServer:
         self.spans.forget_gone()
 
     def _abandon(self, engine_rid: str) -> None:
-        """Stop a request whose gateway (or decode peer) fell silent, and tell it so: when its loop comes back it
-        resumes the stream (gateway) or prefills locally (decode peer) at once, instead of waiting for a
+        """Stop a request whose gateway (or decode peer) fell silent, and tell it so: when its loop comes back
+        it resumes the stream (gateway) or prefills locally (decode peer) at once, instead of waiting for a
         timeout or lease that would never end on its own."""
         entry = self.table.get(engine_rid)
         if entry is None:
             return
         if self.prefill.owns(engine_rid):
             self._abort_quietly(engine_rid)
-            self._send_parts(entry.ident, [proto.encode_kv_error(entry.rid, "error", "the prefill worker stopped "
-                                                                 "waiting for the decode worker (silent)")])
+            self._send_parts(entry.ident, [proto.encode_kv_error(
+                entry.rid, "error", "the prefill worker stopped waiting for the decode worker (silent)")])
             return
-        self._end(entry, ErrorCode.ABANDONED, "the worker stopped waiting for this gateway (silent)", retryable=True)
+        self._end(entry, ErrorCode.ABANDONED, "the worker stopped waiting for this gateway (silent)",
+                  retryable=True)
 
     def _abort_quietly(self, engine_rid: str) -> None:
         """Stop a request whose owner will hear nothing more about it (its final output is ignored)."""
@@ -382,9 +385,9 @@ class WorkerServer:
         kv = kv_report(e.cache, e.config.block_size, e.tokenizer_version, snapshot)
         return proto.encode_stats(proto.WorkerStats(
             worker_id=self.worker_id, queue=int(s.num_waiting), running=int(s.num_running),
-            kv_free=int(s.kv_free_tokens), kv_total=int(s.kv_total_tokens), hit_rate=float(s.prefix_hit_rate),
-            draining=self.drain.active, model=str(self.engine.model_id), version=proto.PROTOCOL_VERSION, kv=kv,
-            role=self.config.role))
+            kv_free=int(s.kv_free_tokens), kv_total=int(s.kv_total_tokens), draining=self.drain.active,
+            model=str(self.engine.model_id), version=proto.PROTOCOL_VERSION, kv=kv, role=self.config.role,
+            hit_rate=float(s.prefix_hit_rate)))
 
     def _send_stats(self) -> None:
         self._next_stats = time.monotonic() + self.config.stats_interval

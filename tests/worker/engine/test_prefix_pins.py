@@ -29,7 +29,8 @@ def tiny():
 
 
 def cached_prompt(engine, rng: random.Random, n: int) -> list[int]:
-    """A prompt whose pages the cache holds (as after a transfer): served once, then unlocked and evictable."""
+    """A prompt whose pages the cache holds (as after a transfer): served once, then unlocked and
+    evictable."""
     prompt = rand_prompt(rng, n)
     engine.add_request("warm", prompt, greedy(1))
     drain(engine)
@@ -46,7 +47,8 @@ def test_a_pinned_prefix_survives_eviction_until_its_request_is_admitted(tiny):
     engine.cache.evict(engine.pool.num_pages)  # memory pressure before the scheduler gets to "b"
     assert engine.cache.peek(DEFAULT_NAMESPACE, prompt) == 5 * BS  # nothing pinned was evicted
     out = {o.rid: o for o in engine.step()}
-    assert out["b"].cached_tokens == 5 * BS and len(engine.pins) == 0  # admitted: its own match holds them now
+    # admitted: its own match holds them now
+    assert out["b"].cached_tokens == 5 * BS and len(engine.pins) == 0
     drain(engine)
     assert_no_leaks(engine)
 

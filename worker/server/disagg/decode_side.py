@@ -1,6 +1,7 @@
-"""Disaggregated prefill, decode side: a `gen` with a prefill hint leases pages for the blocks this worker lacks
-and asks the prefill worker for them; pushed pages are written as they arrive, then the request runs as after a
-cache hit. A transfer that fails or stalls keeps the pages that arrived as a cached prefix and prefills the rest here.
+"""Disaggregated prefill, decode side: a `gen` with a prefill hint leases pages for the blocks this worker
+lacks and asks the prefill worker for them; pushed pages are written as they arrive, then the request runs as
+after a cache hit. A transfer that fails or stalls keeps the pages that arrived as a cached prefix and
+prefills the rest here.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from worker.server.telemetry import worker_metrics as m
 
 log = logging.getLogger(__name__)
 
-AddLocal = Callable[[InFlight, GenRequest, list[int], SamplingParams, int], bool]  # entry, req, tokens, sampling, resumed
+# entry, req, tokens, sampling, resumed
+AddLocal = Callable[[InFlight, GenRequest, list[int], SamplingParams, int], bool]
 SendOut = Callable[[InFlight, OutItem], None]
 
 
@@ -66,8 +68,8 @@ class DecodeSide:
     # ------------------------------------------------------------ starting a transfer
 
     def start(self, entry: InFlight, req: GenRequest, sampling: SamplingParams) -> str | None:
-        """Lease pages and ask the hinted prefill worker to fill them: None when the transfer started, else the
-        reason the request prefills here (the caller adds it to the engine as usual)."""
+        """Lease pages and ask the hinted prefill worker to fill them: None when the transfer started, else
+        the reason the request prefills here (the caller adds it to the engine as usual)."""
         assert req.prefill is not None
         engine, cache, pool = self.engine, self.engine.cache, self.engine.pool
         prompt = req.tokens.tolist()
@@ -76,7 +78,8 @@ class DecodeSide:
         if req.resumed:
             return "resumed"
         try:
-            engine.check_request(entry.engine_rid, prompt, sampling, req.priority, req.ns, req.fkey, req.weight)
+            engine.check_request(entry.engine_rid, prompt, sampling, req.priority, req.ns, req.fkey,
+                                 req.weight)
         except proto.RequestError:
             return "invalid"  # the local path answers with the error
         now = time.monotonic()
@@ -88,7 +91,8 @@ class DecodeSide:
         if held >= n_full:
             return "cached"
         if len(self.leases) + len(engine.scheduler.running) >= engine.config.max_num_seqs:
-            return "seqs"  # a lease is a sequence to come: past max_num_seqs it waits in the fair queue instead
+            # a lease is a sequence to come: past max_num_seqs it waits in the fair queue instead
+            return "seqs"
         link = self.links.get(req.prefill.endpoint, now)
         if link is None:
             return "links"
@@ -117,8 +121,8 @@ class DecodeSide:
         return proto.PrefillRequest(
             xid=lease.xid, ns=req.ns, tokens=np.asarray(req.tokens, dtype=np.int32), sampling=req.sampling,
             skip=lease.held, dest=np.asarray(lease.pages, dtype=np.int32), fingerprint=self.fingerprint,
-            page_bytes=self.codec.page_bytes, deadline=unix_deadline, priority=int(req.priority), fkey=req.fkey,
-            weight=req.weight)
+            page_bytes=self.codec.page_bytes, deadline=unix_deadline, priority=int(req.priority),
+            fkey=req.fkey, weight=req.weight)
 
     # ------------------------------------------------------------ replies
 
@@ -153,8 +157,8 @@ class DecodeSide:
             self._complete(lease, msg.first_token)
 
     def _write(self, lease: Lease, chunk: KvChunk) -> bool:
-        """Write a chunk's rows into the leased pages; False when it does not continue the transfer in order or holds
-        numbers no page can (`PageCodec.finite`)."""
+        """Write a chunk's rows into the leased pages; False when it does not continue the transfer in order
+        or holds numbers no page can (`PageCodec.finite`)."""
         at = chunk.first - lease.held
         end = at + chunk.n
         if at != lease.arrived or end > len(lease.pages) or chunk.page_bytes != self.codec.page_bytes:
@@ -194,7 +198,8 @@ class DecodeSide:
             self.send_out(entry, item)
 
     def _fallback(self, lease: Lease, reason: str) -> None:
-        """Keep the pages that arrived as a cached prefix; prefill the rest here (the client sees no error)."""
+        """Keep the pages that arrived as a cached prefix; prefill the rest here (the client sees no
+        error)."""
         kept = self._close(lease)
         self.links.send(lease.link, proto.encode_prefill_abort(lease.xid), time.monotonic())
         m.DISAGG_TRANSFERS.labels("fallback").inc()
@@ -221,14 +226,16 @@ class DecodeSide:
         cache, pool, keep = self.engine.cache, self.engine.pool, lease.held + lease.arrived
         assert cache is not None
         if keep:
-            cache.insert(lease.ns, lease.prompt[:keep * self.bs], lease.held_pages + lease.pages[:lease.arrived])
+            cache.insert(lease.ns, lease.prompt[:keep * self.bs],
+                         lease.held_pages + lease.pages[:lease.arrived])
         pool.release(lease.pages[lease.arrived:])
         cache.unlock(lease.handle)
         return lease.prompt[:keep * self.bs]
 
     def housekeeping(self, now: float) -> None:
         for lease in list(self.leases.values()):
-            # stalled: the prefill worker is silent (its stats keep coming while it queues or computes our prompt)
+            # stalled: the prefill worker is silent (its stats keep coming while it queues or computes our
+            # prompt)
             silent = now - max(lease.last_progress, lease.link.last_heard)
             if silent > self.stall_s or now > lease.expires:
                 log.warning("transfer %s stalled: prefilling here", lease.xid)

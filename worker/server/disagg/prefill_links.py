@@ -32,7 +32,8 @@ class Link:
     monitor: zmq.Socket
     last_sent: float = 0.0
     last_used: float = 0.0
-    last_heard: float = 0.0  # monotonic time of its latest message (pages, stats: a live prefill worker talks)
+    # monotonic time of its latest message (pages, stats: a live prefill worker talks)
+    last_heard: float = 0.0
     up: bool = False  # a handshake succeeded since the last drop
 
 

@@ -73,11 +73,12 @@ class PrefillSide:
             return
         entry = self.table.add(ident, req.xid, req.deadline, time.monotonic())
         try:
-            self.engine.add_request(entry.engine_rid, req.tokens.tolist(), one, priority=priority, namespace=req.ns,
-                                    fkey=req.fkey, weight=req.weight)
+            self.engine.add_request(entry.engine_rid, req.tokens.tolist(), one, priority=priority,
+                                    namespace=req.ns, fkey=req.fkey, weight=req.weight)
         except RequestError as exc:
             self.table.remove(entry.engine_rid)
-            self._error(ident, req.xid, "bad_request" if exc.code == "bad_request" else "capacity", exc.message)
+            self._error(ident, req.xid, "bad_request" if exc.code == "bad_request" else "capacity",
+                        exc.message)
             return
         self.engine.exports.watch(entry.engine_rid, req.skip, req.skip + len(req.dest))
         self.jobs[entry.engine_rid] = Job(ident, req.xid, req.dest, req.skip, sampling.max_tokens)
@@ -98,7 +99,8 @@ class PrefillSide:
         self.jobs.pop(engine_rid, None)
 
     def stepped(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """Push the pages this step computed, then each finished job's first token; returns the other outputs."""
+        """Push the pages this step computed, then each finished job's first token; returns the other
+        outputs."""
         for ready in self.engine.exports.take():
             job = self.jobs.get(ready.rid)
             if job is not None:
@@ -118,7 +120,8 @@ class PrefillSide:
         for lo in range(0, len(rows), per_msg):
             part = rows[lo:lo + per_msg]  # a view: sent without a copy
             at = ready.first_block + lo - job.skip
-            chunk = KvChunk(job.xid, ready.first_block + lo, job.dest[at:at + len(part)], self.page_bytes, None)
+            chunk = KvChunk(job.xid, ready.first_block + lo, job.dest[at:at + len(part)], self.page_bytes,
+                            None)
             self.send_parts(job.ident, [proto.encode_kv_header(chunk), part])
             DISAGG_PUSHED.inc(part.nbytes)
 
@@ -132,7 +135,8 @@ class PrefillSide:
         if out.finish_reason == "abort":
             return
         finish = None if out.finish_reason == "length" and job.max_tokens > 1 else out.finish_reason
-        ft = FirstToken(out.new_tokens, finish, out.cached_tokens, out.logprobs, out.top_ids, out.top_logprobs)
+        ft = FirstToken(out.new_tokens, finish, out.cached_tokens, out.logprobs, out.top_ids,
+                        out.top_logprobs)
         last = KvChunk(job.xid, len(job.dest) + job.skip, job.dest[:0], self.page_bytes, b"", first_token=ft)
         self.send_parts(job.ident, [proto.encode_kv_header(last), b""])
 
