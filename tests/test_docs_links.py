@@ -1,4 +1,4 @@
-"""README.md and docs/*.md: every relative markdown link points at a file that exists, and README stays short.
+"""README.md and docs/*.md: links resolve, README stays short, tables stay readable, no run history wording.
 
 Links are `[text](target)` (images too); web, mail and pure `#anchor` targets are not checked, and a
 `#anchor` suffix is dropped before the look-up. A target is resolved against the folder of the file that
@@ -12,11 +12,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 150
+TABLE_CELL_MAX_CHARS = 300
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
 _LINK = re.compile(r"!?\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]*)(?:\s+\"[^\"]*\")?\)")
 _SKIPPED = ("http://", "https://", "mailto:")
+_RUN_HISTORY = re.compile(r"\bsession [0-9]+|device session|this session", re.IGNORECASE)
+_CELL_SPLIT = re.compile(r"(?<!\\)\|")
 
 
 def markdown_files(root: Path = ROOT) -> list[Path]:
@@ -94,3 +97,61 @@ def test_checker_reports_a_planted_broken_link(tmp_path: Path) -> None:
     )
     broken = broken_links(page)
     assert broken == [f"{page}:4: missing.md#section", f"{page}:4: img/gone.png"], broken
+
+
+def long_table_cells(text: str, limit: int = TABLE_CELL_MAX_CHARS) -> list[tuple[int, int]]:
+    """(line number, length) of each markdown table cell outside code longer than `limit` characters."""
+    found: list[tuple[int, int]] = []
+    in_fence = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if _FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        if in_fence or not line.lstrip().startswith("|"):
+            continue
+        for cell in _CELL_SPLIT.split(line.strip().strip("|")):
+            if len(cell.strip()) > limit:
+                found.append((number, len(cell.strip())))
+    return found
+
+
+def run_history_lines(text: str) -> list[int]:
+    """Line numbers that speak of sessions ("session 12", "this session", "device session")."""
+    return [number for number, line in enumerate(text.splitlines(), start=1) if _RUN_HISTORY.search(line)]
+
+
+def test_no_table_cell_is_longer_than_the_limit() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}:{number}: {length} chars"
+        for path in markdown_files()
+        for number, length in long_table_cells(path.read_text(encoding="utf-8"))
+    ]
+    header = f"table cells over {TABLE_CELL_MAX_CHARS} characters (use prose below the table):"
+    assert not long, header + "\n" + "\n".join(long)
+
+
+def test_docs_hold_no_session_wording() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in markdown_files()
+        for number in run_history_lines(path.read_text(encoding="utf-8"))
+    ]
+    assert not found, "run history belongs in git, not in the docs:\n" + "\n".join(found)
+
+
+def test_checkers_catch_planted_long_cells_and_session_wording() -> None:
+    text = "\n".join(
+        [
+            "| a | b |",
+            "|---|---|",
+            f"| short | {'x' * 301} |",
+            f"| escaped \\| pipe | {'y' * 300} |",
+            "```",
+            f"| {'z' * 400} |",
+            "```",
+            "Measured in session 12, then in this session and a device session.",
+            "A sessions table and session-based auth are fine.",
+        ]
+    )
+    assert long_table_cells(text) == [(3, 301)]
+    assert run_history_lines(text) == [8]
