@@ -90,6 +90,16 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     yield redis_server.url
 
 
+@pytest.fixture()
+def r(redis_url: str):
+    """A blocking client of the session's redis-server (flushed), closed after the test."""
+    from tenancy.redis_client import sync_client
+
+    client = sync_client(redis_url)
+    yield client
+    client.close()
+
+
 @pytest.fixture(scope="session")
 def stack() -> Iterator[GatewayStack]:
     """The shared redis + default-model worker + gateway stack (`tests.gateway_stack`). Modules that

@@ -13,18 +13,11 @@ from admission.hold import BudgetGuard
 from admission.results import QuotaExceeded, RequestTooLarge, TenantRejected
 from common.priorities import Priority
 from tenancy import tenant_admin as store
-from tenancy.redis_client import async_client, sync_client
+from tenancy.redis_client import async_client
 from tenancy.schema import bucket_key, config_key, leases_key, usage_key
 
 pytestmark = pytest.mark.timeout(60)
 WINDOW_US = 60_000_000
-
-
-@pytest.fixture()
-def r(redis_url):
-    client = sync_client(redis_url)
-    yield client
-    client.close()
 
 
 @pytest.fixture()

@@ -10,18 +10,11 @@ import pytest
 from tenancy import apikeys
 from tenancy import tenant_admin as store
 from tenancy.directory import TenantDirectory
-from tenancy.redis_client import async_client, sync_client
+from tenancy.redis_client import async_client
 from tenancy.schema import BATCH, INTERACTIVE, config_key
 from tenancy.tenancy_errors import AmbiguousKeyPrefix, KeyNotFound, TenancyError, TenantExists, TenantNotFound
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture()
-def r(redis_url):
-    client = sync_client(redis_url)
-    yield client
-    client.close()
 
 
 def test_create_get_update_list(r):

@@ -23,17 +23,10 @@ from admission.money.hierarchy import (
 from admission.money.keys import hold_key, holds_key, spend_key
 from admission.money.prices import Price, set_price
 from tenancy import tenant_admin as store
-from tenancy.redis_client import async_client, sync_client
+from tenancy.redis_client import async_client
 
 pytestmark = pytest.mark.timeout(60)
 PATH = MoneyPath("acme", "search", "d" * 64, "tiny", None)
-
-
-@pytest.fixture()
-def r(redis_url):
-    client = sync_client(redis_url)
-    yield client
-    client.close()
 
 
 @pytest.fixture()
