@@ -1,5 +1,4 @@
-"""Which dtype the KV pages get: `--kv-dtype` (`EngineConfig.kv_dtype`) resolved for the device and
-backend."""
+"""Which dtype KV pages get: `--kv-dtype` (`EngineConfig.kv_dtype`) resolved for the device and backend."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The C++ paged decode and prefill kernels against the pure-torch reference attention (same cache, same
-layout)."""
+"""The C++ paged decode and prefill kernels against the torch reference attention (same cache and layout)."""
 
 from __future__ import annotations
 
