@@ -27,9 +27,8 @@ from worker.text.model_source import cache_base, prune_oldest
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-# Three compilation units, built in parallel by ninja: the attention kernels (39 s on AMD Zen 3), the other
-# kernels (14 s) and the Python bindings (24 s). As one file under torch/extension.h the build took 69 s
-# there.
+# Three compilation units, built in parallel by ninja: the attention kernels (the longest), the other kernels
+# and the Python bindings; one file under torch/extension.h builds slower than the three in parallel.
 _UNITS = ("unit_attention.cpp", "unit_ops.cpp", "bindings.cpp")
 _SRC = "\n".join(p.name + "\n" + p.read_text() for p in sorted(_CSRC.iterdir()) if p.suffix in (".h", ".cpp"))
 

@@ -204,8 +204,7 @@ def _measure_max_rows(lin: nn.Module, candidates: tuple[int, ...]) -> int:
 
 def _interleaved_best(fns: list, runs: int = 5) -> list[float]:
     """Best time of each of `fns`, run in turns after a warm-up (a slow spell of a shared host hits them
-    alike; timed one after the other, the AVX2 kernel's 1,024-row check flipped between starts on a noisy AMD
-    Zen 3 VM)."""
+    alike; timed one after the other, a close choice can flip between starts on a noisy host)."""
     for fn in fns:
         fn()
     best = [float("inf")] * len(fns)
