@@ -61,8 +61,8 @@ def _fused_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, new_x_ptr, M, N, K
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_mask = cols < K
+        # a: rounded once to the model dtype, as the kernels round
         a = _prologue(x_ptr, r_ptr, g_ptr, rows, cols, m_mask, k_mask, stride_x, stride_r, rstd, K, MODE,
-                      # rounded once to the model dtype, as the kernels round
                       HAS_RES).to(w_ptr.dtype.element_ty)
         w = tl.load(w_ptr + n_idx[None, :] * stride_w + cols[:, None], mask=k_mask[:, None] & n_mask[None, :],
                     other=0.0)

@@ -207,8 +207,8 @@ def test_greedy_decode_with_fused_projections_on_equals_off_fp32(monkeypatch):
     monkeypatch.setattr(triton_gemv, "norm_linear", lambda x, *a: calls.append(x.shape[0]) or fused(x, *a))
     outs = []
     for on in (False, True):
+        # cuda_graphs off: graphs would keep the ops they were captured with
         eng = Engine(loaded, EngineConfig(dtype="float32", kv_cache_bytes=16 << 20, kv_dtype="model",
-                                          # graphs would keep the ops they were captured with
                                           cuda_graphs="off"))
         eng.runner.ops, eng.runner.stack = TritonOps(fused_linear=on), None  # CPU: Triton's ops, no C++ stack
         outs.append(eng.generate(prompts, params))
@@ -227,9 +227,9 @@ def test_cuda_engine_greedy_tokens_equal_with_fused_projections_on_and_off():
                                                                                       "default"))
     prompts = [[5, 9, 11, 3, 7, 2, 8] * 3, [4, 4, 6, 1], [30, 31, 2]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # a bounded KV cache: the first engine's may outlive it (85% of the device)
     outs = [DebugEngine(loaded, EngineConfig(dtype="float32", kv_cache_bytes=256 << 20, max_num_seqs=16,
                                              fused_linear=mode)).generate(prompts, params)
-            # a bounded KV cache: the first engine's may outlive it (85% of the device)
             for mode in ("off", "on")]
     assert outs[0] == outs[1]
 
