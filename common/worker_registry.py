@@ -25,7 +25,8 @@ class Registration:
     version: int  # the protocol version
     started_at: float
     # what it serves (model pools; all optional, so older records still parse): the model version label, the
-    # tokenizer fingerprint, the model spec a gateway loads that tokenizer from, and the traffic-class pool label
+    # tokenizer fingerprint, the model spec a gateway loads that tokenizer from, and the traffic-class pool
+    # label
     model_version: str = ""
     tokenizer: str = ""
     spec: str = ""

@@ -22,46 +22,52 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     enable_prefix_cache: bool = True
     cache_aware_order: bool = False
-    fairness: str = "vtc"  # "vtc": fair share between fairness keys within a priority class | "fifo": arrival order
+    # "vtc": fair share between fairness keys within a priority class | "fifo": arrival order
+    fairness: str = "vtc"
     # VTC with more than one fairness key seen lately: prefill tokens per step are capped here, so a key that
     # arrives waits behind a short step at most (TTFT tail for light tenants vs step efficiency; 0: no cap)
     fair_step_tokens: int = 0
-    # "auto" | "triton" (CUDA) | "flash_attn" (CUDA, pages a multiple of 256 tokens) | "torch" (CPU: with the C++ decode and
-    # prefill kernels when they build) | "torch_reference"; auto's rule: worker.model.backends.choose_backend
+    # "auto" | "triton" (CUDA) | "flash_attn" (CUDA, pages a multiple of 256 tokens) | "torch" (CPU: with the
+    # C++ decode and prefill kernels when they build) | "torch_reference"; auto's rule:
+    # worker.model.backends.choose_backend
     attention_backend: str = "auto"
-    # decode-only steps replay CUDA graphs captured per batch-size bucket (worker.model.cuda_graphs); CUDA only, no
-    # effect on CPU
+    # decode-only steps replay CUDA graphs captured per batch-size bucket (worker.model.cuda_graphs); CUDA
+    # only, no effect on CPU
     cuda_graphs: str = "on"
     num_threads: int | None = None  # torch intra-op threads on CPU; None => leave as is
-    # "on": a layer's elementwise ops fused (C++ passes on CPU, Triton kernels on CUDA) | "off": eager torch reference
+    # "on": a layer's elementwise ops fused (C++ passes on CPU, Triton kernels on CUDA) | "off": eager torch
+    # reference
     fused_ops: str = "on"
     # CUDA, decode batches of up to 64 rows: add + RMSNorm and SiLU·mul fused into the projections that follow
-    # them (worker.kernels.triton_gemv; three kernels fewer per layer). "on" | "off" | "auto", which is off until
-    # a device run measures the kernels (checked under Triton's interpreter only; docs/gpu.md)
+    # them (worker.kernels.triton_gemv; three kernels fewer per layer). "on" | "off" | "auto", which is off
+    # until a device run measures the kernels (checked under Triton's interpreter only; docs/gpu.md)
     fused_linear: str = "auto"
-    # weights: "none" | "int8" | "int4" | "w8a8" | "fp8" (CUDA 8.9+) | "auto" (applied by the loader; worker.quant.weights)
+    # weights: "none" | "int8" | "int4" | "w8a8" | "fp8" (CUDA 8.9+) | "auto" (applied by the loader;
+    # worker.quant.weights)
     quantization: str = "none"
     default_cpu_kv_bytes: int = 1 << 30
-    # KV pages: "model" (the model's dtype) | "int8" (8-bit pages with per page and kv head scales, CPU with the
-    # torch backend; about 2x the tokens per byte) | "auto" (worker.model.kv_dtype.resolve_kv_dtype's rule)
+    # KV pages: "model" (the model's dtype) | "int8" (8-bit pages with per page and kv head scales, CPU with
+    # the torch backend; about 2x the tokens per byte) | "auto" (worker.model.kv_dtype.resolve_kv_dtype's
+    # rule)
     kv_dtype: str = "model"
-    # KV tiers below the radix cache (worker.kvcache.tiers, docs/engine.md "KV tiers"): evicted pages kept in host
-    # RAM, up to kv_host_bytes (None: auto, 1/8 of the memory available at start, see
-    # worker.engine.scheduling.restore.default_host_bytes; 0: off), and on disk under kv_disk_dir (None: no disk tier) up to
-    # kv_disk_bytes, for pages hit at least kv_disk_min_hits times
+    # KV tiers below the radix cache (worker.kvcache.tiers, docs/engine.md "KV tiers"): evicted pages kept in
+    # host RAM, up to kv_host_bytes (None: auto, 1/8 of the memory available at start, see
+    # worker.engine.scheduling.restore.default_host_bytes; 0: off), and on disk under kv_disk_dir (None: no
+    # disk tier) up to kv_disk_bytes, for pages hit at least kv_disk_min_hits times
     kv_host_bytes: int | None = None
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 16 << 30
     kv_disk_min_hits: int = 1
-    # n-gram speculative decoding (worker.engine.scheduling.speculative): up to spec_tokens proposals per decoding sequence,
-    # from matches of its last spec_ngram_max..spec_ngram_min tokens; only while the step's decode batch
-    # is at most spec_max_batch sequences (0 turns it off)
+    # n-gram speculative decoding (worker.engine.scheduling.speculative): up to spec_tokens proposals per
+    # decoding sequence, from matches of its last spec_ngram_max..spec_ngram_min tokens; only while the step's
+    # decode batch is at most spec_max_batch sequences (0 turns it off)
     spec_tokens: int = 4
     spec_ngram_max: int = 3
     spec_ngram_min: int = 1
     spec_max_batch: int = 4
-    # structured outputs: grammars compile on a thread pool while their requests wait (worker.engine.scheduling.grammar_wait);
-    # new compiles past these pending bounds are refused with a retryable error
+    # structured outputs: grammars compile on a thread pool while their requests wait
+    # (worker.engine.scheduling.grammar_wait); new compiles past these pending bounds are refused with a
+    # retryable error
     grammar_max_pending: int = 16
     grammar_max_pending_per_ns: int = 4
     grammar_compile_timeout_s: float = 10.0
@@ -80,10 +86,12 @@ class EngineConfig:
         if self.cuda_graphs not in ("on", "off"):
             raise ValueError(f"cuda_graphs must be 'on' or 'off', got {self.cuda_graphs!r}")
         if self.quantization not in ("none", "int8", "int4", "w8a8", "fp8", "auto"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of none, int8, int4, w8a8, fp8, "
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of none, int8, int4, "
+                             "w8a8, fp8, "
                              "auto")
         if self.kv_dtype == "fp8":
-            raise ValueError("--kv-dtype fp8 is not supported: there are no fp8 KV kernels; use --kv-dtype int8 (CPU) "
+            raise ValueError("--kv-dtype fp8 is not supported: there are no fp8 KV kernels; use --kv-dtype "
+                             "int8 (CPU) "
                              "or model")
         if self.kv_dtype not in ("auto", "model", "int8"):
             raise ValueError(f"unknown kv_dtype {self.kv_dtype!r}; choose one of auto, model, int8")
@@ -97,7 +105,8 @@ class EngineConfig:
             raise ValueError("spec n-gram sizes must satisfy 1 <= spec_ngram_min <= spec_ngram_max <= 8")
         if self.fair_step_tokens < 0:
             raise ValueError("fair_step_tokens must be >= 0 (0: no cap)")
-        if self.grammar_max_pending < 1 or self.grammar_max_pending_per_ns < 1 or self.grammar_compile_timeout_s <= 0:
+        if (self.grammar_max_pending < 1 or self.grammar_max_pending_per_ns < 1
+                or self.grammar_compile_timeout_s <= 0):
             raise ValueError("grammar pending bounds must be >= 1 and the compile timeout > 0")
         if (self.kv_host_bytes or 0) < 0 or self.kv_disk_bytes <= 0 or self.kv_disk_min_hits < 0:
             raise ValueError("kv_host_bytes must be >= 0, kv_disk_bytes > 0 and kv_disk_min_hits >= 0")

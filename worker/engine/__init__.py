@@ -1,3 +1,3 @@
-"""The engine: requests in, one step at a time (schedule, run, postprocess), tokens out; its scheduler, sequence
-records, speculation, fairness and model runner.
+"""The engine: requests in, one step at a time (schedule, run, postprocess), tokens out; its scheduler,
+sequence records, speculation, fairness and model runner.
 """

@@ -55,15 +55,16 @@ class Engine:
         self.max_context = model.max_context
         self.kv_dtype, why = resolve_kv_dtype(config, model.device)
         num_pages = num_pages_for(model.config, config, model.dtype, model.device, self.kv_dtype)
-        log.info("KV cache: %s pages (asked %s: %s), %d pages of %d tokens", self.kv_dtype, config.kv_dtype, why,
-                 num_pages, config.block_size)
+        log.info("KV cache: %s pages (asked %s: %s), %d pages of %d tokens", self.kv_dtype, config.kv_dtype,
+                 why, num_pages, config.block_size)
         self.pool = PagePool(num_pages)
         self.cache = RadixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(config, self.pool, self.cache)
         self.pins = PrefixPins(self.cache)  # transferred prefixes held for their waiting requests
         self.runner = self.runner_class(model, config, num_pages)
         codec = PageCodec(self.runner.kv)  # pages to and from host rows: the KV tiers' and disaggregation's
-        self.kv_fingerprint = fingerprint(model.model_id, model.weights_id, model.tokenizer_version, self.runner.kv)
+        self.kv_fingerprint = fingerprint(model.model_id, model.weights_id, model.tokenizer_version,
+                                          self.runner.kv)
         self.restorer = make_restorer(config, self.cache, self.pool, codec, self.kv_fingerprint)
         self.scheduler.restorer = self.restorer
         self.exports = PageExport(codec, config.block_size)  # disaggregated prefill's pages
@@ -82,10 +83,11 @@ class Engine:
     def add_request(self, rid: str, token_ids: list[int], sampling: SamplingParams,
                     priority: Priority = Priority.INTERACTIVE, namespace: bytes = b"", fkey: bytes = b"",
                     weight: float = 1.0, resumed: int = 0) -> None:
-        """`fkey`/`weight`: fairness key and share (worker.engine.scheduling.fairness); no key => the cache namespace's.
+        """`fkey`/`weight`: fairness key and share (worker.engine.scheduling.fairness); no key => the cache
+        namespace's.
 
-        `resumed`: the last this many of `token_ids` were streamed already (by a worker that was lost): they are
-        output, so sampling positions, penalties, `max_tokens` and the grammar carry on after them."""
+        `resumed`: the last this many of `token_ids` were streamed already (by a worker that was lost): they
+        are output, so sampling positions, penalties, `max_tokens` and the grammar carry on after them."""
         self.check_request(rid, token_ids, sampling, priority, namespace, fkey, weight, resumed)
         prompt_len = len(token_ids) - resumed
         namespace = namespace or DEFAULT_NAMESPACE
@@ -95,7 +97,8 @@ class Engine:
             self.runner.masker = BatchMasker(self.vocab_size)  # steps without grammar rows never build masks
         grammar = ready_state(compiling)
         stops = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos or compiling is not None:  # a grammar ends with EOS whatever ignore_eos says
+        # a grammar ends with EOS whatever ignore_eos says
+        if not sampling.ignore_eos or compiling is not None:
             stops.add(self.tokenizer.eos_token_id)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(rid, list(token_ids), prompt_len, sampling, Priority(priority), self._arrivals,
@@ -119,7 +122,7 @@ class Engine:
     def check_request(self, rid: str, token_ids: list[int], sampling: SamplingParams,
                       priority: Priority = Priority.INTERACTIVE, namespace: bytes = b"", fkey: bytes = b"",
                       weight: float = 1.0, resumed: int = 0) -> None:
-        """Every check `add_request` makes before it changes any state: RequestError names the first that fails."""
+        """Every check `add_request` makes before changing any state: RequestError names the first failing."""
         self._validate(rid, token_ids, sampling, priority)
         if not 0 <= resumed < len(token_ids) or resumed >= sampling.max_tokens:
             raise bad_request("resumed must count fewer tokens than the prompt and max_tokens", "resumed")
@@ -220,7 +223,7 @@ class Engine:
     # ---- stepping ----
 
     def step(self) -> list[StepOutput]:
-        """One iteration: schedule, run the model, postprocess (plus aborts and grammars settled since the last)."""
+        """One step: schedule, run the model, postprocess (and aborts and grammars settled since the last)."""
         outputs = self._settle_arrivals()
         batch = self.scheduler.schedule()
         if self.pins:
@@ -251,7 +254,8 @@ class Engine:
         return outputs
 
     def _advance(self, batch: ScheduledBatch) -> None:
-        """The KV cache now holds the step's decode and prefill tokens (verify chunks advance in `_verify`)."""
+        """The KV cache now holds the step's decode and prefill tokens (verify chunks advance in
+        `_verify`)."""
         for seq in batch.decodes:
             seq.num_computed += 1
         for seq, n in batch.prefills:
@@ -293,14 +297,15 @@ class Engine:
         return StepOutput(seq.rid, new, reason, seq.cached_tokens, None, error=error)
 
     def _take(self, seq: Sequence, tok: int) -> tuple[bool, str | None, RequestError | None]:
-        """Apply one sampled token: (appended?, finish reason, error); a finished sequence leaves the engine."""
+        """Apply a sampled token: (appended?, finish reason, error); a finished sequence leaves the engine."""
         self._generated += 1
         reason = error = None
         emitted = False
         if tok in seq.stop_ids:
             reason = "stop"
         elif seq.grammar is not None and not seq.grammar.accept(tok):
-            log.error("grammar refused sampled token %d: %s", tok, seq.grammar.error, extra={"request_id": seq.rid})
+            log.error("grammar refused sampled token %d: %s", tok, seq.grammar.error,
+                      extra={"request_id": seq.rid})
             reason = "error"
             error = RequestError("internal", "constrained decoding failed", retryable=False)
         else:
@@ -312,7 +317,8 @@ class Engine:
                 reason = "length"
         if reason is not None:
             seq.finish_reason = reason
-            seq.num_computed = min(seq.num_computed, len(seq.tokens))  # a verify run may end inside its drafts
+            # a verify run may end inside its drafts
+            seq.num_computed = min(seq.num_computed, len(seq.tokens))
             self.scheduler.finish(seq)
             del self._seqs[seq.rid]
             self.pins.release(seq.rid)
@@ -337,22 +343,25 @@ class Engine:
             kv_free_tokens=(free + evictable) * bs, kv_total_tokens=self.pool.num_pages * bs,
             prefix_hit_rate=hit / looked_up if looked_up else 0.0,
             preemptions=sched.preemptions, prompt_tokens=self._prompt_tokens,
-            prefill_tokens_computed=self._prefill_computed, generated_tokens=self._generated, steps=self._steps,
-            cached_tokens=hit, free_pages=free, evictable_pages=evictable,
+            prefill_tokens_computed=self._prefill_computed, generated_tokens=self._generated,
+            steps=self._steps, cached_tokens=hit, free_pages=free, evictable_pages=evictable,
             cached_pages=cache.cached_pages if cache is not None else 0,
             locked_pages=cache.locked_pages if cache is not None else 0,
             evicted_pages=cache.evicted_pages if cache is not None else 0,
             quantization=self.loaded.quantization, attention_backend=self.runner.attn.name,
             cuda_graphs=self.runner.graphs is not None,
             prefill_attention=getattr(self.runner.attn, "prefill_path", ""),
-            spec_proposed_tokens=self._spec[0], spec_accepted_tokens=self._spec[1], spec_verify_steps=self._spec[2],
+            spec_proposed_tokens=self._spec[0], spec_accepted_tokens=self._spec[1],
+            spec_verify_steps=self._spec[2],
             tiers=self.restorer.tiers.snapshot_stats() if self.restorer is not None else None,
         )
 
     def pages_idle(self) -> bool:
-        """Leak check (tests): no request holds a page; each page is free or held once, unlocked, by the cache."""
+        """Leak check (tests): no request holds a page; each page is free or held once, unlocked, by the
+        cache."""
         pool = self.pool
-        cached = {p for pages in self.cache.snapshot().values() for p in pages.values()} if self.cache else set()
+        cached = {p for pages in self.cache.snapshot().values()
+                  for p in pages.values()} if self.cache else set()
         if self.cache is not None and self.cache.locked_pages:
             return False
         if pool.num_free + len(cached) != pool.num_pages:
@@ -361,7 +370,8 @@ class Engine:
 
     # ---- convenience ----
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]],
+                 sampling: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion (blocking); returns generated ids per prompt (stop token excluded).
 
         Drives step() itself: outputs of other requests in the engine are dropped, so do not mix

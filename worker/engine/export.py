@@ -48,7 +48,8 @@ class PageExport:
                 continue
             done = min(seq.num_computed // self.block_size, w.end_block)
             if done > w.next_block:
-                self.ready.append(ReadyPages(seq.rid, w.next_block, self.codec.read(seq.pages[w.next_block:done])))
+                self.ready.append(ReadyPages(seq.rid, w.next_block,
+                                             self.codec.read(seq.pages[w.next_block:done])))
                 w.next_block = done
 
     def take(self) -> list[ReadyPages]:

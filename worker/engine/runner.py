@@ -48,7 +48,8 @@ class ModelRunner:
         self.attn = make_backend(config.attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                  config.block_size, loaded.device)
         self.kv = KVCache(cfg, num_pages, config.block_size, loaded.dtype, loaded.device,
-                          pages_first=self.attn.pages_first, kv_dtype=resolve_kv_dtype(config, loaded.device)[0])
+                          pages_first=self.attn.pages_first,
+                          kv_dtype=resolve_kv_dtype(config, loaded.device)[0])
         self.attn = choose_prefill(self.attn, cfg, self.kv)
         self.masker: BatchMasker | None = None  # set by the engine with its first grammar request
         self.ops = make_ops(config.fused_ops == "on", loaded.device, loaded.dtype,
@@ -57,11 +58,13 @@ class ModelRunner:
         self.graphs = self._capture_graphs(loaded, config)
 
     def _capture_graphs(self, loaded: LoadedModel, config: EngineConfig) -> DecodeGraphs | None:
-        """Decode CUDA graphs (`worker.model.cuda_graphs`) on CUDA with the Triton backend, unless turned off."""
+        """Decode CUDA graphs (`worker.model.cuda_graphs`) on CUDA with the Triton backend, unless turned
+        off."""
         if config.cuda_graphs != "on" or self.device.type != "cuda":
             return None
         if self.attn.name != "triton":
-            log.info("CUDA graphs need the triton attention backend (have %s): decode runs eagerly", self.attn.name)
+            log.info("CUDA graphs need the triton attention backend (have %s): decode runs eagerly",
+                     self.attn.name)
             return None
         graphs = DecodeGraphs(self.model, self.attn, self.kv, self.ops, config.max_num_seqs,
                               -(-loaded.max_context // self.bs), self.device)
@@ -84,10 +87,12 @@ class ModelRunner:
         lp = out.logprobs[:n].tolist() if out.logprobs is not None else None
         if out.top_ids is None:
             return StepResult(sampled, tokens[:n], lp, verified=verified)
-        return StepResult(sampled, tokens[:n], lp, out.top_ids[:n].tolist(), out.top_logprobs[:n].tolist(), verified)
+        return StepResult(sampled, tokens[:n], lp, out.top_ids[:n].tolist(), out.top_logprobs[:n].tolist(),
+                          verified)
 
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Logits of the step and the sequences that sample: a graph replay for a decode-only step that fits one."""
+        """Logits of the step and the sequences that sample: a graph replay for a decode-only step that fits
+        one."""
         if self.graphs is not None and batch.decodes and not batch.prefills and not batch.verifies:
             inputs = decode_inputs(batch.decodes, self.bs)
             if self.graphs.fits(inputs):
@@ -100,7 +105,8 @@ class ModelRunner:
         return self.model(input_ids, ctx)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepContext, list[Sequence]]:
-        """Token ids (decodes, verify chunks, prefill chunks), the step context, and the sequences that sample.
+        """Token ids (decodes, verify chunks, prefill chunks), the step context, and the sequences that
+        sample.
 
         Logit rows: decodes and sampling prefills in `sampled` order, then every row of the verify chunks."""
         bs = self.bs
@@ -113,7 +119,8 @@ class ModelRunner:
         row = len(batch.decodes)
         pf_tables, pf_q, pf_ctx = [], [], []
         spec: list[int] = []  # verify chunks run like prefill chunks; their rows sample after all others
-        chunks = [(seq, 1 + len(d), d) for seq, d in batch.verifies] + [(seq, n, None) for seq, n in batch.prefills]
+        chunks = ([(seq, 1 + len(d), d) for seq, d in batch.verifies]
+                  + [(seq, n, None) for seq, n in batch.prefills])
         for seq, n, drafts in chunks:
             start = seq.num_computed
             if drafts is None:

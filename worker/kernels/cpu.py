@@ -1,10 +1,11 @@
-"""Optional C++ kernels for CPU (`csrc/`), compiled once by `make install` or on first use; None without a compiler.
+"""Optional C++ kernels for CPU (`csrc/`), compiled once by `make install` or on first use; None without a
+compiler.
 
 Paged decode attention reads K/V straight from the pages where the torch path gathers a padded copy; paged
 prefill attention does a step's prompt chunks in one call, 2-3x faster than torch's SDPA on them; the race
 sampler draws a token per row in one pass where the torch path makes [rows, vocab] temporaries; the fused ops
-(`worker.kernels.layer_ops`) do a layer's norms, SiLU-mul and RoPE in one pass each; the int8 KV kernels (`kv_int8.cpp`)
-write and read 8-bit pages.
+(`worker.kernels.layer_ops`) do a layer's norms, SiLU-mul and RoPE in one pass each; the int8 KV kernels
+(`kv_int8.cpp`) write and read 8-bit pages.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from worker.text.model_source import cache_base, prune_oldest
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-# Three compilation units, built in parallel by ninja: the attention kernels (39 s on AMD Zen 3), the other kernels
-# (14 s) and the Python bindings (24 s). As one file under torch/extension.h the build took 69 s there.
+# Three compilation units, built in parallel by ninja: the attention kernels (the longest), the other kernels
+# and the Python bindings; one file under torch/extension.h builds slower than the three in parallel.
 _UNITS = ("unit_attention.cpp", "unit_ops.cpp", "bindings.cpp")
 _SRC = "\n".join(p.name + "\n" + p.read_text() for p in sorted(_CSRC.iterdir()) if p.suffix in (".h", ".cpp"))
 
@@ -44,7 +45,8 @@ _tried = False
 
 @contextlib.contextmanager
 def _build_turn(name: str) -> Iterator[None]:
-    """Hold this kernel's builder lock (a `flock`, released by the kernel when its holder dies) while building.
+    """Hold this kernel's builder lock (a `flock`, released by the kernel when its holder dies) while
+    building.
 
     torch waits on its own lock file without a deadline, and a compile killed mid-way leaves that file behind.
     Every build here goes through this lock, so once we hold it a torch lock file is stale and removed at once
@@ -78,10 +80,10 @@ def _build_turn(name: str) -> Iterator[None]:
 
 
 def _load_built(name: str):
-    """The module `name` if it is already built in torch's extensions folder, imported without torch's build lock
-    or a ninja run; else None. Its name hashes the sources and flags, so a library under it is this code. Every
-    load through torch takes the lock, even with nothing to build, so a worker killed at that moment left it
-    behind and every later worker waited (up to STALE_LOCK_S) for nothing."""
+    """The module `name` if it is already built in torch's extensions folder, imported without torch's build
+    lock or a ninja run; else None. Its name hashes the sources and flags, so a library under it is this code.
+    Every load through torch takes the lock, even with nothing to build, so a worker killed at that moment
+    left it behind and every later worker waited (up to STALE_LOCK_S) for nothing."""
     try:
         from torch.utils.cpp_extension import LIB_EXT, _get_build_directory, _import_module_from_library
 
@@ -98,8 +100,9 @@ def _record_path(name: str) -> Path:
 
 
 def _load_recorded(name: str):
-    """The module at the library path an earlier load of `name` recorded, imported without torch's cpp_extension
-    (importing it, and setuptools with it, took 0.3 s of every worker start); None without a usable record."""
+    """The module at the library path an earlier load of `name` recorded, imported without torch's
+    cpp_extension (importing it, and setuptools with it, took 0.3 s of every worker start); None without a
+    usable record."""
     try:
         lib = Path(_record_path(name).read_text().strip())
         if not lib.name.startswith(name + ".") or not lib.is_file():
@@ -126,7 +129,8 @@ def _record(name: str, module) -> None:
 
 
 def build_name() -> str:
-    """The extension's name: a digest of its sources and compiler flags (what timings of its kernels depend on)."""
+    """The extension's name: a digest of its sources and compiler flags (what timings of its kernels depend
+    on)."""
     return _NAME
 
 
@@ -170,8 +174,8 @@ def paged_kv_write_kernel():
 
 
 def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
-    """The compiled `paged_prefill(q, kc, vc, tables, q_lens, ctx_lens, block_size, scale)` where it handles the
-    shape (head size 64 or 128; query groups whose whole tokens fill 4, 6 or 8 rows), else None."""
+    """The compiled `paged_prefill(q, kc, vc, tables, q_lens, ctx_lens, block_size, scale)` where it handles
+    the shape (head size 64 or 128; query groups whose whole tokens fill 4, 6 or 8 rows), else None."""
     mod = extension()
     group = num_heads // num_kv_heads
     rows = (8 // group) * group
@@ -181,8 +185,8 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
 
 
 def int8_kv_kernels(num_heads: int, num_kv_heads: int, head_dim: int):
-    """(paged_decode_int8, paged_prefill_int8 or None where `paged_prefill_kernel` is, paged_kv_write_int8): the
-    kernels over 8-bit KV pages (`csrc/kv_int8.cpp`), or None if unavailable."""
+    """(paged_decode_int8, paged_prefill_int8 or None where `paged_prefill_kernel` is, paged_kv_write_int8):
+    the kernels over 8-bit KV pages (`csrc/kv_int8.cpp`), or None if unavailable."""
     mod = extension()
     if mod is None:
         return None
@@ -201,12 +205,13 @@ def available() -> bool:
 
 
 if __name__ == "__main__":
-    # `make install` builds the kernels once, so no worker pays the compile on its first request, and fails when
-    # they do not build (a silent fallback would serve every request on the slow torch paths)
+    # `make install` builds the kernels once, so no worker pays the compile on its first request, and fails
+    # when they do not build (a silent fallback would serve every request on the slow torch paths)
     import sys
 
     ready = available()
     print("CPU kernels (paged decode and prefill attention, race sampler, fused ops):",
-          "ready" if ready else "FAILED to build (see the log above); SWITCHYARD_ALLOW_NO_KERNELS=1 accepts the torch "
+          "ready" if ready
+          else "FAILED to build (see the log above); SWITCHYARD_ALLOW_NO_KERNELS=1 accepts the torch "
           "paths")
     sys.exit(0 if ready or os.environ.get("SWITCHYARD_ALLOW_NO_KERNELS") == "1" else 1)

@@ -1,5 +1,5 @@
-"""What this CPU's instruction set offers the kernels: read once from /proc/cpuinfo, so that modes, cutoffs and
-tests follow the machine (AVX2 only, AVX-512 BF16/VNNI, AMX) instead of assuming one."""
+"""What this CPU's instruction set offers the kernels: read once from /proc/cpuinfo, so that modes, cutoffs
+and tests follow the machine (AVX2 only, AVX-512 BF16/VNNI, AMX) instead of assuming one."""
 
 from __future__ import annotations
 

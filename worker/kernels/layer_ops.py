@@ -1,5 +1,6 @@
 """A decoder layer's elementwise ops: `EagerOps` (torch, the reference), `FusedOps` (one C++ pass each on CPU,
-`csrc/fused_ops.cpp`) and `worker.triton_ops.TritonOps` (CUDA). `worker.model.backends` picks one (`EngineConfig.fused_ops`).
+`csrc/fused_ops.cpp`) and `worker.triton_ops.TritonOps` (CUDA). `worker.model.backends` picks one
+(`EngineConfig.fused_ops`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ _NO_RESIDUAL = {dt: torch.empty(0, dtype=dt) for dt in KERNEL_DTYPES}
 
 @dataclass(slots=True)
 class Rope:
-    """One step's rotary inputs: positions and the model's fp32 cos/sin tables [max_position, head_dim / 2]."""
+    """One step's rotary inputs: positions and the model's fp32 cos/sin tables [max_position, head_dim /
+    2]."""
 
     positions: torch.Tensor
     cos_table: torch.Tensor
@@ -71,7 +73,8 @@ class EagerOps:
 
     def norm_linear(self, x: torch.Tensor, pending: torch.Tensor | None, norm: nn.Module,
                     linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, linear(norm(x))), with `pending` added to x first (in place here; a fused op may return a new x)."""
+        """(x, linear(norm(x))), with `pending` added to x first (in place here; a fused op may return a new
+        x)."""
         if pending is None:
             return x, linear(self.rms_norm(x, norm.weight, norm.eps))
         return x, linear(self.add_rms_norm_(x, pending, norm.weight, norm.eps))
@@ -83,8 +86,8 @@ class EagerOps:
 
 
 class FusedOps(EagerOps):
-    """The same ops, one C++ pass each; only for a CPU model in bf16 or fp32 (`worker.model.backends.make_ops` decides once). The
-    kernels check their inputs (contiguous, dtype) and raise rather than fall back."""
+    """The same ops, one C++ pass each; only for a CPU model in bf16 or fp32 (`worker.model.backends.make_ops`
+    decides once). The kernels check their inputs (contiguous, dtype) and raise rather than fall back."""
 
     def __init__(self, ext) -> None:
         self.ext = ext
@@ -114,8 +117,8 @@ class FusedOps(EagerOps):
         if g is None or d is None:
             return down(self.silu_mul(gate_up(h)))
         xq, row_scale = g.quantize(h)
-        hq, h_scale = self.ext.w8a8_silu_mul_quantize(g.product(xq, rows), row_scale, g.col_scale, d.inv_smooth, h,
-                                                      d.pad_rows(rows))
+        hq, h_scale = self.ext.w8a8_silu_mul_quantize(g.product(xq, rows), row_scale, g.col_scale,
+                                                      d.inv_smooth, h, d.pad_rows(rows))
         return self.ext.w8a8_dequantize(d.product(hq, rows), h_scale, d.col_scale, h)
 
 

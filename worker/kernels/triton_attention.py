@@ -1,7 +1,7 @@
 """Paged attention kernels in Triton, FlashAttention-style: tiled, online softmax, no [q, ctx] matrix.
 
-The KV cache layout is the worker's own ([kv_heads, slots, head_dim] per layer, slot = page * page_size + offset).
-Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests do so on every commit).
+The KV cache layout is the worker's own ([kv_heads, slots, head_dim] per layer, slot = page * page_size +
+offset). Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests do so on every commit).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ __all__ = ["decode_splits", "paged_decode", "paged_kv_write", "paged_prefill", "
 
 @triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     num_slots, KVH: tl.constexpr, KVH_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+                     num_slots, KVH: tl.constexpr, KVH_PAD: tl.constexpr, D: tl.constexpr,
+                     D_PAD: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, KVH_PAD)
@@ -34,15 +35,16 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
 
 
 @triton.jit
-def _rope_kv_write_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t, stride_h, num_slots,
-                          NH: tl.constexpr, KVH: tl.constexpr, N_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
-                          HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """One token: q and k heads of x [T, heads, 2 * HALF] rotated in place (`triton_ops.rotate_heads`, which the
-    RoPE kernel runs), then its rotated k and its v written to their slot (-1: none). One kernel for two."""
+def _rope_kv_write_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t, stride_h,
+                          num_slots, NH: tl.constexpr, KVH: tl.constexpr, N_PAD: tl.constexpr,
+                          KVH_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """One token: q and k heads of x [T, heads, 2 * HALF] rotated in place (`triton_ops.rotate_heads`, which
+    the RoPE kernel runs), then its rotated k and its v written to their slot (-1: none). One kernel for
+    two."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    h, i, r1, r2 = rotate_heads(x_ptr, t, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, NH + KVH, N_PAD, HALF,
-                                HALF_PAD)
+    h, i, r1, r2 = rotate_heads(x_ptr, t, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, NH + KVH, N_PAD,
+                                HALF, HALF_PAD)
     row_ok = (i * 0 + slot) >= 0
     kmask = ((h >= NH) & (h < NH + KVH))[:, None] & ((i < HALF) & row_ok)[None, :]
     kdst = kc_ptr + (h - NH).to(tl.int64)[:, None] * num_slots * 2 * HALF + slot * 2 * HALF + i[None, :]
@@ -57,13 +59,16 @@ def _rope_kv_write_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_row, base, sbase, start, limit, rows_pos,
-                 scale, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-                 CAUSAL: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """One online-softmax update of (acc, m, l) with the context positions [start, start + TILE) below `limit`.
+def _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_row, base, sbase, start, limit,
+                 rows_pos, scale, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+                 TILE: tl.constexpr, CAUSAL: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """One online-softmax update of (acc, m, l) with the context positions [start, start + TILE) below
+    `limit`.
 
-    QUANT: int8 pages with one fp32 scale per (kv head, page) at ks/vs[sbase + page]; the tile's codes are cast
-    to q's dtype (exact) and the scales applied to the scores and probabilities, never to a dequantized tile."""
+    QUANT: int8 pages with one fp32 scale per (kv head, page) at ks/vs[sbase + page]; the tile's codes are
+    cast to q's dtype (exact) and the scales applied to the scores and probabilities, never to a dequantized
+    tile."""
     n = start + tl.arange(0, TILE)
     d = tl.arange(0, D_PAD)
     valid = n < limit
@@ -102,12 +107,14 @@ def _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_row, ba
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, part_ptr, ml_ptr, table_ptr, lens_ptr, scale,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, num_slots, GROUP: tl.constexpr,
-                   G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-                   SPLITS: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """One program per (sequence, kv head, split of the context): the GROUP query heads sharing the kv head attend
-    to its pages together. With SPLITS > 1 each split leaves its unnormalized output, max and sum for the combine."""
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, part_ptr, ml_ptr, table_ptr, lens_ptr,
+                   scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, num_slots,
+                   GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                   PAGE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr,
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One program per (sequence, kv head, split of the context): the GROUP query heads sharing the kv head
+    attend to its pages together. With SPLITS > 1 each split leaves its unnormalized output, max and sum for
+    the combine."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -162,11 +169,13 @@ def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, NH: tl.cons
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_ptr,
-                    scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, num_slots, GROUP: tl.constexpr,
-                    D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    TILE: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """One program per (chunk, query head, tile of BLOCK_M query rows): causal over the cached prefix + chunk."""
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr,
+                    ctx_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, num_slots,
+                    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, TILE: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    """One program per (chunk, query head, tile of BLOCK_M query rows): causal over the cached prefix +
+    chunk."""
     c = tl.program_id(0)
     qh = tl.program_id(1)
     tile = tl.program_id(2)
@@ -189,42 +198,48 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, q
     end = tl.where(tile * BLOCK_M < q_len, tl.minimum(ctx, past + (tile + 1) * BLOCK_M), 0)
     for start in range(0, end, TILE):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_row, base, sbase,
-                                     start, end, past + m, scale, D, D_PAD, PAGE, TILE, True, QUANT, IEEE, UPCAST)
+                                     start, end, past + m, scale, D, D_PAD, PAGE, TILE, True, QUANT, IEEE,
+                                     UPCAST)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + qh * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_mask)
+    tl.store(out_ptr + rows[:, None] * stride_ot + qh * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def _precision(dtype: torch.dtype) -> dict[str, bool]:
-    """fp32 attends in full fp32 (no TF32); 16-bit types multiply natively, or in fp32 under the interpreter."""
-    return {"IEEE": dtype == torch.float32, "UPCAST": dtype != torch.float32 and bool(triton.knobs.runtime.interpret)}
+    """fp32 attends in full fp32 (no TF32); 16-bit types multiply natively, or in fp32 under the
+    interpreter."""
+    return {"IEEE": dtype == torch.float32,
+            "UPCAST": dtype != torch.float32 and bool(triton.knobs.runtime.interpret)}
 
 
 def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
-def paged_kv_write(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v: [T, kvh, hd] (last dim contiguous) into kc, vc [kvh, slots, hd] at `slots` [T] (-1: skip the row)."""
+def paged_kv_write(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """k, v: [T, kvh, hd] (last dim contiguous) into kc, vc [kvh, slots, hd] at `slots` [T] (-1: skip the
+    row)."""
     t, kvh, hd = k.shape
     if t == 0:
         return
-    _kv_write_kernel[(t,)](k, v, kc, vc, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.shape[1],
-                           KVH=kvh, KVH_PAD=_pow2(kvh), D=hd, D_PAD=_pow2(hd, 16))
+    _kv_write_kernel[(t,)](k, v, kc, vc, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           kc.shape[1], KVH=kvh, KVH_PAD=_pow2(kvh), D=hd, D_PAD=_pow2(hd, 16))
 
 
 def paged_rope_kv_write(qkv: torch.Tensor, nh: int, positions: torch.Tensor, cos_table: torch.Tensor,
-                        sin_table: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:
-    """qkv [T, nh + 2 kvh, hd] (last dim contiguous): q and k rotated in place by the fp32 tables at `positions`,
-    k and v written to kc, vc [kvh, slots, hd] at `slots` [T] (-1: skip the row)."""
+                        sin_table: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                        slots: torch.Tensor) -> None:
+    """qkv [T, nh + 2 kvh, hd] (last dim contiguous): q and k rotated in place by the fp32 tables at
+    `positions`, k and v written to kc, vc [kvh, slots, hd] at `slots` [T] (-1: skip the row)."""
     t, heads, hd = qkv.shape
     kvh = (heads - nh) // 2
     if t == 0:
         return
     half = hd // 2
-    _rope_kv_write_kernel[(t,)](qkv, positions, cos_table, sin_table, kc, vc, slots, qkv.stride(0), qkv.stride(1),
-                                kc.shape[1], NH=nh, KVH=kvh, N_PAD=_pow2(nh + kvh), KVH_PAD=_pow2(kvh), HALF=half,
-                                HALF_PAD=_pow2(half))
+    _rope_kv_write_kernel[(t,)](qkv, positions, cos_table, sin_table, kc, vc, slots, qkv.stride(0),
+                                qkv.stride(1), kc.shape[1], NH=nh, KVH=kvh, N_PAD=_pow2(nh + kvh),
+                                KVH_PAD=_pow2(kvh), HALF=half, HALF_PAD=_pow2(half))
 
 
 def decode_splits(programs: int, width_tokens: int, device: torch.device) -> int:
@@ -242,8 +257,8 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 page: int, scale: float, out: torch.Tensor, splits: int | None = None,
+def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, page: int, scale: float, out: torch.Tensor, splits: int | None = None,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: [B, nh, hd] one token per sequence; tables [B, W] pages; lens [B] context incl. the token -> out.
 
@@ -260,8 +275,8 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: to
         part = torch.empty((b, nh, splits, d_pad), dtype=torch.float32, device=q.device)
         ml = torch.empty((b, nh, splits, 2), dtype=torch.float32, device=q.device)
     ks, vs = scales if scales is not None else (kc, vc)
-    # 128-position tiles for int8 pages and for head dims up to 64, 64 for wider bf16 heads: fastest on an H100
-    # (docs/gpu.md, decode-attention sweep)
+    # 128-position tiles for int8 pages and for head dims up to 64, 64 for wider bf16 heads: fastest on an
+    # H100 (docs/gpu.md, decode-attention sweep)
     tile = max(128 if scales is not None or hd <= 64 else 64, page)
     _decode_kernel[(b, kvh, splits)](q, kc, vc, ks, vs, out, part, ml, tables, lens, scale, q.stride(0),
                                      q.stride(1), out.stride(0), out.stride(1), tables.stride(0), kc.shape[1],
@@ -274,9 +289,10 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: to
     return out
 
 
-def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, q_start: torch.Tensor,
-                  q_len: torch.Tensor, ctx: torch.Tensor, max_q: int, page: int, scale: float,
-                  out: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
+                  q_start: torch.Tensor, q_len: torch.Tensor, ctx: torch.Tensor, max_q: int, page: int,
+                  scale: float, out: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]
+                  | None = None) -> torch.Tensor:
     """Chunks of q rows ([q_start, q_start + q_len) of q [T, nh, hd]) over their pages (context `ctx` each,
     the chunk's own K/V already written) -> the same rows of out. `scales` as in `paged_decode`."""
     nh, hd = q.shape[1], q.shape[2]
@@ -284,8 +300,8 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: t
     block_m = 64 if max_q > 32 else (32 if max_q > 16 else 16)
     grid = (q_len.shape[0], nh, triton.cdiv(max_q, block_m))
     ks, vs = scales if scales is not None else (kc, vc)
-    _prefill_kernel[grid](q, kc, vc, ks, vs, out, tables, q_start, q_len, ctx, scale, q.stride(0), q.stride(1),
-                          out.stride(0), out.stride(1), tables.stride(0), kc.shape[1], GROUP=nh // kvh, D=hd,
-                          D_PAD=_pow2(hd, 16), PAGE=page, BLOCK_M=block_m, TILE=max(64, page),
-                          QUANT=scales is not None, **_precision(q.dtype))
+    _prefill_kernel[grid](q, kc, vc, ks, vs, out, tables, q_start, q_len, ctx, scale, q.stride(0),
+                          q.stride(1), out.stride(0), out.stride(1), tables.stride(0), kc.shape[1],
+                          GROUP=nh // kvh, D=hd, D_PAD=_pow2(hd, 16), PAGE=page, BLOCK_M=block_m,
+                          TILE=max(64, page), QUANT=scales is not None, **_precision(q.dtype))
     return out

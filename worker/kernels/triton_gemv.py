@@ -16,7 +16,8 @@ BLOCK_N, BLOCK_K = 16, 64  # a program per 16 output columns: N = 576 is still 3
 @triton.jit
 def _prologue(x_ptr, r_ptr, g_ptr, rows, cols, m_mask, k_mask, stride_x, stride_r, rstd, inter,
               MODE: tl.constexpr, HAS_RES: tl.constexpr):
-    """The A operand's [BLOCK_M, BLOCK_K] block in fp32: normed (MODE 1) or SiLU·mul of gate and up (MODE 2)."""
+    """The A operand's [BLOCK_M, BLOCK_K] block in fp32: normed (MODE 1) or SiLU·mul of gate and up (MODE
+    2)."""
     mask = m_mask[:, None] & k_mask[None, :]
     if MODE == 1:
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
@@ -26,15 +27,16 @@ def _prologue(x_ptr, r_ptr, g_ptr, rows, cols, m_mask, k_mask, stride_x, stride_
         g = tl.load(g_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
         return x.to(tl.float32) * rstd[:, None] * g[None, :]
     gate = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + rows[:, None] * stride_x + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + rows[:, None] * stride_x + inter + cols[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
-def _fused_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, new_x_ptr, M, N, K, stride_x, stride_r, stride_w,
-                         stride_o, stride_nx, eps, MODE: tl.constexpr, HAS_RES: tl.constexpr,
-                         IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+def _fused_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, new_x_ptr, M, N, K, stride_x, stride_r,
+                         stride_w, stride_o, stride_nx, eps, MODE: tl.constexpr, HAS_RES: tl.constexpr,
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
@@ -59,8 +61,9 @@ def _fused_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, new_x_ptr, M, N, K
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_mask = cols < K
+        # a: rounded once to the model dtype, as the kernels round
         a = _prologue(x_ptr, r_ptr, g_ptr, rows, cols, m_mask, k_mask, stride_x, stride_r, rstd, K, MODE,
-                      HAS_RES).to(w_ptr.dtype.element_ty)  # rounded once to the model dtype, as the kernels round
+                      HAS_RES).to(w_ptr.dtype.element_ty)
         w = tl.load(w_ptr + n_idx[None, :] * stride_w + cols[:, None], mask=k_mask[:, None] & n_mask[None, :],
                     other=0.0)
         if UPCAST:  # Triton's interpreter gets 16-bit tl.dot wrong: the same products in fp32 there

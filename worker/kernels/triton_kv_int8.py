@@ -1,4 +1,5 @@
-"""The quantizing K/V write into int8 pages, in Triton: `worker.kvcache.quant.write_int8`'s rule, code for code.
+"""The quantizing K/V write into int8 pages, in Triton: `worker.kvcache.quant.write_int8`'s rule, code for
+code.
 
 One fp32 scale per (kv head, page). A step's tokens of one page are one group (they are contiguous in the slot
 mapping: a page belongs to one sequence); the group's first token writes the whole group, so no two programs
@@ -15,7 +16,8 @@ from worker.kvcache.quant import GROW, QMAX
 
 __all__ = ["paged_kv_write_int8"]
 
-_RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (x + _RNE) - _RNE rounds an fp32 |x| < 2**22 half to even, as torch.round does
+# 1.5 * 2**23: (x + _RNE) - _RNE rounds an fp32 |x| < 2**22 half to even, as torch.round does
+_RNE = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -42,7 +44,8 @@ def _in_group(slot_ptr, t, i, n_tokens, page, PAGE: tl.constexpr):
 def _quantize_group(x_ptr, stride_t, stride_h, c_ptr, s_ptr, slot_ptr, t, n_tokens, page, first, leader,
                     num_slots, KVH: tl.constexpr, KVH_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                     PAGE: tl.constexpr, GROW_F: tl.constexpr, QMAX_F: tl.constexpr):
-    """The leader's group of rows of x (K or V) into the codes at c_ptr and the scales at s_ptr, every kv head."""
+    """The leader's group of rows of x (K or V) into the codes at c_ptr and the scales at s_ptr, every kv
+    head."""
     h = tl.arange(0, KVH_PAD)
     d = tl.arange(0, D_PAD)
     hd_mask = (h < KVH)[:, None] & (d < D)[None, :]
@@ -78,11 +81,12 @@ def _quantize_group(x_ptr, stride_t, stride_h, c_ptr, s_ptr, slot_ptr, t, n_toke
 
 
 @triton.jit
-def _kv_write_int8_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, n_tokens, stride_kt, stride_kh,
-                          stride_vt, stride_vh, num_slots, KVH: tl.constexpr, KVH_PAD: tl.constexpr,
-                          D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, GROW_F: tl.constexpr,
-                          QMAX_F: tl.constexpr):
-    """One program per token; only a group's first token (slot >= 0, its predecessor on another page) works."""
+def _kv_write_int8_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, n_tokens, stride_kt,
+                          stride_kh, stride_vt, stride_vh, num_slots, KVH: tl.constexpr,
+                          KVH_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+                          GROW_F: tl.constexpr, QMAX_F: tl.constexpr):
+    """One program per token; only a group's first token (slot >= 0, its predecessor on another page)
+    works."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     prev = tl.load(slot_ptr + t - 1, mask=t > 0, other=-1).to(tl.int64)
@@ -95,13 +99,14 @@ def _kv_write_int8_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr
                     num_slots, KVH, KVH_PAD, D, D_PAD, PAGE, GROW_F, QMAX_F)
 
 
-def paged_kv_write_int8(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor,
-                        vs: torch.Tensor, slots: torch.Tensor, page: int) -> None:
-    """k, v: [T, kvh, hd] quantized into int8 kc, vc [kvh, slots, hd] at `slots` [T] (-1: skip the row), updating
-    the fp32 scales ks, vs [kvh, pages]."""
+def paged_kv_write_int8(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                        ks: torch.Tensor, vs: torch.Tensor, slots: torch.Tensor, page: int) -> None:
+    """k, v: [T, kvh, hd] quantized into int8 kc, vc [kvh, slots, hd] at `slots` [T] (-1: skip the row),
+    updating the fp32 scales ks, vs [kvh, pages]."""
     t, kvh, hd = k.shape
     if t == 0:
         return
-    _kv_write_int8_kernel[(t,)](k, v, kc, vc, ks, vs, slots, t, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                kc.shape[1], KVH=kvh, KVH_PAD=triton.next_power_of_2(kvh),
-                                D=hd, D_PAD=max(16, triton.next_power_of_2(hd)), PAGE=page, GROW_F=GROW, QMAX_F=QMAX)
+    _kv_write_int8_kernel[(t,)](k, v, kc, vc, ks, vs, slots, t, k.stride(0), k.stride(1), v.stride(0),
+                                v.stride(1), kc.shape[1], KVH=kvh, KVH_PAD=triton.next_power_of_2(kvh),
+                                D=hd, D_PAD=max(16, triton.next_power_of_2(hd)), PAGE=page, GROW_F=GROW,
+                                QMAX_F=QMAX)

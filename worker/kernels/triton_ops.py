@@ -1,8 +1,8 @@
-"""A decoder layer's elementwise ops as one Triton kernel each on CUDA: RoPE in place, add + RMSNorm, SiLU-mul,
-and fp8 per-row activation quantization (`worker.quant.fp8`).
+"""A decoder layer's elementwise ops as one Triton kernel each on CUDA: RoPE in place, add + RMSNorm,
+SiLU-mul, and fp8 per-row activation quantization (`worker.quant.fp8`).
 
-The face of `worker.fused.EagerOps` (the reference). Fewer, larger kernels matter most inside decode CUDA graphs,
-where a small model's step is bound by the number of kernels, not by bytes.
+The face of `worker.fused.EagerOps` (the reference). Fewer, larger kernels matter most inside decode CUDA
+graphs, where a small model's step is bound by the number of kernels, not by bytes.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from worker.kernels.layer_ops import EagerOps, Rope
 @triton.jit
 def rotate_heads(x_ptr, t, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT: tl.constexpr,
                  N_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """Token t's first N_ROT heads of x rotated in place by the fp32 tables at its position (fp32 math, rounded
-    once); returns the head and lane indices and the rotated halves, for a caller that writes them elsewhere too."""
+    """Token t's first N_ROT heads of x rotated in place by the fp32 tables at its position (fp32 math,
+    rounded once); returns the head and lane indices and the rotated halves, for a caller that writes them
+    elsewhere too."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     h = tl.arange(0, N_PAD)
     i = tl.arange(0, HALF_PAD)
@@ -38,9 +39,10 @@ def rotate_heads(x_ptr, t, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT:
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT: tl.constexpr, N_PAD: tl.constexpr,
-                 HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    rotate_heads(x_ptr, tl.program_id(0), pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT, N_PAD, HALF, HALF_PAD)
+def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT: tl.constexpr,
+                 N_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    rotate_heads(x_ptr, tl.program_id(0), pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, N_ROT, N_PAD, HALF,
+                 HALF_PAD)
 
 
 @triton.jit
@@ -67,14 +69,15 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_in, stride_out, INTER: tl.constexpr
     mask = i < INTER
     g = tl.load(gu_ptr + t * stride_in + i, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_in + INTER + i, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_out + i, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * stride_out + i, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
 def _quant_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K: tl.constexpr, K_PAD: tl.constexpr,
                            FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """One row: scale = max|x| / 448 (at least MIN_SCALE), codes = clamp(x / scale) as e4m3, rounded to nearest
-    even; true divisions, so the codes are `worker.fp8.quantize_rows_fp8`'s bit for bit."""
+    """One row: scale = max|x| / 448 (at least MIN_SCALE), codes = clamp(x / scale) as e4m3, rounded to
+    nearest even; true divisions, so the codes are `worker.fp8.quantize_rows_fp8`'s bit for bit."""
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, K_PAD)
     x = tl.load(x_ptr + t * stride_x + i, mask=i < K, other=0.0).to(tl.float32)
@@ -85,20 +88,21 @@ def _quant_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K: tl.conste
 
 
 def quantize_rows_fp8(x: torch.Tensor, fp8_max: float, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> e4m3 codes [M, K] and fp32 scales [M, 1] in one kernel (the torch version takes about nine)."""
+    """x [M, K] -> e4m3 codes [M, K] and fp32 scales [M, 1] in one kernel (the torch version takes about
+    nine)."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        _quant_rows_fp8_kernel[(m,)](x, q, scale, x.stride(0), q.stride(0), K=k, K_PAD=triton.next_power_of_2(k),
-                                     FP8_MAX=fp8_max, MIN_SCALE=min_scale)
+        _quant_rows_fp8_kernel[(m,)](x, q, scale, x.stride(0), q.stride(0), K=k,
+                                     K_PAD=triton.next_power_of_2(k), FP8_MAX=fp8_max, MIN_SCALE=min_scale)
     return q, scale
 
 
 class TritonOps(EagerOps):
-    """RoPE reads the fp32 cos/sin tables by position and rotates q and k in place; norms and SiLU-mul compute in
-    fp32 and round once; with `fused_linear`, decode-sized steps run them inside the projections that follow
-    (`worker.kernels.triton_gemv`)."""
+    """RoPE reads the fp32 cos/sin tables by position and rotates q and k in place; norms and SiLU-mul compute
+    in fp32 and round once; with `fused_linear`, decode-sized steps run them inside the projections that
+    follow (`worker.kernels.triton_gemv`)."""
 
     def __init__(self, fused_linear: bool = False) -> None:
         self.fused_linear = fused_linear
@@ -123,13 +127,14 @@ class TritonOps(EagerOps):
         t, _, hd = qkv.shape
         if t:
             half = hd // 2
-            _rope_kernel[(t,)](qkv, rope.positions, rope.cos_table, rope.sin_table, qkv.stride(0), qkv.stride(1),
-                               N_ROT=n_rot, N_PAD=triton.next_power_of_2(n_rot), HALF=half,
+            _rope_kernel[(t,)](qkv, rope.positions, rope.cos_table, rope.sin_table, qkv.stride(0),
+                               qkv.stride(1), N_ROT=n_rot, N_PAD=triton.next_power_of_2(n_rot), HALF=half,
                                HALF_PAD=triton.next_power_of_2(half))
         return qkv[:, :n_rot]
 
     def attend(self, attn, layer: int, qkv: torch.Tensor, nh: int, rope: Rope, kv, meta) -> torch.Tensor:
-        """On the Triton backend's model-dtype pages, RoPE and the K/V write are one kernel (the same bits)."""
+        """On the Triton backend's model-dtype pages, RoPE and the K/V write are one kernel (the same
+        bits)."""
         if getattr(attn, "name", "") == "triton" and not kv.quantized:
             return attn.forward_rope(layer, qkv, rope, kv, meta)
         return super().attend(attn, layer, qkv, nh, rope, kv, meta)
@@ -142,13 +147,14 @@ class TritonOps(EagerOps):
         return self._norm(x, residual, weight, eps)
 
     @staticmethod
-    def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+              eps: float) -> torch.Tensor:
         t, h = x.shape
         out = torch.empty_like(x)
         if t:
             res = residual if residual is not None else x
-            _add_rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), eps, H=h,
-                                       H_PAD=triton.next_power_of_2(h), HAS_RES=residual is not None)
+            _add_rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), eps,
+                                       H=h, H_PAD=triton.next_power_of_2(h), HAS_RES=residual is not None)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The radix cache's log of stored and evicted block ids (and of blocks entering and leaving the KV tiers below
-it), cut into numbered batches for the stats stream.
+"""The radix cache's log of stored and evicted block ids (and of blocks entering and leaving the KV tiers
+below it), cut into numbered batches for the stats stream.
 
 Each id is in at most one of the pending sets (its last change wins), so a batch applies in any order; a log
 that grows past its bound is dropped and the next batch is a full snapshot instead.
@@ -29,7 +29,8 @@ class KvBatch:
 
 
 class KvEvents:
-    """Pending changes since the last batch. `max_pending` bounds them; beyond it the log asks for a snapshot."""
+    """Pending changes since the last batch. `max_pending` bounds them; beyond it the log asks for a
+    snapshot."""
 
     def __init__(self, max_pending: int) -> None:
         if max_pending <= 0:
@@ -42,7 +43,8 @@ class KvEvents:
         self._tiered: set[int] = set()
         self._untiered: set[int] = set()
         self._overflow = False
-        self.tier_held: Callable[[], list[int]] | None = None  # set by `worker.kvcache.tiers.tier_store.KvTiers`
+        # set by `worker.kvcache.tiers.tier_store.KvTiers`
+        self.tier_held: Callable[[], list[int]] | None = None
 
     @property
     def pending(self) -> int:
@@ -85,8 +87,8 @@ class KvEvents:
         if not self.pending:
             return None
         self.seq += 1
-        batch = KvBatch(self.epoch, self.seq, False, list(self._stored), list(self._evicted), list(self._tiered),
-                        list(self._untiered))
+        batch = KvBatch(self.epoch, self.seq, False, list(self._stored), list(self._evicted),
+                        list(self._tiered), list(self._untiered))
         self._stored, self._evicted, self._tiered, self._untiered = set(), set(), set(), set()
         return batch
 
@@ -122,8 +124,8 @@ def kv_report(cache: RadixCacheLike | None, block_size: int, tokenizer_version: 
     batch = events.snapshot(cache.held_block_ids) if snapshot else events.next_batch(cache.held_block_ids)
     if batch is None:
         batch = KvBatch(events.epoch, events.seq, False, [], [])
-    return KvReport(KvContract(block_size, HASH_ALGO, tokenizer_version), batch.epoch, batch.seq, batch.snapshot,
-                    batch.stored, batch.evicted, batch.tiered, batch.untiered)
+    return KvReport(KvContract(block_size, HASH_ALGO, tokenizer_version), batch.epoch, batch.seq,
+                    batch.snapshot, batch.stored, batch.evicted, batch.tiered, batch.untiered)
 
 
 class KvPromises:

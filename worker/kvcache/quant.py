@@ -1,6 +1,8 @@
-"""8-bit KV pages in torch: the quantizing write and the dequantizing gather (the reference of `csrc/kv_int8.cpp`).
+"""8-bit KV pages in torch: the quantizing write and the dequantizing gather (the reference of
+`csrc/kv_int8.cpp`).
 
-Symmetric absmax int8, one fp32 scale per (kv head, page); the scale rule and its error bound are in docs/engine.md.
+Symmetric absmax int8, one fp32 scale per (kv head, page); the scale rule and its error bound are in
+docs/engine.md.
 """
 
 from __future__ import annotations
@@ -8,19 +10,21 @@ from __future__ import annotations
 import torch
 
 QMAX = 127.0
-# A page's scale grows by at least this factor when an appended row exceeds it, so an element's rounding errors
-# over any number of growths sum to at most GROW / (GROW - 1) / 2 steps of the final scale.
+# A page's scale grows by at least this factor when an appended row exceeds it, so an element's rounding
+# errors over any number of growths sum to at most GROW / (GROW - 1) / 2 steps of the final scale.
 GROW = 2.0
 
 
 def error_bound(scale: torch.Tensor, grew: bool = True) -> torch.Tensor:
-    """The largest |x - dequantized x| under `scale`: half a step, or GROW / (GROW - 1) / 2 steps after growths."""
+    """The largest |x - dequantized x| under `scale`: half a step, or GROW / (GROW - 1) / 2 steps after
+    growths."""
     return scale * (GROW / (GROW - 1) / 2 if grew else 0.5)
 
 
 def write_int8(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor,
                block_size: int) -> None:
-    """Quantize x [T, kvh, hd] into cache [kvh, slots, hd] (int8) at `slot_mapping`, updating scales [kvh, pages].
+    """Quantize x [T, kvh, hd] into cache [kvh, slots, hd] (int8) at `slot_mapping`, updating scales [kvh,
+    pages].
 
     A page's tokens in the step are one group: starting at the page's first slot, it takes the group's scale;
     else a group whose absmax exceeds the page's range grows the scale and requantizes the rows before it."""

@@ -27,7 +27,8 @@ class RadixNode:
     lock_count: int = 0
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     ns: bytes = b""  # set on namespace roots only
-    hashes: list[bytes] = field(default_factory=list)  # the chained block digest of each page (worker.protocol.block_hash)
+    # the chained block digest of each page (worker.protocol.block_hash)
+    hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -46,16 +47,16 @@ class RadixCache:
 
         m = cache.match_prefix(ns, prompt[:-1])   # locks the path, hands you one ref per m.pages
         pages = m.pages + pool.allocate(...)      # block table; prefill starts at m.num_tokens
-        n = cache.insert(ns, computed, pages)     # on finish or preemption; computed = tokens whose KV is in pages
-        pool.release(pages[len(computed) // cache.block_size:])   # trailing partial page stays yours
+        n = cache.insert(ns, computed, pages)     # on finish or preemption; computed = tokens whose KV is in
+        pages pool.release(pages[len(computed) // cache.block_size:])   # trailing partial page stays yours
         cache.unlock(m.handle)                    # exactly once per match, after insert
         # on abort instead of insert: pool.release(pages); cache.unlock(m.handle)
 
-    Every unlocked cached page is evictable, so `pool.num_free + evictable_pages` is what admission can count on.
-    Every page stored or dropped is logged by block id in `events` (what gateways route on). Eviction pops a
-    heap of evictable leaves keyed by last access; an entry whose leaf was touched or left the set since is stale
-    and skipped, and the heap is rebuilt when stale entries outnumber live ones, so each evicted page costs
-    O(log n). Not thread-safe: the engine loop is its only user.
+    Every unlocked cached page is evictable, so `pool.num_free + evictable_pages` is what admission can count
+    on. Every page stored or dropped is logged by block id in `events` (what gateways route on). Eviction pops
+    a heap of evictable leaves keyed by last access; an entry whose leaf was touched or left the set since is
+    stale and skipped, and the heap is rebuilt when stale entries outnumber live ones, so each evicted page
+    costs O(log n). Not thread-safe: the engine loop is its only user.
     """
 
     def __init__(self, pool: PagePool, block_size: int) -> None:

@@ -44,7 +44,8 @@ class Int8Kernels:
     """The C++ kernels over int8 KV pages (`csrc/kv_int8.cpp`, `worker.kernels.cpu.int8_kernels`)."""
 
     decode: object  # paged_decode_int8(q, kc, vc, ks, vs, tables, lens, bs, scale)
-    prefill: object | None  # paged_prefill_int8(q, kc, vc, ks, vs, tables, q_lens, ctx_lens, bs, scale), None: shape
+    # paged_prefill_int8(q, kc, vc, ks, vs, tables, q_lens, ctx_lens, bs, scale), None: shape
+    prefill: object | None
     write: object  # paged_kv_write_int8(k, v, kc, vc, ks, vs, slot_mapping, bs, grow)
 
 
@@ -66,7 +67,8 @@ class TorchMeta:
     chunks: list[_Chunk]
     decode_tables: torch.Tensor | None = None  # [B, max_pages] int64 (C++ kernel path)
     decode_lens: torch.Tensor | None = None  # [B] int64 (C++ kernel path)
-    prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # tables, q_lens, ctx_lens (C++ path)
+    # tables, q_lens, ctx_lens (C++ path)
+    prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class TorchAttention:
@@ -87,7 +89,8 @@ class TorchAttention:
         self.prefill_kernel = prefill_kernel  # cpu_kernels.paged_prefill or None
         self.kv_write = kv_write  # cpu_kernels.paged_kv_write (one call for a layer's new K/V rows) or None
         self.int8 = int8  # the same kernels over int8 pages: used for what the model-dtype ones are given
-        # "kernel": prefill chunks on the C++ kernel; "sdpa": torch's SDPA per chunk (`worker.model.prefill_choice`)
+        # "kernel": prefill chunks on the C++ kernel; "sdpa": torch's SDPA per chunk
+        # (`worker.model.prefill_choice`)
         self.prefill_path = "kernel" if prefill_kernel is not None else "sdpa"
 
     def prepare(self, lay: BatchLayout, device: torch.device) -> TorchMeta:
@@ -107,7 +110,8 @@ class TorchAttention:
             mask = mask[:, None, :].to(device, non_blocking=True)
         if lay.prefill_q and self.prefill_kernel is not None:
             prefill = (padded_table(lay.prefill_tables, torch.int64),
-                       torch.tensor(lay.prefill_q, dtype=torch.int64), torch.tensor(lay.prefill_ctx, dtype=torch.int64))
+                       torch.tensor(lay.prefill_q, dtype=torch.int64),
+                       torch.tensor(lay.prefill_ctx, dtype=torch.int64))
             return TorchMeta(lay.slot_mapping, lay.num_decode, pages, mask, length, [], tables, lens, prefill)
         chunks = []
         row = lay.num_decode
@@ -142,7 +146,8 @@ class TorchAttention:
         if b:
             out[:b] = self._decode(q[:b], kc, vc, kv.block_size, meta)
         if meta.prefill is not None:
-            out[b:] = self.prefill_kernel(q[b:].contiguous(), kc, vc, *meta.prefill, kv.block_size, self.scale)
+            out[b:] = self.prefill_kernel(q[b:].contiguous(), kc, vc, *meta.prefill, kv.block_size,
+                                          self.scale)
         for ch in meta.chunks:
             rows = slice(ch.start, ch.start + ch.q_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kc, vc, ch)
@@ -150,7 +155,8 @@ class TorchAttention:
 
     def _forward_int8(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache,
                       meta: TorchMeta) -> torch.Tensor:
-        """`forward` over int8 pages: every read, a fresh prompt's own rows included, sees the quantized K/V."""
+        """`forward` over int8 pages: every read, a fresh prompt's own rows included, sees the quantized
+        K/V."""
         kc, vc, ks, vs, bs = kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.block_size
         if (meta.decode_tables is not None or meta.prefill is not None) and self.int8 is None:
             raise ValueError("an int8 KV cache with the C++ attention kernels needs their int8 versions")
@@ -161,12 +167,15 @@ class TorchAttention:
             quant.write_int8(v, vc, vs, meta.slot_mapping, bs)
         b, out = meta.num_decode, torch.empty_like(q)
         if b and meta.decode_tables is not None:
-            out[:b] = self.int8.decode(q[:b], kc, vc, ks, vs, meta.decode_tables, meta.decode_lens, bs, self.scale)
+            out[:b] = self.int8.decode(q[:b], kc, vc, ks, vs, meta.decode_tables, meta.decode_lens, bs,
+                                       self.scale)
         elif b:
             slots = _page_slots(meta.decode_pages, bs)
             shape = (self.kvh, b, meta.decode_len, self.hd)
-            out[:b] = self._decode_gathered(q[:b], quant.dequantize_slots(kc, ks, slots, bs, q.dtype).view(shape),
-                                            quant.dequantize_slots(vc, vs, slots, bs, q.dtype).view(shape), meta)
+            out[:b] = self._decode_gathered(q[:b],
+                                            quant.dequantize_slots(kc, ks, slots, bs, q.dtype).view(shape),
+                                            quant.dequantize_slots(vc, vs, slots, bs, q.dtype).view(shape),
+                                            meta)
         if meta.prefill is not None:
             out[b:] = self.int8.prefill(q[b:].contiguous(), kc, vc, ks, vs, *meta.prefill, bs, self.scale)
         for ch in meta.chunks:
@@ -203,7 +212,8 @@ class TorchAttention:
             return self._sdpa(q, k.transpose(0, 1), v.transpose(0, 1), None)
         return self._sdpa(q, kc.index_select(1, ch.ctx_slots), vc.index_select(1, ch.ctx_slots), ch.mask)
 
-    def _sdpa(self, q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
         """q [n, nh, hd] against kh, vh [kvh, ctx, hd]; mask None: causal over the chunk itself."""
         qh = q.transpose(0, 1)[None]  # [1, nh, q, hd]
         o = F.scaled_dot_product_attention(qh, kh[None], vh[None], attn_mask=mask, is_causal=mask is None,
@@ -277,7 +287,8 @@ class FlashAttention:
             out[:b] = o[:, 0]
         if meta.cu_q is not None:
             out[b:] = flash_attn_varlen_func(q[b:], kc, vc, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k,
-                                             softmax_scale=self.scale, causal=True, block_table=meta.prefill_table)
+                                             softmax_scale=self.scale, causal=True,
+                                             block_table=meta.prefill_table)
         return out.view(q.shape[0], -1)
 
 

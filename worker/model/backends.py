@@ -36,7 +36,8 @@ def choose_backend(name: str, device: torch.device, block_size: int) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "flash_attn" and not FlashAttention.usable(block_size):
-        raise ValueError("attention 'flash_attn' needs CUDA, the flash-attn package and a block size that is a "
+        raise ValueError("attention 'flash_attn' needs CUDA, the flash-attn package and a block size that is "
+                         "a "
                          f"multiple of 256 (block size {block_size})")
     if name == "triton" and not triton_usable(device):
         raise ValueError(f"attention 'triton' needs the triton package and a CUDA device (device {device})")

@@ -1,4 +1,5 @@
-"""The loaded-model record and how a model is built on its device: device and dtype choice, weights put in place.
+"""The loaded-model record and how a model is built on its device: device and dtype choice, weights put in
+place.
 
 Shared by the file loader (`worker.model.loader`) and the random test models (`worker.model.tiny_model`).
 """
@@ -33,8 +34,8 @@ class LoadedModel:
 
     @property
     def weights_id(self) -> str:
-        """What the KV of a prompt depends on besides the tokenizer and layout: the weights, the quantization mode
-        actually applied, the dtype and the version label (`worker.kvcache.tiers.pages.fingerprint`)."""
+        """What the KV of a prompt depends on besides the tokenizer and layout: the weights, the quantization
+        mode actually applied, the dtype and the version label (`worker.kvcache.tiers.pages.fingerprint`)."""
         return "|".join((self.weights, self.quantization, str(self.dtype), self.version))
 
 
@@ -60,7 +61,8 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> L
     """The model with uninitialized weights of `dtype` on `device` (tied weights tied), ready to be filled in.
 
     Built on the meta device, then given real storage by `torch.empty` per tensor: `Module.to_empty` calls
-    `empty_like` on meta tensors, whose first call imports torch's decompositions and sympy (0.5 s of a start)."""
+    `empty_like` on meta tensors, whose first call imports torch's decompositions and sympy (0.5 s of a
+    start)."""
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,

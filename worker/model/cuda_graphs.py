@@ -1,6 +1,7 @@
 """Decode steps as replayed CUDA graphs: one graph per batch-size bucket, padded, all sharing one memory pool.
 
-Padded rows carry context length 0 and slot -1, so the Triton kernels skip them; the eager forward is the reference.
+Padded rows carry context length 0 and slot -1, so the Triton kernels skip them; the eager forward is the
+reference.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class DecodeGraphs:
         return 0 < n <= self.buckets[-1] and max(len(t) for t in inputs.tables) <= self.max_pages
 
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """fp32 logits [n, vocab] of the step (a view into the graph's output: read it before the next run)."""
+        """fp32 logits [n, vocab] of the step (a view into the graph's output: read it before the next
+        run)."""
         n = len(inputs.ids)
         b = self.bucket(n)
         host = torch.tensor([inputs.ids, inputs.positions, inputs.slots, inputs.lens], dtype=torch.int64)

@@ -1,8 +1,10 @@
-"""A decode-only step's decoder layers in one C++ call on CPU (`csrc/decode_stack.cpp`): the kernels the Python
-layer loop would call, in its order, so the outputs are the same bits without ~25 Python-dispatched calls a layer.
+"""A decode-only step's decoder layers in one C++ call on CPU (`csrc/decode_stack.cpp`): the kernels the
+Python layer loop would call, in its order, so the outputs are the same bits without ~25 Python-dispatched
+calls a layer.
 
-Used where every piece has a C++ kernel: fused ops, the C++ paged decode attention (int8 or model-dtype pages) and
-quantized linears whose path at the step's row count is a kernel (`linear_kind`); any other step runs the loop.
+Used where every piece has a C++ kernel: fused ops, the C++ paged decode attention (int8 or model-dtype pages)
+and quantized linears whose path at the step's row count is a kernel (`linear_kind`); any other step runs the
+loop.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ MAX_PLANS = 256  # row counts remembered (a step has at most max_num_seqs decode
 
 
 def linear_kind(lin: object, rows: int) -> tuple[int, list[torch.Tensor]] | None:
-    """How `QuantLinear.forward` runs `rows` rows of `lin`, as a kind and its tensors; None where it is not one
-    of the C++ stack's kernels (a dense or int4 product, or another module)."""
+    """How `QuantLinear.forward` runs `rows` rows of `lin`, as a kind and its tensors; None where it is not
+    one of the C++ stack's kernels (a dense or int4 product, or another module)."""
     if not isinstance(lin, QuantLinear):
         return None
     if rows <= lin.max_rows:
@@ -44,7 +46,8 @@ def linear_kind(lin: object, rows: int) -> tuple[int, list[torch.Tensor]] | None
         if w.small_kind == "vnni":
             return VNNI, [w.inv_smooth, packed, colsum, w.col_scale]
         return AVX2, [w.inv_smooth, packed, w.col_scale]
-    if w.onednn is not None:  # oneDNN's product (AMX) was measured faster than `_int_mm`: the Python path runs it
+    # oneDNN's product (AMX) was measured faster than `_int_mm`: the Python path runs it
+    if w.onednn is not None:
         return None
     return (INT_MM, [w.inv_smooth, w.wt, w.col_scale]) if has_int8_dot() else None
 
@@ -59,17 +62,20 @@ class DecodeStack:
 
     @classmethod
     def build(cls, model: torch.nn.Module, attn: object, kv: KVCache, ops: object) -> DecodeStack | None:
-        if not isinstance(ops, FusedOps) or not isinstance(attn, TorchAttention) or kv.k[0].device.type != "cpu":
+        if (not isinstance(ops, FusedOps) or not isinstance(attn, TorchAttention)
+                or kv.k[0].device.type != "cpu"):
             return None
         if not hasattr(ops.ext, "decode_stack") or not hasattr(model, "layers"):
             return None
-        kernels = attn.int8 is not None if kv.quantized else attn.kernel is not None and attn.kv_write is not None
+        kernels = (attn.int8 is not None if kv.quantized
+                   else attn.kernel is not None and attn.kv_write is not None)
         if not kernels:
             return None
         return cls(model, attn, kv, ops.ext)
 
     def plan(self, rows: int) -> tuple[list[torch.Tensor], list[int]] | None:
-        """Every layer's tensors and linear kinds at `rows` rows (remembered per row count); None: the loop."""
+        """Every layer's tensors and linear kinds at `rows` rows (remembered per row count); None: the
+        loop."""
         if rows in self._plans:
             return self._plans[rows]
         if len(self._plans) >= MAX_PLANS:
@@ -92,7 +98,8 @@ class DecodeStack:
         return plan
 
     def covers(self, meta: object, rows: int) -> bool:
-        """This step is decode-only with the C++ attention's tables, and every linear has its kernel at `rows`."""
+        """This step is decode-only with the C++ attention's tables, and every linear has its kernel at
+        `rows`."""
         return (isinstance(meta, TorchMeta) and meta.num_decode == rows and meta.decode_tables is not None
                 and self.plan(rows) is not None)
 
@@ -103,5 +110,6 @@ class DecodeStack:
         if model._rope_cos is None:
             model.build_rope()
         return self.ext.decode_stack(x, weights, kinds, positions, model._rope_cos, model._rope_sin,
-                                     meta.slot_mapping, meta.decode_tables, meta.decode_lens, attn.nh, attn.kvh,
-                                     self.kv.block_size, attn.scale, self.eps, self.kv.quantized, quant.GROW)
+                                     meta.slot_mapping, meta.decode_tables, meta.decode_lens, attn.nh,
+                                     attn.kvh, self.kv.block_size, attn.scale, self.eps, self.kv.quantized,
+                                     quant.GROW)

@@ -1,5 +1,6 @@
-"""GGUF block dequantization in torch for the types the shipped model uses (Q4_1, Q8_0): the same fp32 products
-and sums as gguf-py's numpy code, so the same bits, at a fraction of its time; every other type goes to gguf-py."""
+"""GGUF block dequantization in torch for the types the shipped model uses (Q4_1, Q8_0): the same fp32
+products and sums as gguf-py's numpy code, so the same bits, at a fraction of its time; every other type goes
+to gguf-py."""
 
 from __future__ import annotations
 
@@ -28,12 +29,14 @@ _TORCH = {GGMLQuantizationType.Q4_1: _q4_1, GGMLQuantizationType.Q8_0: _q8_0}
 
 
 def dequantize(raw: np.ndarray, qtype: int) -> torch.Tensor:
-    """A tensor's raw GGUF data (rows of blocks as uint8, as the file holds them) -> fp32 of its logical shape."""
+    """A tensor's raw GGUF data (rows of blocks as uint8, as the file holds them) -> fp32 of its logical
+    shape."""
     kind = GGMLQuantizationType(qtype)
     fn = _TORCH.get(kind)
     if fn is None:
         return torch.from_numpy(np.require(gguf_dequantize(raw, kind), np.float32, ["C", "W"]))
     block, size = GGML_QUANT_SIZES[kind]
     shape = (*raw.shape[:-1], raw.shape[-1] // size * block)
-    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(-1, size)  # off the read-only map
+    # off the read-only map
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(-1, size)
     return fn(blocks).view(shape)

@@ -1,4 +1,4 @@
-"""Which dtype the KV pages get: `--kv-dtype` (`EngineConfig.kv_dtype`) resolved for the device and backend."""
+"""Which dtype KV pages get: `--kv-dtype` (`EngineConfig.kv_dtype`) resolved for the device and backend."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from worker.config import EngineConfig
 def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> tuple[str, str]:
     """("model" | "int8", why). An explicit int8 that cannot run here raises ValueError naming the flag.
 
-    auto: int8 on CPU where the C++ attention kernels run (the torch backend with its extension built): there it
-    passed the quality gate (perplexity within 0.5% of the model dtype's, tests/worker/kvcache) and its decode
-    step at 2k context took 0.5-0.6x the model dtype's (bench/kv_dtype.py, docs/engine.md); the model dtype
-    elsewhere (the triton backend reads int8 pages when asked; on an H100 they were faster only for large models at
-    long context; flash-attn has none; the pure-torch path dequantizes every gather)."""
+    auto: int8 on CPU where the C++ attention kernels run (the torch backend with its extension built): there
+    it passed the quality gate (perplexity within 0.5% of the model dtype's, tests/worker/kvcache) and its
+    decode step at 2k context took 0.5-0.6x the model dtype's (bench/kv_dtype.py, docs/engine.md); the model
+    dtype elsewhere (the triton backend reads int8 pages when asked; on an H100 they were faster only for
+    large models at long context; flash-attn has none; the pure-torch path dequantizes every gather)."""
     from worker.model.backends import choose_backend
 
     asked = config.kv_dtype
@@ -23,7 +23,8 @@ def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> tuple[str, s
     backend = choose_backend(config.attention_backend, device, config.block_size)
     if backend == "flash_attn":
         if asked == "int8":
-            raise ValueError("--kv-dtype int8 does not run with the flash_attn backend (its paged layout has no "
+            raise ValueError("--kv-dtype int8 does not run with the flash_attn backend (its paged layout has "
+                             "no "
                              "int8 pages); use --kv-dtype model or auto, or --attention triton")
         return "model", "flash_attn has no int8 pages"
     if asked == "int8":  # triton's kernels, the C++ ones on CPU, else the pure-torch path (slow)

@@ -21,7 +21,8 @@ from worker.model.attention import BatchLayout, FlashAttention, FlashMeta, Torch
 
 
 class LayerStack(Protocol):
-    """Every decoder layer of the steps it covers in one call (`worker.model.decode_stack.DecodeStack` on CPU)."""
+    """Every decoder layer of the steps it covers in one call (`worker.model.decode_stack.DecodeStack` on
+    CPU)."""
 
     def covers(self, meta: object, rows: int) -> bool: ...
 
@@ -89,9 +90,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope: Rope,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] is the residual stream (updated in place, or a new tensor where the ops fuse the add into
-        a projection); `pending` is the previous layer's MLP output, added in the same pass as this layer's input
-        norm (one kernel fewer per layer). Returns x and this layer's MLP output, not yet added."""
+        """x [T, hidden] is the residual stream (updated in place, or a new tensor where the ops fuse the add
+        into a projection); `pending` is the previous layer's MLP output, added in the same pass as this
+        layer's input norm (one kernel fewer per layer). Returns x and this layer's MLP output, not yet
+        added."""
         nh, kvh, hd, ops = self.nh, self.kvh, self.hd, ctx.ops
         x, qkv = ops.norm_linear(x, pending, self.input_norm, self.qkv)
         attn_out = ops.attend(ctx.attn, self.index, qkv.view(x.shape[0], nh + 2 * kvh, hd), nh, rope, ctx.kv,
@@ -105,7 +107,8 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         # no random init: weights are copied in after (nn.Embedding's own init on a meta device imported
         # torch._dynamo, 2 s of a worker's start)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                  _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

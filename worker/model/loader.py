@@ -43,8 +43,8 @@ def load_model(spec: str | Path = "default", *, dtype: str | torch.dtype | None 
     pack_model(model)  # bf16 on CPU: the remaining linear layers prepacked for oneDNN
     log.info("loaded %s (%s, %s, quantization %s%s) in %.1fs", src.model_id, dt, dev, mode,
              " from auto" if quantization == "auto" else "", time.monotonic() - t0)
-    return LoadedModel(cfg, model, tok, src.model_id, tok.version, min(cfg.max_position, tok.max_context), dt, dev,
-                       mode, weights_digest(src))
+    return LoadedModel(cfg, model, tok, src.model_id, tok.version, min(cfg.max_position, tok.max_context), dt,
+                       dev, mode, weights_digest(src))
 
 
 def load_any(spec: str, *, dtype: str | None = None, device: str | None = None,
@@ -94,7 +94,8 @@ def gguf_config(md: dict) -> ModelConfig:
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
         max_position=int(g("context_length", 2048)),
-        bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
     )
 
 

@@ -1,5 +1,5 @@
-"""Which prefill attention a CPU runner uses, measured once per process and shape: the C++ paged kernel or torch's
-SDPA per chunk (its flash kernel runs oneDNN's brgemm, on AMX tiles where the CPU has them)."""
+"""Which prefill attention a CPU runner uses, measured once per process and shape: the C++ paged kernel or
+torch's SDPA per chunk (its flash kernel runs oneDNN's brgemm, on AMX tiles where the CPU has them)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def fixed_path() -> str | None:
 
 
 def sdpa_wins(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> bool:
-    """Over model-dtype pages, SDPA per chunk beat the C++ prefill kernel by 10% on a one-layer probe of this shape
-    (measured once per process and key; `SWITCHYARD_PREFILL_ATTENTION` fixes the answer)."""
+    """Over model-dtype pages, SDPA per chunk beat the C++ prefill kernel by 10% on a one-layer probe of this
+    shape (measured once per process and key; `SWITCHYARD_PREFILL_ATTENTION` fixes the answer)."""
     path = fixed_path()
     if path is not None:
         return path == "sdpa"
@@ -49,10 +49,10 @@ def sdpa_wins(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> bool:
 
 
 def choose_prefill(attn: object, cfg: ModelConfig, kv: KVCache) -> object:
-    """`attn`, or `attn` without its prefill kernels where SDPA is faster (about 2x on an Intel Xeon with AMX; the
-    C++ kernel wins 2-3x on CPUs without it). Over int8 pages only where `SWITCHYARD_PREFILL_ATTENTION=sdpa` asks:
-    SDPA reads them dequantized to the model dtype, whose rounding cost 0.5% perplexity (the C++ kernel keeps the
-    scales in fp32)."""
+    """`attn`, or `attn` without its prefill kernels where SDPA is faster (about 2x on an Intel Xeon with AMX;
+    the C++ kernel wins 2-3x on CPUs without it). Over int8 pages only where
+    `SWITCHYARD_PREFILL_ATTENTION=sdpa` asks: SDPA reads them dequantized to the model dtype, whose rounding
+    cost 0.5% perplexity (the C++ kernel keeps the scales in fp32)."""
     if not isinstance(attn, TorchAttention) or kv.k[0].device.type != "cpu":
         return attn
     kernel = attn.int8.prefill if kv.quantized and attn.int8 is not None else attn.prefill_kernel
@@ -98,8 +98,8 @@ def _measure(cfg: ModelConfig, dtype: torch.dtype, bs: int) -> str:
     times = {}
     with torch.inference_mode():
         full = torch.tensor(fill)
-        attn.forward(0, rand(len(fill), attn.nh), rand(len(fill), attn.kvh), rand(len(fill), attn.kvh), scratch,
-                     attn.prepare(BatchLayout(bs, full, [], [], tables, ctx_lens, ctx_lens), cpu))
+        attn.forward(0, rand(len(fill), attn.nh), rand(len(fill), attn.kvh), rand(len(fill), attn.kvh),
+                     scratch, attn.prepare(BatchLayout(bs, full, [], [], tables, ctx_lens, ctx_lens), cpu))
         for path, a in (("kernel", attn), ("sdpa", without_prefill_kernels(attn))):
             meta = a.prepare(lay, cpu)
             a.forward(0, q, k, v, scratch, meta)

@@ -17,8 +17,8 @@ TINY_SEED = 1234
 
 
 def tiny_config(vocab_size: int, eos_token_id: int | None, bos_token_id: int | None) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16, max_position=8192, tie_word_embeddings=True,
+    return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position=8192, tie_word_embeddings=True,
                        eos_token_id=eos_token_id, bos_token_id=bos_token_id)
 
 
@@ -55,10 +55,11 @@ def load_tiny_model(*, dtype: str | torch.dtype | None = "float32", device: str 
 def random_model(cfg: ModelConfig, *, dtype: str | torch.dtype | None = "float32",
                  device: str | torch.device | None = None, seed: int = TINY_SEED,
                  tokenizer: str | Tokenizer = "default", on_device: bool = False) -> LoadedModel:
-    """A model of any Llama shape with seeded random weights (0.2 scale: peaked logits, so greedy tokens are stable).
+    """A model of any Llama shape with seeded random weights (0.2 scale: peaked logits, so greedy tokens are
+    stable).
 
-    The weights are drawn on the CPU, so every device gets the same model; `on_device` draws them on the device
-    instead (large shapes for benchmarks: fast, but other numbers than the CPU's)."""
+    The weights are drawn on the CPU, so every device gets the same model; `on_device` draws them on the
+    device instead (large shapes for benchmarks: fast, but other numbers than the CPU's)."""
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)

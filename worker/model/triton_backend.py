@@ -1,6 +1,8 @@
-"""The Triton attention backend: `prepare` turns a step's layout into int32 tables, `forward` runs the kernels.
+"""The Triton attention backend: `prepare` turns a step's layout into int32 tables, `forward` runs the
+kernels.
 
-Kernels are in `worker.kernels.triton_attention`; a decode-only meta with fixed-size tensors is what CUDA graphs replay.
+Kernels are in `worker.kernels.triton_attention`; a decode-only meta with fixed-size tensors is what CUDA
+graphs replay.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class TritonAttention:
         """q: [T, nh, hd]; k, v: [T, kvh, hd] -> [T, nh * hd]."""
         kc, vc = kv.k[layer], kv.v[layer]
         if kv.quantized:  # int8 pages: the write quantizes, the attention kernels read the codes and scales
-            self.int8_write(k, v, kc, vc, kv.k_scale[layer], kv.v_scale[layer], meta.slot_mapping, kv.block_size)
+            self.int8_write(k, v, kc, vc, kv.k_scale[layer], kv.v_scale[layer], meta.slot_mapping,
+                            kv.block_size)
         else:
             self.k.paged_kv_write(k, v, kc, vc, meta.slot_mapping)
         return self.attend(layer, q, kv, meta)
@@ -93,8 +96,8 @@ class TritonAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         b = meta.num_decode
         if b:
-            self.k.paged_decode(q[:b], kc, vc, meta.decode_tables, meta.decode_lens, kv.block_size, self.scale,
-                                out[:b], scales=scales)
+            self.k.paged_decode(q[:b], kc, vc, meta.decode_tables, meta.decode_lens, kv.block_size,
+                                self.scale, out[:b], scales=scales)
         if meta.q_len is not None:
             self.k.paged_prefill(q[b:], kc, vc, meta.prefill_tables, meta.q_start, meta.q_len, meta.ctx_len,
                                  meta.max_q, kv.block_size, self.scale, out[b:], scales=scales)

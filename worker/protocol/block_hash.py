@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-# Named in the worker's kv handshake; change it whenever `chain` changes, so that mixed versions refuse each other.
+# Named in the worker's kv handshake; change it whenever `chain` changes, so that mixed versions refuse each
+# other.
 HASH_ALGO = "xxh3-128/ns-chain/1"
 DIGEST_SIZE = 16
 _TOKEN_DTYPE = np.dtype("<i4")
@@ -42,7 +43,8 @@ def chain(ns: bytes, parent: bytes, tokens: Sequence[int] | np.ndarray | bytes |
     """
     if block_size <= 0:
         raise ValueError("block_size must be > 0")
-    count = (len(tokens) // 4 if isinstance(tokens, bytes | bytearray | memoryview) else len(tokens)) // block_size
+    count = (len(tokens) // 4 if isinstance(tokens, bytes | bytearray | memoryview)
+             else len(tokens)) // block_size
     if n_blocks is not None:
         count = min(count, n_blocks)
     if count <= 0:

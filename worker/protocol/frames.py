@@ -1,6 +1,6 @@
-"""The gateway <-> worker frames: msgpack over ZeroMQ and their typed records. Both ends encode and decode through
-here; no torch. (The package's `__init__` re-exports these and the block-hash, grammar, Redis URL and registration
-names.)
+"""The gateway <-> worker frames: msgpack over ZeroMQ and their typed records. Both ends encode and decode
+through here; no torch. (The package's `__init__` re-exports these and the block-hash, grammar, Redis URL and
+registration names.)
 """
 
 from __future__ import annotations
@@ -134,12 +134,14 @@ def encode_hello(gateway_id: str) -> bytes:
     return _pack({"t": HELLO, "gw": gateway_id})
 
 
-def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: SamplingParams, priority: Priority = Priority.INTERACTIVE,
-               deadline: float = 0.0, fkey: bytes = b"", weight: float = 1.0, resumed: int = 0,
-               traceparent: str = "", prefill: PrefillHint | None = None) -> bytes:
+def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: SamplingParams,
+               priority: Priority = Priority.INTERACTIVE, deadline: float = 0.0, fkey: bytes = b"",
+               weight: float = 1.0, resumed: int = 0, traceparent: str = "",
+               prefill: PrefillHint | None = None) -> bytes:
     token_bytes = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     obj = {"t": GEN, "rid": rid, "ns": bytes(ns), "tokens": token_bytes, "sampling": sampling.to_dict(),
-           "priority": int(priority), "deadline": float(deadline), "fkey": bytes(fkey), "weight": float(weight)}
+           "priority": int(priority), "deadline": float(deadline), "fkey": bytes(fkey),
+           "weight": float(weight)}
     if resumed:  # only a resumed stream carries it: a fresh request's frame is unchanged
         obj["resumed"] = int(resumed)
     if traceparent:  # only a traced request carries it
@@ -261,10 +263,12 @@ def _decode_gen(obj: dict[str, Any], max_prompt_tokens: int) -> GenRequest:
         raise ProtocolError(f"weight must be a finite number in (0, {MAX_WEIGHT:g}]", rid=rid, param="weight")
     resumed = _field(obj, "resumed", int, rid) if "resumed" in obj else 0
     if not 0 <= resumed < n:
-        raise ProtocolError("resumed must count fewer tokens than the request carries", rid=rid, param="resumed")
+        raise ProtocolError("resumed must count fewer tokens than the request carries", rid=rid,
+                            param="resumed")
     traceparent = _field(obj, "traceparent", str, rid) if "traceparent" in obj else ""
     if traceparent and not valid_traceparent(traceparent):
-        raise ProtocolError("traceparent must be a W3C version-00 trace context", rid=rid, param="traceparent")
+        raise ProtocolError("traceparent must be a W3C version-00 trace context", rid=rid,
+                            param="traceparent")
     try:
         prefill = decode_hint(obj["prefill"], rid) if "prefill" in obj else None
     except ValueError as exc:
@@ -352,7 +356,8 @@ def _decode_stats(obj: dict[str, Any]) -> WorkerStats:
     stats = WorkerStats(
         worker_id=_field(obj, "worker_id", str, None), queue=_field(obj, "queue", int, None),
         running=_field(obj, "running", int, None), kv_free=_field(obj, "kv_free", int, None),
-        kv_total=_field(obj, "kv_total", int, None), hit_rate=float(_field(obj, "hit_rate", (int, float), None)),
+        kv_total=_field(obj, "kv_total", int, None),
+        hit_rate=float(_field(obj, "hit_rate", (int, float), None)),
         draining=_field(obj, "draining", bool, None), model=_field(obj, "model", str, None),
         version=_field(obj, "version", int, None),
     )

@@ -74,8 +74,9 @@ GRAMMAR_KINDS = ("json_object", "json_schema", "tool_call")
 
 
 def wire_key(d: object, param: str = "response_format") -> tuple[str, str]:
-    """(kind, body) of a wire map after a shape check only (no JSON parse, no llguidance, no hash of the body):
-    cheap enough for the worker loop, and exact as a cache key (dict lookups compare the whole body)."""
+    """(kind, body) of a wire map after a shape check only (no JSON parse, no llguidance, no hash of the
+    body): cheap enough for the worker loop, and exact as a cache key (dict lookups compare the whole
+    body)."""
     if not isinstance(d, dict) or set(d) != {"kind", "body"} or not isinstance(d["body"], str) \
             or d["kind"] not in GRAMMAR_KINDS:
         raise GrammarError("grammar must be a map with a known 'kind' and a string 'body'", param)

@@ -25,14 +25,17 @@ class ErrorCode(StrEnum):
     CAPACITY = "capacity"
     BAD_REQUEST = "bad_request"
     INTERNAL = "internal"
-    DRAINING = "draining"  # the worker is draining: it hands the stream over (the gateway carries it on elsewhere)
-    # the worker stopped waiting for the request's gateway (silent past its gateway timeout, e.g. a stalled event
-    # loop): retryable, and a gateway that hears it carries the stream on (resume), as after a lost worker
+    # the worker is draining: it hands the stream over (the gateway carries it on elsewhere)
+    DRAINING = "draining"
+    # the worker stopped waiting for the request's gateway (silent past its gateway timeout, e.g. a stalled
+    # event loop): retryable, and a gateway that hears it carries the stream on (resume), as after a lost
+    # worker
     ABANDONED = "abandoned"
 
 
 class RequestError(Exception):
-    """Ends one request: `code`, `message` and `retryable` go out in its `err` frame; `param` names the field."""
+    """Ends one request: `code`, `message` and `retryable` go out in its `err` frame; `param` names the
+    field."""
 
     def __init__(self, code: ErrorCode | str, message: str, *, param: str | None = None,
                  retryable: bool = False) -> None:
@@ -71,8 +74,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: divide (>0) or multiply (<0) logits of prompt+output tokens
     min_tokens: int = 0  # stop ids (EOS included) are banned until this many tokens are out
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
-    grammar: dict | None = None  # constrained output: a `GrammarSpec.to_dict()` map (worker.protocol.grammar_spec)
-    speculative: bool = True  # False opts out of n-gram speculative decoding (same output; sent only when False)
+    # constrained output: a `GrammarSpec.to_dict()` map (worker.protocol.grammar_spec)
+    grammar: dict | None = None
+    # False opts out of n-gram speculative decoding (same output; sent only when False)
+    speculative: bool = True
     # OpenAI's prompt_cache_retention: "in_memory" (KV tiers in RAM only) | "24h" (may go to disk) | "" (the
     # worker's policy); sent only when set
     cache_retention: str = ""
@@ -93,7 +98,8 @@ class SamplingParams:
             raise bad_request("temperature must be a finite number >= 0", "temperature")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise bad_request("top_p must be in (0, 1]", "top_p")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+        if (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                or not 0 <= self.top_k <= MAX_TOP_K):
             raise bad_request(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it)", "top_k")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**64):
@@ -123,7 +129,8 @@ class SamplingParams:
                                   "[-100, 100]", "logit_bias")
         if self.cache_retention not in CACHE_RETENTIONS:
             raise bad_request("prompt_cache_retention must be 'in_memory' or '24h'", "prompt_cache_retention")
-        if self.grammar is not None:  # shape only: the schema itself is checked where it compiles, off the loop
+        # shape only: the schema itself is checked where it compiles, off the loop
+        if self.grammar is not None:
             try:
                 wire_key(self.grammar)
             except GrammarError as e:
@@ -170,7 +177,8 @@ class SamplingParams:
                 "ignore_eos": self.ignore_eos, "logprobs": self.logprobs, **self._extras()}
 
     def _extras(self) -> dict:
-        """The optional controls, only where they differ from their defaults (a default request's map is small)."""
+        """The optional controls, only where they differ from their defaults (a default request's map is
+        small)."""
         out: dict = {}
         for name, off in (("top_logprobs", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                           ("repetition_penalty", 1.0), ("min_tokens", 0)):
@@ -189,7 +197,8 @@ class SamplingParams:
 
 def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     if not isinstance(value, list | tuple) or not all(
-            isinstance(e, list | tuple) and len(e) == 2 and _is_int(e[0]) and _is_number(e[1]) for e in value):
+            isinstance(e, list | tuple) and len(e) == 2 and _is_int(e[0]) and _is_number(e[1])
+            for e in value):
         raise bad_request("logit_bias must be a list of [token id, bias] pairs", "logit_bias")
     return tuple((int(i), float(b)) for i, b in value)
 

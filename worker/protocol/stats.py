@@ -1,5 +1,6 @@
-"""What a worker reports about itself: the `stats` frame, its kv handshake and block-id batches, and the gateway's
-`sync` (send me a snapshot). Private to `worker.protocol`, which re-exports every name; import them from there.
+"""What a worker reports about itself: the `stats` frame, its kv handshake and block-id batches, and the
+gateway's `sync` (send me a snapshot). Private to `worker.protocol`, which re-exports every name; import them
+from there.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class WorkerStats:
     version: int
     received_at: float = 0.0  # time.monotonic() at the receiver; not on the wire
     kv: KvReport | None = None  # None: the worker reports no blocks (no prefix cache, or an older worker)
-    kv_error: str = ""  # why the frame's `kv` part could not be read (the rest of the frame could); not on the wire
+    # why the frame's `kv` part could not be read (the rest of the frame could); not on the wire
+    kv_error: str = ""
     role: str = "both"  # disaggregation role; on the wire as "role" only when not "both"
 
 
@@ -110,7 +112,8 @@ def _text(obj: dict[str, Any], name: str) -> str:
 
 
 def decode_kv(obj: Any) -> KvReport:
-    """The `kv` part of a stats frame; ValueError names what is wrong (the caller keeps the rest of the frame)."""
+    """The `kv` part of a stats frame; ValueError names what is wrong (the caller keeps the rest of the
+    frame)."""
     if not isinstance(obj, dict):
         raise ValueError("kv is not a map")
     snap = obj.get("snap")

@@ -71,7 +71,8 @@ class PrefillAbort:
 
 @dataclass(slots=True)
 class FirstToken:
-    """The last `kv` chunk's sampled result: the first output token (none when the prompt ended the request)."""
+    """The last `kv` chunk's sampled result: the first output token (none when the prompt ended the
+    request)."""
 
     tokens: list[int]
     finish_reason: str | None
@@ -115,9 +116,10 @@ def hint_field(hint: PrefillHint) -> dict[str, str]:
 
 
 def encode_prefill(req: PrefillRequest) -> bytes:
-    return _pack({"t": PF, "xid": req.xid, "ns": bytes(req.ns), "tokens": req.tokens.astype(TOKEN_DTYPE).tobytes(),
-                  "sampling": req.sampling, "skip": req.skip, "dest": req.dest.astype(PAGE_DTYPE).tobytes(),
-                  "fp": req.fingerprint, "pb": req.page_bytes, "deadline": req.deadline, "priority": req.priority,
+    return _pack({"t": PF, "xid": req.xid, "ns": bytes(req.ns),
+                  "tokens": req.tokens.astype(TOKEN_DTYPE).tobytes(), "sampling": req.sampling,
+                  "skip": req.skip, "dest": req.dest.astype(PAGE_DTYPE).tobytes(), "fp": req.fingerprint,
+                  "pb": req.page_bytes, "deadline": req.deadline, "priority": req.priority,
                   "fkey": bytes(req.fkey), "weight": req.weight})
 
 
@@ -213,7 +215,8 @@ def _first_token(obj: dict[str, Any], xid: str) -> FirstToken:
         raise TransferFrameError("kv first token is malformed", xid)
     if lp is not None and (not isinstance(lp, bytes) or len(lp) != 4 * len(tokens)):
         raise TransferFrameError("kv first token logprobs are malformed", xid)
-    ft = FirstToken(tokens, fin, cached, None if lp is None else np.frombuffer(lp, dtype=LOGPROB_DTYPE).tolist())
+    ft = FirstToken(tokens, fin, cached,
+                    None if lp is None else np.frombuffer(lp, dtype=LOGPROB_DTYPE).tolist())
     top, toplp = obj.get("top"), obj.get("toplp")
     if top is not None:
         if not (isinstance(top, list) and isinstance(toplp, list) and len(top) == len(toplp) == len(tokens)):
@@ -223,8 +226,8 @@ def _first_token(obj: dict[str, Any], xid: str) -> FirstToken:
 
 
 def decode_prefill_reply(parts: list[Any]) -> KvChunk | KvError:
-    """A message from a prefill worker: [kv header, page rows], [kverr] or [err]. Other frames (its stats) raise
-    TransferFrameError with no xid: the caller ignores them."""
+    """A message from a prefill worker: [kv header, page rows], [kverr] or [err]. Other frames (its stats)
+    raise TransferFrameError with no xid: the caller ignores them."""
     try:
         obj = msgpack.unpackb(bytes(parts[0]), raw=False, strict_map_key=True)
     except Exception:

@@ -1,7 +1,8 @@
-"""W8A16: an int8 weight-only linear (the LM head) whose activation rows are quantized to int16 per row and multiplied
-with exact integer sums, where torch's int8 kernel (or the dequantized bf16 product) is slower: on AVX-512 VNNI as
-two unsigned bytes a code (csrc/w8a8_small.cpp `w8a16_small_linear`), else in AVX2 `vpmaddwd` int16 products
-(csrc/w8a8_avx2.cpp `w8a16_avx2_linear`). Both give the same bits; chosen per weight shape by `calibrate.calibrate`.
+"""W8A16: an int8 weight-only linear (the LM head) whose activation rows are quantized to int16 per row and
+multiplied with exact integer sums, where torch's int8 kernel (or the dequantized bf16 product) is slower: on
+AVX-512 VNNI as two unsigned bytes a code (csrc/w8a8_small.cpp `w8a16_small_linear`), else in AVX2 `vpmaddwd`
+int16 products (csrc/w8a8_avx2.cpp `w8a16_avx2_linear`). Both give the same bits; chosen per weight shape by
+`calibrate.calibrate`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ _LANES = {"vnni": 16, "avx2": 8}  # output channels per packed block
 
 @dataclass(slots=True)
 class A16Weight:
-    # the weight's transpose packed for the kernel: vnni [out / 16, in / 4, 64] int8, avx2 [out / 8, in / 4, 32]
+    # the weight's transpose packed for the kernel: vnni [out / 16, in / 4, 64] int8, avx2 [out / 8, in / 4,
+    # 32]
     packed: torch.Tensor
     col_scale: torch.Tensor  # [out] fp32: the weight's per-channel scale
     colsum: torch.Tensor | None = None  # vnni: [out] int32 column sums of the packed weight
@@ -32,7 +34,8 @@ class A16Weight:
 
     @staticmethod
     def pick(qweight: torch.Tensor) -> str | None:
-        """The kernel for an int8 [out, in] weight: VNNI where built and the shape fits, else AVX2; None: neither."""
+        """The kernel for an int8 [out, in] weight: VNNI where built and the shape fits, else AVX2; None:
+        neither."""
         return next((k for k in KINDS if A16Weight.fits(qweight, k)), None)
 
     @staticmethod

@@ -1,6 +1,7 @@
-"""On-disk caches of what a load measures: W8A8 calibration (each linear's input maxima over the calibration text,
-keyed by a digest of the model's weights, their dtype, the calibration tokens, the CPU and torch) and the timed
-kernel choices (`worker.quant.calibrate`), so that a restarted worker neither prefills nor times them again.
+"""On-disk caches of what a load measures: W8A8 calibration (each linear's input maxima over the calibration
+text, keyed by a digest of the model's weights, their dtype, the calibration tokens, the CPU and torch) and
+the timed kernel choices (`worker.quant.calibrate`), so that a restarted worker neither prefills nor times
+them again.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from worker.text.model_source import cache_base, prune_oldest
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
-MAX_FILES = 16  # files of each kind kept (maxima per model and dtype, choices per CPU and build); oldest go first
+# files of each kind kept (maxima per model and dtype, choices per CPU and build); oldest go first
+MAX_FILES = 16
 Maxima = dict[tuple[int, str], torch.Tensor]
 
 
@@ -44,8 +46,8 @@ def cpu_id() -> str:
 
 
 def model_key(model: nn.Module, ids: list[int]) -> str:
-    """A digest of every parameter's bytes (xxh3: tens of ms for the default model), dtypes, the token ids, the
-    CPU and torch's version."""
+    """A digest of every parameter's bytes (xxh3: tens of ms for the default model), dtypes, the token ids,
+    the CPU and torch's version."""
     h = xxhash.xxh3_128()
     h.update(f"v{CACHE_FORMAT}|{torch.__version__}|{cpu_id()}".encode())
     for name, p in model.state_dict().items():
@@ -101,19 +103,20 @@ def _store(path: Path, maxima: Maxima) -> None:
 # ---------------------------------------------------------------- kernel choices (`worker.quant.calibrate`)
 
 CHOICES_FORMAT = 1
-RECALIBRATE_ENV = "SWITCHYARD_RECALIBRATE"  # set (non-empty): time every kernel choice again and store the new ones
+# set (non-empty): time every kernel choice again and store the new ones
+RECALIBRATE_ENV = "SWITCHYARD_RECALIBRATE"
 
 
 def choices_path() -> Path:
-    """This machine's file of kernel choices: named by a digest of the CPU, torch, the C++ kernels' build (their
-    sources and flags) and torch's thread count, every one of which moves the timings."""
+    """This machine's file of kernel choices: named by a digest of the CPU, torch, the C++ kernels' build
+    (their sources and flags) and torch's thread count, every one of which moves the timings."""
     key = f"c{CHOICES_FORMAT}|{torch.__version__}|{build_name()}|{torch.get_num_threads()}|{cpu_id()}"
     return cache_dir() / f"kernel-choices-{xxhash.xxh3_64_hexdigest(key.encode())}.json"
 
 
 def load_choices() -> dict[str, int]:
-    """The stored choices (key -> integer), empty where there are none, the file is unreadable or malformed, or
-    `SWITCHYARD_RECALIBRATE` asks for new measurements."""
+    """The stored choices (key -> integer), empty where there are none, the file is unreadable or malformed,
+    or `SWITCHYARD_RECALIBRATE` asks for new measurements."""
     if os.environ.get(RECALIBRATE_ENV):
         return {}
     path = choices_path()

@@ -23,7 +23,8 @@ MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 
 
 def _quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric e4m3 codes of a 2-D tensor and its fp32 scale per row (max |row| / 448), both on its device."""
+    """Symmetric e4m3 codes of a 2-D tensor and its fp32 scale per row (max |row| / 448), both on its
+    device."""
     amax = t.abs().amax(dim=1, keepdim=True).float()  # exact in t's dtype; no fp32 copy of t
     # 448 as a tensor on the device: CUDA divides by a Python number as a product with its rounded reciprocal,
     # the CPU exactly; true division on both keeps their codes identical (and q * scale requantizes exactly)
@@ -106,7 +107,8 @@ class Fp8Linear(nn.Module):
         return y if dtype == torch.bfloat16 else y.to(dtype)
 
     def _emulate(self, xq: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The device's arithmetic in fp32: code products (exact in fp32) summed, then scaled by both scales."""
+        """The device's arithmetic in fp32: code products (exact in fp32) summed, then scaled by both
+        scales."""
         y = (xq.float() @ self.qweight.float().t()) * (sx * self.wscale)
         return y.to(dtype)
 
@@ -115,4 +117,5 @@ class Fp8Linear(nn.Module):
         return dequantize_fp8(self.qweight, self.wscale)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, fp8=e4m3, dtype={str(self.dtype).removeprefix('torch.')}"
+        return (f"{self.in_features}, {self.out_features}, fp8=e4m3, "
+                f"dtype={str(self.dtype).removeprefix('torch.')}")

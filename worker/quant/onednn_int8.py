@@ -1,5 +1,5 @@
-"""int8 x int8 products through oneDNN's quantized linear (`torch.ops.onednn.qlinear_pointwise`), which runs on AMX
-tiles where the CPU has them: the weight is prepacked once, and unit scales make it return the int32
+"""int8 x int8 products through oneDNN's quantized linear (`torch.ops.onednn.qlinear_pointwise`), which runs
+on AMX tiles where the CPU has them: the weight is prepacked once, and unit scales make it return the int32
 accumulations as exact fp32 integers, so `w8a8_dequantize` gives the same bits as after `torch._int_mm`.
 """
 
@@ -12,9 +12,9 @@ import torch
 
 __all__ = ["ROW_BUCKET", "OnednnInt8Weight", "available", "padded_rows"]
 
-# oneDNN builds a kernel per row count on first sight (~1-3 ms per linear shape) and the worker bounds its cache
-# at 256 kernels (worker.server.process.memory): rows are padded up to a multiple of 16 up to 128 rows, of 32 up to 512 and
-# of 64 above (28 shapes per linear up to 1,024 rows, at most ~6% padding on average)
+# oneDNN builds a kernel per row count on first sight (~1-3 ms per linear shape) and the worker bounds its
+# cache at 256 kernels (worker.server.process.memory): rows are padded up to a multiple of 16 up to 128 rows,
+# of 32 up to 512 and of 64 above (28 shapes per linear up to 1,024 rows, at most ~6% padding on average)
 ROW_BUCKET = 16
 
 
@@ -26,7 +26,8 @@ def available() -> bool:
         return False
     init = getattr(torch._C._cpu, "_init_amx", None)
     if init is not None:
-        init()  # asks the kernel for AMX tile state; False only where the CPU has no AMX (oneDNN then uses VNNI)
+        # asks the kernel for AMX tile state; False only where the CPU has no AMX (oneDNN then uses VNNI)
+        init()
     return True
 
 
@@ -50,10 +51,10 @@ class OnednnInt8Weight:
         return cls(packed, torch.ones(n), torch.zeros(n, dtype=torch.long))
 
     def matmul(self, xq: torch.Tensor) -> torch.Tensor:
-        """[m, k] int8 -> [m, n] fp32 holding the exact int32 products (|sum| < 2^24 for k <= 1,032; beyond, fp32
-        rounds the sum as `float(int32)` does, which is what the dequantize pass does to `_int_mm`'s)."""
-        return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, self.packed, self.ones, self.zeros, None, 1.0, 0,
-                                                  torch.float32, "none", [], "")
+        """[m, k] int8 -> [m, n] fp32 holding the exact int32 products (|sum| < 2^24 for k <= 1,032; beyond,
+        fp32 rounds the sum as `float(int32)` does, which is what the dequantize pass does to `_int_mm`'s)."""
+        return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, self.packed, self.ones, self.zeros, None, 1.0,
+                                                  0, torch.float32, "none", [], "")
 
     @property
     def nbytes(self) -> int:

@@ -1,8 +1,8 @@
 """bf16 linear layers with weights prepacked once into oneDNN's blocked layout (CPU).
 
 `F.linear` on a plain bf16 weight reorders it on every call; at decode sizes that reorder costs as much
-as the product itself. The packed product is bit-identical to `F.linear` over the same rows; above 16 rows they are
-padded to a bounded set of counts (tests/worker/quant/test_packed_linear.py).
+as the product itself. The packed product is bit-identical to `F.linear` over the same rows; above 16 rows
+they are padded to a bounded set of counts (tests/worker/quant/test_packed_linear.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ __all__ = ["PackedLinear", "can_pack", "pack", "pack_model", "packed_linear"]
 log = logging.getLogger(__name__)
 MAX_RESCORED = 64  # near-tied logits re-scored per row, on average (`PackedLinear.logits`)
 # Row counts up to this run as they come (decode batches: one kernel each); above, rows are padded to
-# `padded_rows`' buckets, as the int8 path does, so prefill and mixed steps reuse ~28 kernels per shape instead of
-# JIT-compiling one per new step size and thrashing the worker's 256-kernel cache (`worker.server.process.memory`)
+# `padded_rows`' buckets, as the int8 path does, so prefill and mixed steps reuse ~28 kernels per shape
+# instead of JIT-compiling one per new step size and thrashing the worker's 256-kernel cache
+# (`worker.server.process.memory`)
 EXACT_ROWS = 16
 
 
@@ -72,10 +73,11 @@ class PackedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def logits(self, x2: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of an LM head's [rows, in] input. The bf16 product rounds each logit by up to half an ulp,
-        which turns near ties into exact ones (the tie then goes to the lower id); every logit within two ulps of
-        its row's largest (2-4 ulps) is computed again from the bf16 weight row with an fp32 sum, so the leaders are
-        ordered as the unrounded product orders them (a logit outside that window is below the true largest)."""
+        """fp32 logits of an LM head's [rows, in] input. The bf16 product rounds each logit by up to half an
+        ulp, which turns near ties into exact ones (the tie then goes to the lower id); every logit within two
+        ulps of its row's largest (2-4 ulps) is computed again from the bf16 weight row with an fp32 sum, so
+        the leaders are ordered as the unrounded product orders them (a logit outside that window is below the
+        true largest)."""
         y = packed_linear(x2, self.packed).float()
         if self.rows is None:
             return y

@@ -1,5 +1,6 @@
-"""W8A8 linears for prefill-sized products: int8 activations (per row) times int8 weights on the CPU's int8 dot
-units (`torch._int_mm`), with SmoothQuant's per-channel factors moving activation outliers into the weights.
+"""W8A8 linears for prefill-sized products: int8 activations (per row) times int8 weights on the CPU's int8
+dot units (`torch._int_mm`), with SmoothQuant's per-channel factors moving activation outliers into the
+weights.
 
 Factors come from the activation maxima of each linear's input over a shipped calibration text
 (`data/calibration.txt`, not the quality gate's text), measured once at load on the unquantized model.
@@ -23,7 +24,8 @@ ALPHA = 0.5  # SmoothQuant migration strength: 0.5 balances activation and weigh
 CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 CALIBRATION_TOKENS = 2048
 SMALL_ROWS = 16  # few-row kernel cutoff until `calibrate.calibrate` measures it
-AVX2_ROWS = 1 << 30  # the AVX2 kernel takes every row count unless `calibrate.calibrate_small_rows` finds otherwise
+# the AVX2 kernel takes every row count unless `calibrate.calibrate_small_rows` finds otherwise
+AVX2_ROWS = 1 << 30
 EXACT_FP32_K = (1 << 24) // (127 * 128)  # 1032: that many int8 x int8 products sum exactly in fp32
 
 
@@ -34,26 +36,27 @@ def available() -> bool:
 
 @dataclass(slots=True)
 class W8A8Weight:
-    """A linear's weight for W8A8: int8 [in, out] of weight x smoothing factor, per output channel scales, and the
-    inverse factors applied to the activations while they are quantized."""
+    """A linear's weight for W8A8: int8 [in, out] of weight x smoothing factor, per output channel scales, and
+    the inverse factors applied to the activations while they are quantized."""
 
     wt: torch.Tensor  # [in, out] int8
     col_scale: torch.Tensor  # [out] fp32
     inv_smooth: torch.Tensor  # [in] fp32
-    # the same weight packed for a kernel of our own: "vnni" (few rows on AVX-512 VNNI, csrc/w8a8_small.cpp; with
-    # the column sums) or "avx2" (any rows on AVX2 without int8 dot products, csrc/w8a8_avx2.cpp; no sums)
+    # the same weight packed for a kernel of our own: "vnni" (few rows on AVX-512 VNNI, csrc/w8a8_small.cpp;
+    # with the column sums) or "avx2" (any rows on AVX2 without int8 dot products, csrc/w8a8_avx2.cpp; no
+    # sums)
     small: tuple[torch.Tensor, torch.Tensor | None] | None = None
     small_kind: str = ""
     small_rows: int = 0  # calls of up to this many rows take that kernel (`calibrate.calibrate_small_rows`)
-    # the same weight prepacked for oneDNN (AMX where the CPU has it), set where `calibrate.calibrate_int8_gemm`
-    # measured it faster than `_int_mm` on prefill-sized calls
+    # the same weight prepacked for oneDNN (AMX where the CPU has it), set where
+    # `calibrate.calibrate_int8_gemm` measured it faster than `_int_mm` on prefill-sized calls
     onednn: OnednnInt8Weight | None = None
 
     @classmethod
     def build(cls, weight: torch.Tensor, act_max: torch.Tensor | None, alpha: float = ALPHA,
               kernel: str | None = None) -> W8A8Weight:
-        """`kernel`: "vnni", "avx2" or "none" (only `_int_mm`); None picks VNNI where built, else AVX2 where the
-        CPU has no int8 dot products."""
+        """`kernel`: "vnni", "avx2" or "none" (only `_int_mm`); None picks VNNI where built, else AVX2 where
+        the CPU has no int8 dot products."""
         w = weight.detach().float()
         smooth = torch.ones(w.shape[1])
         if act_max is not None:
@@ -64,12 +67,14 @@ class W8A8Weight:
         wt = (ws / scale[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
         lin = cls(wt, scale.contiguous(), (1.0 / smooth).contiguous())
         if kernel is None:
-            kernel = "vnni" if small_available() else "avx2" if avx2_available() and not has_int8_dot() else "none"
+            kernel = ("vnni" if small_available()
+                      else "avx2" if avx2_available() and not has_int8_dot() else "none")
         k, n = wt.shape
         if kernel == "vnni" and k % 4 == 0 and n % 16 == 0:
             lin.small, lin.small_kind, lin.small_rows = extension().w8a8_small_pack(wt), kernel, SMALL_ROWS
         elif kernel == "avx2" and k % 4 == 0 and n % 8 == 0:
-            lin.small, lin.small_kind, lin.small_rows = (extension().w8a8_avx2_pack(wt), None), kernel, AVX2_ROWS
+            lin.small = (extension().w8a8_avx2_pack(wt), None)
+            lin.small_kind, lin.small_rows = kernel, AVX2_ROWS
         return lin
 
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
@@ -124,9 +129,10 @@ class W8A8Weight:
 
 
 def int8_matmul(xq: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """[m, k] int8 @ [k, n] int8 -> [m, n] int32, exactly. `torch._int_mm` where the CPU has int8 dot products;
-    elsewhere (AVX2 only, where `_int_mm` runs ~50x slower than an fp32 GEMM) fp32 GEMMs over slices of K
-    short enough that every partial sum is an integer below 2^24, so exact in any order: the same bits."""
+    """[m, k] int8 @ [k, n] int8 -> [m, n] int32, exactly. `torch._int_mm` where the CPU has int8 dot
+    products; elsewhere (AVX2 only, where `_int_mm` runs ~50x slower than an fp32 GEMM) fp32 GEMMs over slices
+    of K short enough that every partial sum is an integer below 2^24, so exact in any order: the same
+    bits."""
     return torch._int_mm(xq, wt) if has_int8_dot() else int8_matmul_fp32(xq, wt)
 
 

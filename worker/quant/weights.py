@@ -1,10 +1,11 @@
 """int8/int4 quantization of a loaded `LlamaModel` on CPU, with torch's packed matmul ops; fp8 (e4m3) on
-Ada/Hopper GPUs with `torch._scaled_mm` (`worker.quant.fp8`, emulated elsewhere for tests and the quality gate).
+Ada/Hopper GPUs with `torch._scaled_mm` (`worker.quant.fp8`, emulated elsewhere for tests and the quality
+gate).
 
 Small row counts (decode) run the weight-only kernels directly. Larger ones run through a copy of the
-dequantized weight (bf16: prepacked once for oneDNN, `worker.quant.packed`), or, in `w8a8` mode, as int8 x int8
-products with SmoothQuant-smoothed per-row activation scales (`worker.quant.w8a8`). Cutoff and kernel dtype are
-measured at load.
+dequantized weight (bf16: prepacked once for oneDNN, `worker.quant.packed`), or, in `w8a8` mode, as int8 x
+int8 products with SmoothQuant-smoothed per-row activation scales (`worker.quant.w8a8`). Cutoff and kernel
+dtype are measured at load.
 """
 
 from __future__ import annotations
@@ -43,21 +44,24 @@ def resolve_mode(mode: str, device: torch.device) -> str:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(CHOICES)}")
     if mode == "fp8":
         if not fp8.device_supported(device):
-            raise ValueError(f"quantization 'fp8': fp8 needs a CUDA device of compute capability 8.9 or newer "
-                             f"(Ada, Hopper) and torch._scaled_mm (device {device}); choose 'none' or 'auto' here")
+            raise ValueError("quantization 'fp8': fp8 needs a CUDA device of compute capability 8.9 or "
+                             "newer "
+                             f"(Ada, Hopper) and torch._scaled_mm (device {device}); choose 'none' or 'auto' "
+                             "here")
         return mode
     if mode == "auto":
         if device.type != "cpu" or not _has_ops():
             return "none"
-        # w8a8 on int8 dot products (VNNI, AMX), and on AVX2 through csrc/w8a8_avx2.cpp, which beat the int8 mode's
-        # weight-only kernel and its fp32 copy at every row count (docs/cpu-performance.md)
+        # w8a8 on int8 dot products (VNNI, AMX), and on AVX2 through csrc/w8a8_avx2.cpp, which beat the int8
+        # mode's weight-only kernel and its fp32 copy at every row count (docs/cpu-performance.md)
         fast = has_int8_dot() or smooth.avx2_available()
         return "w8a8" if fast and smooth.available() else "int8"
     if mode != "none" and (device.type != "cpu" or not _has_ops()):
         raise ValueError(f"quantization {mode!r} needs torch's packed CPU matmul ops on a CPU device "
                          f"(device {device}); choose 'none' or 'auto' here")
     if mode == "w8a8" and not smooth.available():
-        raise ValueError("quantization 'w8a8' needs torch._int_mm and the C++ CPU kernels (worker.kernels.cpu); "
+        raise ValueError("quantization 'w8a8' needs torch._int_mm and the C++ CPU kernels "
+                         "(worker.kernels.cpu); "
                          "choose 'int8' here")
     return mode
 
@@ -68,7 +72,8 @@ def _has_ops() -> bool:
 
 class QuantLinear(nn.Module):
     """A bias-free linear layer whose weight is int8 per output channel or int4 per group (asymmetric); `w8a8`
-    is int8 with int8 activations above the decode cutoff (`act_max`: its input's calibrated channel maxima)."""
+    is int8 with int8 activations above the decode cutoff (`act_max`: its input's calibrated channel
+    maxima)."""
 
     def __init__(self, weight: torch.Tensor, mode: str, group: int = INT4_GROUP,
                  act_max: torch.Tensor | None = None) -> None:
@@ -91,10 +96,12 @@ class QuantLinear(nn.Module):
         else:
             raise ValueError(f"QuantLinear mode must be int8, int4 or w8a8, got {mode!r}")
         self.max_rows = PACKED_MAX_ROWS  # set by `calibrate_max_rows` through `quantize_model`
-        # large row counts: W8A8 products, or the dequantized weight (prepacked for oneDNN in bf16, else plain)
+        # large row counts: W8A8 products, or the dequantized weight (prepacked for oneDNN in bf16, else
+        # plain)
         self.w8a8 = smooth.W8A8Weight.build(weight, act_max) if mode == "w8a8" else None
         self.packed = self.w8a8 is None and can_pack(self.dtype, weight.device)
-        self.dense = None if self.w8a8 is not None else pack(self.dequantize()) if self.packed else self.dequantize()
+        self.dense = (None if self.w8a8 is not None
+                      else pack(self.dequantize()) if self.packed else self.dequantize())
         self.kernel_scales = self.scales  # the scales in the kernel's activation dtype (`use_kernel_dtype`)
         self.a16: A16Weight | None = None  # int16 activation rows, where `calibrate` measured them faster
 
@@ -133,15 +140,16 @@ class QuantLinear(nn.Module):
         return y.to(x2.dtype)
 
     def logits(self, x2: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of an LM head's [rows, in] input: int16 rows on fp32 input give them unrounded at any row
-        count (a bf16 output rounds near ties to one value: 3% of next tokens flipped on the default model);
-        without that kernel, the chosen product widened."""
+        """fp32 logits of an LM head's [rows, in] input: int16 rows on fp32 input give them unrounded at any
+        row count (a bf16 output rounds near ties to one value: 3% of next tokens flipped on the default
+        model); without that kernel, the chosen product widened."""
         if self.a16 is not None:
             return self.a16(x2.float())
         return self.forward(x2).float()
 
     def dequantize(self) -> torch.Tensor:
-        """The weight as a dense [out, in] tensor of the model dtype (builds `dense`; a reference in tests)."""
+        """The weight as a dense [out, in] tensor of the model dtype (builds `dense`; a reference in
+        tests)."""
         if self.mode != "int4":
             return self.qweight.to(self.dtype) * self.scales[:, None]
         codes = self.codes if self.codes is not None else _unpack_int4(self.qweight, self.out_features,
@@ -273,7 +281,8 @@ def _quantize_fp8(model: nn.Module) -> None:
                 setattr(layer, name, fp8.Fp8Linear(getattr(layer, name).weight))
     dev = model.embed.weight.device
     log.info("quantized linear layers to fp8 (e4m3, per-channel weight and per-token activation scales; %s); "
-             "embedding and LM head unquantized", "torch._scaled_mm" if fp8.device_supported(dev) else "emulated")
+             "embedding and LM head unquantized", "torch._scaled_mm" if fp8.device_supported(dev)
+             else "emulated")
 
 
 def weight_bytes(model: nn.Module) -> int:

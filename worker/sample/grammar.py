@@ -122,7 +122,8 @@ class GrammarCache:
     """
 
     def __init__(self, tokenizer: llguidance.LLTokenizer | Callable[[], llguidance.LLTokenizer],
-                 capacity: int = 64, threads: int = 2, max_pending: int = 16, max_pending_per_ns: int = 4) -> None:
+                 capacity: int = 64, threads: int = 2, max_pending: int = 16,
+                 max_pending_per_ns: int = 4) -> None:
         """`tokenizer` may be a factory: it is then built (about 0.3 s) by the first compile job."""
         if capacity < 1 or max_pending < 1 or max_pending_per_ns < 1:
             raise ValueError("capacity and the pending bounds must be >= 1")
@@ -141,13 +142,15 @@ class GrammarCache:
 
     def get(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
         """A checked spec's compile (in-process callers; no pending bound)."""
-        return self._lookup(spec.digest, b"", lambda: self._pool.submit(lambda: compile_grammar(self.tokenizer, spec)))
+        return self._lookup(spec.digest, b"",
+                            lambda: self._pool.submit(lambda: compile_grammar(self.tokenizer, spec)))
 
     def request(self, wire: dict, namespace: bytes) -> tuple[CacheKey, Future[CompiledGrammar]]:
         """A wire map's validation and compile, both off the caller's thread: (its key, the future). Raises
         GrammarError for a map of the wrong shape and GrammarBusy when a new compile would pass a bound."""
         key = wire_key(wire)
-        return key, self._lookup(key, namespace, lambda: self._pool.submit(lambda: compile_wire(self.tokenizer, wire)))
+        return key, self._lookup(key, namespace,
+                                 lambda: self._pool.submit(lambda: compile_wire(self.tokenizer, wire)))
 
     def warm(self) -> Future[llguidance.LLTokenizer]:
         """Build the tokenizer on the pool now. Its construction holds the GIL for about 0.5 s, so a server
@@ -230,7 +233,8 @@ class BatchMasker:
         self._executor = llguidance.LLExecutor(num_threads=threads)
 
     def fill(self, states: Sequence[GrammarState | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(bitmask [m, words], batch rows [m]) for the m non-None states, or None when none is constrained."""
+        """(bitmask [m, words], batch rows [m]) for the m non-None states, or None when none is
+        constrained."""
         rows = [i for i, s in enumerate(states) if s is not None]
         if not rows:
             return None

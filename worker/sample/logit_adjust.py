@@ -42,7 +42,8 @@ class LogitAdjust:
     repetition: torch.Tensor  # [r] float32
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """A new tensor: logits with penalties (vLLM order: repetition, then frequency and presence) and additions."""
+        """A new tensor: logits with penalties (vLLM order: repetition, then frequency and presence) and
+        additions."""
         out = logits.clone()
         if len(self.pen_rows):
             out[self.pen_rows] = self._penalized(out[self.pen_rows])
@@ -88,8 +89,9 @@ def build_adjust(seqs: list[Adjusted], vocab: int, dev: torch.device) -> LogitAd
 
     any_rep = any(p.repetition_penalty != 1.0 for p in params)
     return LogitAdjust(
-        torch.tensor(add_rows, dtype=torch.int64, device=dev), torch.tensor(add_ids, dtype=torch.int64, device=dev),
-        floats(add_vals), torch.tensor(pen, dtype=torch.int64, device=dev),
+        torch.tensor(add_rows, dtype=torch.int64, device=dev),
+        torch.tensor(add_ids, dtype=torch.int64, device=dev), floats(add_vals),
+        torch.tensor(pen, dtype=torch.int64, device=dev),
         padded([seqs[r].tokens[seqs[r].prompt_len:] for r in pen]),
         padded([seqs[r].tokens for r in pen]) if any_rep else None,
         floats([p.presence_penalty for p in params]), floats([p.frequency_penalty for p in params]),

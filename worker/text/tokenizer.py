@@ -39,7 +39,8 @@ class Tokenizer:
         self.eos_token: str | None = meta.get("eos_token")
         self.eos_token_id: int = int(meta["eos_token_id"])
         self.bos_token_id: int | None = meta.get("bos_token_id")
-        self.vocab_size: int = max(int(meta.get("vocab_size") or 0), hf.get_vocab_size(with_added_tokens=True))
+        self.vocab_size: int = max(int(meta.get("vocab_size") or 0),
+                                   hf.get_vocab_size(with_added_tokens=True))
         self.model_id = model_id
         self.max_context = max_context
         self.version: str = hashlib.sha256(
@@ -110,7 +111,8 @@ def _load_hf_tokenizer(src: ModelSource) -> Tokenizer:
     if template is None and tmpl_file.is_file():
         template = tmpl_file.read_text()
     if isinstance(template, list):  # named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        template = next((t["template"] for t in template if t.get("name") == "default"),
+                        template[0]["template"])
     bos, eos = _token_text(tcfg.get("bos_token")), _token_text(tcfg.get("eos_token"))
     eos_id = mcfg.get("eos_token_id")
     if isinstance(eos_id, list):

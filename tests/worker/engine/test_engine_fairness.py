@@ -73,7 +73,8 @@ def test_light_key_jumps_a_flooding_key_under_vtc_only(tiny, policy):
 
 def test_greedy_outputs_are_the_same_under_vtc_fifo_and_alone(tiny):
     rng = random.Random(2)
-    reqs = [(f"r{i}", prompt(rng, rng.randrange(5, 60)), rng.randrange(4, 40), (A, B, b"c")[i % 3], 1.0 + i % 2)
+    reqs = [(f"r{i}", prompt(rng, rng.randrange(5, 60)), rng.randrange(4, 40), (A, B, b"c")[i % 3],
+             1.0 + i % 2)
             for i in range(12)]
     results = {}
     for policy in ("vtc", "fifo"):

@@ -48,8 +48,10 @@ def _run(eng: Engine, reqs: dict[str, SamplingParams]) -> dict[str, tuple[list[i
 
 def test_constrained_rows_validate_beside_free_ones(engine, tiny):
     grammar = json_schema_spec(SCHEMA).to_dict()
-    reqs = {f"g{s}": SamplingParams(max_tokens=80, temperature=1.0, seed=s, grammar=grammar) for s in range(12)}
-    reqs |= {f"f{s}": SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True) for s in range(3)}
+    reqs = {f"g{s}": SamplingParams(max_tokens=80, temperature=1.0, seed=s, grammar=grammar)
+            for s in range(12)}
+    reqs |= {f"f{s}": SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True)
+             for s in range(3)}
     validator = jsonschema_rs.validator_for(SCHEMA)
     for rid, (tokens, reason) in _run(engine, reqs).items():
         if rid.startswith("f"):
@@ -64,7 +66,8 @@ def test_ignore_eos_still_stops_and_max_tokens_first_is_length(engine, tiny):
     res = _run(engine, {
         "obj": SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True,
                               grammar=json_object_spec().to_dict()),
-        "cut": SamplingParams(max_tokens=3, temperature=1.0, seed=3, grammar=json_schema_spec(SCHEMA).to_dict()),
+        "cut": SamplingParams(max_tokens=3, temperature=1.0, seed=3,
+                              grammar=json_schema_spec(SCHEMA).to_dict()),
     })
     tokens, reason = res["obj"]
     if reason == "stop":

@@ -147,7 +147,8 @@ def test_shared_step_cap_applies_only_under_vtc_once_a_second_key_was_seen(tiny)
 def test_a_light_keys_prefill_runs_alone_while_a_key_floods_and_never_twice_in_a_row(tiny):
     """A flood (A over its share of the slots): B's first prefill is a step of its own, without A's decodes,
     so B's first token waits only for the step in flight; C arriving right after waits one step for A's
-    decodes to run (never two prefill-only steps in a row). Without a flood, a light prefill rides with decodes."""
+    decodes to run (never two prefill-only steps in a row). Without a flood, a light prefill rides with
+    decodes."""
     eng = make_engine(tiny, "vtc", max_num_seqs=4, max_num_batched_tokens=256)
     rng = random.Random(10)
     for i in range(6):
@@ -161,7 +162,8 @@ def test_a_light_keys_prefill_runs_alone_while_a_key_floods_and_never_twice_in_a
     schedule = eng.scheduler.schedule
     eng.scheduler.schedule = lambda: batches.append(schedule()) or batches[-1]  # type: ignore[method-assign]
     eng.step()  # preempts one of A's (fair share), then B alone
-    assert [s.fkey for s, _ in batches[0].prefills] == [B] and not batches[0].decodes and not batches[0].verifies
+    assert [s.fkey for s,
+            _ in batches[0].prefills] == [B] and not batches[0].decodes and not batches[0].verifies
     eng.step()
     assert batches[1].decodes, "decodes run at least every other step"
     assert [s.fkey for s, _ in batches[1].prefills] == [C]  # C rides with them
@@ -175,8 +177,8 @@ def test_a_light_keys_prefill_runs_alone_while_a_key_floods_and_never_twice_in_a
 
 
 def test_a_key_under_its_share_with_a_request_running_also_prefills_alone(tiny):
-    """B already runs one request (under its share of 4 of 8 slots) while A floods: B's next request still gets
-    a prefill step of its own (a light key is one under its share, not only one with nothing running)."""
+    """B already runs one request (under its share of 4 of 8 slots) while A floods: B's next request still
+    gets a prefill step of its own (a light key is one under its share, not only one with nothing running)."""
     eng = make_engine(tiny, "vtc", max_num_seqs=8, max_num_batched_tokens=512)
     rng = random.Random(11)
     eng.add_request("b1", prompt(rng, 10), greedy(60), fkey=B)

@@ -1,6 +1,6 @@
-"""KV tiers inside the engine: an evicted prefix comes back from host RAM or disk as a cache hit, with the bytes it
-left with and the greedy output of a recompute; the cost model can refuse; a bad file is recomputed; retention;
-block reports carry the tiers. Every test ends with every page back in the pool."""
+"""KV tiers inside the engine: an evicted prefix comes back from host RAM or disk as a cache hit, with the
+bytes it left with and the greedy output of a recompute; the cost model can refuse; a bad file is recomputed;
+retention; block reports carry the tiers. Every test ends with every page back in the pool."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ PREFILL_TPS = 1000.0  # the tiny model's prefill rate as the cost model sees it 
 
 
 class FixedRate(Rate):
-    """A rate no measurement moves. The tiny model prefills so fast that with the measured rate a restore could
-    look "not worth it" whenever a loaded machine slowed a disk read, and tests that expect one failed by chance."""
+    """A rate no measurement moves. The tiny model prefills so fast that with the measured rate a restore
+    could look "not worth it" whenever a loaded machine slowed a disk read, and tests that expect one failed
+    by chance."""
 
     def add(self, amount: float, seconds: float) -> None:
         return None
@@ -50,7 +51,8 @@ def engine(model, kv_dtype: str = "model", **kw) -> Engine:
 
 def prompts(seed: int = 0) -> tuple[list[int], list[int]]:
     rng = random.Random(seed)
-    return tuple([rng.randrange(3, 40000) for _ in range(300)] for _ in range(2))  # type: ignore[return-value]
+    # type: ignore[return-value]
+    return tuple([rng.randrange(3, 40000) for _ in range(300)] for _ in range(2))
 
 
 def ask(eng: Engine, rid: str, prompt: list[int], retention: str = "") -> tuple[list[int], int]:
@@ -84,7 +86,8 @@ def test_an_evicted_prefix_is_restored_as_a_cache_hit(tiny, kv_dtype):
         no_leaks(eng)
     off, on = runs[False], runs[True]
     assert on[0][0] == off[0][0] and on[2][0] == off[2][0] and on[2][0] == on[0][0]  # same greedy tokens
-    assert on[2][1] == 288 and off[2][1] < 288  # all whole pages of prompt[:-1] cached, restored ones included
+    # all whole pages of prompt[:-1] cached, restored ones included
+    assert on[2][1] == 288 and off[2][1] < 288
     assert on[3].tiers.restored_tokens == 288 - off[2][1] and on[3].tiers.ram_hits > 0
     assert on[3].prefill_tokens_computed == off[3].prefill_tokens_computed - (288 - off[2][1])
     assert off[3].tiers is None
@@ -138,7 +141,8 @@ def test_disk_restore_then_a_corrupt_file_is_recomputed(tiny, tmp_path):
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0xFF
         path.write_bytes(bytes(raw))
-    eng.restorer.tiers.host = type(eng.restorer.tiers.host)(eng.restorer.tiers.host.capacity_bytes)  # RAM lost
+    # RAM lost
+    eng.restorer.tiers.host = type(eng.restorer.tiers.host)(eng.restorer.tiers.host.capacity_bytes)
     got, cached = ask(eng, "a3", a)
     st = eng.stats().tiers
     assert got == want and st.disk_corrupt > 0 and cached < 288
@@ -146,8 +150,9 @@ def test_disk_restore_then_a_corrupt_file_is_recomputed(tiny, tmp_path):
 
 
 def test_a_disk_tier_of_other_weights_is_never_restored(tiny, tmp_path):
-    """Two models of the same id and tokenizer but other weights (seeds 1234 and 4321) on one disk directory: the
-    second restores nothing the first wrote, and answers as it does fresh (the fingerprint names the weights)."""
+    """Two models of the same id and tokenizer but other weights (seeds 1234 and 4321) on one disk directory:
+    the second restores nothing the first wrote, and answers as it does fresh (the fingerprint names the
+    weights)."""
     a, b = prompts()
     first = _disk_engine(load_tiny_model(dtype="float32", device="cpu", seed=1234), tmp_path)
     ask(first, "a1", a)
@@ -183,7 +188,8 @@ def test_block_reports_carry_tier_changes(tiny):
     ask(eng, "b", b)
     report = decode_kv(kv_fields(kv_report(eng.cache, 16, "t")))
     ids = {block_id(h) for h in chain(NS, NS, a[:299], 16)}
-    assert set(report.tiered) & ids and set(report.tiered) <= set(report.evicted)  # out of memory, into a tier
+    # out of memory, into a tier
+    assert set(report.tiered) & ids and set(report.tiered) <= set(report.evicted)
     snap = decode_kv(kv_fields(kv_report(eng.cache, 16, "t", snapshot=True)))
     assert set(snap.tiered) == set(report.tiered) and snap.snapshot
     old = kv_fields(kv_report(eng.cache, 16, "t"))
@@ -203,7 +209,8 @@ def test_disk_reads_start_while_the_request_waits(tiny, tmp_path):
     tiers.host = type(tiers.host)(tiers.host.capacity_bytes)
     eng.add_request("a2", a, SamplingParams(max_tokens=6, ignore_eos=True), namespace=NS)
     assert tiers._prefetch, "reads start at arrival, before any step"
-    for fut in list(tiers._prefetch.values()):  # the queue wait outlasts the reads (else the rest is recomputed)
+    # the queue wait outlasts the reads (else the rest is recomputed)
+    for fut in list(tiers._prefetch.values()):
         fut.result(timeout=30)
     got, cached = [], -1
     while eng.has_work():
@@ -232,8 +239,8 @@ def test_auto_host_size_is_an_eighth_of_available_memory_at_least_the_pool(monke
 
 
 def test_the_workers_of_a_host_share_one_eighth_of_its_memory(monkeypatch, tmp_path):
-    """Eight workers on a 64 GiB host each asking for 8 GiB: together they get 8 GiB, not 64; a dead worker's claim
-    goes back to the budget, and a restarted process keeps one claim."""
+    """Eight workers on a 64 GiB host each asking for 8 GiB: together they get 8 GiB, not 64; a dead worker's
+    claim goes back to the budget, and a restarted process keeps one claim."""
     import json
     import subprocess
     import sys
@@ -248,7 +255,8 @@ def test_the_workers_of_a_host_share_one_eighth_of_its_memory(monkeypatch, tmp_p
     assert grants == [8 << 30] * 3  # each probe exits before the next: its claim is dropped
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        (tmp_path / "claims.json").write_text(json.dumps({str(sleeper.pid): 7 << 30}))  # a live worker holds 7
+        # a live worker holds 7
+        (tmp_path / "claims.json").write_text(json.dumps({str(sleeper.pid): 7 << 30}))
         assert host_budget.claim(8 << 30, 64 << 30) == 1 << 30
         assert host_budget.claim(8 << 30, 64 << 30) == 1 << 30  # claiming again replaces this process's claim
     finally:

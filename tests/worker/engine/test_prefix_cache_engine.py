@@ -71,7 +71,8 @@ def assert_no_leaks(engine: Engine) -> None:
 def test_greedy_outputs_equal_cache_on_and_off_with_far_less_prefill():
     torch.set_num_threads(1)
     model = load_model("default", dtype="float32", device="cpu")
-    system = ("You are a helpful assistant for a travel agency. Answer briefly and politely, mention prices in "
+    system = ("You are a helpful assistant for a travel agency. Answer briefly and politely, mention prices "
+              "in "
               "euros, never invent facts, and suggest one alternative when a trip is not possible. ") * 7
     questions = ["Is Rome nice in May?", "How far is Lisbon from Porto?", "Can I take a train to Vienna?",
                  "What does a ferry to Crete cost?", "Is Oslo expensive?", "Where should I stay in Paris?",

@@ -1,5 +1,6 @@
-"""A resumed request (`resumed`: the last tokens were streamed by a worker that was lost) carries on exactly where
-the first stream stopped: greedy, seeded sampling, penalties and grammars; bad resumes are refused by name."""
+"""A resumed request (`resumed`: the last tokens were streamed by a worker that was lost) carries on exactly
+where the first stream stopped: greedy, seeded sampling, penalties and grammars; bad resumes are refused by
+name."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""N-gram speculative decoding: exact greedy and seeded outputs on vs off (batching, chunked prefill, preemption,
-prefix-cache hits), stop rules inside an accepted run, pages freed, the sampling distribution kept, the opt-outs.
+"""N-gram speculative decoding: exact greedy and seeded outputs on vs off (batching, chunked prefill,
+preemption, prefix-cache hits), stop rules inside an accepted run, pages freed, the sampling distribution
+kept, the opt-outs.
 
 Most tests swap a sequence's n-gram index for an oracle that drafts the reference output with planted errors,
 so every path (all accepted, partly accepted, rejected at once) runs many times on the tiny random model.
@@ -34,7 +35,8 @@ def make_engine(tiny, pages: int = 512, spec: bool = True, **kw) -> Engine:
 
 
 class Oracle:
-    """Drafts the reference continuation, each token wrong with probability `miss` (a stand-in n-gram index)."""
+    """Drafts the reference continuation, each token wrong with probability `miss` (a stand-in n-gram
+    index)."""
 
     def __init__(self, prompt_len: int, reference: list[int], miss: float, seed: int) -> None:
         self.prompt_len, self.ref, self.miss, self.rng = prompt_len, reference, miss, random.Random(seed)
@@ -152,10 +154,12 @@ def test_real_ngram_drafts_stay_exact(tiny):
 
 def test_stop_id_and_max_tokens_cut_inside_an_accepted_run(tiny):
     prompt = [random.Random(6).randrange(3, 40000) for _ in range(40)]
-    ref, _ = run(make_engine(tiny, spec=False), {"a": (prompt, SamplingParams(max_tokens=40, ignore_eos=True))})
+    ref, _ = run(make_engine(tiny, spec=False),
+                 {"a": (prompt, SamplingParams(max_tokens=40, ignore_eos=True))})
     out = ref["a"]
     i = next(j for j in range(5, 40) if out[j] not in out[:j])  # a token first produced at index i
-    cases = {"stop": (SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(out[i],)), out[:i], "stop"),
+    cases = {"stop": (SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(out[i],)), out[:i],
+                      "stop"),
              "len": (SamplingParams(max_tokens=i + 1, ignore_eos=True), out[:i + 1], "length")}
     for name, (sp, want, reason) in cases.items():
         eng = make_engine(tiny)
@@ -214,11 +218,13 @@ def _next_probs(tiny, prompt: list[int], temp: float) -> torch.Tensor:
     return torch.softmax(logits / temp, dim=-1)
 
 
-CHI2_999 = (10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12)  # 0.999 quantiles, 1..8 degrees of freedom
+# 0.999 quantiles, 1..8 degrees of freedom
+CHI2_999 = (10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12)
 
 
 def _chi2_ok(samples: list[int], probs: torch.Tensor) -> bool:
-    """Pearson chi-square over the tokens expected at least 5 times (up to 8) plus 'other', at the 0.001 level."""
+    """Pearson chi-square over the tokens expected at least 5 times (up to 8) plus 'other', at the 0.001
+    level."""
     n = len(samples)
     top = [t for t in torch.topk(probs, 8).indices.tolist() if probs[t].item() * n >= 5]
     expected = [probs[t].item() * n for t in top]
@@ -247,7 +253,8 @@ def test_ineligible_requests_decode_plainly_and_still_work(tiny):
             outs.setdefault(o.rid, []).append(o)
     s = eng.stats()
     assert s.spec_proposed_tokens == 0 and eng.pages_idle()
-    assert sum(len(o.logprobs or []) for o in outs["lp"]) == 8 and all(o.top_ids is not None for o in outs["lp"])
+    assert sum(len(o.logprobs or []) for o in outs["lp"]) == 8
+    assert all(o.top_ids is not None for o in outs["lp"])
     assert sum(len(o.new_tokens) for o in outs["min"]) == 8
     ref = make_engine(tiny, spec=False).generate([prompt], cases["bias"])[0]
     assert [t for o in outs["bias"] for t in o.new_tokens] == ref

@@ -60,8 +60,9 @@ def test_kernel_name_follows_source_and_flags():
 
 
 def test_a_built_kernel_loads_past_a_lock_left_by_a_killed_load():
-    """torch takes its build lock on every load, even with nothing to build: a worker killed then left the lock,
-    and the next workers waited for it. A library already built under the kernel's name loads without it."""
+    """torch takes its build lock on every load, even with nothing to build: a worker killed then left the
+    lock, and the next workers waited for it. A library already built under the kernel's name loads without
+    it."""
     from torch.utils.cpp_extension import _get_build_directory
 
     if cpu_kernels.extension() is None:

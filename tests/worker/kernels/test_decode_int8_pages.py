@@ -1,6 +1,7 @@
-"""The int8 paged decode kernel called directly, against attention on the dequantized pages: page sizes that are
-not a multiple of the kernel's 16-key and 2-row steps, contexts ending anywhere in a page, scattered pages, one
-scale per (kv head, page), and rows whose largest scores sit far from one another (the softmax's row max)."""
+"""The int8 paged decode kernel called directly, against attention on the dequantized pages: page sizes that
+are not a multiple of the kernel's 16-key and 2-row steps, contexts ending anywhere in a page, scattered
+pages, one scale per (kv head, page), and rows whose largest scores sit far from one another (the softmax's
+row max)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_int8_decode_matches_dequantized_attention(bs, heads, kv_heads, head_dim
     vc = torch.randint(-127, 128, (kv_heads, pages * bs, head_dim), generator=g, dtype=torch.int8)
     ks = torch.rand(kv_heads, pages, generator=g) * 0.05 + 0.005
     vs = torch.rand(kv_heads, pages, generator=g) * 0.05 + 0.005
-    q = torch.randn(len(lens), heads, head_dim, generator=g) * torch.rand(len(lens), heads, 1, generator=g) * 3
+    q = (torch.randn(len(lens), heads, head_dim, generator=g)
+         * torch.rand(len(lens), heads, 1, generator=g) * 3)
     scale = head_dim ** -0.5
     want = _reference(q, kc, vc, ks, vs, tables, lens, bs, scale)
     got = ext.paged_decode_int8(q, kc, vc, ks, vs, tables, lens, bs, scale)

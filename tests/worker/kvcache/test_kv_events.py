@@ -1,5 +1,5 @@
-"""What the radix cache reports: the gateway's block ids for what it stores, evicts and holds; numbered batches
-with a bound; eviction in LRU order through the heap."""
+"""What the radix cache reports: the gateway's block ids for what it stores, evicts and holds; numbered
+batches with a bound; eviction in LRU order through the heap."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""8-bit KV pages: the scale rule's error bound, the C++ write and attention kernels against the torch reference,
-and the page budget."""
+"""8-bit KV pages: the scale rule's error bound, the C++ write and attention kernels against the torch
+reference, and the page budget."""
 
 from __future__ import annotations
 
@@ -38,14 +38,16 @@ def _appends(kv_heads: int, head_dim: int, n: int, seed: int) -> torch.Tensor:
 
 def _write(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: list[int], steps: list[int],
            kernel=None) -> None:
-    """Write x's rows in steps of the given sizes (a prefill chunk, then appends), by the kernel or the reference."""
+    """Write x's rows in steps of the given sizes (a prefill chunk, then appends), by the kernel or the
+    reference."""
     pos = 0
     for n in steps:
         sm = torch.tensor(slots[pos:pos + n])
         if kernel is None:
             quant.write_int8(x[pos:pos + n], cache, scales, sm, BS)
         else:
-            kernel(x[pos:pos + n], x[pos:pos + n], cache, cache.clone(), scales, scales.clone(), sm, BS, quant.GROW)
+            kernel(x[pos:pos + n], x[pos:pos + n], cache, cache.clone(), scales, scales.clone(), sm, BS,
+                   quant.GROW)
         pos += n
 
 
@@ -97,15 +99,16 @@ def test_cpp_write_matches_reference(dtype):
     assert (out[0][0].int() - out[1][0].int()).abs().max().item() == 0
 
 
-def _int8_cache(heads: int, kv_heads: int, head_dim: int, pages: int, dtype: torch.dtype, seed: int) -> KVCache:
+def _int8_cache(heads: int, kv_heads: int, head_dim: int, pages: int, dtype: torch.dtype,
+                seed: int) -> KVCache:
     """A cache whose every page was filled by the reference write from normal K (x2) and V."""
     kv = KVCache(_cfg(heads, kv_heads, head_dim), pages, BS, dtype, CPU, kv_dtype="int8")
     g = torch.Generator().manual_seed(seed)
     slots = torch.arange(pages * BS)
-    quant.write_int8((torch.randn(pages * BS, kv_heads, head_dim, generator=g) * 2).to(dtype), kv.k[0], kv.k_scale[0],
-                     slots, BS)
-    quant.write_int8(torch.randn(pages * BS, kv_heads, head_dim, generator=g).to(dtype), kv.v[0], kv.v_scale[0],
-                     slots, BS)
+    quant.write_int8((torch.randn(pages * BS, kv_heads, head_dim, generator=g) * 2).to(dtype), kv.k[0],
+                     kv.k_scale[0], slots, BS)
+    quant.write_int8(torch.randn(pages * BS, kv_heads, head_dim, generator=g).to(dtype), kv.v[0],
+                     kv.v_scale[0], slots, BS)
     return kv
 
 
@@ -116,9 +119,9 @@ def _run(attn: TorchAttention, lay: BatchLayout, kv: KVCache, q, k, v) -> torch.
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 32)])
 def test_decode_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim):
-    """Contexts of 1 to 300 tokens (inside a page, on and across page edges), GQA groups of 3 and 4, the kernel's
-    unrolled head sizes and a runtime one: int8 decode against the reference on dequantized gathers (fp32: within
-    the int16 rounding of the queries and probabilities on the AVX-512 path)."""
+    """Contexts of 1 to 300 tokens (inside a page, on and across page edges), GQA groups of 3 and 4, the
+    kernel's unrolled head sizes and a runtime one: int8 decode against the reference on dequantized gathers
+    (fp32: within the int16 rounding of the queries and probabilities on the AVX-512 path)."""
     kernels = _kernels(heads, kv_heads, head_dim)
     torch.manual_seed(0)
     pages = 64
@@ -136,7 +139,8 @@ def test_decode_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim):
         kv = _int8_cache(heads, kv_heads, head_dim, pages, dtype, seed=1)
         outs.append(_run(attn, lay, kv, q, k, v))
         caches.append(kv)
-    assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v_scale[0], caches[1].v_scale[0])
+    assert torch.equal(caches[0].k[0], caches[1].k[0])
+    assert torch.equal(caches[0].v_scale[0], caches[1].v_scale[0])
     assert (outs[0] - outs[1]).abs().max().item() < tol
 
 
@@ -165,14 +169,16 @@ def test_prefill_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim)
     lay = BatchLayout(BS, torch.tensor(slot), dec_tables, decode_ctx, pre_tables, q_lens, ctx)
     outs = []
     for attn in (TorchAttention(heads, kv_heads, head_dim),
-                 TorchAttention(heads, kv_heads, head_dim, None, prefill_kernel=lambda *a: None, int8=kernels)):
+                 TorchAttention(heads, kv_heads, head_dim, None, prefill_kernel=lambda *a: None,
+                                int8=kernels)):
         outs.append(_run(attn, lay, _int8_cache(heads, kv_heads, head_dim, pages, dtype, seed=2), q, k, v))
     assert torch.equal(outs[0][:2], outs[1][:2])
     assert (outs[0] - outs[1]).abs().max().item() < tol
 
 
 def test_int8_attention_stays_close_to_the_model_dtype():
-    """The same K/V through int8 pages and through fp32 pages: decode outputs within the quantization's reach."""
+    """The same K/V through int8 pages and through fp32 pages: decode outputs within the quantization's
+    reach."""
     heads, kv_heads, hd, n = 9, 3, 64, 200
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(2, n, kv_heads, hd, generator=g)
@@ -184,7 +190,8 @@ def test_int8_attention_stays_close_to_the_model_dtype():
         attn = TorchAttention(heads, kv_heads, hd)
         prompt = BatchLayout(BS, torch.arange(n - 1), [], [], [table], [n - 1], [n - 1])
         _run(attn, prompt, kv, torch.randn(n - 1, heads, hd), k[:-1], v[:-1])
-        outs.append(_run(attn, BatchLayout(BS, torch.tensor([n - 1]), [table], [n], [], [], []), kv, q, k[-1:], v[-1:]))
+        outs.append(_run(attn, BatchLayout(BS, torch.tensor([n - 1]), [table], [n], [], [], []), kv, q,
+                         k[-1:], v[-1:]))
     err = (outs[0] - outs[1]).abs().max().item()
     assert 0 < err < 0.02, err
 

@@ -1,5 +1,6 @@
-"""8-bit KV quality gate and wiring: the default model's perplexity on the shipped text with int8 pages against
-its model-dtype pages (the weights' gate text, `tests/data/quant_eval.txt`), `--kv-dtype` resolution, the engine."""
+"""8-bit KV quality gate and wiring: the default model's perplexity on the shipped text with int8 pages
+against its model-dtype pages (the weights' gate text, `tests/data/quant_eval.txt`), `--kv-dtype` resolution,
+the engine."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from worker.model.kv_dtype import resolve_kv_dtype
 from worker.model.loader import load_any, load_model
 from worker.protocol import SamplingParams
 
-PPL_GATE = 1.005  # issue 30: within 0.5% of the model dtype's KV; measured x1.0019 on all the text, x1.0032 on its
+# issue 30: within 0.5% of the model dtype's KV; measured x1.0019 on all the text, x1.0032 on its
+PPL_GATE = 1.005
 # first 1,024 tokens, top-1 96.8-97.1% (bf16, AMD EPYC)
 AGREE = 0.95
 
@@ -28,9 +30,9 @@ def smollm():
 @pytest.mark.heavy  # a quality gate: `make test-heavy` (its own CI step) keeps `make test` under 12 minutes
 @pytest.mark.parametrize("tokens", [1024, None])
 def test_perplexity_gate(smollm, tokens):
-    """Every next token of the text (its first 1,024 tokens, then all 2,631) prefilled in one chunk through the
-    engine: all attention reads int8 pages (the C++ kernels where built), against the same model with model-dtype
-    pages."""
+    """Every next token of the text (its first 1,024 tokens, then all 2,631) prefilled in one chunk through
+    the engine: all attention reads int8 pages (the C++ kernels where built), against the same model with
+    model-dtype pages."""
     ids = eval_ids(smollm)[:tokens]
     assert len(ids) >= 1000
     ref, got = score(smollm, ids, 4096), score(smollm, ids, 4096, kv_dtype="int8")
@@ -45,8 +47,10 @@ def test_perplexity_gate(smollm, tokens):
 def test_auto_resolution_and_refusals():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_kv_dtype(EngineConfig(kv_dtype="auto"), cpu)[0] == "int8"  # the C++ kernels are built here
-    assert resolve_kv_dtype(EngineConfig(kv_dtype="auto", attention_backend="torch_reference"), cpu)[0] == "model"
-    assert resolve_kv_dtype(EngineConfig(kv_dtype="int8", attention_backend="torch_reference"), cpu)[0] == "int8"
+    assert resolve_kv_dtype(EngineConfig(kv_dtype="auto", attention_backend="torch_reference"),
+                            cpu)[0] == "model"
+    assert resolve_kv_dtype(EngineConfig(kv_dtype="int8", attention_backend="torch_reference"),
+                            cpu)[0] == "int8"
     assert resolve_kv_dtype(EngineConfig(kv_dtype="model"), cuda) == ("model", "asked")
     assert resolve_kv_dtype(EngineConfig(kv_dtype="int8", attention_backend="torch"), cuda)[0] == "int8"
     assert resolve_kv_dtype(EngineConfig(kv_dtype="auto", attention_backend="torch"), cuda)[0] == "model"
@@ -54,7 +58,8 @@ def test_auto_resolution_and_refusals():
         EngineConfig(kv_dtype="fp8").validate()
     with pytest.raises(ValueError, match="unknown kv_dtype"):
         EngineConfig(kv_dtype="int4").validate()
-    assert engine_config(WorkerSettings(kv_dtype="int8")).kv_dtype == "int8"  # the worker flag reaches the engine
+    # the worker flag reaches the engine
+    assert engine_config(WorkerSettings(kv_dtype="int8")).kv_dtype == "int8"
     with pytest.raises(ValueError, match="--kv-dtype fp8"):
         engine_config(WorkerSettings(kv_dtype="fp8"))
 
@@ -62,7 +67,8 @@ def test_auto_resolution_and_refusals():
 @pytest.mark.parametrize("backend", ["torch", "torch_reference"])
 def test_engine_serves_from_int8_pages_with_twice_the_tokens(backend):
     """The tiny model through the engine on int8 pages (C++ kernels, then the torch reference): greedy outputs
-    like the model dtype's for a prompt, chunked prefill and a prefix-cache hit; the same budget, ~2x the tokens."""
+    like the model dtype's for a prompt, chunked prefill and a prefix-cache hit; the same budget, ~2x the
+    tokens."""
     lm = load_any("tiny-random", dtype="float32", device="cpu")
     prompt = [(7 * i) % 200 + 3 for i in range(70)]
     outs, totals = [], []

@@ -1,5 +1,5 @@
-"""KV tiers: the page codec's round trip (model dtype and int8 with scales), the host tier's LRU bound, and the
-disk tier's checksums, foreign fingerprints, size bound, full disk and restart."""
+"""KV tiers: the page codec's round trip (model dtype and int8 with scales), the host tier's LRU bound, and
+the disk tier's checksums, foreign fingerprints, size bound, full disk and restart."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def test_codec_round_trip_is_bit_identical(kv_dtype, dtype):
     want = [_page(kv, 5), _page(kv, 2)]
     codec.write([0, 7], rows)
     for got, exp in zip([_page(kv, 0), _page(kv, 7)], want, strict=True):
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, exp, strict=True))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a,
+                   b in zip(got, exp, strict=True))
     assert not torch.equal(_page(kv, 1)[0], want[0][0])  # other pages untouched (and the check can fail)
 
 
@@ -96,8 +97,8 @@ def test_weights_id_names_the_file_bytes_quantization_and_version(tmp_path):
 
 
 def test_stale_format_directories_are_pruned_and_current_ones_kept(tmp_path):
-    """A directory of the format whose fingerprint named no weights is deleted when a tier starts; a directory of
-    the current format (another model's) is left as it is."""
+    """A directory of the format whose fingerprint named no weights is deleted when a tier starts; a directory
+    of the current format (another model's) is left as it is."""
     from worker.kvcache.tiers.disk import MAGIC, STALE_MAGICS
 
     def plant(magic: bytes) -> pathlib.Path:
@@ -120,7 +121,8 @@ def _tp(n: int, fill: int = 0) -> TierPage:
 
 def test_host_tier_is_lru_and_bounded():
     host = HostTier(300)
-    assert host.put(b"a", _tp(100)) == [] and host.put(b"b", _tp(100)) == [] and host.put(b"c", _tp(100)) == []
+    assert host.put(b"a", _tp(100)) == [] and host.put(b"b", _tp(100)) == []
+    assert host.put(b"c", _tp(100)) == []
     assert host.get(b"a") is not None  # a is now the most recent
     out = host.put(b"d", _tp(100))
     assert [k for k, _ in out] == [b"b"] and host.bytes == 300 and len(host) == 3
@@ -283,8 +285,8 @@ def test_files_older_than_24h_are_not_read(tmp_path):
 
 
 def test_two_workers_on_one_directory_stay_within_its_capacity(tmp_path):
-    """Each worker counts only the bytes it wrote; the sweep counts the directory, so together they are trimmed
-    back to the capacity (oldest files first) instead of holding twice it."""
+    """Each worker counts only the bytes it wrote; the sweep counts the directory, so together they are
+    trimmed back to the capacity (oldest files first) instead of holding twice it."""
     cap = 4 * (100 + 56) + 10
     a, b = _disk(tmp_path, cap=cap), _disk(tmp_path, cap=cap)
     for i in range(4):

@@ -63,7 +63,8 @@ class ReferenceCache:
             leaves = []
             for ns, ents in self.entries.items():
                 parents = {k[: -self.bs] for k in ents}
-                leaves += [(self.access[(ns, k)], ns, k) for k in ents if k not in parents and (ns, k) not in locked]
+                leaves += [(self.access[(ns, k)], ns, k) for k in ents if k not in parents
+                           and (ns, k) not in locked]
             if not leaves:
                 break
             leaves.sort()

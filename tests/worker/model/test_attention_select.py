@@ -1,5 +1,5 @@
-"""The attention backend rule (`worker.model.backends.choose_backend`): flash-attn's page-size constraint, the Triton
-fallback on CUDA, torch on CPU, and clear errors for explicit choices that cannot run."""
+"""The attention backend rule (`worker.model.backends.choose_backend`): flash-attn's page-size constraint, the
+Triton fallback on CUDA, torch on CPU, and clear errors for explicit choices that cannot run."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def fake_cuda(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(backends.importlib.util, "find_spec",
-                        lambda name, *a: object() if name in installed else (None if name in
-                                                                              ("flash_attn", "triton") else real(name, *a)))
+                        lambda name, *a: object() if name in installed
+                        else (None if name in ("flash_attn", "triton") else real(name, *a)))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return installed
 

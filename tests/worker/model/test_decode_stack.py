@@ -1,5 +1,6 @@
-"""The C++ decode stack (`worker.model.decode_stack`): a decode-only step through it gives the Python layer loop's
-logits bit for bit, for every linear kind it runs and both KV page dtypes; steps it does not cover take the loop."""
+"""The C++ decode stack (`worker.model.decode_stack`): a decode-only step through it gives the Python layer
+loop's logits bit for bit, for every linear kind it runs and both KV page dtypes; steps it does not cover take
+the loop."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def _linears(model) -> list[quant.QuantLinear]:
 
 
 def _kernel_model():
-    """A w8a8 model whose few-row calls take this CPU's own kernel, whatever the calibration measured here (on an
-    AMX host oneDNN's product or `_int_mm` can win it, and then no step would be the stack's)."""
+    """A w8a8 model whose few-row calls take this CPU's own kernel, whatever the calibration measured here (on
+    an AMX host oneDNN's product or `_int_mm` can win it, and then no step would be the stack's)."""
     model = _model("w8a8")
     for m in _linears(model):
         if m.w8a8.small is None:
@@ -64,8 +65,8 @@ def _setup(model, kv_dtype: str):
 
 
 def _forward(model, attn, kv, ops, stack, rows: int, prefill: int = 0):
-    """Logits of `rows` decoding sequences (distinct pages, contexts CONTEXT + i) and, with `prefill`, one prompt
-    chunk of that many tokens after them."""
+    """Logits of `rows` decoding sequences (distinct pages, contexts CONTEXT + i) and, with `prefill`, one
+    prompt chunk of that many tokens after them."""
     per = -(-(CONTEXT + rows + 1) // BS)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
     lens = [CONTEXT + i for i in range(rows)]
@@ -81,7 +82,8 @@ def _forward(model, attn, kv, ops, stack, rows: int, prefill: int = 0):
     ids = torch.randint(0, CFG.vocab_size, (len(pos),), generator=torch.Generator().manual_seed(rows))
     out_rows = torch.arange(len(pos))
     with torch.inference_mode():
-        ctx = StepContext(torch.tensor(pos), out_rows, attn, attn.prepare(lay, kv.k[0].device), kv, ops, stack)
+        ctx = StepContext(torch.tensor(pos), out_rows, attn, attn.prepare(lay, kv.k[0].device), kv, ops,
+                          stack)
         return model(ids, ctx)
 
 
@@ -97,7 +99,8 @@ def _same_as_loop(model, kv_dtype: str, rows: int, want_kind: int) -> None:
     got = _forward(model, attn, kv, ops, stack, rows)
     assert torch.equal(got, loop)
     # the same K/V rows (and int8 page scales) written
-    assert all(torch.equal(a, b) for a, b in zip(after_loop, kv.k + kv.v + kv.k_scale + kv.v_scale, strict=True))
+    assert all(torch.equal(a, b) for a,
+               b in zip(after_loop, kv.k + kv.v + kv.k_scale + kv.v_scale, strict=True))
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "model"])
@@ -174,19 +177,22 @@ def test_steps_it_does_not_cover_take_the_loop():
 
 
 def test_a_bad_call_raises_and_leaves_the_process_usable():
-    """The stack runs without the GIL; its checks come back as Python exceptions, before anything is written."""
+    """The stack runs without the GIL; its checks come back as Python exceptions, before anything is
+    written."""
     model = _kernel_model()
     attn, kv, ops, stack = _setup(model, "int8")
     weights, kinds = stack.plan(2)
     x = torch.zeros(2, CFG.hidden_size, dtype=torch.bfloat16)
-    meta_args = (torch.zeros(2, dtype=torch.int64), model._rope_cos, model._rope_sin, torch.zeros(2, dtype=torch.int64),
-                 torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int64), CFG.num_heads,
-                 CFG.num_kv_heads, BS, 0.125, 1e-5, True, 2.0)
+    meta_args = (torch.zeros(2, dtype=torch.int64), model._rope_cos, model._rope_sin,
+                 torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64),
+                 torch.ones(2, dtype=torch.int64), CFG.num_heads, CFG.num_kv_heads, BS, 0.125, 1e-5, True,
+                 2.0)
     before = [t.clone() for t in kv.k + kv.v]
     for bad in (weights[:-1], weights + [weights[0]]):
         with pytest.raises(RuntimeError, match="decode_stack: .* tensors where the kinds need"):
             stack.ext.decode_stack(x, bad, kinds, *meta_args)
     with pytest.raises(RuntimeError, match="unknown linear kind"):
         stack.ext.decode_stack(x, weights, [9] + kinds[1:], *meta_args)
-    assert torch.equal(x, torch.zeros_like(x)) and all(torch.equal(a, b) for a, b in zip(before, kv.k + kv.v, strict=True))
+    assert torch.equal(x, torch.zeros_like(x)) and all(torch.equal(a, b) for a,
+                                                       b in zip(before, kv.k + kv.v, strict=True))
     assert _forward(model, attn, kv, ops, stack, 2).shape == (2, CFG.vocab_size)

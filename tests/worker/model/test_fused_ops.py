@@ -38,7 +38,8 @@ def test_each_op_matches_the_eager_reference(fused, dtype, tol):
     x = (torch.randn(7, 96, generator=gen) * 3).to(dtype)
     r = torch.randn(7, 96, generator=gen).to(dtype)
     w = torch.rand(96, generator=gen).to(dtype) + 0.5
-    assert torch.allclose(fused.rms_norm(x, w, 1e-5).float(), eager.rms_norm(x, w, 1e-5).float(), atol=tol, rtol=tol)
+    assert torch.allclose(fused.rms_norm(x, w, 1e-5).float(), eager.rms_norm(x, w, 1e-5).float(), atol=tol,
+                          rtol=tol)
     xa, xb = x.clone(), x.clone()
     ha, hb = fused.add_rms_norm_(xa, r, w, 1e-5), eager.add_rms_norm_(xb, r, w, 1e-5)
     assert torch.equal(xa, xb)  # the residual stream is updated in place, rounded like `x + r`
@@ -74,9 +75,11 @@ def test_greedy_outputs_identical_fused_and_eager_in_fp32():
 def test_knob_from_flag_to_engine_and_bad_values():
     parser = argparse.ArgumentParser()
     cmd_worker.add_arguments(parser)
-    cfg = cmd_worker.engine_config(cmd_worker.settings_from_args(parser.parse_args(["--fused-ops", "off"])).worker)
+    args = parser.parse_args(["--fused-ops", "off"])
+    cfg = cmd_worker.engine_config(cmd_worker.settings_from_args(args).worker)
     assert cfg.fused_ops == "off"
-    assert cmd_worker.engine_config(cmd_worker.settings_from_args(parser.parse_args([])).worker).fused_ops == "on"
+    default = cmd_worker.settings_from_args(parser.parse_args([])).worker
+    assert cmd_worker.engine_config(default).fused_ops == "on"
     with pytest.raises(ValueError, match="fused_ops"):
         EngineConfig(fused_ops="maybe").validate()
     with pytest.raises(SystemExit):

@@ -24,7 +24,8 @@ def test_bits_equal_gguf_py(qtype: Q) -> None:
     ref = gguf.quants.dequantize(raw, qtype)
     assert ours.dtype == torch.float32 and tuple(ours.shape) == ref.shape == (6, 128)
     assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32)))
-    err = (ours - torch.from_numpy(x)).abs().max(dim=1).values  # and it is the data, not just the same mistake
+    # and it is the data, not just the same mistake
+    err = (ours - torch.from_numpy(x)).abs().max(dim=1).values
     assert (err <= 0.1 * torch.from_numpy(np.abs(x)).max(dim=1).values).all(), err
 
 

@@ -1,8 +1,8 @@
-"""On a CUDA device: greedy outputs equal the CPU reference in fp32, CUDA-graph decode equals eager decode, and the
-backend rule picks Triton. `make test-gpu` runs these (they skip without CUDA).
+"""On a CUDA device: greedy outputs equal the CPU reference in fp32, CUDA-graph decode equals eager decode,
+and the backend rule picks Triton. `make test-gpu` runs these (they skip without CUDA).
 
-Self-contained (no conftest fixtures): a lent GPU machine runs them with `--noconftest`. Without the default model's
-package there, SWITCHYARD_TOKENIZER names a folder holding its tokenizer (docs/gpu.md).
+Self-contained (no conftest fixtures): a lent GPU machine runs them with `--noconftest`. Without the default
+model's package there, SWITCHYARD_TOKENIZER names a folder holding its tokenizer (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from worker.model.backends import choose_backend
 from worker.model.tiny_model import load_tiny_model, random_model
 from worker.protocol import SamplingParams
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 TOKENIZER = os.environ.get("SWITCHYARD_TOKENIZER", "default")
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -90,7 +91,8 @@ def test_graph_logits_match_eager_forward_bf16():
     with torch.inference_mode():
         got = runner.graphs.run(inputs).clone()
         dev = runner.device
-        lay = BatchLayout(runner.bs, torch.tensor(inputs.slots, device=dev), inputs.tables, inputs.lens, [], [], [])
+        lay = BatchLayout(runner.bs, torch.tensor(inputs.slots, device=dev), inputs.tables, inputs.lens, [],
+                          [], [])
         ctx = StepContext(torch.tensor(inputs.positions, device=dev), torch.arange(len(seqs), device=dev),
                           runner.attn, runner.attn.prepare(lay, dev), runner.kv, runner.ops)
         want = runner.model(torch.tensor(inputs.ids, device=dev), ctx)
@@ -100,7 +102,8 @@ def test_graph_logits_match_eager_forward_bf16():
 
 
 def test_seeded_sampling_on_gpu_is_reproducible():
-    """Top-p/top-k sampling with penalties runs on the device (tensors on one device) and repeats under a seed."""
+    """Top-p/top-k sampling with penalties runs on the device (tensors on one device) and repeats under a
+    seed."""
     loaded = load_tiny_model(dtype="float32", device="cuda", tokenizer=TOKENIZER)
     sp = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=50, seed=42, ignore_eos=True,
                         presence_penalty=0.5, logprobs=True, top_logprobs=3)
@@ -112,7 +115,8 @@ def test_seeded_sampling_on_gpu_is_reproducible():
 
 def test_int8_kv_pages_graph_decode_equals_eager():
     """--kv-dtype int8 on the Triton backend: CUDA-graph decode (the quantizing write captured) equals eager.
-    Against the torch reference over the same pages: tests/worker/model/test_triton_kv_int8.py, on this device."""
+    Against the torch reference over the same pages: tests/worker/model/test_triton_kv_int8.py, on this
+    device."""
     gpu = load_tiny_model(dtype="float32", device="cuda", tokenizer=TOKENIZER)
     prompts = _prompts(gpu.config.vocab_size, seed=4)
     graphs, eager = _engine(gpu, kv_dtype="int8"), _engine(gpu, kv_dtype="int8", cuda_graphs="off")

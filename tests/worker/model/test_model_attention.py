@@ -1,4 +1,4 @@
-"""The C++ paged decode and prefill kernels against the pure-torch reference attention (same cache, same layout)."""
+"""The C++ paged decode and prefill kernels against the torch reference attention (same cache and layout)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def _random_cache(heads: int, kv_heads: int, head_dim: int, pages: int, dtype: t
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (9, 3, 64), (8, 2, 128)])
 def test_cpu_decode_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim):
-    """Runtime-sized shapes (32) and the kernel's unrolled ones (64 x 3 as in SmolLM2, 128 x 4 as in Llama 3)."""
+    """Runtime-sized shapes (32) and the kernel's unrolled ones (64 x 3 as in SmolLM2, 128 x 4 as in Llama
+    3)."""
     kernel = paged_decode_kernel()
     assert kernel is not None, "C++ kernel failed to build (compiler missing?)"
     torch.manual_seed(0)
@@ -43,7 +44,8 @@ def test_cpu_decode_kernel_matches_reference(dtype, tol, heads, kv_heads, head_d
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, ctx, strict=True)])
     lay = BatchLayout(bs, slots, tables, ctx, [], [], [])
     outs = []
-    for attn in (TorchAttention(heads, kv_heads, head_dim), TorchAttention(heads, kv_heads, head_dim, kernel)):
+    for attn in (TorchAttention(heads, kv_heads, head_dim),
+                 TorchAttention(heads, kv_heads, head_dim, kernel)):
         meta = attn.prepare(lay, torch.device("cpu"))
         outs.append(attn.forward(0, q, k_new, k_new, kv, meta).float())
     assert (outs[0] - outs[1]).abs().max().item() < tol
@@ -51,8 +53,9 @@ def test_cpu_decode_kernel_matches_reference(dtype, tol, heads, kv_heads, head_d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_write_and_strided_queries_equal_the_copying_path(dtype):
-    """One `paged_kv_write` call stores what two index_copy_ calls store, and the decode kernel reads q, k, v as
-    views into a fused QKV output (no contiguous copies) with the same result, bit for bit; a bad slot raises."""
+    """One `paged_kv_write` call stores what two index_copy_ calls store, and the decode kernel reads q, k, v
+    as views into a fused QKV output (no contiguous copies) with the same result, bit for bit; a bad slot
+    raises."""
     kernel, kv_write = paged_decode_kernel(), paged_kv_write_kernel()
     assert kernel is not None and kv_write is not None
     torch.manual_seed(3)
@@ -83,8 +86,8 @@ def test_kv_write_and_strided_queries_equal_the_copying_path(dtype):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (8, 8, 64), (16, 2, 64)])
 def test_cpu_prefill_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim):
-    """A step of two decodes and four prompt chunks (fresh, after a cached prefix, one token, past a page edge):
-    the prefill kernel against SDPA per chunk, decode rows untouched by it."""
+    """A step of two decodes and four prompt chunks (fresh, after a cached prefix, one token, past a page
+    edge): the prefill kernel against SDPA per chunk, decode rows untouched by it."""
     kernel = paged_prefill_kernel(heads, kv_heads, head_dim)
     assert kernel is not None, "C++ prefill kernel failed to build or does not take this shape"
     torch.manual_seed(1)
@@ -105,7 +108,8 @@ def test_cpu_prefill_kernel_matches_reference(dtype, tol, heads, kv_heads, head_
     v_new = torch.randn(rows, kv_heads, head_dim).to(dtype)
     lay = BatchLayout(bs, torch.tensor(slot), dec_tables, decode_ctx, pre_tables, q_lens, ctx)
     outs = []
-    for attn in (TorchAttention(heads, kv_heads, head_dim), TorchAttention(heads, kv_heads, head_dim, None, kernel)):
+    for attn in (TorchAttention(heads, kv_heads, head_dim),
+                 TorchAttention(heads, kv_heads, head_dim, None, kernel)):
         meta = attn.prepare(lay, torch.device("cpu"))
         outs.append(attn.forward(0, q, k_new, v_new, kv, meta).float())
     assert torch.equal(outs[0][:2], outs[1][:2])
@@ -119,8 +123,8 @@ def test_prefill_kernel_declines_shapes_it_does_not_unroll():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-5), (torch.bfloat16, 2e-2)])
 def test_cpu_prefill_kernel_packs_shared_prefix_pages_once_and_stays_exact(dtype, tol):
-    """Three chunks after one cached 64-token prefix (the same four pages, as the prefix cache shares them), one
-    of them ending inside its last page: the kernel packs each page once; outputs match SDPA per chunk."""
+    """Three chunks after one cached 64-token prefix (the same four pages, as the prefix cache shares them),
+    one of them ending inside its last page: the kernel packs each page once; outputs match SDPA per chunk."""
     heads, kv_heads, head_dim, bs = 9, 3, 64, 16
     kernel = paged_prefill_kernel(heads, kv_heads, head_dim)
     assert kernel is not None
@@ -137,6 +141,7 @@ def test_cpu_prefill_kernel_packs_shared_prefix_pages_once_and_stays_exact(dtype
     v_new = torch.randn(rows, kv_heads, head_dim).to(dtype)
     lay = BatchLayout(bs, torch.tensor(slot), [], [], tables, q_lens, ctx)
     outs = []
-    for attn in (TorchAttention(heads, kv_heads, head_dim), TorchAttention(heads, kv_heads, head_dim, None, kernel)):
+    for attn in (TorchAttention(heads, kv_heads, head_dim),
+                 TorchAttention(heads, kv_heads, head_dim, None, kernel)):
         outs.append(attn.forward(0, q, k_new, v_new, kv, attn.prepare(lay, torch.device("cpu"))).float())
     assert (outs[0] - outs[1]).abs().max().item() < tol

@@ -57,7 +57,8 @@ def prompts(ours):
 @pytest.fixture(scope="module")
 def engine_run(ours, prompts):
     """Run all prompts through one engine with staggered arrivals; capture every logit row."""
-    engine = DebugEngine(ours, EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=48, max_num_seqs=16))
+    engine = DebugEngine(ours,
+                         EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=48, max_num_seqs=16))
     params = SamplingParams(max_tokens=NEW_TOKENS)
     capture: list = []
     outputs: dict[str, list[int]] = {}
@@ -107,7 +108,8 @@ def test_greedy_matches_hf_generate(engine_run, prompts, hf_model):
     eos = hf_model.config.eos_token_id
     for i, prompt in enumerate(prompts):
         with torch.inference_mode():
-            gen = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            gen = hf_model.generate(torch.tensor([prompt]),
+                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                     max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=eos)
         ref = gen[0, len(prompt):].tolist()
         if eos in ref:

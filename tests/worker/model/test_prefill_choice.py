@@ -1,5 +1,6 @@
-"""The prefill attention choice (`worker.model.prefill_choice`): measured once per shape, fixed by the environment,
-SDPA keeping the decode and write kernels, close to the C++ kernel on a mixed step, and reported in stats."""
+"""The prefill attention choice (`worker.model.prefill_choice`): measured once per shape, fixed by the
+environment, SDPA keeping the decode and write kernels, close to the C++ kernel on a mixed step, and reported
+in stats."""
 
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def test_int8_pages_keep_the_kernel_unless_asked(monkeypatch):
 
 @pytest.mark.parametrize("kv_dtype,tol", [("model", 2e-2), ("int8", 2e-2)])
 def test_sdpa_path_matches_the_kernel_on_a_mixed_step(kv_dtype, tol):
-    """Two decode rows, a fresh prompt and a chunk over a cached prefix, in one step; bf16 (the int8 path reads the
-    same quantized pages both ways)."""
+    """Two decode rows, a fresh prompt and a chunk over a cached prefix, in one step; bf16 (the int8 path
+    reads the same quantized pages both ways)."""
     cfg, attn, kv = _attn_and_cache(kv_dtype)
     sdpa = prefill_choice.without_prefill_kernels(attn)
     g = torch.Generator().manual_seed(3)
@@ -83,7 +84,8 @@ def test_sdpa_path_matches_the_kernel_on_a_mixed_step(kv_dtype, tol):
     with torch.inference_mode():
         attn.forward(0, rand(len(full), 6), rand(len(full), 2), rand(len(full), 2), kv,
                      attn.prepare(BatchLayout(16, torch.tensor(full), [], [], tables, ctxs, ctxs), CPU))
-        slots = [t[p // 16] * 16 + p % 16 for t, c, q in zip(tables, ctxs, q_lens, strict=True) for p in range(c - q, c)]
+        slots = [t[p // 16] * 16 + p % 16 for t, c, q in zip(tables, ctxs, q_lens, strict=True)
+                 for p in range(c - q, c)]
         lay = BatchLayout(16, torch.tensor(slots), tables[:2], ctxs[:2], tables[2:], q_lens[2:], ctxs[2:])
         n = sum(q_lens)
         q, k, v = rand(n, 6), rand(n, 2), rand(n, 2)

@@ -1,5 +1,6 @@
-"""The fused decode projections (`worker.kernels.triton_gemv`) against the separate ops they replace, and a model
-decoding the same tokens with them as without. Natively on CUDA; on CPU under Triton's interpreter (small shapes)."""
+"""The fused decode projections (`worker.kernels.triton_gemv`) against the separate ops they replace, and a
+model decoding the same tokens with them as without. Natively on CUDA; on CPU under Triton's interpreter
+(small shapes)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from worker.kernels.triton_gemv import fits, norm_linear, silu_mul_linear  # noq
 
 pytestmark = pytest.mark.triton_kernels
 # (K, N) of norm_linear: SmolLM2-135M's qkv and gate/up, then sizes off the 64 and 16 blocks
-NORM_SHAPES = [(576, 960), (576, 3072), (200, 77)] if DEVICE.type == "cuda" else [(64, 40), (96, 48), (50, 33)]
+NORM_SHAPES = ([(576, 960), (576, 3072), (200, 77)] if DEVICE.type == "cuda"
+               else [(64, 40), (96, 48), (50, 33)])
 # (I, N) of silu_mul_linear: its down projection, then odd sizes
 SILU_SHAPES = [(1536, 576), (77, 50)] if DEVICE.type == "cuda" else [(64, 40), (33, 50)]
 
@@ -93,7 +95,8 @@ CPU_ONLY = pytest.mark.skipif(DEVICE.type == "cuda", reason="no device check: th
 @CPU_ONLY
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_ops_norm_linear_and_norm_mlp_are_the_separate_calls_bit_for_bit(dtype):
-    """EagerOps (and the C++ FusedOps where built) keep today's sequence: x updated in place, the same bits."""
+    """EagerOps (and the C++ FusedOps where built) keep today's sequence: x updated in place, the same
+    bits."""
     from worker.kernels.layer_ops import EagerOps
     from worker.model.backends import make_ops
 
@@ -116,7 +119,8 @@ def test_cpu_ops_norm_linear_and_norm_mlp_are_the_separate_calls_bit_for_bit(dty
 
 
 def test_triton_ops_keep_the_separate_kernels_where_the_fused_ones_do_not_fit(monkeypatch):
-    """Switched off, more than 64 rows, or a linear that is not a plain nn.Linear: the fused kernels never run."""
+    """Switched off, more than 64 rows, or a linear that is not a plain nn.Linear: the fused kernels never
+    run."""
     from worker.kernels.triton_ops import TritonOps
 
     def refuse(*args, **kwargs):
@@ -132,7 +136,8 @@ def test_triton_ops_keep_the_separate_kernels_where_the_fused_ones_do_not_fit(mo
         pass
 
     odd = Wrapped(64, 128, bias=False).requires_grad_(False).to(DEVICE)
-    for ops, rows, linear in ((TritonOps(fused_linear=False), 3, lin), (TritonOps(fused_linear=True), 65, lin),
+    for ops, rows, linear in ((TritonOps(fused_linear=False), 3, lin),
+                              (TritonOps(fused_linear=True), 65, lin),
                               (TritonOps(fused_linear=True), 3, odd)):
         x = torch.randn(rows, 64, device=DEVICE)
         _, out = ops.norm_linear(x, torch.randn(rows, 64, device=DEVICE), norm, linear)
@@ -164,8 +169,8 @@ def test_fused_linear_knob_from_flag_to_engine_config_and_bad_values():
 
 
 def test_a_model_forward_with_fused_projections_equals_the_eager_one():
-    """A tiny random Llama's logits over a 20-token prompt: fused projections (and Triton norms) against the eager
-    ops, fp32; and a CUDA engine decodes the same greedy tokens with them on as off."""
+    """A tiny random Llama's logits over a 20-token prompt: fused projections (and Triton norms) against the
+    eager ops, fp32; and a CUDA engine decodes the same greedy tokens with them on as off."""
     from worker.kernels.triton_ops import TritonOps
     from worker.model.llama import reference_context
     from worker.model.tiny_model import load_tiny_model
@@ -184,8 +189,9 @@ def test_a_model_forward_with_fused_projections_equals_the_eager_one():
 
 
 def test_greedy_decode_with_fused_projections_on_equals_off_fp32(monkeypatch):
-    """A tiny random model decodes the same greedy tokens with the fused projections as with the separate Triton
-    kernels (decode steps of 1 to 3 rows, prefills of 4 to 21): on CPU the engine's ops swapped for TritonOps."""
+    """A tiny random model decodes the same greedy tokens with the fused projections as with the separate
+    Triton kernels (decode steps of 1 to 3 rows, prefills of 4 to 21): on CPU the engine's ops swapped for
+    TritonOps."""
     from worker.config import EngineConfig
     from worker.engine.core import Engine
     from worker.kernels.triton_ops import TritonOps
@@ -201,8 +207,9 @@ def test_greedy_decode_with_fused_projections_on_equals_off_fp32(monkeypatch):
     monkeypatch.setattr(triton_gemv, "norm_linear", lambda x, *a: calls.append(x.shape[0]) or fused(x, *a))
     outs = []
     for on in (False, True):
+        # cuda_graphs off: graphs would keep the ops they were captured with
         eng = Engine(loaded, EngineConfig(dtype="float32", kv_cache_bytes=16 << 20, kv_dtype="model",
-                                          cuda_graphs="off"))  # graphs would keep the ops they were captured with
+                                          cuda_graphs="off"))
         eng.runner.ops, eng.runner.stack = TritonOps(fused_linear=on), None  # CPU: Triton's ops, no C++ stack
         outs.append(eng.generate(prompts, params))
         assert bool(calls) == on and (not on or min(calls) < 4)  # off: never; on: decode steps too
@@ -220,16 +227,17 @@ def test_cuda_engine_greedy_tokens_equal_with_fused_projections_on_and_off():
                                                                                       "default"))
     prompts = [[5, 9, 11, 3, 7, 2, 8] * 3, [4, 4, 6, 1], [30, 31, 2]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # a bounded KV cache: the first engine's may outlive it (85% of the device)
     outs = [DebugEngine(loaded, EngineConfig(dtype="float32", kv_cache_bytes=256 << 20, max_num_seqs=16,
                                              fused_linear=mode)).generate(prompts, params)
-            for mode in ("off", "on")]  # a bounded KV cache: the first engine's may outlive it (85% of the device)
+            for mode in ("off", "on")]
     assert outs[0] == outs[1]
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine's fused ops are Triton's on CUDA only")
 def test_cuda_engine_greedy_smollm2_shape_fused_on_equals_off_fp32():
-    """The default model's shape (random weights, fp32, decode CUDA graphs up to 16 rows): the same greedy tokens
-    with the fused projections as with cuBLAS and the separate kernels."""
+    """The default model's shape (random weights, fp32, decode CUDA graphs up to 16 rows): the same greedy
+    tokens with the fused projections as with cuBLAS and the separate kernels."""
     from worker.config import EngineConfig, ModelConfig
     from worker.engine.core import Engine
     from worker.model.tiny_model import load_tiny_model, random_model

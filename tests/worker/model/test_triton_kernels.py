@@ -31,7 +31,8 @@ class _Cfg:  # the fields KVCache reads
 
 def _layout(page: int, num_pages: int, decode_ctx: list[int], chunks: list[tuple[int, int]],
             rng: random.Random) -> tuple[BatchLayout, int]:
-    """Random distinct pages per sequence; chunks are (q_len, ctx_len). Returns the layout and its token count."""
+    """Random distinct pages per sequence; chunks are (q_len, ctx_len). Returns the layout and its token
+    count."""
     free = list(range(num_pages))
     rng.shuffle(free)
 
@@ -104,8 +105,9 @@ def test_kv_write_skips_padded_rows():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nh,kvh", [(9, 3), (4, 4)])
 def test_rope_and_kv_write_in_one_kernel_equal_the_two(dtype, nh, kvh):
-    """`paged_rope_kv_write` (what `TritonOps.attend` runs on model-dtype pages) gives the bits of TritonOps' RoPE
-    followed by `paged_kv_write`: q and k rotated in place, k and v in their slots, a padded row (-1) skipped."""
+    """`paged_rope_kv_write` (what `TritonOps.attend` runs on model-dtype pages) gives the bits of TritonOps'
+    RoPE followed by `paged_kv_write`: q and k rotated in place, k and v in their slots, a padded row (-1)
+    skipped."""
     from worker.kernels.layer_ops import Rope
     from worker.kernels.triton_attention import paged_kv_write, paged_rope_kv_write
     from worker.kernels.triton_ops import TritonOps
@@ -113,7 +115,8 @@ def test_rope_and_kv_write_in_one_kernel_equal_the_two(dtype, nh, kvh):
     g = torch.Generator().manual_seed(nh)
     hd, t = 64, 4
     qkv = torch.randn(t, nh + 2 * kvh, hd, generator=g).to(dtype).to(DEVICE)
-    cos, sin = torch.rand(64, hd // 2, generator=g).to(DEVICE), torch.rand(64, hd // 2, generator=g).to(DEVICE)
+    cos = torch.rand(64, hd // 2, generator=g).to(DEVICE)
+    sin = torch.rand(64, hd // 2, generator=g).to(DEVICE)
     pos, slots = torch.tensor([0, 63, 17, 5], device=DEVICE), torch.tensor([7, -1, 40, 3], device=DEVICE)
     caches = [torch.zeros(kvh, 48, hd, dtype=dtype, device=DEVICE) for _ in range(4)]
     want = qkv.clone()
@@ -163,7 +166,8 @@ def test_decode_padded_row_gives_zeros():
 
 
 def test_engine_greedy_with_triton_equals_torch_backend():
-    """The whole engine (chunked prefill, prefix-cache extend, decode) on the Triton backend: the same tokens."""
+    """The whole engine (chunked prefill, prefix-cache extend, decode) on the Triton backend: the same
+    tokens."""
     from worker.config import EngineConfig
     from worker.engine.core import Engine
     from worker.model.tiny_model import load_tiny_model
@@ -172,7 +176,8 @@ def test_engine_greedy_with_triton_equals_torch_backend():
     loaded = load_tiny_model(dtype="float32", device=DEVICE, tokenizer=os.environ.get("SWITCHYARD_TOKENIZER",
                                                                                       "default"))
     rng = random.Random(11)
-    shared = [rng.randrange(loaded.config.vocab_size) for _ in range(40)]  # a cached prefix for the later prompts
+    # a cached prefix for the later prompts
+    shared = [rng.randrange(loaded.config.vocab_size) for _ in range(40)]
     prompts = [shared + [rng.randrange(loaded.config.vocab_size) for _ in range(n)] for n in (1, 9, 30)]
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -227,7 +232,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
 
 @pytest.mark.parametrize("splits", [2, 3, 16])
 def test_split_context_decode_equals_one_pass(splits):
-    """Flash-decoding: the context divided among programs (some empty), merged, equals one pass; padded rows stay 0."""
+    """Flash-decoding: the context divided among programs (some empty), merged, equals one pass; padded rows
+    stay 0."""
     from worker.kernels.triton_attention import paged_decode
 
     torch.manual_seed(splits)
@@ -242,7 +248,8 @@ def test_split_context_decode_equals_one_pass(splits):
 
 
 def test_fp8_row_quantization_kernel_equals_torch():
-    """The fused activation quantization gives `worker.quant.fp8`'s scales, and on CUDA its codes, bit for bit."""
+    """The fused activation quantization gives `worker.quant.fp8`'s scales, and on CUDA its codes, bit for
+    bit."""
     from worker.kernels.triton_ops import quantize_rows_fp8
     from worker.quant import fp8
 

@@ -51,8 +51,9 @@ def test_int8_write_equals_torch_reference_with_growth_and_padded_rows():
 
     kvh, hd, num_pages = 3, 64, 8
     x = _drifting(40, kvh, hd, seed=3)
-    # a 20-token chunk over two pages (page 5 whole, page 2 from its start), then single-token appends to page 2
-    # interleaved with a padded row and a second sequence's page 6, then a 6-token chunk finishing page 2
+    # a 20-token chunk over two pages (page 5 whole, page 2 from its start), then single-token appends to
+    # page 2 interleaved with a padded row and a second sequence's page 6, then a 6-token chunk finishing
+    # page 2
     steps = [[5 * PAGE + i for i in range(16)] + [2 * PAGE + i for i in range(4)],
              [2 * PAGE + 4, -1, 6 * PAGE], [2 * PAGE + 5, 6 * PAGE + 1], [2 * PAGE + i for i in range(6, 12)]]
     ref = (torch.zeros(kvh, num_pages * PAGE, hd, dtype=torch.int8, device=DEVICE),
@@ -105,8 +106,9 @@ def _context(cache: KVCache, lay: BatchLayout, kvh: int, hd: int, seed: int) -> 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 4e-2)])
 def test_attention_over_int8_pages_matches_reference(dtype, tol):
-    """Decodes (one at a page's first slot), a fresh prompt, an extend over a cached prefix and a chunk starting
-    mid-page, in one step: the same outputs and the same pages as the torch reference over int8 pages."""
+    """Decodes (one at a page's first slot), a fresh prompt, an extend over a cached prefix and a chunk
+    starting mid-page, in one step: the same outputs and the same pages as the torch reference over int8
+    pages."""
     nh, kvh, hd, num_pages = 9, 3, 64, 64
     lay = _layout([1, 17, 40, 130], [(20, 20), (33, 97), (5, 40)], num_pages, random.Random(5))
     caches = [KVCache(_Cfg(kvh, hd), num_pages, PAGE, dtype, DEVICE, kv_dtype="int8") for _ in range(2)]
@@ -127,8 +129,8 @@ def test_attention_over_int8_pages_matches_reference(dtype, tol):
 
 @pytest.mark.heavy  # ~20 s under the interpreter: `make test-heavy` (and `make test-gpu` natively)
 def test_engine_greedy_on_int8_pages_triton_equals_torch_reference():
-    """The engine with --kv-dtype int8 (chunked prefill, a prefix-cache extend, decode): the Triton backend gives
-    the torch reference's tokens, and reports int8 pages."""
+    """The engine with --kv-dtype int8 (chunked prefill, a prefix-cache extend, decode): the Triton backend
+    gives the torch reference's tokens, and reports int8 pages."""
     from worker.config import EngineConfig
     from worker.engine.core import Engine
     from worker.model.tiny_model import load_tiny_model
@@ -142,8 +144,9 @@ def test_engine_greedy_on_int8_pages_triton_equals_torch_reference():
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
 
     def run(backend: str) -> tuple[list[list[int]], Engine]:
-        eng = Engine(loaded, EngineConfig(attention_backend=backend, kv_dtype="int8", max_num_batched_tokens=32,
-                                          kv_cache_bytes=16 << 20, cuda_graphs="off"))
+        eng = Engine(loaded, EngineConfig(attention_backend=backend, kv_dtype="int8",
+                                          max_num_batched_tokens=32, kv_cache_bytes=16 << 20,
+                                          cuda_graphs="off"))
         return [eng.generate([p], sp)[0] for p in prompts], eng
 
     want, _ = run("torch_reference")

@@ -51,7 +51,8 @@ def test_out_err_stats_round_trip() -> None:
     with pytest.raises(ValueError):
         p.encode_err("a", "nope", "x", False)
     with pytest.raises(p.ProtocolError):  # an err frame with an unknown code is malformed
-        p.decode_worker_frame(msgpack.packb({"t": "err", "rid": "a", "code": "nope", "message": "", "retryable": 0}))
+        p.decode_worker_frame(msgpack.packb({"t": "err", "rid": "a", "code": "nope", "message": "",
+                                             "retryable": 0}))
 
 
 def _gen_map(**over: object) -> dict:
@@ -63,7 +64,8 @@ def _gen_map(**over: object) -> dict:
 
 def test_traceparent_rides_only_on_traced_requests() -> None:
     tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
-    traced = p.decode_gateway_frame(p.encode_gen("r", b"", [1], p.SamplingParams(), traceparent=tp), max_prompt_tokens=4)
+    traced = p.decode_gateway_frame(p.encode_gen("r", b"", [1], p.SamplingParams(), traceparent=tp),
+                                    max_prompt_tokens=4)
     assert traced.traceparent == tp
     plain = p.encode_gen("r", b"", [1], p.SamplingParams())
     assert "traceparent" not in msgpack.unpackb(plain, raw=False)
@@ -122,9 +124,11 @@ def test_arbitrary_bytes_only_ever_raise_protocol_error(data: bytes) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(["t", "rid", "ns", "tokens", "sampling", "priority", "deadline", "gw"]),
-                       st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=5),
-                                 st.binary(max_size=12), st.lists(st.integers(-9, 9), max_size=3),
+@given(st.dictionaries(st.sampled_from(["t", "rid", "ns", "tokens", "sampling", "priority", "deadline",
+                                        "gw"]),
+                       st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
+                                 st.text(max_size=5), st.binary(max_size=12),
+                                 st.lists(st.integers(-9, 9), max_size=3),
                                  st.sampled_from(["gen", "abort", "hello"]))))
 def test_arbitrary_maps_only_ever_raise_protocol_error(obj: dict) -> None:
     try:
@@ -145,8 +149,8 @@ def test_tokens_view_is_int32() -> None:
 
 
 
-# The packed `gen` frame of a default request, recorded before the worker's layout change (2026-11-26): the wire
-# contract between gateways and workers of different builds must not drift with a refactor.
+# The packed `gen` frame of a default request, recorded before the worker's layout change (2026-11-26): the
+# wire contract between gateways and workers of different builds must not drift with a refactor.
 GOLDEN_GEN = bytes.fromhex(
     "89a174a367656ea3726964a57265712d31a26e73c40974656e616e742d6e73a6746f6b656e73c4100100000002000000"
     "03000000a00f0000a873616d706c696e6788aa6d61785f746f6b656e7310ab74656d7065726174757265cb0000000000"

@@ -14,8 +14,8 @@ import pytest
 
 from worker import protocol as p
 
-WRONG = [None, True, False, 0, -1, 2**63 - 1, -(2**63), 1.5, math.nan, math.inf, "", "x", b"", b"\x01\x02\x03",
-         b"\x00" * 8, [], [1], ["a", b"b"], {}, {"k": 1}]
+WRONG = [None, True, False, 0, -1, 2**63 - 1, -(2**63), 1.5, math.nan, math.inf, "", "x", b"",
+         b"\x01\x02\x03", b"\x00" * 8, [], [1], ["a", b"b"], {}, {"k": 1}]
 
 
 def out_frame() -> dict:
@@ -28,8 +28,8 @@ def err_frame() -> dict:
 
 
 def stats_frame() -> dict:
-    return msgpack.unpackb(p.encode_stats(p.WorkerStats("w", 1, 2, 3, 4, 0.5, False, "m", p.PROTOCOL_VERSION)),
-                           raw=False)
+    stats = p.WorkerStats("w", 1, 2, 3, 4, 0.5, False, "m", p.PROTOCOL_VERSION)
+    return msgpack.unpackb(p.encode_stats(stats), raw=False)
 
 
 def variants() -> list[tuple[str, dict]]:

@@ -1,6 +1,6 @@
 """W8A16 (`worker.quant.a16`: csrc/w8a8_avx2.cpp `w8a16_avx2_linear` on AVX2, csrc/w8a8_small.cpp
-`w8a16_small_linear` on AVX-512 VNNI): int16 activation rows times int8 weights, exact integer sums, the same bits
-from both kernels; chosen by measurement for int8 weight-only linears such as the LM head."""
+`w8a16_small_linear` on AVX-512 VNNI): int16 activation rows times int8 weights, exact integer sums, the same
+bits from both kernels; chosen by measurement for int8 weight-only linears such as the LM head."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ KINDS = [pytest.param("avx2"), pytest.param("vnni", marks=pytest.mark.skipif(
 
 
 def _reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic in torch: per-row int16 codes, int64 sums, then sum * row scale * column scale."""
+    """The kernel's arithmetic in torch: per-row int16 codes, int64 sums, then sum * row scale * column
+    scale."""
     bound = extension().w8a16_avx2_bound(x.shape[1])
     xf = x.float()
     row_scale = xf.abs().amax(1).clamp(min=1e-30) / bound
@@ -41,7 +42,8 @@ def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 14, 65, 130])
 @pytest.mark.parametrize("k,n", [(576, 208), (64, 16), (1536, 64), (576, 48)])
 def test_kernel_is_bit_identical_to_its_integer_arithmetic(kind, dtype, rows, k, n):
-    """Every row remainder (4-row passes, 1-3 rows left) and, on VNNI, a lone block after the block pairs (208, 48)."""
+    """Every row remainder (4-row passes, 1-3 rows left) and, on VNNI, a lone block after the block pairs
+    (208, 48)."""
     q, scales = _weight(n, k)
     x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
     x[0, 5] = 57.0  # an outlier channel, as at the default model's head input
@@ -82,7 +84,8 @@ def test_the_largest_sums_stay_exact(kind, k):
 def test_shapes_the_kernel_cannot_take_are_left_to_torch():
     assert a16.A16Weight.build(*_weight(12, 576)) is None  # out not a multiple of 8
     assert a16.A16Weight.build(*_weight(16, 570)) is None  # in not a multiple of 4
-    assert a16.A16Weight.build(*_weight(16, a16.MAX_IN_FEATURES + 4)) is None  # codes would fall below 12 bits
+    # codes would fall below 12 bits
+    assert a16.A16Weight.build(*_weight(16, a16.MAX_IN_FEATURES + 4)) is None
     assert a16.A16Weight.build(*_weight(24, 576), "vnni") is None  # VNNI blocks are 16 channels
     assert a16.A16Weight.build(*_weight(24, 576)).kind == "avx2"  # so such a weight takes the AVX2 kernel
 
@@ -125,9 +128,9 @@ def test_calibration_takes_int16_rows_only_where_faster(fresh, monkeypatch, a16_
 
 
 def _rounding_bound(x: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
-    """How far each logit of the int16-row product may be from the exact x @ w.T (x [n, in], w [out, in] in fp64, w
-    the exact q * scale): each activation moves by at most half a row step (`row_scale`), the sums are exact, and
-    the scaling is in fp32."""
+    """How far each logit of the int16-row product may be from the exact x @ w.T (x [n, in], w [out, in] in
+    fp64, w the exact q * scale): each activation moves by at most half a row step (`row_scale`), the sums are
+    exact, and the scaling is in fp32."""
     mass = x.abs() @ w.abs().t()  # sum |x_k| |w_k|: bounds every partial sum
     return 0.51 * row_scale[:, None] * w.abs().sum(1)[None, :] + 2.0 ** -21 * mass
 
@@ -135,12 +138,13 @@ def _rounding_bound(x: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor) -
 @pytest.mark.heavy  # a quality gate on the default model (36 s of make test on AMD Zen 3): `make test-heavy`
 def test_default_model_head_on_int16_rows_keeps_its_perplexity(monkeypatch):
     """The default model's int8 LM head on int16 rows (`A16Weight` on fp32 rows: fp32 logits), on head inputs
-    captured from the model, against the exact product of the same int8 weight (fp64): the same perplexity within
-    0.01%, and a different next token only where the exact logits are within the kernel's rounding bound. The
-    dequantized model-dtype product (`forward_dense`) is the yardstick it must match or beat: with bf16 logits its
-    top-1 disagrees with the exact one wherever rounding makes a tie (2.9% of positions on AMD Zen 4; more with
-    Intel AMX's tiles), which made a check against it depend on the CPU. Nothing upstream depends on what was
-    timed before: every other linear runs its dequantized product (`SWITCHYARD_QUANT_MAX_ROWS=0`)."""
+    captured from the model, against the exact product of the same int8 weight (fp64): the same perplexity
+    within 0.01%, and a different next token only where the exact logits are within the kernel's rounding
+    bound. The dequantized model-dtype product (`forward_dense`) is the yardstick it must match or beat: with
+    bf16 logits its top-1 disagrees with the exact one wherever rounding makes a tie (2.9% of positions on AMD
+    Zen 4; more with Intel AMX's tiles), which made a check against it depend on the CPU. Nothing upstream
+    depends on what was timed before: every other linear runs its dequantized product
+    (`SWITCHYARD_QUANT_MAX_ROWS=0`)."""
     from bench.quant_decode import eval_ids, quantized, score
     from worker.model.loader import load_model
 

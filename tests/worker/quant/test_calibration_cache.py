@@ -66,7 +66,8 @@ def test_the_key_follows_the_weights(tiny) -> None:
 
 
 def test_old_files_are_pruned(tmp_path) -> None:
-    """Each kind of file is bounded on its own: pruning the maxima leaves the kernel choices, and the reverse."""
+    """Each kind of file is bounded on its own: pruning the maxima leaves the kernel choices, and the
+    reverse."""
     folder = tmp_path
     for i in range(cc.MAX_FILES + 5):
         (folder / f"act-max-{i:04d}.pt").write_bytes(b"x")

@@ -1,8 +1,8 @@
 """fp8 (e4m3) weights: quantization error bounds, the emulated layer against a written-out reference, the tiny
 model quantized; on CUDA devices of capability 8.9+ (`gpu` marker) `torch._scaled_mm` against the emulation.
 
-Self-contained (torch and the worker package): the GPU tests also run with `--noconftest`, without redis or the
-default model file (the tiny model is built from its seeded weights, no tokenizer).
+Self-contained (torch and the worker package): the GPU tests also run with `--noconftest`, without redis or
+the default model file (the tiny model is built from its seeded weights, no tokenizer).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def _weight(out: int, inp: int, dtype: torch.dtype = torch.float32, seed: int = 
 
 
 def _reference(lin: fp8.Fp8Linear, x: torch.Tensor) -> torch.Tensor:
-    """Written out: per-row e4m3 activations times the dequantized weight, all in fp32 (the output unrounded)."""
+    """Written out: per-row e4m3 activations times the dequantized weight, all in fp32 (the output
+    unrounded)."""
     xf = x.reshape(-1, x.shape[-1]).float()
     sx = (xf.abs().amax(1, keepdim=True) / 448).clamp(min=1e-12)
     xd = (xf / sx).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sx
@@ -155,8 +156,8 @@ def test_tiny_model_quantized_to_fp8():
     assert quant.weight_bytes(model) == quant.weight_bytes(base) - saved
     want, got = _logits(base, PROMPT), _logits(model, PROMPT)
     assert torch.isfinite(got).all()
-    # a random model amplifies errors layer by layer: measured x0.18 and 67% (int8 here: 0.03, 96%; int4: 0.40,
-    # 33%); default model's perplexity gate: tests/worker/quant/test_quantization.py
+    # a random model amplifies errors layer by layer: measured x0.18 and 67% (int8 here: 0.03, 96%; int4:
+    # 0.40, 33%); default model's perplexity gate: tests/worker/quant/test_quantization.py
     assert _rel(got, want) < 0.25
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.5
 

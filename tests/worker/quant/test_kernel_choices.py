@@ -1,5 +1,6 @@
-"""Kernel choices kept on disk (`worker.quant.calibrate`, `calibration_cache.load_choices`): a restart times nothing
-and chooses as before; a bad file, another thread count or SWITCHYARD_RECALIBRATE means measuring again."""
+"""Kernel choices kept on disk (`worker.quant.calibrate`, `calibration_cache.load_choices`): a restart times
+nothing and chooses as before; a bad file, another thread count or SWITCHYARD_RECALIBRATE means measuring
+again."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def test_a_restart_reads_the_choice_instead_of_timing(fresh, monkeypatch):
     cal.save_choices()
     assert cache.choices_path().exists()
     _restart(monkeypatch)
-    monkeypatch.setattr(cal, "_measure_max_rows", lambda lin, candidates: pytest.fail("timed after a restart"))
+    monkeypatch.setattr(cal, "_measure_max_rows", lambda lin,
+                        candidates: pytest.fail("timed after a restart"))
     assert cal.calibrate_max_rows(_lin(), candidates=(1, 2, 4)) == 2
     other = QuantLinear(torch.randn(96, 32, dtype=torch.bfloat16) * 0.05, "int8")  # a shape never measured
     monkeypatch.setattr(cal, "_measure_max_rows", lambda lin, candidates: 1)

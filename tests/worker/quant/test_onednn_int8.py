@@ -1,5 +1,6 @@
-"""oneDNN's int8 product for W8A8 (`worker.quant.onednn_int8`): the same bits as the `_int_mm` path at any row count,
-padded quantization, the measured choice and its override, and the decode stack leaving such linears to Python."""
+"""oneDNN's int8 product for W8A8 (`worker.quant.onednn_int8`): the same bits as the `_int_mm` path at any row
+count, padded quantization, the measured choice and its override, and the decode stack leaving such linears to
+Python."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ def _weight(n: int, k: int, seed: int = 0) -> smooth.W8A8Weight:
     return smooth.W8A8Weight.build(w, act_max, kernel="none")
 
 
-@pytest.mark.skipif(not has_int8_dot(), reason="chosen only with int8 dot products (oneDNN's AVX2 path saturates)")
+@pytest.mark.skipif(not has_int8_dot(),
+                    reason="chosen only with int8 dot products (oneDNN's AVX2 path saturates)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 40)])
 def test_onednn_product_is_bit_identical_to_int_mm(dtype, n, k):
-    """Unit scales return the int32 sums as fp32 integers, so the dequantized output has the same bits; row counts
-    off the padding bucket and on it, one row and many. K = 1,536 sums pass 2^24 in fp32 only for extreme codes."""
+    """Unit scales return the int32 sums as fp32 integers, so the dequantized output has the same bits; row
+    counts off the padding bucket and on it, one row and many. K = 1,536 sums pass 2^24 in fp32 only for
+    extreme codes."""
     w = _weight(n, k)
     packed = onednn_int8.OnednnInt8Weight.pack(w.wt)
     torch.manual_seed(1)
@@ -72,7 +75,8 @@ def test_dequantize_takes_int32_or_fp32_sums_alike():
 
 @pytest.mark.parametrize("onednn_faster", [True, False])
 def test_the_choice_follows_the_measurement(monkeypatch, onednn_faster):
-    """Timed with a stand-in clock that makes one path faster: the weight is prepacked only where oneDNN won."""
+    """Timed with a stand-in clock that makes one path faster: the weight is prepacked only where oneDNN
+    won."""
     monkeypatch.delenv(cal.INT8_GEMM_ENV, raising=False)
     monkeypatch.setattr(cal, "has_int8_dot", lambda: True)
     monkeypatch.setattr(cal, "has_amx_int8", lambda: True)
@@ -93,7 +97,8 @@ def test_the_choice_follows_the_measurement(monkeypatch, onednn_faster):
 
 
 def test_a_far_slower_first_size_ends_the_measurement(monkeypatch):
-    """oneDNN 10x slower at 64 rows (its reference loops): the 512-row calls are never timed, nothing is packed."""
+    """oneDNN 10x slower at 64 rows (its reference loops): the 512-row calls are never timed, nothing is
+    packed."""
     monkeypatch.delenv(cal.INT8_GEMM_ENV, raising=False)
     monkeypatch.setattr(cal, "has_int8_dot", lambda: True)
     monkeypatch.setattr(cal, "has_amx_int8", lambda: True)

@@ -1,5 +1,5 @@
-"""Prepacked oneDNN bf16 linear layers: bit-identical to `F.linear` over the same (padded) rows, padded to a bounded
-set of row counts, and the int8 row cutoff is honoured."""
+"""Prepacked oneDNN bf16 linear layers: bit-identical to `F.linear` over the same (padded) rows, padded to a
+bounded set of row counts, and the int8 row cutoff is honoured."""
 
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ def test_int8_cutoff_from_environment(monkeypatch):
     monkeypatch.setattr(lin, "forward_quantized", lambda x2: calls.append(x2.shape[0]) or
                         torch.zeros(x2.shape[0], lin.out_features, dtype=x2.dtype))
     lin(torch.randn(3, lin.in_features, dtype=torch.bfloat16))
-    big = lin(torch.randn(4, lin.in_features, dtype=torch.bfloat16))  # packed bf16 copy of the dequantized weight
+    # packed bf16 copy of the dequantized weight
+    big = lin(torch.randn(4, lin.in_features, dtype=torch.bfloat16))
     assert calls == [3]
     x = torch.randn(4, lin.in_features, dtype=torch.bfloat16)
     assert big.shape == (4, lin.out_features)

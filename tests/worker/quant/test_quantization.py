@@ -49,7 +49,8 @@ def test_perplexity_gate(base, reference, mode):
     got = score(lm, ids, 4096)
     ratio = got.perplexity / ref.perplexity
     agree = (got.top1 == ref.top1).float().mean().item()
-    print(f"{mode}: ppl {got.perplexity:.3f} vs {ref.perplexity:.3f} (x{ratio:.4f}), top-1 agreement {agree:.3f}")
+    print(f"{mode}: ppl {got.perplexity:.3f} vs {ref.perplexity:.3f} (x{ratio:.4f}), top-1 agreement "
+          f"{agree:.3f}")
     assert ratio <= GATE[mode], f"{mode} perplexity x{ratio:.4f} exceeds the gate x{GATE[mode]}"
     assert agree > AGREE.get(mode, 0.9)
 
@@ -60,7 +61,8 @@ def test_packed_kernel_matches_dequantized_path(mode, dtype):
     torch.manual_seed(0)
     w = torch.randn(192, 128, dtype=dtype) * 0.05
     lin = quant.QuantLinear(w, mode)
-    cal.calibrate(lin)  # fp32: the kernel may take bf16 activations (the faster here), never changing the dtype out
+    # fp32: the kernel may take bf16 activations (the faster here), never changing the dtype out
+    cal.calibrate(lin)
     assert lin.kernel_dtype in ((dtype,) if dtype == torch.bfloat16 else (torch.float32, torch.bfloat16))
     lin.max_rows = quant.PACKED_MAX_ROWS
     x = torch.randn(quant.PACKED_MAX_ROWS + 8, 128, dtype=dtype)

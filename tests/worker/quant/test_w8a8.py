@@ -1,5 +1,6 @@
-"""W8A8 (`worker.quant.w8a8`): the C++ activation quantizer against its torch definition, the smoothed int8 product
-against the float one, and the mode end to end from the GGUF (its perplexity gate is in test_quantization.py)."""
+"""W8A8 (`worker.quant.w8a8`): the C++ activation quantizer against its torch definition, the smoothed int8
+product against the float one, and the mode end to end from the GGUF (its perplexity gate is in
+test_quantization.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def _reference_quantize(x: torch.Tensor, inv_smooth: torch.Tensor) -> tuple[torc
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_matches_its_definition(dtype):
-    """Per-row scale from the smoothed maximum, codes rounded half to even; 40 columns: vector body and tail."""
+    """Per-row scale from the smoothed maximum, codes rounded half to even; 40 columns: vector body and
+    tail."""
     ext = extension()
     assert ext is not None and smooth.available()
     torch.manual_seed(0)
@@ -58,9 +60,9 @@ def test_smoothed_product_is_close_and_beats_unsmoothed_on_outlier_channels(dtyp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(48, 40), (80, 576), (960, 576)])
 def test_few_row_kernel_is_bit_identical_to_int_mm(dtype, n, k):
-    """Same int32 sums and the same fp32 dequantization as the _int_mm path at every row count (8-row passes over
-    block pairs, then 4-row tiles and their remainders, and a lone block's tiles); the packed layout is what
-    vpdpbusd reads."""
+    """Same int32 sums and the same fp32 dequantization as the _int_mm path at every row count (8-row passes
+    over block pairs, then 4-row tiles and their remainders, and a lone block's tiles); the packed layout is
+    what vpdpbusd reads."""
     torch.manual_seed(2)
     w = torch.randn(n, k) * 0.05
     lin = smooth.W8A8Weight.build(w.to(dtype), torch.rand(k) + 0.5)
@@ -77,9 +79,10 @@ def test_few_row_kernel_is_bit_identical_to_int_mm(dtype, n, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(24, 40), (80, 576), (576, 1536)])
 def test_avx2_kernel_is_bit_identical_to_int_mm(dtype, n, k):
-    """The AVX2 kernels (`vpmaddubsw`: the activation's sign moved onto the weight, |x| x w pairs below 2^15; and
-    the int16 products over sign-extended codes) give the _int_mm path's outputs bit for bit at every row count (4-row tiles and their remainders, 2-block channel tiles and a
-    lone block, more rows than one 64-row pass), the extremes too (codes of +-127 in every term)."""
+    """The AVX2 kernels (`vpmaddubsw`: the activation's sign moved onto the weight, |x| x w pairs below 2^15;
+    and the int16 products over sign-extended codes) give the _int_mm path's outputs bit for bit at every row
+    count (4-row tiles and their remainders, 2-block channel tiles and a lone block, more rows than one 64-row
+    pass), the extremes too (codes of +-127 in every term)."""
     torch.manual_seed(3)
     w = torch.randn(n, k) * 0.05
     w[:, 0] = 1.0  # a column of full-scale weights: +-127 codes against the activations' +-127
@@ -97,7 +100,8 @@ def test_avx2_kernel_is_bit_identical_to_int_mm(dtype, n, k):
                 x = (torch.randn(rows, k) * torch.logspace(-1, 1, k)).to(dtype)
                 x[0] = -x[0].abs()  # a row of negative activations: every sign moves onto the weights
                 assert torch.equal(lin.forward_small(x), lin.forward_int_mm(x)), (wide_from, rows)
-                assert torch.equal(lin(x), lin.forward_int_mm(x)), rows  # __call__ takes the kernel at every rows
+                # __call__ takes the kernel at every rows
+                assert torch.equal(lin(x), lin.forward_int_mm(x)), rows
     finally:
         ext.w8a8_avx2_wide_rows(default)
 
@@ -111,7 +115,8 @@ def test_auto_is_w8a8_on_avx2_without_int8_dot(monkeypatch):
     lin = quant.QuantLinear(torch.randn(96, 64) * 0.05, "w8a8", act_max=torch.rand(64) + 0.5)
     cal.calibrate(lin)
     assert lin.w8a8.small_kind == ("avx2" if smooth.avx2_available() else "")
-    if smooth.avx2_available():  # W8A8 throughout: no weight-only copy (which rows take the kernel is measured)
+    # W8A8 throughout: no weight-only copy (which rows take the kernel is measured)
+    if smooth.avx2_available():
         assert lin.max_rows == 0 and lin.qweight is None
         x = torch.randn(5, 64)
         assert torch.equal(lin(x), lin.w8a8.forward_int_mm(x))
@@ -119,8 +124,8 @@ def test_auto_is_w8a8_on_avx2_without_int8_dot(monkeypatch):
 
 @pytest.mark.parametrize("k", [40, 576, 1032, 1536, 2100])
 def test_fp32_int8_product_is_bit_identical_to_int_mm(k):
-    """The product AVX2-only CPUs use (fp32 GEMMs over K slices of at most 1,032) equals torch._int_mm exactly,
-    at the extremes too (-128 activations x -127 weights in every term), on every CPU."""
+    """The product AVX2-only CPUs use (fp32 GEMMs over K slices of at most 1,032) equals torch._int_mm
+    exactly, at the extremes too (-128 activations x -127 weights in every term), on every CPU."""
     gen = torch.Generator().manual_seed(k)
     x = torch.randint(-128, 128, (19, k), dtype=torch.int8, generator=gen)
     w = torch.randint(-127, 128, (k, 24), dtype=torch.int8, generator=gen)
@@ -132,8 +137,8 @@ def test_fp32_int8_product_is_bit_identical_to_int_mm(k):
 
 @pytest.mark.heavy  # quality gate / default-model end to end: `make test-heavy`, its own CI step
 def test_w8a8_mode_from_the_gguf():
-    """Decode-sized inputs take the few-row W8A8 kernel on VNNI (prefill-sized ones `_int_mm`), every size the AVX2
-    kernel on AVX2-only CPUs, else the weight-only int8 kernel; no dense copy."""
+    """Decode-sized inputs take the few-row W8A8 kernel on VNNI (prefill-sized ones `_int_mm`), every size the
+    AVX2 kernel on AVX2-only CPUs, else the weight-only int8 kernel; no dense copy."""
     loaded = load_model("default", device="cpu", quantization="w8a8")
     assert loaded.quantization == "w8a8"
     lin = loaded.model.layers[2].gate_up
@@ -154,7 +159,8 @@ def test_w8a8_mode_from_the_gguf():
 
 @pytest.mark.parametrize("int_mm_share,expect_all", [(0.97, True), (0.5, False)])
 def test_small_rows_calibration_keeps_the_kernel_unless_int_mm_is_clearly_faster(int_mm_share, expect_all):
-    """`_int_mm` 3% faster (within host noise) leaves the AVX2 kernel every row count; twice as fast takes over."""
+    """`_int_mm` 3% faster (within host noise) leaves the AVX2 kernel every row count; twice as fast takes
+    over."""
     import time
     from types import SimpleNamespace
 

@@ -1,5 +1,6 @@
 """The fused W8A8 MLP middle (`FusedOps.mlp`, `w8a8_silu_mul_quantize`): gate_up's sums to down's codes in one
-pass, bit-identical to dequantize + SiLU·mul + quantize, and taken only where both linears run the large-row path."""
+pass, bit-identical to dequantize + SiLU·mul + quantize, and taken only where both linears run the large-row
+path."""
 
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ def test_top_p_restricts_support():
 
 
 @pytest.mark.parametrize("scale", [2.0, 6.0, 12.0])
-@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (50, 1.0), (40, 0.8), (1000, 0.95), (5000, 0.99), (0, 0.999)])
+@pytest.mark.parametrize("top_k,top_p",
+                         [(0, 0.9), (50, 1.0), (40, 0.8), (1000, 0.95), (5000, 0.99), (0, 0.999)])
 def test_restriction_matches_the_full_sort_definition(scale, top_k, top_p):
     """The candidate-first restriction keeps exactly the set a full sort keeps, flat rows (past every
     candidate size) and peaked rows alike."""
@@ -133,7 +134,8 @@ def test_params_from_dict_and_validate():
 
 
 def test_cpu_race_kernel_draws_what_the_torch_path_draws():
-    """The fused C++ sampler against its torch reference: 64-bit seeds, flat and peaked rows, masked tokens."""
+    """The fused C++ sampler against its torch reference: 64-bit seeds, flat and peaked rows, masked
+    tokens."""
     from worker.kernels.cpu import race_sample_kernel
     from worker.sample.sampler import race_draw
 

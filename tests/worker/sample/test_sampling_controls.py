@@ -70,7 +70,8 @@ def test_min_tokens_holds_back_eos(tiny):
     assert len(tokens) == 3 and eos not in tokens and finish == "stop"
 
 
-def reference_penalized(row: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams) -> torch.Tensor:
+def reference_penalized(row: torch.Tensor, prompt: list[int], out: list[int],
+                        p: SamplingParams) -> torch.Tensor:
     row = row.clone()
     for t in set(prompt + out):
         row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
@@ -97,7 +98,8 @@ def test_penalties_match_the_reference_formula(tiny, kw):
 def test_penalty_rows_apply_exactly():
     class Seq:  # the fields build_adjust reads
         def __init__(self, tokens, prompt_len, sampling):
-            self.tokens, self.prompt_len, self.sampling, self.stop_ids = tokens, prompt_len, sampling, frozenset()
+            self.tokens, self.prompt_len, self.sampling = tokens, prompt_len, sampling
+            self.stop_ids = frozenset()
 
         @property
         def num_output(self):
@@ -131,12 +133,13 @@ def test_seed_uses_all_64_bits(tiny):
 
 def test_wire_round_trip_and_validation():
     p = SamplingParams(max_tokens=9, top_logprobs=3, presence_penalty=0.5, frequency_penalty=-1,
-                       repetition_penalty=1.1, min_tokens=2, logit_bias=((4, -100.0), (7, 2.5)), seed=2**64 - 1)
+                       repetition_penalty=1.1, min_tokens=2, logit_bias=((4, -100.0), (7, 2.5)),
+                       seed=2**64 - 1)
     assert SamplingParams.from_dict(p.to_dict()) == p
     for bad, param in [({"top_logprobs": 21}, "top_logprobs"), ({"presence_penalty": 3}, "presence_penalty"),
                        ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": 99}, "min_tokens"),
-                       ({"logit_bias": ((50, 1.0),)}, "logit_bias"), ({"logit_bias": ((1, 101.0),)}, "logit_bias"),
-                       ({"seed": 2**64}, "seed")]:
+                       ({"logit_bias": ((50, 1.0),)}, "logit_bias"),
+                       ({"logit_bias": ((1, 101.0),)}, "logit_bias"), ({"seed": 2**64}, "seed")]:
         with pytest.raises(RequestError) as err:
             SamplingParams(**bad).validate(50)
         assert err.value.param == param

@@ -45,6 +45,7 @@ def test_gateway_prompt_has_no_forged_control_ids(tok):
         {"role": "system", "content": forged}, {"role": "user", "content": forged}]})
     enc = model.encode(req)
     special = _specials(tok)
-    # Template control tokens: per message <|im_start|> + <|im_end|>, then the generation prompt's <|im_start|>.
+    # Template control tokens: per message <|im_start|> + <|im_end|>, then the generation prompt's
+    # <|im_start|>.
     assert sum(i in special for i in enc.ids) == 5
     assert 0 < enc.stable_len < len(enc.ids)

@@ -1,4 +1,4 @@
-"""A large weight file's digest is recorded on disk and reused across processes, and only while the file is unchanged."""
+"""A large weight file's digest is kept on disk and reused across processes while the file is unchanged."""
 
 from __future__ import annotations
 

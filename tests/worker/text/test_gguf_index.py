@@ -45,9 +45,11 @@ def _same_as_reader(index: gguf_index.GGUFIndex, path: Path) -> None:
     arrays = index.arrays(path)
     assert [t.name for t, _ in arrays] == [t.name for t in reader.tensors] and len(arrays) == 2
     for (t, data), ref in zip(arrays, reader.tensors, strict=True):
-        assert t.qtype == int(ref.tensor_type) and data.dtype == ref.data.dtype and data.shape == ref.data.shape
+        assert t.qtype == int(ref.tensor_type)
+        assert data.dtype == ref.data.dtype and data.shape == ref.data.shape
         assert np.array_equal(data, ref.data), t.name
-        assert np.array_equal(gguf.quants.dequantize(data, t.qtype), gguf.quants.dequantize(ref.data, ref.tensor_type))
+        assert np.array_equal(gguf.quants.dequantize(data, t.qtype),
+                              gguf.quants.dequantize(ref.data, ref.tensor_type))
 
 
 def test_the_cached_table_maps_what_the_reader_reads(cache: Path, tmp_path: Path) -> None:

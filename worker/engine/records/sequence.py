@@ -1,5 +1,6 @@
-"""The engine's records: one request's state (its tokens, how many of them the KV cache holds, its pages, its place
-in the queue; survives preemption by recomputing), its n-gram draft index, and one step's scheduled batch.
+"""The engine's records: one request's state (its tokens, how many of them the KV cache holds, its pages, its
+place in the queue; survives preemption by recomputing), its n-gram draft index, and one step's scheduled
+batch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
     from worker.sample.grammar import GrammarState
 
 MAX_BACKOFF = 16  # steps a sequence waits, at most, after drafts that were all rejected
-_SHIFT = 21  # bits per token in an n-gram key: exact for ids < 2^21 - 1 and n <= 3 (else rare, harmless collisions)
+# bits per token in an n-gram key: exact for ids < 2^21 - 1 and n <= 3 (else rare, harmless collisions)
+_SHIFT = 21
 
 
 class SeqStatus(IntEnum):
@@ -50,7 +52,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     grammar: GrammarState | None = None  # constrained output: the matcher, advanced with every token
-    ngram: NgramIndex | None = None  # draft source for speculative decoding; None when the request cannot use it
+    # draft source for speculative decoding; None when the request cannot use it
+    ngram: NgramIndex | None = None
     block_hashes: tuple[int, list[bytes]] | None = None  # KV tiers: (tokens hashed, their block digests)
 
     @property
@@ -85,7 +88,8 @@ class NgramIndex:
     skip: int = 0  # steps left without drafts (backoff: 2, 4, ... MAX_BACKOFF after 1, 2, ... misses)
 
     def record(self, accepted: int) -> None:
-        """After a verification: back off while drafts keep failing (free text), resume at once after a hit."""
+        """After a verification: back off while drafts keep failing (free text), resume at once after a
+        hit."""
         if accepted:
             self.misses = self.skip = 0
         else:

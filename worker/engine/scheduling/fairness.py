@@ -21,7 +21,8 @@ POLICIES = ("vtc", "fifo")
 
 
 def check_fair_params(fkey: object, weight: object) -> None:
-    """Raise bad_request unless fkey is bytes of at most MAX_FKEY_LEN and weight a finite number in (0, MAX_WEIGHT]."""
+    """Raise bad_request unless fkey is bytes of at most MAX_FKEY_LEN and weight a finite number in (0,
+    MAX_WEIGHT]."""
     if not isinstance(fkey, bytes) or len(fkey) > MAX_FKEY_LEN:
         raise bad_request(f"fkey must be bytes of at most {MAX_FKEY_LEN}", "fkey")
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= MAX_WEIGHT:
@@ -73,7 +74,8 @@ class FairShare:
         self.max_keys, self.idle_ttl_s = max_keys, idle_ttl_s
         self._clock = clock
         self._keys: dict[bytes, KeyState] = {}
-        self._idle: OrderedDict[bytes, None] = OrderedDict()  # keys without active requests, longest idle first
+        # keys without active requests, longest idle first
+        self._idle: OrderedDict[bytes, None] = OrderedDict()
         # Lazy min-heap over active keys' counters: an entry's value never exceeds its key's counter
         # (counters only grow), so a stale top is re-pushed with the current value when read.
         self._heap: list[tuple[float, int, bytes, KeyState]] = []
@@ -161,7 +163,8 @@ class FairShare:
         return best
 
     def slot_victim(self, head: bytes, running: dict[bytes, int], slots: int, gap: float) -> bytes | None:
-        """Fair-share preemption: the key to take one running slot from so that `head`'s key gets one, or None.
+        """Fair-share preemption: the key to take one running slot from so that `head`'s key gets one, or
+        None.
 
         `running`: running sequences per key (those that may be preempted for head). A key's share of `slots`
         is slots x weight / (sum of the active keys' weights). Only when head's key stays within its share

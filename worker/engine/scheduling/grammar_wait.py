@@ -13,7 +13,8 @@ from worker.engine.records.sequence import Sequence
 from worker.protocol.grammar_spec import GrammarError
 from worker.sample.grammar import CacheKey, CompiledGrammar, GrammarBusy, GrammarCache, GrammarState
 
-GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # llguidance compiles a schema in milliseconds; this bounds a pathological one
+# llguidance compiles a schema in milliseconds; this bounds a pathological one
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -32,7 +33,8 @@ class CompileWait:
         self.timeout_s = timeout_s
         self._waiting: dict[str, _Waiting] = {}
 
-    def submit(self, wire: dict, namespace: bytes) -> tuple[CacheKey, concurrent.futures.Future[CompiledGrammar]]:
+    def submit(self, wire: dict,
+               namespace: bytes) -> tuple[CacheKey, concurrent.futures.Future[CompiledGrammar]]:
         """Start (or join) the compile of a request's grammar: (its key, the future). RequestError for a bad
         map, a cached failure, or a pending bound (retryable "capacity")."""
         try:
@@ -71,7 +73,8 @@ class CompileWait:
                     failed.append((rid, error))
             elif now >= w.deadline:
                 self._drop(rid)
-                failed.append((rid, RequestError("capacity", "grammar compilation timed out", retryable=True)))
+                failed.append((rid,
+                               RequestError("capacity", "grammar compilation timed out", retryable=True)))
         return ready, failed
 
     def remove(self, rid: str) -> Sequence | None:
@@ -91,7 +94,8 @@ class CompileWait:
         """Block up to `timeout_s` for any held compile (in-process callers with nothing else to run)."""
         futures = [w.future for w in self._waiting.values()]
         if futures:
-            concurrent.futures.wait(futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(futures, timeout=timeout_s,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     def __len__(self) -> int:
         return len(self._waiting)

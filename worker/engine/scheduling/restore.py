@@ -1,5 +1,5 @@
-"""Admission's tier step: a prompt's blocks past its radix-cache match that a KV tier holds are loaded into fresh
-pages and inserted into the radix cache, so the match that follows counts them as cached.
+"""Admission's tier step: a prompt's blocks past its radix-cache match that a KV tier holds are loaded into
+fresh pages and inserted into the radix cache, so the match that follows counts them as cached.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class Restorer:
         self.bs = block_size
 
     def hashes(self, seq: Sequence) -> list[bytes]:
-        """Block digests of seq's whole blocks in `tokens[:-1]` (what admission matches), memoized per length."""
+        """Block digests of seq's whole blocks in `tokens[:-1]` (what admission matches), memoized per
+        length."""
         n = len(seq.tokens) - 1
         if seq.block_hashes is None or seq.block_hashes[0] != n:
             seq.block_hashes = (n, chain(seq.namespace, seq.namespace, seq.tokens[:n], self.bs))
@@ -51,7 +52,8 @@ class Restorer:
         self.tiers.settle()
 
     def restore(self, seq: Sequence) -> int:
-        """Load the tier-held blocks after seq's cached prefix when the cost model says so; tokens restored."""
+        """Load the tier-held blocks after seq's cached prefix when the cost model says so; tokens
+        restored."""
         if len(seq.tokens) <= self.bs:
             return 0
         hashes = self.hashes(seq)
@@ -128,7 +130,8 @@ def _available_memory() -> int | None:
 
 def make_restorer(config: EngineConfig, cache: RadixCache | None, pool: PagePool, codec: PageCodec,
                   fp: bytes) -> Restorer | None:
-    """The tiers the config asks for, hooked to the cache's evictions; None without a cache or with tiers off."""
+    """The tiers the config asks for, hooked to the cache's evictions; None without a cache or with tiers
+    off."""
     if cache is None:
         return None
     host = config.kv_host_bytes
@@ -136,7 +139,8 @@ def make_restorer(config: EngineConfig, cache: RadixCache | None, pool: PagePool
         host = default_host_bytes(pool.num_pages * codec.page_bytes)
         if host <= 0:
             log.warning("KV host tier: the host's automatic budget is taken by its other workers")
-            host = 1 if config.kv_disk_dir else 0  # a tier under one page holds nothing, but keeps the disk tier
+            # a tier under one page holds nothing, but keeps the disk tier
+            host = 1 if config.kv_disk_dir else 0
     if host <= 0:
         return None
     disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes, fp) if config.kv_disk_dir else None

@@ -2,7 +2,8 @@
 
 Decodes first, then prefill chunks within a token budget; pages come from eviction, then preemption.
 With the radix cache, admission reuses a cached prefix and finished or preempted sequences feed it.
-Within a priority class, VTC fair share (`worker.engine.scheduling.fairness`) chooses whose request is admitted and whose is preempted.
+Within a priority class, VTC fair share (`worker.engine.scheduling.fairness`) chooses whose request is
+admitted and whose is preempted.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from worker.engine.scheduling.waiting_order import cache_aware_index, cached_len
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
 
-# fair-share preemption: the victim key's counter must be at least the waiting key's + this (tokens of service);
-# the slot-share rule of FairShare.slot_victim already rules out thrash, so a just-lifted key may preempt at once
+# fair-share preemption: the victim key's counter must be at least the waiting key's + this (tokens of
+# service); the slot-share rule of FairShare.slot_victim already rules out thrash, so a just-lifted key may
+# preempt at once
 FAIR_PREEMPT_GAP = 0.0
 
 
@@ -38,7 +40,8 @@ class Scheduler:
         self.fair = FairShare(config.fairness)
         self.drafts = DraftPlanner(config, pool, self.fair)
         self.preemptions = 0
-        # first admissions only (resumes after preemption excluded): prompt tokens, of which served by the cache
+        # first admissions only (resumes after preemption excluded): prompt tokens, of which served by the
+        # cache
         self.admitted_prompt_tokens = 0
         self.cached_prompt_tokens = 0
         # keep a few pages free at admission so that new decodes do not preempt at once
@@ -147,8 +150,8 @@ class Scheduler:
     def _admit(self, out: ScheduledBatch, budget: int, light: bool = False, under_share: bool = False) -> int:
         """Admit waiting requests (fairest key first) while slots, budget and pages last; the budget left.
 
-        `light`: only while the chosen request's key has no running sequence; `under_share`: only while it runs
-        fewer than its share of the slots.
+        `light`: only while the chosen request's key has no running sequence; `under_share`: only while it
+        runs fewer than its share of the slots.
         """
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = fair_head(self.waiting, self.fair)
@@ -179,7 +182,8 @@ class Scheduler:
         share (`FairShare.slot_victim`). One per step; its pages go to the radix cache, so resuming is cheap.
         """
         fair, running = self.fair, self.running
-        if not self.waiting or not fair.fair or fair.active_keys < 2 or len(running) < self.config.max_num_seqs:
+        if (not self.waiting or not fair.fair or fair.active_keys < 2
+                or len(running) < self.config.max_num_seqs):
             return
         head = self.waiting[fair_head(self.waiting, self.fair)]
         key = fair.slot_victim(head.fkey, self._running_per_key(), self.config.max_num_seqs, FAIR_PREEMPT_GAP)
@@ -229,7 +233,8 @@ class Scheduler:
         return self._alone_last
 
     def _reserve(self, seq: Sequence) -> bool:
-        """Give seq its block table (cached prefix + new pages for the rest) or, if memory is short, nothing."""
+        """Give seq its block table (cached prefix + new pages for the rest) or, if memory is short,
+        nothing."""
         self._match_prefix(seq)
         pages = self.take_pages(pages_for(len(seq.tokens), self.bs) - len(seq.pages))
         if pages is None:
@@ -245,8 +250,9 @@ class Scheduler:
         return True
 
     def take_pages(self, need: int) -> list[int] | None:
-        """`need` fresh pages, keeping the watermark free for the running requests (evicting cached pages if that is
-        what it takes); None when they do not fit. Admission's rule, also for a disaggregated prefill's lease."""
+        """`need` fresh pages, keeping the watermark free for the running requests (evicting cached pages if
+        that is what it takes); None when they do not fit. Admission's rule, also for a disaggregated
+        prefill's lease."""
         if not self._make_room(need, need + (self.watermark if self.running else 0)):
             return None
         return self.pool.allocate(need)

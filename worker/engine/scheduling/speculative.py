@@ -1,6 +1,7 @@
 """Prompt-lookup (n-gram) drafts for speculative decoding: no draft model, only the request's own tokens.
 
-The runner verifies drafts in one forward and the engine keeps the longest agreeing prefix (see docs/architecture.md).
+The runner verifies drafts in one forward and the engine keeps the longest agreeing prefix (see
+docs/architecture.md).
 """
 
 from __future__ import annotations

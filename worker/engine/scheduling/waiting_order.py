@@ -1,5 +1,5 @@
-"""Which waiting request the scheduler admits next: the fairest key's oldest request (VTC), then, with the radix
-cache, the request of that class and key with the longest cached prefix (cache-aware order).
+"""Which waiting request the scheduler admits next: the fairest key's oldest request (VTC), then, with the
+radix cache, the request of that class and key with the longest cached prefix (cache-aware order).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def fair_head(waiting: list[Sequence], fair: FairShare) -> int:
 
 
 def cache_aware_index(waiting: list[Sequence], start: int, fair: FairShare, cache: RadixCache) -> int:
-    """Index of the request of waiting[start]'s priority (and key, under VTC with several keys) with the longest
-    cached prefix.
+    """Index of the request of waiting[start]'s priority (and key, under VTC with several keys) with the
+    longest cached prefix.
 
     Ties keep arrival order. Plain arrival order when the queue is long (bounded cost per step)
     or when the head was overtaken too often (no starvation of requests without a shared prefix).

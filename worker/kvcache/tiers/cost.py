@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-PREFILL_PRIOR_TPS = 20_000.0  # tokens/s before any prefill is measured: above every CPU we run on, so cautious
+# tokens/s before any prefill is measured: above every CPU we run on, so cautious
+PREFILL_PRIOR_TPS = 20_000.0
 DISK_PRIOR_BPS = 200e6  # bytes/s before any disk read is measured (a slow SSD)
 ALPHA = 0.2  # weight of the newest sample in each moving average
 

@@ -1,11 +1,11 @@
 """The disk tier: one checksummed file per page under a directory named by the tier fingerprint, written by a
 background thread through a bounded queue (a full queue drops the write; it never blocks the engine step).
 
-A file whose header, length or checksum is wrong, or older than `max_age_s` (24 h: OpenAI's longest prompt cache
-retention), is deleted and reads as a miss (the page is recomputed); the writer thread also sweeps expired files
-every `SWEEP_S`. A file of another fingerprint lives in another directory and is never opened; a full disk stops
-all further writes. KV pages are an easily inverted form of prompts: directories are 0700, files 0600, and
-neither a page nor its temporary file is opened through a symlink.
+A file whose header, length or checksum is wrong, or older than `max_age_s` (24 h: OpenAI's longest prompt
+cache retention), is deleted and reads as a miss (the page is recomputed); the writer thread also sweeps
+expired files every `SWEEP_S`. A file of another fingerprint lives in another directory and is never opened; a
+full disk stops all further writes. KV pages are an easily inverted form of prompts: directories are 0700,
+files 0600, and neither a page nor its temporary file is opened through a symlink.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"SYKVPG02"  # 02: the fingerprint names the weights (pages.FINGERPRINT_FORMAT)
 STALE_MAGICS = (b"SYKVPG01",)  # directories of these formats are deleted at start, never read
-HEADER = struct.Struct("<8s16s16sQQ")  # magic, fingerprint, block digest, payload bytes, xxh3-64 of the payload
+# magic, fingerprint, block digest, payload bytes, xxh3-64 of the payload
+HEADER = struct.Struct("<8s16s16sQQ")
 SUFFIX = ".kv"
 MAX_AGE_S = 24 * 3600.0
 SWEEP_S = 600.0  # how often the writer thread deletes files past max_age_s (also checked on every read)
@@ -39,7 +40,8 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class DiskTier:
-    """At most `capacity_bytes` of page files under `root/<fingerprint hex>/`, least recently used out first."""
+    """At most `capacity_bytes` of page files under `root/<fingerprint hex>/`, least recently used out
+    first."""
 
     def __init__(self, root: str | Path, capacity_bytes: int, fingerprint: bytes, queue_pages: int = 256,
                  max_age_s: float = MAX_AGE_S) -> None:
@@ -144,8 +146,8 @@ class DiskTier:
         return self.dir / h[:2] / (h + SUFFIX)
 
     def _scan(self) -> None:
-        """Index the files a previous process left (oldest first; regular files only, made 0600); trim to the bound.
-        Temporary files a killed writer left (older than a minute) go."""
+        """Index the files a previous process left (oldest first; regular files only, made 0600); trim to the
+        bound. Temporary files a killed writer left (older than a minute) go."""
         found = []
         for tmp in self.dir.glob("*/*.tmp"):
             with contextlib.suppress(OSError):
@@ -184,7 +186,8 @@ class DiskTier:
 
     def _write(self, key: bytes, data: torch.Tensor) -> None:
         payload = data.numpy().tobytes()
-        blob = HEADER.pack(MAGIC, self.fingerprint, key, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+        blob = HEADER.pack(MAGIC, self.fingerprint, key, len(payload),
+                           xxhash.xxh3_64_intdigest(payload)) + payload
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -193,7 +196,8 @@ class DiskTier:
                 return
             self._make_room(len(blob))
         path = self._path(key)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # one per process: two workers may share a directory
+        # one per process: two workers may share a directory
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
         try:
             path.parent.mkdir(mode=_DIR_MODE, exist_ok=True)
             _write_new(tmp, blob)
@@ -238,7 +242,8 @@ class DiskTier:
         return len(gone)
 
     def _page_files(self) -> Iterator[tuple[Path, bytes, os.stat_result]]:
-        """The directory's regular page files (symlinks and stray names skipped), with their keys and stats."""
+        """The directory's regular page files (symlinks and stray names skipped), with their keys and
+        stats."""
         for path in self.dir.glob(f"*/*{SUFFIX}"):
             try:
                 st = path.lstat()
@@ -268,7 +273,8 @@ class DiskTier:
 
 
 def _write_new(path: Path, blob: bytes) -> None:
-    """Write `blob` to a new 0600 file at `path` (a stale one is replaced; a symlink there is not followed)."""
+    """Write `blob` to a new 0600 file at `path` (a stale one is replaced; a symlink there is not
+    followed)."""
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, _FILE_MODE)
     with os.fdopen(fd, "wb") as f:
@@ -284,9 +290,9 @@ def _read_exact(path: Path, size: int) -> bytes:
 
 
 def prune_stale_formats(root: Path) -> int:
-    """Delete the tier directories under `root` whose page files are of a format that is no longer trusted (their
-    fingerprint did not name the weights); a directory of the current format (another model's) is left alone.
-    Returns how many directories went."""
+    """Delete the tier directories under `root` whose page files are of a format that is no longer trusted
+    (their fingerprint did not name the weights); a directory of the current format (another model's) is left
+    alone. Returns how many directories went."""
     pruned = 0
     for folder in root.iterdir():
         if not (folder.is_dir() and len(folder.name) == 32) or folder.is_symlink():

@@ -1,4 +1,4 @@
-"""The host-RAM tier: evicted pages as compact byte rows, keyed by block digest, least recently used out first."""
+"""The host-RAM tier: evicted pages as compact byte rows by block digest, least recently used out first."""
 
 from __future__ import annotations
 

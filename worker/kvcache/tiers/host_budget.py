@@ -1,5 +1,5 @@
-"""One host-wide budget for the host tiers' automatic sizes: the workers of a host claim their shares in a small
-locked file, so eight workers on one machine share 1/8 of its memory instead of taking 1/8 each."""
+"""One host-wide budget for the host tiers' automatic sizes: the workers of a host claim their shares in a
+small locked file, so eight workers on one machine share 1/8 of its memory instead of taking 1/8 each."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
-CLAIMS_ENV = "SWITCHYARD_HOST_CLAIMS"  # the claims file (tests); default: in /dev/shm, else the temp directory
+# the claims file (tests); default: in /dev/shm, else the temp directory
+CLAIMS_ENV = "SWITCHYARD_HOST_CLAIMS"
 HOST_SHARE = 8  # all automatic host tiers of a machine together take at most 1/8 of its memory
 
 
@@ -33,7 +34,8 @@ def _alive(pid: int) -> bool:
 
 def claim(want: int, host_total: int) -> int:
     """Claim up to `want` bytes for this process out of 1/HOST_SHARE of `host_total`, less what the other live
-    processes of the host hold (a dead process's claim is dropped); returns the grant (0 when nothing is left)."""
+    processes of the host hold (a dead process's claim is dropped); returns the grant (0 when nothing is
+    left)."""
     path = claims_path()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     with os.fdopen(fd, "r+") as f:

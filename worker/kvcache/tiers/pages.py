@@ -15,9 +15,11 @@ def fingerprint(model_id: str, weights_id: str, tokenizer_version: str, kv: KVCa
     """16 bytes naming what a stored page's bytes mean: model, weights (their digest, quantization, dtype and
     version: `LoadedModel.weights_id`), tokenizer, KV dtype, dtype, layout and shape."""
     k = kv.k[0]
-    text = "|".join((FINGERPRINT_FORMAT, model_id, weights_id, tokenizer_version, kv.kv_dtype, str(kv.dtype), str(k.dtype),
-                     "pages_first" if kv.pages_first else "heads_first", f"L{len(kv.k)}", "x".join(map(str, k.shape[
-                         2:] if kv.pages_first else (k.shape[0], k.shape[2]))), f"bs{kv.block_size}", HASH_ALGO))
+    text = "|".join((FINGERPRINT_FORMAT, model_id, weights_id, tokenizer_version, kv.kv_dtype, str(kv.dtype),
+                     str(k.dtype), "pages_first" if kv.pages_first else "heads_first", f"L{len(kv.k)}",
+                     "x".join(map(str, k.shape[
+                         2:] if kv.pages_first else (k.shape[0], k.shape[2]))), f"bs{kv.block_size}",
+                     HASH_ALGO))
     return xxhash.xxh3_128_digest(text.encode())
 
 
@@ -28,8 +30,8 @@ class PageCodec:
         self.kv = kv
         k = kv.k[0]
         self.layers = len(kv.k)
-        self.page_shape = (k.shape[1], k.shape[2], k.shape[3]) if kv.pages_first else (k.shape[0], kv.block_size,
-                                                                                           k.shape[2])
+        self.page_shape = ((k.shape[1], k.shape[2], k.shape[3]) if kv.pages_first
+                           else (k.shape[0], kv.block_size, k.shape[2]))
         self.store_dtype = k.dtype
         elems = self.page_shape[0] * self.page_shape[1] * self.page_shape[2]
         self.kv_bytes = self.layers * elems * k.element_size()  # K (or V) of one page over all layers
@@ -60,7 +62,8 @@ class PageCodec:
         return out
 
     def _parts(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Views of [n, page_bytes] rows as K and V [n, L, *page_shape] and scales [n, L, kv_heads] (no copy)."""
+        """Views of [n, page_bytes] rows as K and V [n, L, *page_shape] and scales [n, L, kv_heads] (no
+        copy)."""
         n, kb, sb = rows.shape[0], self.kv_bytes, self.scale_bytes
         shape = (n, self.layers, *self.page_shape)
         k = rows[:, :kb].view(self.store_dtype).view(shape)
@@ -70,19 +73,22 @@ class PageCodec:
         return k, v, ks, vs
 
     def finite(self, rows: torch.Tensor) -> bool:
-        """Rows from another process hold only finite numbers: K and V (unless int8 codes) and the int8 scales, which
-        must also be positive (a NaN, inf or negative scale would poison every token that attends to the page)."""
+        """Rows from another process hold only finite numbers: K and V (unless int8 codes) and the int8
+        scales, which must also be positive (a NaN, inf or negative scale would poison every token that
+        attends to the page)."""
         k, v, ks, vs = self._parts(rows)
         if self.store_dtype.is_floating_point and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
             return False
         if self.scale_bytes:
-            return bool(torch.isfinite(ks).all() and torch.isfinite(vs).all() and (ks >= 0).all() and (vs >= 0).all())
+            return bool(torch.isfinite(ks).all() and torch.isfinite(vs).all() and (ks >= 0).all()
+                        and (vs >= 0).all())
         return True
 
     def write(self, pages: list[int], rows: torch.Tensor) -> None:
         """Put rows from `read` (or the tiers) into `pages` of the KV tensors."""
         kv, n = self.kv, len(pages)
-        assert rows.shape == (n, self.page_bytes), f"rows {tuple(rows.shape)} for {n} pages of {self.page_bytes} B"
+        assert rows.shape == (n, self.page_bytes), \
+            f"rows {tuple(rows.shape)} for {n} pages of {self.page_bytes} B"
         dev = kv.k[0].device
         idx = torch.tensor(pages, dtype=torch.int64, device=dev)
         k, v, ks, vs = self._parts(rows.to(dev))

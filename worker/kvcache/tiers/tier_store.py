@@ -1,9 +1,9 @@
 """The tiers as the engine sees them: pages the radix cache evicts go in, a prompt's next blocks come out.
 
 Write policy: write-back. An evicted page is copied to host RAM (once: a page already there is only touched);
-a page leaving RAM goes on to disk when its requests allowed it ("24h" or no retention asked) and it was hit at
-least `disk_min_hits` times (matched in the prefix cache or restored from RAM). Host RAM is inclusive: a restored page stays there, so evicting it again
-costs no copy.
+a page leaving RAM goes on to disk when its requests allowed it ("24h" or no retention asked) and it was hit
+at least `disk_min_hits` times (matched in the prefix cache or restored from RAM). Host RAM is inclusive: a
+restored page stays there, so evicting it again costs no copy.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ class TierStats:
 
 
 class KvTiers:
-    """Host RAM (and an optional disk tier) below one worker's radix cache. Engine thread only, except the disk
-    tier's own writer and the prefetch reader."""
+    """Host RAM (and an optional disk tier) below one worker's radix cache. Engine thread only, except the
+    disk tier's own writer and the prefetch reader."""
 
-    def __init__(self, codec: PageCodec, host_bytes: int, disk: DiskTier | None = None, disk_min_hits: int = 1,
-                 events: KvEvents | None = None) -> None:
+    def __init__(self, codec: PageCodec, host_bytes: int, disk: DiskTier | None = None,
+                 disk_min_hits: int = 1, events: KvEvents | None = None) -> None:
         self.codec = codec
         self.host = HostTier(host_bytes)
         self.disk = disk
@@ -64,9 +64,11 @@ class KvTiers:
         self.stats = TierStats()
         self._durable: OrderedDict[bytes, None] = OrderedDict()
         self._in_memory: OrderedDict[bytes, None] = OrderedDict()  # "in_memory" retention asked for these
-        self._uses: OrderedDict[bytes, int] = OrderedDict()  # prefix-cache hits per block (the disk gate's count)
+        # prefix-cache hits per block (the disk gate's count)
+        self._uses: OrderedDict[bytes, int] = OrderedDict()
         self._prefetch: dict[bytes, Future[torch.Tensor | None]] = {}
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader") if disk is not None else None
+        self._reader = ThreadPoolExecutor(1,
+                                          thread_name_prefix="kv-disk-reader") if disk is not None else None
         if events is not None:
             events.tier_held = self.held_block_ids
 
@@ -92,7 +94,8 @@ class KvTiers:
     def _leave_ram(self, key: bytes, page: TierPage) -> None:
         self.stats.ram_evictions += 1
         disk = self.disk
-        if disk is not None and page.durable and page.hits >= self.disk_min_hits and disk.submit(key, page.data):
+        if (disk is not None and page.durable and page.hits >= self.disk_min_hits
+                and disk.submit(key, page.data)):
             return
         if disk is None or key not in disk:
             self._report([], [block_id(key)])
@@ -111,7 +114,8 @@ class KvTiers:
             uses.popitem(last=False)
 
     def retain(self, hashes: Iterable[bytes], retention: str) -> None:
-        """Record a request's retention for its blocks: "24h" (or none asked) may go to disk, "in_memory" not."""
+        """Record a request's retention for its blocks: "24h" (or none asked) may go to disk, "in_memory"
+        not."""
         if self.disk is None:
             return
         mark, clear = (self._in_memory, self._durable) if retention == "in_memory" else (self._durable,
@@ -130,7 +134,8 @@ class KvTiers:
     # ---- out: restore ----
 
     def available(self, hashes: list[bytes], start: int) -> tuple[int, int, int]:
-        """From block `start` on: (contiguous blocks held in a tier, their bytes in RAM, their bytes on disk)."""
+        """From block `start` on: (contiguous blocks held in a tier, their bytes in RAM, their bytes on
+        disk)."""
         n = ram = disk_b = 0
         size = self.codec.page_bytes
         for h in hashes[start:]:
@@ -226,8 +231,8 @@ class KvTiers:
         s.ram_pages, s.ram_bytes = len(host), host.bytes
         if disk is not None:
             s.disk_pages, s.disk_bytes, s.disk_evictions = len(disk), disk.bytes, disk.evictions
-            s.disk_writes, s.disk_dropped, s.disk_corrupt, s.disk_full = disk.writes, disk.dropped, disk.corrupt, \
-                disk.full
+            s.disk_writes, s.disk_dropped = disk.writes, disk.dropped
+            s.disk_corrupt, s.disk_full = disk.corrupt, disk.full
         return s
 
     def _report(self, stored: list[int], dropped: list[int]) -> None:
