@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +22,7 @@ from router.links.membership import Member, Membership, StatsEvent, StatsListene
 from router.placement import routing_metrics
 from router.placement.class_pools import SPILL, outside_pool, over_bound
 from router.placement.holders import InFlightPrefixes, PrefixHolders
-from router.placement.kv_view import KvView
+from router.placement.kv_view import KvView, beyond_common
 from router.placement.load import LoadTracker
 from router.placement.policy import (
     DEFAULT_EPSILON,
@@ -213,7 +213,7 @@ class Router:
         order = self.policy.order(key)
         status = {w: FALLBACK_INCOMPATIBLE if self.kv.refused(w) else self.membership.status(w)
                   for w in order}
-        held = _distinct(matched, order)
+        held = beyond_common(matched, order)
         for w, tokens in self.sending.held(key).items():  # in flight here: held soon, maybe not yet reported
             held[w] = max(held.get(w, 0), tokens)
         if key is None and not held:  # keyless: least loaded, no holders or footprints to compute
@@ -390,13 +390,3 @@ def _with_streamed(tokens: Sequence[int] | np.ndarray | bytes, streamed: list[in
     head = (np.frombuffer(tokens, dtype="<i4") if isinstance(tokens, bytes)
             else np.asarray(tokens, dtype="<i4"))
     return np.concatenate([head, np.asarray(streamed, dtype="<i4")])
-
-
-def _distinct(matched: dict[str, int], members: Iterable[str]) -> dict[str, int]:
-    """Reported prefix tokens beyond what every member holds (a chat template's common opening is no reason
-    to prefer anyone); empty when no worker holds more than the others."""
-    if not matched:
-        return {}
-    members = tuple(members)
-    floor = min(matched.get(w, 0) for w in members)
-    return {w: matched[w] - floor for w in members if matched.get(w, 0) > floor}

@@ -126,3 +126,13 @@ class KvView:
         self._asked_at[worker_id] = now
         routing_metrics.KV_SYNCS.labels(reason).inc()
         self._request_sync(worker_id)
+
+
+def beyond_common(matched: dict[str, int], members: Iterable[str]) -> dict[str, int]:
+    """Reported prefix tokens beyond what every member holds (a chat template's common opening is no reason
+    to prefer anyone); empty when no worker holds more than the others."""
+    if not matched:
+        return {}
+    members = tuple(members)
+    floor = min(matched.get(w, 0) for w in members)
+    return {w: matched[w] - floor for w in members if matched.get(w, 0) > floor}

@@ -356,18 +356,6 @@ class Engine:
             tiers=self.restorer.tiers.snapshot_stats() if self.restorer is not None else None,
         )
 
-    def pages_idle(self) -> bool:
-        """Leak check (tests): no request holds a page; each page is free or held once, unlocked, by the
-        cache."""
-        pool = self.pool
-        cached = {p for pages in self.cache.snapshot().values()
-                  for p in pages.values()} if self.cache else set()
-        if self.cache is not None and self.cache.locked_pages:
-            return False
-        if pool.num_free + len(cached) != pool.num_pages:
-            return False
-        return all(pool.refcount(p) == (1 if p in cached else 0) for p in range(pool.num_pages))
-
     # ---- convenience ----
 
     def generate(self, prompts: list[list[int]],

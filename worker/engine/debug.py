@@ -1,4 +1,5 @@
-"""Engine and runner subclasses for tests and benchmarks: every computed logit row, step shapes.
+"""Engine and runner subclasses for tests and benchmarks (every computed logit row, step shapes), and the
+page leak check.
 
 The production classes carry no such hooks; these override their seams (`Engine.runner_class`,
 `ModelRunner.prepare` / `logits`) and cost nothing unless used.
@@ -15,7 +16,7 @@ from worker.engine.records.sequence import ScheduledBatch, Sequence
 from worker.engine.runner import ModelRunner
 from worker.model.llama import StepContext
 
-__all__ = ["DebugEngine", "DebugRunner"]
+__all__ = ["DebugEngine", "DebugRunner", "pages_idle"]
 
 
 class DebugRunner(ModelRunner):
@@ -61,3 +62,14 @@ class DebugEngine(Engine):
         if capture is not None:
             capture.extend((seq.rid, pos, lg) for seq, pos, lg in runner.segments)
         return outputs
+
+
+def pages_idle(engine: Engine) -> bool:
+    """Leak check (tests): no request holds a page; each page is free or held once, unlocked, by the cache."""
+    pool, cache = engine.pool, engine.cache
+    cached = {p for pages in cache.snapshot().values() for p in pages.values()} if cache else set()
+    if cache is not None and cache.locked_pages:
+        return False
+    if pool.num_free + len(cached) != pool.num_pages:
+        return False
+    return all(pool.refcount(p) == (1 if p in cached else 0) for p in range(pool.num_pages))

@@ -1,7 +1,6 @@
 """Radix-tree prefix cache: reuse the KV pages of shared, page-aligned token prefixes per namespace.
 
 The tree owns one pool reference per cached page; locked pages (on a live match) are never evicted.
-The page-ownership rules a caller follows are on `RadixCache`.
 """
 
 from __future__ import annotations

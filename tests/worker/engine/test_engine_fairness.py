@@ -11,6 +11,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine
+from worker.engine.debug import pages_idle
 from worker.engine.records.request_errors import RequestError
 from worker.kvcache.tensors import bytes_per_token
 from worker.model.tiny_model import load_tiny_model
@@ -68,7 +69,7 @@ def test_light_key_jumps_a_flooding_key_under_vtc_only(tiny, policy):
     else:
         assert first.index("b") == 20  # behind all of a's queue
     assert len(eng.scheduler.fair) == 2 and eng.scheduler.fair.active_keys == 0
-    assert eng.pages_idle()
+    assert pages_idle(eng)
 
 
 def test_greedy_outputs_are_the_same_under_vtc_fifo_and_alone(tiny):
@@ -83,7 +84,7 @@ def test_greedy_outputs_are_the_same_under_vtc_fifo_and_alone(tiny):
             eng.add_request(rid, p, greedy(n), fkey=key, weight=w)
         results[policy], _ = drain(eng)
         assert eng.stats().preemptions > 0
-        assert eng.pages_idle()
+        assert pages_idle(eng)
     alone_eng = make_engine(tiny, "vtc")
     alone = {rid: alone_eng.generate([p], greedy(n))[0] for rid, p, n, _, _ in reqs}
     assert results["vtc"] == results["fifo"] == alone
@@ -108,7 +109,7 @@ def test_preemption_takes_the_newest_sequence_of_the_key_most_over_its_share(tin
         assert seqs["b"].admissions == 1 and seqs["a2"].admissions > 1
     else:
         assert seqs["b"].admissions > 1
-    assert eng.pages_idle()
+    assert pages_idle(eng)
 
 
 def test_weight_two_key_gets_twice_the_service_when_both_are_backlogged(tiny):

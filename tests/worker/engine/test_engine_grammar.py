@@ -10,6 +10,7 @@ import pytest
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine
+from worker.engine.debug import pages_idle
 from worker.engine.records.request_errors import RequestError
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams, json_object_spec, json_schema_spec
@@ -59,7 +60,7 @@ def test_constrained_rows_validate_beside_free_ones(engine, tiny):
             continue
         text = tiny.tokenizer.decode(tokens)
         assert reason == "stop" and validator.is_valid(json.loads(text)), (rid, text)
-    assert engine.pages_idle()
+    assert pages_idle(engine)
 
 
 def test_ignore_eos_still_stops_and_max_tokens_first_is_length(engine, tiny):

@@ -15,6 +15,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine, Priority
+from worker.engine.debug import pages_idle
 from worker.engine.records.request_errors import RequestError
 from worker.kvcache.tensors import bytes_per_token
 from worker.model.tiny_model import load_tiny_model
@@ -63,7 +64,7 @@ def test_short_request_finishes_before_long_one(tiny):
     tokens, finished = drain(eng)
     assert finished["short"] < finished["long"]
     assert early + len(tokens["long"]) == 120 and len(tokens["short"]) == 5
-    assert eng.pages_idle()
+    assert pages_idle(eng)
 
 
 def test_long_prompt_is_chunked_while_streams_keep_decoding(tiny):
@@ -83,7 +84,7 @@ def test_long_prompt_is_chunked_while_streams_keep_decoding(tiny):
             assert len(outs[rid].new_tokens) == 1
     assert prefill_steps >= 2000 // (256 - 8)
     drain(eng)
-    assert eng.pages_idle()
+    assert pages_idle(eng)
 
 
 def test_preemption_keeps_greedy_outputs(tiny):
@@ -102,7 +103,7 @@ def test_preemption_keeps_greedy_outputs(tiny):
     constrained = run(tight)
     assert tight.stats().preemptions > 0
     assert constrained == free
-    assert tight.pages_idle()
+    assert pages_idle(tight)
 
 
 def test_request_larger_than_cache_gets_capacity_error_at_once(tiny):
@@ -113,10 +114,10 @@ def test_request_larger_than_cache_gets_capacity_error_at_once(tiny):
     with pytest.raises(RequestError) as err:
         eng.add_request("ctx", [5] * 10, greedy(eng.max_context))
     assert err.value.code == "capacity"
-    assert not eng.has_work() and eng.pages_idle()
+    assert not eng.has_work() and pages_idle(eng)
     eng.add_request("ok", list(range(3, 60)), greedy(40))  # still usable
     drain(eng)
-    assert eng.pages_idle()
+    assert pages_idle(eng)
 
 
 def test_pages_all_free_after_finish_abort_preemption_mix(tiny):
@@ -141,7 +142,7 @@ def test_pages_all_free_after_finish_abort_preemption_mix(tiny):
         assert rid not in outs_seen  # exactly one final output per request
         outs_seen[rid] = "done"
     assert eng.stats().preemptions > 0
-    assert eng.pages_idle()
+    assert pages_idle(eng)
     assert set(outs_seen) == set(live)
     assert aborted and all(outs_seen[r] in ("abort", "done") for r in aborted)
     assert not eng.abort("m0")  # already gone
@@ -154,7 +155,7 @@ def test_abort_emits_final_output_and_frees_pages(tiny):
     used = eng.pool.num_used
     assert used > 0
     assert eng.abort("a")
-    assert eng.pages_idle()
+    assert pages_idle(eng)
     outs = eng.step()
     assert [(o.rid, o.finish_reason, o.new_tokens) for o in outs] == [("a", "abort", [])]
     assert not eng.has_work()
@@ -184,7 +185,7 @@ def test_bad_input_is_rejected_without_state_change(tiny, tokens, params, param)
     with pytest.raises(RequestError) as err:
         eng.add_request("x", tokens, params)
     assert err.value.code == "bad_request" and err.value.param == param
-    assert eng.stats() == before and not eng.has_work() and eng.pages_idle()
+    assert eng.stats() == before and not eng.has_work() and pages_idle(eng)
     eng.add_request("x", [5, 6], greedy(2))  # the rid was not taken
     with pytest.raises(RequestError) as err:
         eng.add_request("x", [5, 6], greedy(2))

@@ -11,6 +11,7 @@ import torch
 
 from tests.worker.engine.test_engine_fairness import greedy, make_engine, prompt
 from worker.engine.core import Engine
+from worker.engine.debug import pages_idle
 from worker.engine.scheduling.fairness import FairShare
 from worker.model.tiny_model import load_tiny_model
 
@@ -102,7 +103,7 @@ def test_light_key_takes_a_slot_from_a_flooding_key_without_thrash_and_same_gree
         eng = make_engine(tiny, policy, max_num_seqs=4, max_num_batched_tokens=64)
         results[policy], waits[policy] = run(eng, a_reqs, b_reqs, b_every=12)
         preempt[policy] = eng.stats().preemptions
-        assert eng.pages_idle()
+        assert pages_idle(eng)
     # every b gets its first token at most one step after it arrives (preemption, then its own step)
     assert max(waits["vtc"].values()) <= 1
     assert max(waits["fifo"].values()) > 20  # behind the flood

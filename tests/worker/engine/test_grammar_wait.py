@@ -12,6 +12,7 @@ import pytest
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine
+from worker.engine.debug import pages_idle
 from worker.engine.records.request_errors import RequestError
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams, grammar_spec, json_schema_spec
@@ -78,7 +79,7 @@ def test_a_compiling_request_waits_while_others_step(tiny, gate):
         gate.set()
         done = run(eng)
         assert done["g"][1] in ("stop", "length") and done["g"][2] is None and done["g"][0]
-        assert eng.pages_idle()
+        assert pages_idle(eng)
     finally:
         eng.close()
 
@@ -119,7 +120,7 @@ def test_a_compile_past_its_deadline_fails_only_its_requests(tiny, gate):
             assert reason == "error" and err.code == "capacity" and err.retryable
             assert "timed out" in err.message
         assert queued.cancelled() and ("json_schema", schema(12)["body"]) not in eng._grammars.cache
-        assert eng.pages_idle()
+        assert pages_idle(eng)
     finally:
         gate.set()
         eng.close()
@@ -145,7 +146,7 @@ def test_pending_compiles_are_bounded_per_worker_and_tenant(tiny, gate):
         assert set(done) == {"a0", "a0-sibling", "b1"} and all(e is None for _, _, e in done.values())
         eng.add_request("c2", [1, 2], sp[2], namespace=b"tenant-c")  # room again once compiles finished
         assert run(eng)["c2"][2] is None
-        assert eng.pages_idle()
+        assert pages_idle(eng)
     finally:
         eng.close()
 
@@ -162,6 +163,6 @@ def test_an_aborted_waiter_cancels_its_queued_compile(tiny, gate):
         gate.set()
         done = run(eng)
         assert set(done) == {"g0", "g1"}
-        assert eng.pages_idle()
+        assert pages_idle(eng)
     finally:
         eng.close()

@@ -12,7 +12,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine
-from worker.engine.debug import DebugEngine
+from worker.engine.debug import DebugEngine, pages_idle
 from worker.kvcache.events import kv_report
 from worker.kvcache.tensors import bytes_per_page
 from worker.kvcache.tiers.cost import Rate
@@ -67,7 +67,7 @@ def ask(eng: Engine, rid: str, prompt: list[int], retention: str = "") -> tuple[
 
 
 def no_leaks(eng: Engine) -> None:
-    assert eng.pages_idle()
+    assert pages_idle(eng)
     eng.cache.check_invariants()
     eng.cache.evict(eng.pool.num_pages)
     assert eng.pool.all_free()

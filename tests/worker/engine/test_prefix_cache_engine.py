@@ -3,7 +3,7 @@
 The output-equality test runs the real default model in fp32 (cache on vs off,
 same greedy tokens, far fewer prefill tokens computed); the rest use the tiny
 random-weight Llama. Every test ends with a leak check: each page is free or
-held once, unlocked, by the tree (`Engine.pages_idle`), and evicting the whole
+held once, unlocked, by the tree (`worker.engine.debug.pages_idle`), and evicting the whole
 tree returns every page to the pool.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.core import DEFAULT_NAMESPACE, Engine
-from worker.engine.debug import DebugEngine
+from worker.engine.debug import DebugEngine, pages_idle
 from worker.engine.scheduling.waiting_order import CACHE_AWARE_MAX_SKIPS
 from worker.kvcache.tensors import bytes_per_token
 from worker.model.loader import load_model
@@ -59,7 +59,7 @@ def drain(engine: Engine, capture: list | None = None, max_steps: int = 5000) ->
 
 def assert_no_leaks(engine: Engine) -> None:
     cache = engine.cache
-    assert engine.pages_idle()
+    assert pages_idle(engine)
     if cache is not None:
         cache.check_invariants()
         assert engine.pool.num_free + cache.cached_pages == engine.pool.num_pages

@@ -8,6 +8,7 @@ import pytest
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine
+from worker.engine.debug import pages_idle
 from worker.engine.records.request_errors import RequestError
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams, json_schema_spec
@@ -76,6 +77,6 @@ def test_bad_resumes_are_refused_by_name(tiny):
             outs += eng.step()
         (end,) = [o for o in outs if o.rid == "g"]
         assert end.finish_reason == "error" and end.error is not None and end.error.param == "resumed"
-        assert eng.pages_idle()
+        assert pages_idle(eng)
     finally:
         eng.close()

@@ -16,6 +16,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.core import Engine
+from worker.engine.debug import pages_idle
 from worker.engine.records.sequence import NgramIndex
 from worker.kvcache.tensors import bytes_per_token
 from worker.model.tiny_model import load_tiny_model
@@ -93,7 +94,7 @@ def check_exact(tiny, reqs, waves: int = 1, miss: float = 0.3, **kw) -> Engine:
     eng = make_engine(tiny, **kw)
     got, reasons = run(eng, reqs, oracle=ref, waves=waves, miss=miss)
     assert got == ref and reasons == ref_reasons
-    assert eng.pages_idle() and eng.pool.num_free + eng.stats().cached_pages == eng.pool.num_pages
+    assert pages_idle(eng) and eng.pool.num_free + eng.stats().cached_pages == eng.pool.num_pages
     s = eng.stats()
     assert s.spec_verify_steps > 0 and 0 < s.spec_accepted_tokens < s.spec_proposed_tokens
     return eng
@@ -149,7 +150,7 @@ def test_real_ngram_drafts_stay_exact(tiny):
     ref, _ = run(make_engine(tiny, spec=False), reqs)
     eng = make_engine(tiny)
     got, _ = run(eng, reqs)
-    assert got == ref and eng.pages_idle() and eng.stats().spec_proposed_tokens > 0
+    assert got == ref and pages_idle(eng) and eng.stats().spec_proposed_tokens > 0
 
 
 def test_stop_id_and_max_tokens_cut_inside_an_accepted_run(tiny):
@@ -165,7 +166,7 @@ def test_stop_id_and_max_tokens_cut_inside_an_accepted_run(tiny):
         eng = make_engine(tiny)
         got, reasons = run(eng, {name: (prompt, sp)}, oracle={name: out}, miss=0.0)
         assert got[name] == want and reasons[name] == reason
-        assert eng.stats().spec_accepted_tokens > 0 and eng.pages_idle()
+        assert eng.stats().spec_accepted_tokens > 0 and pages_idle(eng)
 
 
 def test_seeded_sampling_identical_on_and_off(tiny):
@@ -252,7 +253,7 @@ def test_ineligible_requests_decode_plainly_and_still_work(tiny):
         for o in eng.step():
             outs.setdefault(o.rid, []).append(o)
     s = eng.stats()
-    assert s.spec_proposed_tokens == 0 and eng.pages_idle()
+    assert s.spec_proposed_tokens == 0 and pages_idle(eng)
     assert sum(len(o.logprobs or []) for o in outs["lp"]) == 8
     assert all(o.top_ids is not None for o in outs["lp"])
     assert sum(len(o.new_tokens) for o in outs["min"]) == 8

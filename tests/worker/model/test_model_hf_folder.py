@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from worker.config import EngineConfig
-from worker.engine.debug import DebugEngine
+from worker.engine.debug import DebugEngine, pages_idle
 from worker.model.loader import load_model
 from worker.protocol import SamplingParams
 from worker.text.tokenizer import load_tokenizer
@@ -63,4 +63,4 @@ def test_hf_folder_logits_match_transformers(hf_folder):
         expect = ref(torch.tensor([full])).logits[0, :-1].float()
     mine = torch.stack([rows[p] for p in range(len(full) - 1)])
     assert (mine - expect).abs().max().item() < 2e-3
-    assert engine.pages_idle()
+    assert pages_idle(engine)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from worker.config import EngineConfig
-from worker.engine.debug import DebugEngine
+from worker.engine.debug import DebugEngine, pages_idle
 from worker.model.loader import load_model
 from worker.protocol import SamplingParams
 from worker.text.model_source import default_model_path
@@ -75,7 +75,7 @@ def engine_run(ours, prompts):
                 done.add(out.rid)
         step += 1
     assert len(done) == len(prompts)
-    assert engine.pages_idle()
+    assert pages_idle(engine)
     return outputs, capture, engine
 
 

@@ -8,6 +8,7 @@ import torch
 from bench.cpu_kernels import full_sort_restrict, prefix_mass
 from worker.config import EngineConfig
 from worker.engine.core import Engine
+from worker.engine.debug import pages_idle
 from worker.engine.records.request_errors import RequestError
 from worker.model.tiny_model import load_tiny_model
 from worker.protocol import SamplingParams
@@ -105,7 +106,7 @@ def test_seeded_request_is_reproducible(tiny):
                          [SamplingParams(max_tokens=30, temperature=1.0, seed=1, ignore_eos=True), params,
                           SamplingParams(max_tokens=5, temperature=0.7, ignore_eos=True)])
     assert crowd[1] == first
-    assert eng.pages_idle()
+    assert pages_idle(eng)
 
 
 def test_logprobs_reported_per_token(tiny):

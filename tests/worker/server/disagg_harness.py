@@ -14,6 +14,7 @@ import zmq
 from worker import protocol as proto
 from worker.config import EngineConfig
 from worker.engine.core import DEFAULT_NAMESPACE, Engine
+from worker.engine.debug import pages_idle
 from worker.protocol import PrefillHint, SamplingParams
 from worker.server.serve import ServerConfig, WorkerServer
 
@@ -45,7 +46,7 @@ class ServerThread:
         while time.monotonic() < until:
             if not len(self.server.table) and not self.server.decode.leases and not self.engine.has_work():
                 time.sleep(0.1)  # let the loop finish the step it is in
-                return self.engine.pages_idle()
+                return pages_idle(self.engine)
             time.sleep(0.02)
         return False
 
