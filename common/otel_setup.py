@@ -1,4 +1,5 @@
-"""Tracing setup for a process: an OpenTelemetry SDK provider exporting over OTLP/HTTP when an endpoint is set.
+"""Tracing setup for a process: an OpenTelemetry SDK provider exporting over OTLP/HTTP when an endpoint is
+set.
 
 Nothing is installed without one, so spans cost nothing (`common.trace_context.tracer` returns None).
 """
@@ -24,8 +25,9 @@ def otlp_exporter(endpoint: str) -> SpanExporter:
 
 
 def install_tracing(service_name: str, endpoint: str | None, exporter: SpanExporter | None = None) -> None:
-    """Record and export this process's spans (`exporter`, else OTLP to `endpoint`); neither: tracing stays off.
-    The batch processor's queue is bounded (the SDK's 2,048 spans): a slow collector drops spans, never blocks."""
+    """Record and export this process's spans (`exporter`, else OTLP to `endpoint`); neither: tracing stays
+    off. The batch processor's queue is bounded (the SDK's 2,048 spans): a slow collector drops spans, never
+    blocks."""
     if exporter is None:
         if not endpoint:
             return

@@ -1,4 +1,5 @@
-"""The Redis URL forms every process accepts: `redis://` (one server) or `redis+cluster://h:p[,h:p…]` (Cluster).
+"""The Redis URL forms every process accepts: `redis://` (one server) or `redis+cluster://h:p[,h:p…]`
+(Cluster).
 
 Light: redis-py is imported inside the factories only. Private to `worker.protocol`, which re-exports it.
 """
