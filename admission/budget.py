@@ -124,7 +124,8 @@ class Budget:
         # If the caller is cancelled while the script may already have charged, settle it as unserved.
         args = [cost, lease_id, self._lease_ttl_ms, INT_DEFAULTS["tpm"], INT_DEFAULTS["rpm"],
                 INT_DEFAULTS["max_concurrent"], self._conc_cap_ms]
-        task = asyncio.ensure_future(RESERVE(self.redis, [config_key(name), bucket_key(name), leases_key(name)], args))
+        task = asyncio.ensure_future(
+            RESERVE(self.redis, [config_key(name), bucket_key(name), leases_key(name)], args))
         try:
             return ReserveResult.from_reply(await asyncio.shield(task))
         except asyncio.CancelledError:
@@ -142,10 +143,12 @@ class Budget:
             undo.add_done_callback(self._background.discard)
 
     def _undo_unknown(self, name: str, cost: int, lease_id: str) -> None:
-        """A reserve that failed on a timeout or a dropped connection may still have run in Redis: settle its lease
-        as never served a few times over the next seconds (a lease that does not exist refunds nothing, and one
-        that exists is refunded once), so it does not pin the tenant's concurrency for the lease TTL."""
-        res = Reservation(Tenant(name=name), lease_id, 0, cost, ReserveResult(ADMITTED, None, *[0] * 11), served=False)
+        """A reserve that failed on a timeout or a dropped connection may still have run in Redis: settle its
+        lease as never served a few times over the next seconds (a lease that does not exist refunds nothing,
+        and one that exists is refunded once), so it does not pin the tenant's concurrency for the lease
+        TTL."""
+        res = Reservation(Tenant(name=name), lease_id, 0, cost, ReserveResult(ADMITTED, None, *[0] * 11),
+                          served=False)
 
         async def undo() -> None:
             for delay in UNDO_DELAYS_S:

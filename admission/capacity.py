@@ -1,6 +1,8 @@
-"""Capacity admission: admit a request when some live worker has room for its KV tokens, else queue or shed it.
+"""Capacity admission: admit a request when some live worker has room for its KV tokens, else queue or
+shed it.
 
-Pure asyncio over a callable of per-worker views (`WorkerCapacity`); `notify()` on new stats, `release()` on ends.
+Pure asyncio over a callable of per-worker views (`WorkerCapacity`); `notify()` on new stats, `release()`
+on ends.
 Waiters are served fairly across tenants within a priority class (`admission.fair_waiters`).
 """
 
@@ -86,7 +88,8 @@ class CapacityGate:
         self.shed: dict[Priority, int] = {INTERACTIVE: 0, BATCH: 0}
 
     # ---- public API -------------------------------------------------------------------------------
-    async def acquire(self, cost: int, priority: Priority, key: str = "", weight: float = 1.0) -> CapacityTicket:
+    async def acquire(self, cost: int, priority: Priority, key: str = "",
+                      weight: float = 1.0) -> CapacityTicket:
         """Admit now, or wait up to `admission_wait_ms`; raises Overloaded or CapacityNeverFits.
 
         `key`/`weight`: the tenant and its share among the waiters of its priority class.
@@ -229,7 +232,8 @@ class CapacityGate:
         return priority == BATCH and bool(self._waiters.count(BATCH))
 
     def _headroom(self, view: WorkerCapacity, priority: Priority) -> int:
-        pending = sum(t.cost for t in self._pending.get(view.worker_id, ()) if t.admitted_at >= view.updated_at)
+        pending = sum(t.cost for t in self._pending.get(view.worker_id, ())
+                      if t.admitted_at >= view.updated_at)
         room = view.kv_free - view.queued_tokens - pending
         if priority == BATCH:
             room -= int(self.interactive_reserve * view.kv_total)
@@ -257,7 +261,8 @@ class CapacityGate:
     def _abandon(self, waiter: Waiter) -> None:
         self._waiters.remove(waiter)
         if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-            self._give_back(waiter.future.result())  # admitted just as we gave up (acquire deactivates the key)
+            # admitted just as we gave up (acquire deactivates the key)
+            self._give_back(waiter.future.result())
         else:
             waiter.future.cancel()
         self.notify()  # a blocked head may have left: let the next ones try

@@ -1,6 +1,7 @@
 """The gateway's single entry point to admission: the tenant's budget first, then KV capacity.
 
-Free of any HTTP framework: `error_response` describes each refusal as status, OpenAI error fields and headers.
+Free of any HTTP framework: `error_response` describes each refusal as status, OpenAI error fields and
+headers.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class Admission:
             await self.guard.release(res)
 
     async def charge_invalid(self, tenant: Tenant) -> int:
-        """One request of the tenant's per-minute limit for a request refused as invalid (`Budget.charge_invalid`)."""
+        """One request of the tenant's per-minute limit for a request refused as invalid
+        (`Budget.charge_invalid`)."""
         return await self.guard.budget.charge_invalid(tenant)
 
     async def aclose(self) -> None:
@@ -92,7 +94,8 @@ def error_response(exc: BaseException) -> ErrorSpec | None:
         kind = "tokens" if exc.result.limit_name == "tokens" else "requests"
         return ErrorSpec(429, kind, "rate_limit_exceeded", str(exc), rate_limit_headers(exc.result))
     if isinstance(exc, RequestTooLarge):
-        return ErrorSpec(400, "invalid_request_error", "request_too_large", str(exc), rate_limit_headers(exc.result))
+        return ErrorSpec(400, "invalid_request_error", "request_too_large", str(exc),
+                         rate_limit_headers(exc.result))
     if isinstance(exc, CapacityNeverFits):
         return ErrorSpec(400, "invalid_request_error", "request_too_large", str(exc), {})
     if isinstance(exc, TenantRejected):

@@ -96,7 +96,8 @@ class BudgetGuard:
         held = 0
         for group, result in zip(by_tenant.values(), results, strict=True):
             if isinstance(result, BaseException):
-                log.warning("lease renewal for tenant %s failed: %s", group[0].tenant.name, type(result).__name__)
+                log.warning("lease renewal for tenant %s failed: %s", group[0].tenant.name,
+                            type(result).__name__)
                 continue
             held += result.renewed + len(result.retaken)
             self._mark_lost(group, result, now)

@@ -2,8 +2,8 @@
 
 Each gateway admits only its share of a tenant's limits (limit / live gateways), so together the
 replicas stay near the limit. While Redis answers, the buckets follow what this gateway spent through it
-(`track`), so a switch to fail-open continues from that spend instead of from full buckets (intermittent errors
-would otherwise admit a full share on top of the shared budget).
+(`track`), so a switch to fail-open continues from that spend instead of from full buckets (intermittent
+errors would otherwise admit a full share on top of the shared budget).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class LocalLimiter:
         return st
 
     def track(self, tenant: Tenant, tokens: int, requests: int) -> None:
-        """Follow a charge (positive) or refund (negative) made through Redis: the buckets never go below empty
-        nor above this gateway's share, and no slot is taken."""
+        """Follow a charge (positive) or refund (negative) made through Redis: the buckets never go below
+        empty nor above this gateway's share, and no slot is taken."""
         if len(self._state) >= MAX_TRACKED and tenant.name not in self._state:
             self._state.pop(next(iter(self._state)))  # bounded: the oldest tenant's buckets start over
         tpm, rpm, _ = self._shares(tenant)

@@ -1,6 +1,6 @@
-"""Trace context across processes: the W3C `traceparent` a `gen` frame may carry, and the one tracer provider
-the gateway, router and worker record spans with (none installed: tracing is off and costs one attribute
-read).
+"""Trace context across processes: the W3C `traceparent` a `gen` frame may carry, and the one tracer
+provider the gateway, router and worker record spans with (none installed: tracing is off and costs one
+attribute read).
 """
 
 from __future__ import annotations

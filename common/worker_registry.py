@@ -24,9 +24,9 @@ class Registration:
     model: str
     version: int  # the protocol version
     started_at: float
-    # what it serves (model pools; all optional, so older records still parse): the model version label, the
-    # tokenizer fingerprint, the model spec a gateway loads that tokenizer from, and the traffic-class pool
-    # label
+    # what it serves (model pools; all optional, so older records still parse): the model version label,
+    # the tokenizer fingerprint, the model spec a gateway loads that tokenizer from, and the traffic-class
+    # pool label
     model_version: str = ""
     tokenizer: str = ""
     spec: str = ""

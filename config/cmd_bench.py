@@ -1,4 +1,5 @@
-"""`switchyard bench`: load-test any OpenAI-compatible server and write a report (`config.loadtest.loadgen`, `config.loadtest.report`)."""
+"""`switchyard bench`: load-test any OpenAI-compatible server and write a report (`config.loadtest.loadgen`,
+`config.loadtest.report`)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="completion budget per request (mixed: the upper bound)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="completion budget per request (mixed: the upper bound)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--prompt-words", type=int, default=None,
                         help="prompt size in words: single's prompt, prefix's system prompts, mixed's upper "
@@ -29,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="per-request deadline in seconds")
     parser.add_argument("--compare", type=Path, default=None, metavar="DIR2",
                         help="an earlier bench output directory to overlay on the plots and table")
-    parser.add_argument("--label", default=None, help="name of this run in plots (default: the --out folder name)")
+    parser.add_argument("--label", default=None,
+                        help="name of this run in plots (default: the --out folder name)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 

@@ -13,8 +13,9 @@ from tenancy.migrate import migrate_keys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
-    p = sub.add_parser("migrate-keys", help="rename untagged keys (worker registry, gateway records) to their "
-                                            "hash-tagged names; safe to run again")
+    p = sub.add_parser("migrate-keys",
+                       help="rename untagged keys (worker registry, gateway records) to their "
+                            "hash-tagged names; safe to run again")
     p.add_argument("--dry-run", action="store_true", help="list what would move; change nothing")
     add_redis_argument(p)
 

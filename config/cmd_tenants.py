@@ -100,8 +100,8 @@ def describe(t: Tenant) -> str:
 
 
 def _list(r: redis.Redis) -> int:
-    header = ("NAME", "STATUS", "PRIORITY", "TPM", "RPM", "MAX_CONC", "MAX_TOKENS", "DEF_MAX", "WEIGHT", "KEYS",
-              "MODELS")
+    header = ("NAME", "STATUS", "PRIORITY", "TPM", "RPM", "MAX_CONC", "MAX_TOKENS", "DEF_MAX", "WEIGHT",
+              "KEYS", "MODELS")
     rows = [header]
     for t, nkeys in list_tenants(r):
         models = ",".join(t.allowed_models) if t.allowed_models is not None else "*"

@@ -13,10 +13,10 @@ from typing import Any
 from config.settings import Settings, WorkerSettings, flags_to_overrides, load_settings
 
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
-_ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads", "fairness",
-                  "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min", "spec_max_batch", "fused_ops",
-                  "fused_linear", "attention", "cuda_graphs", "kv_dtype", "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes",
-                  "kv_disk_min_hits")
+_ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads",
+                  "fairness", "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min",
+                  "spec_max_batch", "fused_ops", "fused_linear", "attention", "cuda_graphs", "kv_dtype",
+                  "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes", "kv_disk_min_hits")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--pool", help="traffic-class pool label announced in the registry, e.g. interactive or batch")
     a("--role", choices=["both", "prefill", "decode"],
       help="disaggregated prefill: both (default), prefill (prefills for decode workers only) or decode")
-    a("--disagg-stall-s", type=float, help="seconds without pages from a prefill worker before prefilling here")
+    a("--disagg-stall-s", type=float,
+      help="seconds without pages from a prefill worker before prefilling here")
     a("--disagg-lease-s", type=float, help="bound of one whole page transfer from a prefill worker")
     a("--redis-url", help="register in this Redis (env SWITCHYARD_REDIS_URL)")
     a("--drain-timeout", type=float, help="seconds to finish running requests after SIGTERM")
@@ -46,21 +47,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtype", choices=["auto", "bfloat16", "float32", "float16"])
     a("--device", help="auto, cpu, cuda or cuda:N")
     a("--quantization", choices=["none", "int8", "int4", "w8a8", "fp8", "auto"],
-      help="weight quantization; w8a8 also quantizes prefill activations; fp8 needs CUDA compute capability 8.9+ (auto: the fastest mode passing the quality gate here; see README)")
+      help="weight quantization; w8a8 also quantizes prefill activations; fp8 needs CUDA compute capability "
+           "8.9+ (auto: the fastest mode passing the quality gate here; see README)")
     a("--attention", choices=["auto", "triton", "flash_attn", "torch", "torch_reference"],
-      help="attention backend (auto: flash_attn on CUDA where installed and the page size fits, else triton on CUDA; torch on CPU)")
+      help="attention backend (auto: flash_attn on CUDA where installed and the page size fits, else triton "
+           "on CUDA; torch on CPU)")
     a("--kv-dtype", choices=["auto", "model", "int8", "fp8"],
-      help="KV cache pages: model (the model's dtype), int8 (8-bit with per page and head scales: ~2x the tokens "
-           "per byte; CPU) or auto (default: int8 on CPU with the C++ kernels, else model); fp8 is refused")
+      help="KV cache pages: model (the model's dtype), int8 (8-bit with per page and head scales: ~2x the "
+           "tokens per byte; CPU) or auto (default: int8 on CPU with the C++ kernels, else model); fp8 is "
+           "refused")
     a("--kv-host-bytes", type=int,
       help="KV tier in host RAM for pages the prefix cache evicts (default: 1/8 of available memory; 0: off)")
     a("--kv-disk-dir", help="KV tier on disk under this directory (default: none)")
     a("--kv-disk-bytes", type=int, help="size bound of the disk tier (default 16 GiB)")
-    a("--kv-disk-min-hits", type=int, help="prefix-cache hits a page needs before it may go to disk (default 1)")
-    a("--cuda-graphs", choices=["on", "off"], help="replay decode steps as CUDA graphs (CUDA only; default on)")
+    a("--kv-disk-min-hits", type=int,
+      help="prefix-cache hits a page needs before it may go to disk (default 1)")
+    a("--cuda-graphs", choices=["on", "off"],
+      help="replay decode steps as CUDA graphs (CUDA only; default on)")
     a("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False, default=None)
     a("--fused-ops", choices=["on", "off"],
-      help="a layer's norms, SiLU-mul and RoPE as fused C++ passes on CPU (default on; off: eager torch reference)")
+      help="a layer's norms, SiLU-mul and RoPE as fused C++ passes on CPU (default on; off: eager torch "
+           "reference)")
     a("--fused-linear", choices=["auto", "on", "off"],
       help="CUDA decode steps of up to 64 rows: add + RMSNorm inside qkv and gate/up, SiLU-mul inside down "
            "(Triton; default auto, which is off until measured on a device)")
@@ -126,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
                               drain_handoff=ws.drain_handoff if ws.drain_handoff >= 0 else None,
                               gateway_timeout=ws.gateway_timeout, stats_interval=ws.stats_interval,
                               cluster_key=settings.cluster_key(), model_version=ws.model_version,
-                              model_spec=ws.model, pool=ws.pool, role=ws.role, disagg_stall_s=ws.disagg_stall_s,
-                              disagg_lease_s=ws.disagg_lease_s)
+                              model_spec=ws.model, pool=ws.pool, role=ws.role,
+                              disagg_stall_s=ws.disagg_stall_s, disagg_lease_s=ws.disagg_lease_s)
     loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,
                       device=None if ws.device == "auto" else ws.device, quantization=ws.quantization)
     loaded.version = ws.model_version or ""  # the tier fingerprint names it (`LoadedModel.weights_id`)

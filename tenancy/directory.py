@@ -40,7 +40,8 @@ class _Entry:
 
 
 class _TTLCache:
-    """A bounded LRU of entries that are fresh for `ttl_s` and usable as stale for `stale_s`; O(1) per call."""
+    """A bounded LRU of entries that are fresh for `ttl_s` and usable as stale for `stale_s`; O(1) per
+    call."""
 
     def __init__(self, ttl_s: float, stale_s: float, max_entries: int) -> None:
         self.ttl_s, self.stale_s, self.max_entries = ttl_s, stale_s, max_entries
@@ -84,8 +85,8 @@ class TenantDirectory:
 
     def __init__(self, client: aredis.Redis, *, ttl_s: float = 0.5, stale_s: float = 300.0,
                  max_entries: int = 10_000, max_unknown_entries: int = 10_000, unknown_ttl_s: float = 0.5,
-                 max_unknown_lookups: int = 8, unknown_wait_s: float = 0.1, serve_stale_on_error: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_unknown_lookups: int = 8, unknown_wait_s: float = 0.1,
+                 serve_stale_on_error: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < ttl_s <= 0.5 or not 0 < unknown_ttl_s <= 0.5:
             raise ValueError("ttl_s and unknown_ttl_s must be in (0, 0.5] so changes show within 1 s")
         self._redis = client
@@ -117,7 +118,8 @@ class TenantDirectory:
         return await self._shared("t:" + name, lambda: self._load_tenant(name))
 
     async def key_owner(self, digest: str) -> str | None:
-        """The tenant holding the key of this SHA-256 digest, or None once it is revoked (cached like look-ups)."""
+        """The tenant holding the key of this SHA-256 digest, or None once it is revoked (cached like
+        look-ups)."""
         return await self._key_owner(digest)
 
     def invalidate(self) -> None:
@@ -138,7 +140,8 @@ class TenantDirectory:
 
     async def _load_unknown_key(self, digest: str) -> str | None:
         if not self._lookups.locked():
-            await self._lookups.acquire()  # a free slot: taken at once, no timer (the common case, even in a flood)
+            # a free slot: taken at once, no timer (the common case, even in a flood)
+            await self._lookups.acquire()
         else:
             try:
                 await asyncio.wait_for(self._lookups.acquire(), self._unknown_wait_s)

@@ -19,7 +19,8 @@ class KeyBatcher:
         self._tasks: set[asyncio.Task] = set()
 
     def owner(self, digest: str) -> asyncio.Future[bytes | None]:
-        """The raw `tenant` field of the key's record (None: no such key), read with this turn's other digests."""
+        """The raw `tenant` field of the key's record (None: no such key), read with this turn's other
+        digests."""
         fut = self._pending.get(digest)
         if fut is None:
             loop = asyncio.get_running_loop()

@@ -1,6 +1,7 @@
 """Operator-side tenant and API key management over a blocking Redis client (CLI, tests, `make run`).
 
-Writes the same config hash an operator's `redis-cli HSET` would; plaintext keys are returned once, never stored.
+Writes the same config hash an operator's `redis-cli HSET` would; plaintext keys are returned once, never
+stored.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def validate_fields(fields: dict[str, object]) -> dict[str, str]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise TenancyError(f"{name} must be a non-negative integer, got {value!r}")
             if name in AT_LEAST_ONE and value < 1:
-                raise TenancyError(f"{name} must be at least 1 (a request may always ask for a token), got {value}")
+                raise TenancyError(f"{name} must be at least 1 (a request may always ask for a token), "
+                                   f"got {value}")
             out[name] = str(value)
         elif name == "priority":
             label = value.label if isinstance(value, Priority) else value
@@ -172,7 +174,8 @@ def list_keys(r: redis.Redis, name: str | None = None) -> list[KeyInfo]:
     if name is not None:
         digests = [d.decode() for d in r.smembers(tenant_keys_key(validate_name(name)))]
     else:
-        digests = [k.decode()[len(API_KEY_PREFIX):] for k in r.scan_iter(match=API_KEY_PREFIX + "*", count=500)]
+        digests = [k.decode()[len(API_KEY_PREFIX):]
+                   for k in r.scan_iter(match=API_KEY_PREFIX + "*", count=500)]
     pipe = r.pipeline(transaction=False)
     for dig in digests:
         pipe.hmget(api_key_key(dig), "tenant", "prefix", "created_at")
@@ -198,11 +201,13 @@ def revoke_key(r: redis.Redis, key_prefix: str) -> KeyInfo:
         matches = [k for k in list_keys(r) if k.prefix.startswith(key_prefix)]
     if not matches:
         hint = "" if len(key_prefix) <= apikeys.DISPLAY_PREFIX_CHARS else (
-            f" (only the first {apikeys.DISPLAY_PREFIX_CHARS} characters are stored: give those, or the whole key)")
+            f" (only the first {apikeys.DISPLAY_PREFIX_CHARS} characters are stored: give those, or the "
+            "whole key)")
         raise KeyNotFound(f"no API key matches {key_prefix[:apikeys.DISPLAY_PREFIX_CHARS]!r}…{hint}")
     if len(matches) > 1:
         shown = ", ".join(f"{k.prefix}… ({k.tenant})" for k in matches[:10])
-        raise AmbiguousKeyPrefix(f"{len(matches)} keys start with {key_prefix!r}: {shown}; give a longer prefix")
+        raise AmbiguousKeyPrefix(f"{len(matches)} keys start with {key_prefix!r}: {shown}; "
+                                 "give a longer prefix")
     info = matches[0]
     pipe = r.pipeline(transaction=False)
     pipe.delete(api_key_key(info.digest))

@@ -32,7 +32,8 @@ class GatewayStack:
 def start_gateway_stack(*, worker_model: str = "default", prefix_cache: bool = False,
                         worker_args: Sequence[str] = (),
                         gateway_args: Sequence[str] = ("--max-body-bytes", "1000000",
-                                                       "--worker-timeout", "20", "--stream-detach-grace", "0"),
+                                                       "--worker-timeout", "20",
+                                                       "--stream-detach-grace", "0"),
                         ) -> GatewayStack:
     """A new stack with the three tenants; the caller stops it (`stack.stack.stop()`).
 

@@ -32,7 +32,8 @@ log = logging.getLogger("switchyard.admission")
 UNAVAILABLE_ERRORS = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError, SlotNotCoveredError)
 # Error replies of a server that cannot take writes now: a replica after a failover (READONLY), out of
 # memory (OOM), failing to persist (MISCONF), a busy script, no quorum of replicas or a master link down.
-UNAVAILABLE_REPLIES = ("READONLY", "OOM", "MISCONF", "BUSY", "NOREPLICAS", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
+UNAVAILABLE_REPLIES = ("READONLY", "OOM", "MISCONF", "BUSY", "NOREPLICAS", "MASTERDOWN", "TRYAGAIN",
+                       "CLUSTERDOWN")
 
 
 class LuaScript:

@@ -1,4 +1,5 @@
-"""Turn a load run's per-request records into result.json, report.md and PNG plots, optionally against an earlier run.
+"""Turn a load run's per-request records into result.json, report.md and PNG plots, optionally against an
+earlier run.
 
 Plots use matplotlib `Figure` objects, never pyplot's global state, so no display is needed.
 """
@@ -99,7 +100,8 @@ def summarize(records: list[RequestRecord], duration_s: float, meta: dict[str, A
     }
 
 
-def throughput_series(records: list[RequestRecord], bin_s: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def throughput_series(records: list[RequestRecord],
+                      bin_s: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Output tokens/s over run time: (bin start times, rates).
 
     Each content chunk of a successful request carries an equal share of that
@@ -186,7 +188,8 @@ def _save_throughput_plot(path: Path, runs: list[Run]) -> None:
     for run in runs:
         xs, ys = throughput_series(run.records)
         if xs.size:
-            ax.step(xs, ys, where="post", label=f"{run.label} (mean {run.summary['output_tokens_per_s']:.1f} tok/s)")
+            ax.step(xs, ys, where="post",
+                    label=f"{run.label} (mean {run.summary['output_tokens_per_s']:.1f} tok/s)")
     ax.set_title("Output tokens/s over time")
     ax.set_xlabel("time since start of run (s)")
     ax.set_ylabel("output tokens/s")
@@ -224,7 +227,8 @@ _ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("output tokens", ("total_output_tokens",)),
     ("prompt tokens", ("total_prompt_tokens",)),
     ("cached fraction of prompt", ("cached_fraction",)),
-    *((f"{name} {p} (ms)", (f"{name}_ms", p)) for name in ("ttft", "itl", "e2e") for p in ("p50", "p90", "p99")),
+    *((f"{name} {p} (ms)", (f"{name}_ms", p))
+      for name in ("ttft", "itl", "e2e") for p in ("p50", "p90", "p99")),
 )
 
 
@@ -241,7 +245,8 @@ def render_markdown(runs: list[Run]) -> str:
     lines = [
         f"# switchyard bench: {runs[0].label}", "",
         f"Workload `{main.get('workload')}`, model `{main.get('model')}`, n={main.get('n')}, "
-        f"concurrency={main.get('concurrency')}, max_tokens={main.get('max_tokens')}, seed={main.get('seed')}, "
+        f"concurrency={main.get('concurrency')}, max_tokens={main.get('max_tokens')}, "
+        f"seed={main.get('seed')}, "
         f"against `{main.get('url')}` at {main.get('started_at', '?')}.", "",
         "| metric | " + " | ".join(r.label for r in runs) + " |",
         "|---|" + "---:|" * len(runs),

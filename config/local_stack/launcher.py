@@ -1,9 +1,9 @@
 """`make run`: a private Switchyard stack on this machine, stopped with Ctrl-C.
 
 Redis (unless given), one worker and one gateway, plus a demo tenant's key; the worker link is secured
-by the configured cluster key or a fresh one per run. `Stack` runs the same processes for the end-to-end tests and
-the benchmarks; `WorkerProc` and `GatewayProc` start one worker or gateway on its own (router, admission and fault
-tests, bench/routing.py).
+by the configured cluster key or a fresh one per run. `Stack` runs the same processes for the end-to-end
+tests and the benchmarks; `WorkerProc` and `GatewayProc` start one worker or gateway on its own (router,
+admission and fault tests, bench/routing.py).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _tied_to(parent: int) -> Callable[[], None]:
-    """A child's set-up before exec: the stop signals unblocked (the launcher blocks them), and SIGTERM sent to it
-    when `parent` dies, however it dies (Linux's PR_SET_PDEATHSIG; if the parent is gone already, it ends)."""
+    """A child's set-up before exec: the stop signals unblocked (the launcher blocks them), and SIGTERM sent
+    to it when `parent` dies, however it dies (Linux's PR_SET_PDEATHSIG; if the parent is gone already, it
+    ends)."""
     def setup() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         if sys.platform.startswith("linux"):
@@ -55,8 +56,8 @@ _HANDED_OUT: deque[int] = deque(maxlen=4096)  # ports `free_port` gave this proc
 
 
 def free_port() -> int:
-    """A loopback port free now and not handed out by this process before: the kernel may give the same free port
-    to two binds in a row, and two children told to listen on it race (one fails with EADDRINUSE)."""
+    """A loopback port free now and not handed out by this process before: the kernel may give the same free
+    port to two binds in a row, and two children told to listen on it race (one fails with EADDRINUSE)."""
     for _ in range(64):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -87,7 +88,8 @@ class StackConfig:
     gateway_args: list[str] = field(default_factory=list)
     ready_timeout: float = 180.0
     log_dir: Path | None = None  # None: children inherit this process's stdout/stderr
-    cluster_key: str | None = None  # z85 CURVE secret key given to worker and gateway; None: the environment's
+    # z85 CURVE secret key given to worker and gateway; None: the environment's
+    cluster_key: str | None = None
 
 
 class Stack:
@@ -124,8 +126,9 @@ class Stack:
                 self._start_redis()
             cli = [sys.executable, "-m", "config.cli"]
             # one worker: nobody to hand streams to on SIGTERM, so they finish in place (--drain-handoff -1)
-            self._spawn("worker", [*cli, "worker", "--model", self.config.model, "--bind", self.worker_endpoint,
-                                   "--redis-url", self.redis_url, "--drain-handoff", "-1", *self.config.worker_args])
+            self._spawn("worker", [*cli, "worker", "--model", self.config.model, "--bind",
+                                   self.worker_endpoint, "--redis-url", self.redis_url, "--drain-handoff",
+                                   "-1", *self.config.worker_args])
             self._spawn("gateway", [*cli, "gateway", "--port", str(self.config.port), "--redis-url",
                                     self.redis_url, "--workers", self.worker_endpoint, "--model",
                                     self.config.model, "--worker-timeout", "10", *self.config.gateway_args])
@@ -137,7 +140,8 @@ class Stack:
     def _start_redis(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError("redis-server not found: install it (make run does) or set SWITCHYARD_REDIS_URL")
+            raise RuntimeError("redis-server not found: install it (make run does) or set "
+                               "SWITCHYARD_REDIS_URL")
         port = free_port()
         self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                               "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"])
@@ -201,7 +205,8 @@ class WorkerProc:
             cmd += ["--redis-url", redis_url]
         if worker_id:
             cmd += ["--worker-id", worker_id]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads),
+                   TOKENIZERS_PARALLELISM="false")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -276,14 +281,16 @@ class GatewayProc:
 
 
 def curl_line(base_url: str, key: str, model: str) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    body = json.dumps({"model": model,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32, "temperature": 0})
     return (f"curl -s {base_url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
             f"-H 'Content-Type: application/json' -d '{body}'")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m config.local_stack.launcher", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m config.local_stack.launcher",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     p.add_argument("--model", default=os.environ.get("SWITCHYARD_MODEL", "default"))
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -292,16 +299,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _pause_until_signal(seconds: float) -> None:
-    """Sleep, but a pending SIGINT or SIGTERM (blocked, so delivered only here) ends it as a KeyboardInterrupt."""
+    """Sleep, but a pending SIGINT or SIGTERM (blocked, so delivered only here) ends it as a
+    KeyboardInterrupt."""
     if signal.sigtimedwait(STOP_SIGNALS, seconds) is not None:
         raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Start the stack, print the demo key, and stop everything on SIGINT or SIGTERM. The stop signals stay blocked
-    for the whole run and are taken only at the waits (`_pause_until_signal`), so no signal can land inside the
-    stop itself: a second SIGTERM or Ctrl-C during it changes nothing, and the children die with this process
-    even when it is SIGKILLed (`_tied_to`)."""
+    """Start the stack, print the demo key, and stop everything on SIGINT or SIGTERM. The stop signals stay
+    blocked for the whole run and are taken only at the waits (`_pause_until_signal`), so no signal can land
+    inside the stop itself: a second SIGTERM or Ctrl-C during it changes nothing, and the children die with
+    this process even when it is SIGKILLed (`_tied_to`)."""
     args = _parse(argv)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     stack = Stack(StackConfig(port=args.port, redis_url=os.environ.get("SWITCHYARD_REDIS_URL") or None,

@@ -1,4 +1,5 @@
-"""A local Redis Cluster for tests and benchmarks: N primaries (and replicas) of redis-server on loopback ports.
+"""A local Redis Cluster for tests and benchmarks: N primaries (and replicas) of redis-server on loopback
+ports.
 
 `redis-server --cluster-enabled yes` per node, then `redis-cli --cluster create`; `stop()` kills every node
 it started and removes their files. Slot moves go through the servers' own commands.
@@ -58,8 +59,9 @@ class RedisClusterProcs:
                 node = Node(free_port(), free_port())
                 self.nodes.append(node)
                 node.proc = subprocess.Popen(
-                    [binary, "--port", str(node.port), "--cluster-port", str(node.bus_port), "--bind", "127.0.0.1",
-                     "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{node.port}.conf",
+                    [binary, "--port", str(node.port), "--cluster-port", str(node.bus_port),
+                     "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                     "--cluster-config-file", f"nodes-{node.port}.conf",
                      "--cluster-node-timeout", str(self.node_timeout_ms), "--dir", str(self.workdir),
                      "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -130,14 +132,16 @@ class RedisClusterProcs:
             return int(c.execute_command("CLUSTER KEYSLOT", key))
 
     def migrate_slot(self, slot: int, source: Node, target: Node, batch: int = 100) -> int:
-        """Move `slot` from `source` to `target` the way `redis-cli --cluster reshard` does; returns keys moved."""
+        """Move `slot` from `source` to `target` the way `redis-cli --cluster reshard` does; returns keys
+        moved."""
         src_id, dst_id = source.node_id(), target.node_id()
         moved = 0
         with source.client() as src, target.client() as dst:
             dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
             src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
             while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, batch):
-                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "REPLACE", "KEYS", *keys)
+                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "REPLACE", "KEYS",
+                                    *keys)
                 moved += len(keys)
             order = [target, source, *(n for n in self.nodes if n is not target and n is not source)]
             for node in order:  # the target first, so no node points back at the source

@@ -60,12 +60,14 @@ async def test_rejected_request_charges_nothing(r, budget):
         await budget.reserve(t, 100, 200)
     res = exc.value.result
     assert res.limit_name == "tokens" and res.requested == 300 and res.used == 900
-    assert "tokens per minute" in str(exc.value) and "used 900" in str(exc.value) and "requested 300" in str(exc.value)
+    assert ("tokens per minute" in str(exc.value) and "used 900" in str(exc.value)
+            and "requested 300" in str(exc.value))
     # (300 - 100 - refill) / (1000/60 s) ≈ 12 s
     assert 11_000 <= res.retry_after_ms <= 12_010
     assert r.hgetall(bucket_key("acme")) == state and r.zrange(leases_key("acme"), 0, -1) == leases
     h = rate_limit_headers(res)
-    assert h["retry-after"] == str(-(-res.retry_after_ms // 1000)) and int(h["retry-after-ms"]) == res.retry_after_ms
+    assert (h["retry-after"] == str(-(-res.retry_after_ms // 1000))
+            and int(h["retry-after-ms"]) == res.retry_after_ms)
     assert h["x-ratelimit-limit-tokens"] == "1000" and h["x-ratelimit-remaining-tokens"] == "100"
     assert h["x-ratelimit-limit-requests"] == "100" and h["x-ratelimit-remaining-requests"] == "99"
     assert h["x-ratelimit-reset-tokens"].endswith("s")
@@ -196,7 +198,8 @@ async def test_admission_facade_sheds_without_charging(r, redis_url):
 
     t = store.create_tenant(r, "acme", tpm=10_000, rpm=100)
     client = async_client(redis_url)
-    gate = CapacityGate(lambda: [WorkerCapacity("w0", 1000, 1000)], admission_wait_ms=50, interactive_reserve=0.2)
+    gate = CapacityGate(lambda: [WorkerCapacity("w0", 1000, 1000)], admission_wait_ms=50,
+                        interactive_reserve=0.2)
     admission = Admission(BudgetGuard(Budget(client)), gate)
     try:
         async with admission.admit(t, 100, 300, Priority.INTERACTIVE) as ticket:
@@ -207,7 +210,8 @@ async def test_admission_facade_sheds_without_charging(r, redis_url):
             async with admission.admit(t, 100, 800, Priority.BATCH):
                 pass  # 900 > 1000 - 20 % reserve: shed
         spec = error_response(exc.value)
-        assert spec.status == 503 and spec.code == "server_overloaded" and int(spec.headers["retry-after"]) >= 1
+        assert (spec.status == 503 and spec.code == "server_overloaded"
+                and int(spec.headers["retry-after"]) >= 1)
         tok1, req1, _ = bucket(r, "acme")
         assert tok1 >= tok0 and req1 >= req0  # the shed request was refunded in full
         day = time.strftime("%Y%m%d", time.gmtime())
@@ -249,7 +253,8 @@ async def test_read_only_or_full_redis_is_quota_service_unavailable(r, redis_url
         await client.aclose()
     assert r.zcard(leases_key("acme")) == 0
     # the other "cannot write now" replies map the same way; a bug in a call still raises
-    assert is_unavailable_reply(ResponseError("OOM command not allowed when used memory > 'maxmemory'. script: x"))
+    assert is_unavailable_reply(
+        ResponseError("OOM command not allowed when used memory > 'maxmemory'. script: x"))
     assert is_unavailable_reply(ResponseError("MISCONF Redis is configured to save RDB snapshots, but ..."))
     assert not is_unavailable_reply(ResponseError("ERR wrong number of arguments for 'hget' command"))
 
@@ -317,8 +322,9 @@ async def test_charge_invalid_takes_one_request_and_says_when_one_is_back(r, bud
 
 
 async def test_a_reserve_that_timed_out_after_running_is_undone(r, budget, monkeypatch):
-    """The script charged and took a lease, but the reply was lost (a timeout): the gateway settles the unknown lease
-    as never served, so the tenant's concurrency slot and tokens come back within a second, not after the TTL."""
+    """The script charged and took a lease, but the reply was lost (a timeout): the gateway settles the
+    unknown lease as never served, so the tenant's concurrency slot and tokens come back within a second, not
+    after the TTL."""
     from admission import budget as budget_module
     from tenancy.tenancy_errors import QuotaServiceUnavailable
 
@@ -337,7 +343,8 @@ async def test_a_reserve_that_timed_out_after_running_is_undone(r, budget, monke
     await asyncio.sleep(0.3)
     assert r.zcard(leases_key("late")) == 0
     tok, req, _ = bucket(r, "late")
-    assert tok == pytest.approx(6000, abs=1) and req == pytest.approx(100, abs=0.01)  # tokens and request back
+    # tokens and request back
+    assert tok == pytest.approx(6000, abs=1) and req == pytest.approx(100, abs=0.01)
     monkeypatch.setattr(budget, "_reserve_shielded", real)
     res = await budget.reserve(t, prompt_tokens=1, max_tokens=1)  # the concurrency slot is free again
     assert res.result.admitted

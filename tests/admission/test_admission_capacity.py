@@ -1,4 +1,5 @@
-"""CapacityGate: admits by KV-token cost, holds a reserve for interactive, waits bounded, sheds with retry-after."""
+"""CapacityGate: admits by KV-token cost, holds a reserve for interactive, waits bounded, sheds with
+retry-after."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class Workers:
     """A mutable stand-in for the router's stats table (plain data, as the gateway adapter provides)."""
 
     def __init__(self, *free_total: tuple[int, int]) -> None:
-        self.views = [WorkerCapacity(f"w{i}", f, t, updated_at=time.monotonic()) for i, (f, t) in enumerate(free_total)]
+        self.views = [WorkerCapacity(f"w{i}", f, t, updated_at=time.monotonic())
+                      for i, (f, t) in enumerate(free_total)]
 
     def __call__(self) -> list[WorkerCapacity]:
         return self.views

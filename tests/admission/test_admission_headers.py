@@ -27,7 +27,8 @@ def test_headers_on_success_and_denial():
     assert ok == {"x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "59",
                   "x-ratelimit-reset-requests": "1s", "x-ratelimit-limit-tokens": "1000",
                   "x-ratelimit-remaining-tokens": "250", "x-ratelimit-reset-tokens": "45s"}
-    denied = rate_limit_headers(result(DENIED, limit_name="tokens", retry_after_ms=2001, used=750, requested=400))
+    denied = rate_limit_headers(result(DENIED, limit_name="tokens", retry_after_ms=2001, used=750,
+                                       requested=400))
     assert denied["retry-after"] == "3" and denied["retry-after-ms"] == "2001"
     unlimited = rate_limit_headers(result(ADMITTED, limit_tokens=0, limit_requests=0))
     assert unlimited == {}

@@ -32,7 +32,8 @@ PROMPT = list(range(100, 120))  # 20 token ids: the prompt cost is exact
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[AdmissionStack]:
-    s = AdmissionStack.start(gateways=2, gateway_settings={"lease_ttl": LEASE_TTL_S, "admission_wait_ms": 1000})
+    s = AdmissionStack.start(gateways=2,
+                             gateway_settings={"lease_ttl": LEASE_TTL_S, "admission_wait_ms": 1000})
     try:
         s.warm_up(50)
         yield s
@@ -48,7 +49,8 @@ def r(stack):
 
 
 def complete(base_url: str, key: str, timeout: float = 30, **body) -> httpx.Response:
-    body = {"model": "default", "prompt": PROMPT, "max_tokens": 1, "ignore_eos": True, "temperature": 0, **body}
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": 1, "ignore_eos": True, "temperature": 0,
+            **body}
     return httpx.post(base_url + "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"},
                       timeout=timeout)
 
@@ -100,7 +102,8 @@ def test_invalid_requests_cost_a_request_each_then_429_before_parsing(stack, r):
         tok, req = (float(v) for v in r.hmget(bucket_key("invalid"), "tok", "req"))
         assert left <= req < left + 0.1 and tok == pytest.approx(6000)  # one request each, not one token
     refused = complete(gw, key, temperature="hot")  # refused before parsing: not a 400 about temperature
-    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded", refused.text
+    assert (refused.status_code == 429
+            and refused.json()["error"]["code"] == "rate_limit_exceeded"), refused.text
     assert "invalid requests" in refused.json()["error"]["message"]
     assert 1 <= int(refused.headers["retry-after"]) <= 21
     assert complete(gw, key).status_code == 429  # a valid request too: the minute's requests are gone
@@ -130,7 +133,8 @@ def test_retry_after_is_honoured(stack, r):
 
 def test_openai_sdk_sees_rate_limit_error(stack, r):
     key = stack.create_tenant("sdk429", tpm=0, rpm=1, max_concurrent=0)
-    client = openai.OpenAI(api_key=key, base_url=stack.gateways[0].base_url + "/v1", max_retries=0, timeout=30)
+    client = openai.OpenAI(api_key=key, base_url=stack.gateways[0].base_url + "/v1", max_retries=0,
+                           timeout=30)
     client.completions.create(model="default", prompt="Hello", max_tokens=1)
     with pytest.raises(openai.RateLimitError) as exc:
         client.completions.create(model="default", prompt="Hello", max_tokens=1)
@@ -205,7 +209,8 @@ async def test_sigkilled_gateway_leases_expire_within_ttl(stack, r):
     body = {"model": "default", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(timeout=30) as http:
         started = asyncio.Semaphore(0)
-        streams = [asyncio.create_task(_hold_stream(http, victim.base_url, key, body, started)) for _ in range(limit)]
+        streams = [asyncio.create_task(_hold_stream(http, victim.base_url, key, body, started))
+                   for _ in range(limit)]
         async with asyncio.timeout(30):  # every stream is running (first token read) and holds its lease
             for _ in range(limit):
                 await started.acquire()
@@ -256,7 +261,8 @@ def test_redis_outage_fails_closed_then_recovers(stack, r):
     key = stack.create_tenant("outage", tpm=0, rpm=0, max_concurrent=0)
     gw = stack.gateways[0]
     assert complete(gw.base_url, key).status_code == 200
-    sdk = {n: openai.OpenAI(api_key=key, base_url=gw.base_url + "/v1", max_retries=n, timeout=30) for n in (0, 1)}
+    sdk = {n: openai.OpenAI(api_key=key, base_url=gw.base_url + "/v1", max_retries=n, timeout=30)
+           for n in (0, 1)}
     stack.redis.stop()
     try:
         start = time.monotonic()
@@ -298,7 +304,8 @@ def test_lease_is_released_before_the_client_sees_the_end(stack, r, n):
                 finished = 0
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
-                        finished += sum(c.get("finish_reason") is not None for c in json.loads(line[6:])["choices"])
+                        finished += sum(c.get("finish_reason") is not None
+                                        for c in json.loads(line[6:])["choices"])
                     if finished == n:
                         break
                 nxt = other.post(base + "/v1/completions", headers=auth,

@@ -62,13 +62,15 @@ def _run(url: str, cost: int, hold_s: float, seconds: float) -> tuple[list[tuple
     """Results per process and the Redis-clock seconds from the common start to the end."""
     ctx = mp.get_context("spawn")
     queue, ready, go = ctx.Queue(), ctx.Barrier(PROCS + 1), ctx.Barrier(PROCS + 1)
-    procs = [ctx.Process(target=_hammer, args=(url, cost, hold_s, seconds, queue, ready, go)) for _ in range(PROCS)]
+    procs = [ctx.Process(target=_hammer, args=(url, cost, hold_s, seconds, queue, ready, go))
+             for _ in range(PROCS)]
     for p in procs:
         p.start()
     r = sync_client(url)
     try:
         ready.wait(timeout=30)
-        t0 = _redis_time_s(r)  # read before the go barrier: no process can spend before t0, however late this runs
+        # read before the go barrier: no process can spend before t0, however late this runs
+        t0 = _redis_time_s(r)
         go.wait(timeout=30)
         results = [queue.get(timeout=40) for _ in procs]
         elapsed = _redis_time_s(r) - t0

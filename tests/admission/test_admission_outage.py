@@ -1,4 +1,5 @@
-"""Redis outages: fail closed fast, fail open within a per-gateway share, recover (NOSCRIPT) without restart."""
+"""Redis outages: fail closed fast, fail open within a per-gateway share, recover (NOSCRIPT) without
+restart."""
 
 from __future__ import annotations
 

@@ -94,8 +94,8 @@ async def test_interactive_admitted_while_batch_is_shed(stack):
         interactive = await asyncio.gather(*(_post(http, url, key) for _ in range(2)))
         batch_outcomes = Counter(_outcome(r) for r in await asyncio.gather(*batch))
     assert [r.status_code for r in interactive] == [200, 200], [r.text for r in interactive]
-    # 7 are admitted at once; of the other 33, those admitted while waiting (admission_wait_ms) depend on how fast
-    # the tiny worker finishes requests on this machine: 18 were shed in a loaded full-suite run, 21-26 alone
+    # 7 are admitted at once; of the other 33, those admitted while waiting (admission_wait_ms) depend on
+    # how fast the tiny worker finishes requests, so the bound is loose
     assert batch_outcomes["shed"] >= 12
     assert batch_outcomes["ok"] >= 7  # 75% of 768 tokens holds 7 batch requests at a time
 

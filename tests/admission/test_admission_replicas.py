@@ -42,7 +42,8 @@ def _redis_s(r) -> float:
     return sec + usec / 1e6
 
 
-async def _burst(stack: AdmissionStack, key: str, prompt: list[int], max_tokens: int) -> tuple[Counter, float]:
+async def _burst(stack: AdmissionStack, key: str, prompt: list[int],
+                 max_tokens: int) -> tuple[Counter, float]:
     """REQUESTS concurrent requests, round-robin over the gateways: outcome counts and Redis-clock seconds.
 
     Every response must be a 200 or a 429 `rate_limit_exceeded` (counted by its error type)."""

@@ -82,7 +82,8 @@ async def test_priority_classes_still_come_first():
     first = asyncio.create_task(gate.acquire(100, INTERACTIVE, "a"))
     batch = await flood(gate, "b", 2, priority=BATCH)  # b is the fairer key, but batch
     inter = await flood(gate, "a", 2)
-    order = await serve_in_order(gate, first, [("batch", t) for t in batch] + [("inter", t) for t in inter], 3)
+    order = await serve_in_order(gate, first, [("batch", t) for t in batch] + [("inter", t) for t in inter],
+                                 3)
     assert order == ["inter", "inter", "batch"]
 
 

@@ -2,8 +2,8 @@
 
 Runs `python -m config.local_stack.launcher` on a free port with its own private redis-server
 (SWITCHYARD_REDIS_URL unset), executes the printed curl command, then stops the
-launcher with two SIGTERMs in a row and checks that every process it started is gone; a launcher SIGKILLed takes
-its children with it (they are tied to it by PR_SET_PDEATHSIG).
+launcher with two SIGTERMs in a row and checks that every process it started is gone; a launcher SIGKILLed
+takes its children with it (they are tied to it by PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -58,9 +58,11 @@ def launch(port: int, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "SWITCHYARD_REDIS_URL"}
     env["PYTHONUNBUFFERED"] = "1"
     env["SWITCHYARD_WORKER__DTYPE"] = "float32"
-    return subprocess.Popen([sys.executable, "-m", "config.local_stack.launcher", "--port", str(port), "--ready-timeout", "240",
+    return subprocess.Popen([sys.executable, "-m", "config.local_stack.launcher", "--port", str(port),
+                             "--ready-timeout", "240",
                              "--log-dir", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"sy-make-run-{port}"),
-                             *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def curl_line_of(proc: subprocess.Popen) -> str:
@@ -121,7 +123,8 @@ def test_a_sigkilled_launcher_takes_its_children_with_it():
 
 
 def test_free_port_never_hands_out_a_port_twice(monkeypatch):
-    """The kernel may return the same free port to two binds in a row; two workers told to listen there race."""
+    """The kernel may return the same free port to two binds in a row; two workers told to listen there
+    race."""
     import config.local_stack.launcher as launcher
 
     ports = iter([41000, 41000, 41000, 41001])

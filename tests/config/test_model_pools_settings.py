@@ -1,4 +1,5 @@
-"""Model-pool settings: the worker's --model-version and --pool, the gateway's --model-pools and class pools."""
+"""Model-pool settings: the worker's --model-version and --pool, the gateway's --model-pools and class
+pools."""
 
 from __future__ import annotations
 

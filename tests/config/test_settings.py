@@ -60,7 +60,9 @@ def test_gateway_routing_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SWITCHYARD_GATEWAY__ROUTE_PREFIX_TOKENS", "512")
     args = parser.parse_args(["--route-epsilon", "0.5", "--route-footprint-epsilon", "0"])
     s = load_settings(None, cmd_gateway.overrides_from_args(args))
-    assert (s.gateway.route_epsilon, s.gateway.route_footprint_epsilon, s.gateway.route_prefix_tokens) == (0.5, 0, 512)
-    assert (load_settings().gateway.route_epsilon, load_settings().gateway.route_footprint_epsilon) == (0.25, 0.1)
+    assert (s.gateway.route_epsilon, s.gateway.route_footprint_epsilon,
+            s.gateway.route_prefix_tokens) == (0.5, 0, 512)
+    assert (load_settings().gateway.route_epsilon,
+            load_settings().gateway.route_footprint_epsilon) == (0.25, 0.1)
     with pytest.raises(ValidationError):
         load_settings(overrides={"gateway": {"route_epsilon": -0.1}})

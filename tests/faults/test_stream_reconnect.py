@@ -1,10 +1,11 @@
-"""Streams resumed on another gateway: two real gateways over one `tiny-random` worker (fp32, greedy) and Redis.
+"""Streams resumed on another gateway: two real gateways over one `tiny-random` worker (fp32, greedy) and
+Redis.
 
-A client reads part of a stream from gateway A, drops its connection and reconnects to gateway B (`Last-Event-ID`
-on chat, `starting_after` on responses): the events it missed, then the live tail, give the text and usage of an
-undisturbed run, with no event twice. A background run streams from B (raw, and through the `openai` SDK's
-`responses.retrieve(stream=True, starting_after=...)`). A SIGKILLed gateway's stream ends, on B,
-with the events it logged and a `stream_lost` error (its worker request is not reattached yet)."""
+A client reads part of a stream from gateway A, drops its connection and reconnects to gateway B
+(`Last-Event-ID` on chat, `starting_after` on responses): the events it missed, then the live tail, give the
+text and usage of an undisturbed run, with no event twice. A background run streams from B (raw, and through
+the `openai` SDK's `responses.retrieve(stream=True, starting_after=...)`). A SIGKILLed gateway's stream
+ends, on B, with the events it logged and a `stream_lost` error (its worker request is not reattached yet)."""
 
 from __future__ import annotations
 
@@ -53,9 +54,11 @@ def sse(lines: list[str]) -> list[tuple[str | None, str | None, str]]:
 
 
 def read(http: httpx.Client, method: str, url: str, key: str, *, body: dict | None = None,
-         headers: dict | None = None, stop_after: int | None = None) -> list[tuple[str | None, str | None, str]]:
+         headers: dict | None = None,
+         stop_after: int | None = None) -> list[tuple[str | None, str | None, str]]:
     lines, events = [], 0
-    with http.stream(method, url, json=body, headers={"authorization": f"Bearer {key}", **(headers or {})}) as r:
+    with http.stream(method, url, json=body,
+                     headers={"authorization": f"Bearer {key}", **(headers or {})}) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             lines.append(line)
@@ -98,7 +101,8 @@ def test_a_chat_stream_resumes_on_another_gateway(cluster: FaultCluster, key: st
         rest = read(http, "POST", b + "/v1/chat/completions", key, headers={"last-event-id": last})
     assert [int(e[0].rpartition(":")[2]) for e in part + rest] == list(range(len(part) + len(rest)))
     text, usage = chat_text(part + rest)
-    assert (text, usage["completion_tokens"]) == (chat_text(whole)[0], chat_text(whole)[1]["completion_tokens"])
+    assert (text, usage["completion_tokens"]) == (chat_text(whole)[0],
+                                                  chat_text(whole)[1]["completion_tokens"])
     assert rest[-1][2] == "[DONE]"
 
 
@@ -114,7 +118,8 @@ def test_a_response_stream_resumes_with_starting_after(cluster: FaultCluster, ke
     assert [int(e[0]) for e in part + rest] == [json.loads(e[2])["sequence_number"] for e in part + rest] \
         == list(range(len(part) + len(rest)))
     (text, final), (want, done) = response_text(part + rest), response_text(whole)
-    assert text == want and final["type"] == done["type"] == "response.incomplete"  # max_output_tokens reached
+    # max_output_tokens reached
+    assert text == want and final["type"] == done["type"] == "response.incomplete"
     assert final["response"]["usage"]["output_tokens"] == done["response"]["usage"]["output_tokens"]
 
 
@@ -122,7 +127,8 @@ def test_a_background_run_streams_from_another_gateway(cluster: FaultCluster, ke
     a, b = (g.base_url for g in cluster.gateways)
     auth = {"authorization": f"Bearer {key}"}
     with httpx.Client(timeout=60) as http:
-        started = http.post(a + "/v1/responses", json={**RESP, "stream": False, "background": True}, headers=auth)
+        started = http.post(a + "/v1/responses", json={**RESP, "stream": False, "background": True},
+                            headers=auth)
         rid = started.json()["id"]
         events = read(http, "GET", f"{b}/v1/responses/{rid}?stream=true", key)
         stored = http.get(f"{b}/v1/responses/{rid}", headers=auth).json()
@@ -134,14 +140,15 @@ def test_a_background_run_streams_from_another_gateway(cluster: FaultCluster, ke
 def test_the_openai_sdk_follows_a_background_run_from_another_gateway(cluster: FaultCluster, key: str):
     a, b = (openai.OpenAI(api_key=key, base_url=g.base_url + "/v1", max_retries=0, timeout=60)
             for g in cluster.gateways)
-    started = a.responses.create(model="default", input="Tell me a story.", max_output_tokens=40, temperature=0,
-                                 background=True)
+    started = a.responses.create(model="default", input="Tell me a story.", max_output_tokens=40,
+                                 temperature=0, background=True)
     events = list(b.responses.retrieve(started.id, stream=True, starting_after=2))
     assert [e.sequence_number for e in events] == list(range(3, 3 + len(events)))
     done = b.responses.retrieve(started.id)
     assert events[-1].type == f"response.{done.status}" and events[-1].response.id == started.id
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == done.output_text
-    chunks = list(a.chat.completions.create(model="default", messages=CHAT["messages"], max_tokens=8, stream=True))
+    chunks = list(a.chat.completions.create(model="default", messages=CHAT["messages"], max_tokens=8,
+                                            stream=True))
     assert len(chunks) >= 8  # the SDK reads streams whose events carry ids
 
 
@@ -166,6 +173,7 @@ def test_a_killed_gateway_s_stream_ends_with_stream_lost(cluster: FaultCluster, 
         part = read(http, "POST", a.base_url + "/v1/chat/completions", key, body=body, stop_after=5)
         time.sleep(0.3)  # the events the client saw are flushed (every 50 ms)
         a.kill()
-        rest = read(http, "POST", b.base_url + "/v1/chat/completions", key, headers={"last-event-id": part[-1][0]})
+        rest = read(http, "POST", b.base_url + "/v1/chat/completions", key,
+                    headers={"last-event-id": part[-1][0]})
     assert json.loads(rest[-1][2])["error"]["code"] == "stream_lost"
     assert [int(e[0].rpartition(":")[2]) for e in part + rest[:-1]] == list(range(len(part) + len(rest) - 1))

@@ -1,5 +1,5 @@
-"""Resumable streams against a real Redis: event ids, the batched log (bounded, expiring), replay then live tail,
-a client that leaves (the stream runs on, detached, within its grace), a lost gateway, tenant scope."""
+"""Resumable streams against a real Redis: event ids, the batched log (bounded, expiring), replay then live
+tail, a client that leaves (the stream runs on, detached, within its grace), a lost gateway, tenant scope."""
 
 from __future__ import annotations
 
@@ -147,7 +147,8 @@ async def test_with_no_grace_a_client_that_leaves_ends_the_stream(client):
     await anext(body)
     await body.aclose()
     await stream.close()
-    assert closer.calls == 1 and stream._task.done() and ended  # aborted and settled before the response returns
+    # aborted and settled before the response returns
+    assert closer.calls == 1 and stream._task.done() and ended
     got = await asyncio.wait_for(read(Replay(client, "acme", "cmpl-4", -1, id_prefix="cmpl-4:")), 5)
     assert len(got) < 10 and b'"code":"stream_cut"' in got[-1]
 

@@ -28,8 +28,8 @@ def cli(*args: str, url: str | None = None, env_url: str | None = None) -> subpr
 
 def test_tenant_and_key_lifecycle(redis_url):
     out = cli("tenants", "create", "acme", "--tpm", "5000", "--rpm", "30", "--max-concurrent", "4",
-              "--max-tokens", "1024", "--default-max-tokens", "128", "--priority", "batch", "--models", "m1,m2",
-              url=redis_url)
+              "--max-tokens", "1024", "--default-max-tokens", "128", "--priority", "batch", "--models",
+              "m1,m2", url=redis_url)
     assert out.returncode == 0, out.stderr
     r = sync_client(redis_url)
     cfg = {k.decode(): v.decode() for k, v in r.hgetall(config_key("acme")).items()}
@@ -51,7 +51,8 @@ def test_tenant_and_key_lifecycle(redis_url):
     listed = cli("tenants", "list", url=redis_url)
     assert listed.returncode == 0
     row = [line.split() for line in listed.stdout.splitlines() if line.startswith("acme")][0]
-    assert row[:4] == ["acme", "active", "batch", "9000"] and row[8] == "1" and row[9] == "2"  # weight 1, two keys
+    # weight 1, two keys
+    assert row[:4] == ["acme", "active", "batch", "9000"] and row[8] == "1" and row[9] == "2"
 
     ambiguous = cli("keys", "revoke", "sy-", url=redis_url)
     assert ambiguous.returncode == 1 and "give a longer prefix" in ambiguous.stderr

@@ -143,7 +143,8 @@ async def test_directory_caches_and_shares_lookups(r, redis_url):
     finally:
         await client.aclose()
     after = r.info("commandstats")
-    calls = sum(after[c]["calls"] - before.get(c, {"calls": 0})["calls"] for c in ("cmdstat_hget", "cmdstat_hgetall"))
+    calls = sum(after[c]["calls"] - before.get(c, {"calls": 0})["calls"]
+                for c in ("cmdstat_hget", "cmdstat_hgetall"))
     assert calls == 2  # one key lookup + one config read for 50 concurrent authentications
 
 
@@ -179,7 +180,8 @@ class _SlowRedis:
 
 
 class _SlowPipeline:
-    """The batched look-ups of unknown keys (`tenancy.key_batch`): each queued key counts as one running look-up."""
+    """The batched look-ups of unknown keys (`tenancy.key_batch`): each queued key counts as one running
+    look-up."""
 
     def __init__(self, slow: _SlowRedis, pipe) -> None:
         self.slow, self.pipe, self.n = slow, pipe, 0
@@ -272,8 +274,8 @@ async def test_unknown_key_lookups_are_capped_and_known_keys_never_wait(r, redis
 
 
 async def test_concurrent_unknown_keys_share_one_round_trip(r, redis_url):
-    """A flood's pipelined requests arrive together: their look-ups go to Redis as one pipeline, not one call each,
-    and each still gets its own answer."""
+    """A flood's pipelined requests arrive together: their look-ups go to Redis as one pipeline, not one call
+    each, and each still gets its own answer."""
     store.create_tenant(r, "acme")
     key = store.issue_key(r, "acme")
     client = async_client(redis_url)
