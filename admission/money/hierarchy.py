@@ -21,6 +21,7 @@ from admission.money.keys import (
     user_ident,
     validate_org,
 )
+from admission.money.live_hash import LiveHash
 from tenancy.schema import TENANTS_SET
 
 DIRECTORY_REFRESH_S = 1.0
@@ -99,15 +100,11 @@ class OrgDirectory:
     """A gateway's project -> organization map, re-read from Redis when older than 1 s."""
 
     def __init__(self, client: aredis.Redis, refresh_s: float = DIRECTORY_REFRESH_S) -> None:
-        self.redis = client
-        self.refresh_s = refresh_s
-        self._orgs: dict[str, str] = {}
-        self._loaded = -float("inf")
+        self._orgs = LiveHash(client, PROJECT_ORG_KEY, _org_map, refresh_s)
 
     async def org_of(self, project: str) -> str:
-        started = time.monotonic()
-        if started - self._loaded >= self.refresh_s:
-            raw = await self.redis.hgetall(PROJECT_ORG_KEY)
-            self._orgs = {_text(k) or "": _text(v) or DEFAULT_ORG for k, v in raw.items()}
-            self._loaded = started
-        return self._orgs.get(project, DEFAULT_ORG)
+        return (await self._orgs.value()).get(project, DEFAULT_ORG)
+
+
+def _org_map(raw: dict) -> dict[str, str]:
+    return {_text(k) or "": _text(v) or DEFAULT_ORG for k, v in raw.items()}

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aredis
 
 from admission.money.keys import PRICES_KEY, micro_to_usd, usd_to_micro
+from admission.money.live_hash import LiveHash
 
 log = logging.getLogger("switchyard.admission")
 
@@ -82,17 +81,8 @@ class PriceBook:
     """A gateway's view of the prices, refreshed from Redis when older than REFRESH_S."""
 
     def __init__(self, client: aredis.Redis, refresh_s: float = REFRESH_S) -> None:
-        self.redis = client
-        self.refresh_s = refresh_s
-        self._prices: dict[str, Price] = {}
-        self._loaded = -float("inf")
-        self._lock = asyncio.Lock()
+        self._prices = LiveHash(client, PRICES_KEY, parse_prices, refresh_s)
 
     async def get(self, model: str) -> Price:
-        if time.monotonic() - self._loaded >= self.refresh_s:
-            async with self._lock:
-                started = time.monotonic()
-                if started - self._loaded >= self.refresh_s:
-                    self._prices = parse_prices(await self.redis.hgetall(PRICES_KEY))
-                    self._loaded = started  # the age counts from before the read
-        return self._prices.get(model) or self._prices.get(DEFAULT_MODEL) or Price()
+        prices = await self._prices.value()
+        return prices.get(model) or prices.get(DEFAULT_MODEL) or Price()
