@@ -175,9 +175,10 @@ def build_app(settings: Settings):
                                               trace_tenant=gw.trace_tenant,
                                               trust_client_trace=gw.trust_client_trace,
                                               files_dir=files_dir(gw.files_dir),
+                                              batch_concurrency=gw.batch_concurrency,
                                               event_logs=EventLogs(redis) if gw.stream_resume else None,
                                               stream_detach_grace_s=gw.stream_detach_grace),
-                      on_close=close, response_store=ResponseStore(redis))
+                      on_close=close, response_store=ResponseStore(redis), redis=redis)
 
 
 def _router(gw, membership, tokenizer_version: str):  # noqa: ANN001, ANN202 - settings and router types load late

@@ -128,6 +128,7 @@ class GatewaySettings(BaseModel):
     # the Files API's directory (gateway.files): one volume shared by the replicas in compose and Kubernetes;
     # empty: ~/.cache/switchyard/files, "off": no /v1/files
     files_dir: str = ""
+    batch_concurrency: int = Field(4, ge=1, le=256)  # batch lines one gateway runs at once (docs/batches.md)
     # resumable streams (gateway.streams): SSE event ids, an event log per stream in Redis, replay on any replica
     stream_resume: bool = True
     # a stream whose client left runs on this long for a reconnect (0: a client that leaves ends its stream)

@@ -20,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.batches import batch_routes
+from gateway.batches.lifecycle import start_batches, stop_batches
 from gateway.files import file_routes
 from gateway.files.file_store import DirectoryFileStore
 from gateway.flow.choices import GenerationGroup
@@ -67,6 +69,7 @@ class AppConfig:
     trace_tenant: bool = False  # request spans carry the tenant's name (`switchyard.tenant`)
     trust_client_trace: bool = False  # a client's traceparent parents the request span (else: a link only)
     files_dir: str | None = None  # the Files API's directory (gateway.files); None: /v1/files answers 404
+    batch_concurrency: int = 4  # batch lines this gateway runs at once (gateway.batches)
     event_logs: Any = None  # gateway.streams.event_log.EventLogs: streams carry event ids and can resume; None: off
     stream_detach_grace_s: float = 0.0  # a stream whose client left runs on this long for a reconnect
 
@@ -342,7 +345,7 @@ async def ready(request: Request) -> Response:
 
 def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: AppConfig | None = None,
                on_close: Callable[[], Awaitable[None]] | None = None,
-               response_store: ResponseStore | None = None) -> Starlette:
+               response_store: ResponseStore | None = None, redis: Any | None = None) -> Starlette:
     """The gateway app; `make_service` runs at startup, `on_close` at shutdown; `response_store` keeps responses."""
 
     @contextlib.asynccontextmanager
@@ -350,9 +353,11 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
         app.state.service = await make_service()
         app.state.background = BackgroundRuns(app.state.service, app.state.conversations, app.state.drain)
         app.state.background.logs = app.state.config.event_logs
+        start_batches(app)
         try:
             yield
         finally:
+            await stop_batches(app)
             await app.state.background.shutdown()  # before the router and admission close under the runs
             if app.state.config.event_logs is not None:
                 await app.state.config.event_logs.close()  # streams whose client left end; a last flush
@@ -371,6 +376,10 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
         Route("/v1/files", file_routes.list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", file_routes.one_file, methods=["GET", "DELETE"]),
         Route("/v1/files/{file_id}/content", file_routes.file_content, methods=["GET"]),
+        Route("/v1/batches", batch_routes.create, methods=["POST"]),
+        Route("/v1/batches", batch_routes.list_batches, methods=["GET"]),
+        Route("/v1/batches/{batch_id}", batch_routes.retrieve, methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", batch_routes.cancel, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -383,6 +392,7 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
     app.state.started = int(time.time())
     app.state.drain = DrainState()  # flipped by gateway.web.drain_middleware.LameDuckServer on SIGTERM
     app.state.conversations = Conversations(response_store)
+    app.state.redis = redis  # the gateway's Redis client (batches; None: no Batch API)
     app.state.files = DirectoryFileStore(config.files_dir) if config and config.files_dir else None
     install_handlers(app)
     install_log_filter()

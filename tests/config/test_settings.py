@@ -66,3 +66,11 @@ def test_gateway_routing_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
             load_settings().gateway.route_footprint_epsilon) == (0.25, 0.1)
     with pytest.raises(ValidationError):
         load_settings(overrides={"gateway": {"route_epsilon": -0.1}})
+
+
+def test_batch_concurrency_from_env_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings().gateway.batch_concurrency == 4
+    monkeypatch.setenv("SWITCHYARD_GATEWAY__BATCH_CONCURRENCY", "7")
+    assert load_settings().gateway.batch_concurrency == 7
+    with pytest.raises(ValidationError):
+        load_settings(overrides={"gateway": {"batch_concurrency": 0}})
