@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without it the Redis worker registry is used")
     parser.add_argument("--model", help="model spec whose tokenizer to use (default: the default model)")
     parser.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, help="request body limit")
-    parser.add_argument("--files-dir", dest="files_dir", help="the Files API's directory (shared by the replicas; "
-                        "default ~/.cache/switchyard/files; 'off': no /v1/files)")
+    parser.add_argument("--files-dir", dest="files_dir", help="the Files API's directory (shared by the "
+                        "replicas; default ~/.cache/switchyard/files; 'off': no /v1/files)")
     parser.add_argument("--body-timeout", dest="body_timeout", type=float,
                         help="seconds for a request's headers, then for its whole body, to arrive "
                         "(late headers: connection closed; late body: 408; default 10)")
@@ -53,26 +53,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bounded-load slack: a worker takes new requests below (1 + eps) x mean load "
                              "(default 0.25)")
     parser.add_argument("--route-footprint-epsilon", dest="route_footprint_epsilon", type=float,
-                        help="a new prefix goes to a worker holding below (1 + eps) x the mean of placed prefix "
-                             "tokens (default 0.1; 0 balances best with one gateway, replicas agree less)")
+                        help="a new prefix goes to a worker holding below (1 + eps) x the mean of placed "
+                             "prefix tokens (default 0.1; 0 balances best with one gateway, replicas "
+                             "agree less)")
     parser.add_argument("--route-prefix-tokens", dest="route_prefix_tokens", type=int,
                         help="prompt-prefix tokens a routing key covers at most (default 256)")
     parser.add_argument("--model-pools", dest="model_pools", action="store_true", default=None,
-                        help="serve every model version the worker registry announces, each with its own router "
-                             "and capacity gate; `model` names a version, a model or an alias (docs/routing.md)")
+                        help="serve every model version the worker registry announces, each with its own "
+                             "router and capacity gate; `model` names a version, a model or an alias "
+                             "(docs/routing.md)")
     parser.add_argument("--max-resumes", dest="max_resumes", type=int,
-                        help="times a stream that lost its worker carries on on another one (default 2; 0: never)")
+                        help="times a stream that lost its worker carries on on another one "
+                             "(default 2; 0: never)")
     parser.add_argument("--disagg-min-tokens", dest="disagg_min_tokens", type=int,
                         help="disaggregated prefill: prompt tokens the decode worker lacks at least, for the "
                              "prefill to run on a prefill worker (default 512)")
     parser.add_argument("--disagg-max-prefill-queue", dest="disagg_max_prefill_queue", type=int,
-                        help="disaggregated prefill: a prefill worker with more queued, running and unacknowledged "
-                             "prefills than this is busy (default 4)")
+                        help="disaggregated prefill: a prefill worker with more queued, running and "
+                             "unacknowledged prefills than this is busy (default 4)")
     parser.add_argument("--log-level", dest="log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--log-format", dest="log_format", choices=["json", "text"],
                         help="log lines as JSON objects (default) or text")
     parser.add_argument("--drain-timeout", dest="drain_timeout", type=float,
-                        help="on SIGTERM, seconds for in-flight requests to finish before exiting (default 30)")
+                        help="on SIGTERM, seconds for in-flight requests to finish before exiting "
+                             "(default 30)")
     parser.add_argument("--fail-open", dest="fail_open", action="store_true", default=None,
                         help="Redis unreachable: admit up to this gateway's share of each tenant's limits "
                              "(default: fail closed with 503 quota_service_unavailable)")
@@ -82,12 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
     names = ("host", "port", "redis_url", "model", "max_body_bytes", "body_timeout", "keep_alive_timeout",
-             "worker_timeout", "worker_stall_timeout", "log_level", "stream_write_timeout", "log_format", "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon",
-             "route_prefix_tokens", "max_resumes", "model_pools", "disagg_min_tokens", "disagg_max_prefill_queue",
-             "files_dir", "stream_detach_grace")
+             "worker_timeout", "worker_stall_timeout", "log_level", "stream_write_timeout", "log_format",
+             "drain_timeout", "fail_open", "route_epsilon", "route_footprint_epsilon", "route_prefix_tokens",
+             "max_resumes", "model_pools", "disagg_min_tokens", "disagg_max_prefill_queue", "files_dir",
+             "stream_detach_grace")
     values = {k: getattr(args, k, None) for k in names}
     if getattr(args, "metrics_tenant_labels", None) is not None:
-        values["metrics_tenant_labels"] = [t.strip() for t in args.metrics_tenant_labels.split(",") if t.strip()]
+        values["metrics_tenant_labels"] = [t.strip() for t in args.metrics_tenant_labels.split(",")
+                                           if t.strip()]
     if args.workers is not None:
         values["workers"] = [w.strip() for w in args.workers.split(",") if w.strip()]
     return flags_to_overrides(values, "gateway", TOP_LEVEL)
@@ -129,7 +135,7 @@ def build_app(settings: Settings):
                         "which workers allow on loopback addresses only")
         if gw.model_pools:
             pools = await _start_pools(settings, model, gateway_id, clients, redis)
-            router = pools.fleet.router(pools.tokenizers.default.model_id)  # the secret's holder; service.close
+            router = pools.fleet.router(pools.tokenizers.default.model_id)  # holds the secret; service.close
             gate = None  # closes the pools
         else:
             pools = None
@@ -151,11 +157,12 @@ def build_app(settings: Settings):
         admission = Admission(BudgetGuard(budget), gate)
         closers.append(admission.aclose)
         tenants = TenantDirectory(redis, serve_stale_on_error=gw.fail_open)
-        service = GatewayService(model, tenants, router, admission, ServiceConfig(request_timeout_s=gw.request_timeout),
-                                 pools=pools)
+        service = GatewayService(model, tenants, router, admission,
+                                 ServiceConfig(request_timeout_s=gw.request_timeout), pools=pools)
         if gw.money_budgets:  # a hold outlives its request's whole deadline
             service.money = MoneyGate(redis, hold_ttl_s=gw.request_timeout + 60.0)
-        gc.freeze()  # the tokenizer and the rest built at start live as long as the process: out of the collector's sight
+        # the tokenizer and the rest built at start live as long as the process: out of the collector's sight
+        gc.freeze()
         return service
 
     closers: list = []
@@ -169,7 +176,8 @@ def build_app(settings: Settings):
             await closer()
         await redis.aclose()
 
-    return create_app(make_service, AppConfig(max_body_bytes=gw.max_body_bytes, body_timeout_s=gw.body_timeout,
+    return create_app(make_service, AppConfig(max_body_bytes=gw.max_body_bytes,
+                                              body_timeout_s=gw.body_timeout,
                                               stream_write_timeout_s=gw.stream_write_timeout,
                                               ready_check=redis_ok, metrics_token=gw.metrics_token,
                                               trace_tenant=gw.trace_tenant,
@@ -181,15 +189,16 @@ def build_app(settings: Settings):
                       on_close=close, response_store=ResponseStore(redis), redis=redis)
 
 
-def _router(gw, membership, tokenizer_version: str):  # noqa: ANN001, ANN202 - settings and router types load late
+# settings and router types load late
+def _router(gw, membership, tokenizer_version: str):  # noqa: ANN001, ANN202
     from common.priorities import Priority
     from router import DisaggRule, Router
 
     classes = {Priority.parse(c): label for c, label in gw.class_pools.items()}
     return Router(membership, secret=gw.hash_secret.encode(), route_prefix_tokens=gw.route_prefix_tokens,
-                  epsilon=gw.route_epsilon, footprint_epsilon=gw.route_footprint_epsilon, block_size=gw.block_size,
-                  tokenizer_version=tokenizer_version, max_resumes=gw.max_resumes, class_pools=classes,
-                  disagg=DisaggRule(gw.disagg_min_tokens, gw.disagg_max_prefill_queue))
+                  epsilon=gw.route_epsilon, footprint_epsilon=gw.route_footprint_epsilon,
+                  block_size=gw.block_size, tokenizer_version=tokenizer_version, max_resumes=gw.max_resumes,
+                  class_pools=classes, disagg=DisaggRule(gw.disagg_min_tokens, gw.disagg_max_prefill_queue))
 
 
 def _capacity_gate(gw, router):  # noqa: ANN001, ANN202
@@ -205,8 +214,8 @@ def _capacity_gate(gw, router):  # noqa: ANN001, ANN202
 
 
 async def _start_pools(settings: Settings, model, gateway_id: str, clients, redis):  # noqa: ANN001, ANN202
-    """Model pools: the registry's workers split by model version (router.Fleet), aliases from Redis, a tokenizer
-    cache and one capacity gate per version; the gateway's own model is a pool from the start."""
+    """Model pools: the registry's workers split by model version (router.Fleet), aliases from Redis, a
+    tokenizer cache and one capacity gate per version; the gateway's own model is a pool from the start."""
     from admission import CapacityGate
     from common.priorities import Priority
     from gateway.flow.capacity_view import RouterCapacity
@@ -215,9 +224,11 @@ async def _start_pools(settings: Settings, model, gateway_id: str, clients, redi
 
     gw = settings.gateway
     membership = Membership(gateway_id=gateway_id, static_endpoints=gw.workers, redis_url=settings.redis_url,
-                            dead_after=gw.worker_timeout, stall_after=gw.worker_stall_timeout, client_factory=clients)
+                            dead_after=gw.worker_timeout, stall_after=gw.worker_stall_timeout,
+                            client_factory=clients)
     own = Served(model.model_id, "", model.version, "")
-    fleet = Fleet(membership, lambda view, served: _router(gw, view, served.tokenizer or model.version), default=own)
+    fleet = Fleet(membership, lambda view, served: _router(gw, view, served.tokenizer or model.version),
+                  default=own)
     fleet.pool(own)
 
     def make_gate(router, pool: str | None) -> CapacityGate | None:  # noqa: ANN001
@@ -238,7 +249,8 @@ async def _start_pools(settings: Settings, model, gateway_id: str, clients, redi
     return pools
 
 
-DEV_STACK_ENV = "SWITCHYARD_DEV_STACK"  # set by `make run` (config.local_stack.launcher): the default secret is fine there
+# set by `make run` (config.local_stack.launcher): the default secret is fine there
+DEV_STACK_ENV = "SWITCHYARD_DEV_STACK"
 
 
 def warn_default_secret(secret: str) -> None:
@@ -272,11 +284,12 @@ def run(args: argparse.Namespace) -> int:
     install_tracing("switchyard-gateway", settings.otel_endpoint)
     gw = settings.gateway
     warn_default_secret(gw.hash_secret)
-    # SIGTERM: lame-duck for drain_timeout (gateway.web.drain_middleware), then a short window before stragglers are cancelled
+    # SIGTERM: lame-duck for drain_timeout (gateway.web.drain_middleware), then a short window before
+    # stragglers are cancelled
     from gateway.web.auth_gate import UnknownKeyGate
 
     # unknown keys are answered in front of the Starlette stack (an unknown-key flood stays cheap)
-    return serve(UnknownKeyGate(app), app.state.drain, gw.drain_timeout, host=gw.host, port=gw.port, loop="uvloop",
-                 http=header_deadline_protocol(gw.body_timeout), log_level=settings.log_level.lower(),
-                 access_log=False, log_config=None, timeout_keep_alive=gw.keep_alive_timeout,
-                 timeout_graceful_shutdown=2)
+    return serve(UnknownKeyGate(app), app.state.drain, gw.drain_timeout, host=gw.host, port=gw.port,
+                 loop="uvloop", http=header_deadline_protocol(gw.body_timeout),
+                 log_level=settings.log_level.lower(), access_log=False, log_config=None,
+                 timeout_keep_alive=gw.keep_alive_timeout, timeout_graceful_shutdown=2)

@@ -1,6 +1,6 @@
 """One typed settings model for every Switchyard process, with a section per component.
 
-Precedence: CLI flags, then `SWITCHYARD_*` environment variables, then the `--config` TOML file, then defaults.
+Precedence: CLI flags, `SWITCHYARD_*` environment variables, the `--config` TOML file, then defaults.
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ class WorkerSettings(BaseModel):
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
     device: str = "auto"
     enable_prefix_cache: bool = True
-    fairness: Literal["vtc", "fifo"] = "vtc"  # between tenants within a priority class: VTC fair share or arrival
-    fair_step_tokens: int | None = Field(None, ge=0)  # VTC, worker shared: prefill tokens per step cap (0: none)
+    # between tenants within a priority class: VTC fair share or arrival
+    fairness: Literal["vtc", "fifo"] = "vtc"
+    # VTC, worker shared: prefill tokens per step cap (0: none)
+    fair_step_tokens: int | None = Field(None, ge=0)
     num_threads: int | None = None
     # weights; auto: worker.quant.resolve_mode (every way of starting a worker has this default: make run,
     # switchyard worker, compose, the Kubernetes manifests)
@@ -62,10 +64,12 @@ class WorkerSettings(BaseModel):
     kv_disk_dir: str | None = None
     kv_disk_bytes: int | None = Field(None, gt=0)
     kv_disk_min_hits: int | None = Field(None, ge=0)
-    cuda_graphs: Literal["on", "off"] | None = None  # decode CUDA graphs (CUDA only); None keeps the default (on)
-    fused_ops: Literal["on", "off"] | None = None  # worker.kernels.layer_ops; None keeps the engine's default (on)
-    # decode steps' norms and SiLU-mul inside the projections (CUDA; worker.kernels.triton_gemv); None keeps the
-    # engine's default (auto)
+    # decode CUDA graphs (CUDA only); None keeps the default (on)
+    cuda_graphs: Literal["on", "off"] | None = None
+    # worker.kernels.layer_ops; None keeps the engine's default (on)
+    fused_ops: Literal["on", "off"] | None = None
+    # decode steps' norms and SiLU-mul inside the projections (CUDA; worker.kernels.triton_gemv); None keeps
+    # the engine's default (auto)
     fused_linear: Literal["auto", "on", "off"] | None = None
     # n-gram speculative decoding (worker.engine.scheduling.speculative); None keeps the engine's default
     spec_tokens: int | None = Field(None, ge=0, le=16)
@@ -73,7 +77,8 @@ class WorkerSettings(BaseModel):
     spec_ngram_max: int | None = Field(None, ge=1, le=8)
     spec_ngram_min: int | None = Field(None, ge=1, le=8)
     metrics_port: int = Field(0, ge=0, le=65535)  # Prometheus /metrics HTTP port; 0 = disabled
-    metrics_host: str = "127.0.0.1"  # an operator opens it wider on purpose (Kubernetes: 0.0.0.0 in workers.yaml)
+    # an operator opens it wider on purpose (Kubernetes: 0.0.0.0 in workers.yaml)
+    metrics_host: str = "127.0.0.1"
 
 
 class GatewaySettings(BaseModel):
@@ -96,12 +101,13 @@ class GatewaySettings(BaseModel):
     keep_alive_timeout: float = Field(75.0, gt=0)
     request_timeout: float = Field(600.0, gt=0)  # whole-request deadline sent to the worker
     stream_write_timeout: float = Field(30.0, gt=0)  # an SSE client that takes no chunk for this long is cut
-    # /metrics on the public port: with a token, only `Authorization: Bearer <this>` (loopback included: a proxy on
-    # the same host makes every client loopback); without one, loopback clients whose request came through no
-    # HTTP proxy. It shows worker ids and, with tenant labels, per-tenant volumes
+    # /metrics on the public port: with a token, only `Authorization: Bearer <this>` (loopback included: a
+    # proxy on the same host makes every client loopback); without one, loopback clients whose request came
+    # through no HTTP proxy. It shows worker ids and, with tenant labels, per-tenant volumes
     metrics_token: str | None = None
     hash_secret: str = "switchyard-dev-secret"  # per-deployment key of prefix hashes; set it in production
-    route_epsilon: float = Field(0.25, ge=0.0)  # bounded loads: a worker takes new keys below (1 + eps) x mean
+    # bounded loads: a worker takes new keys below (1 + eps) x mean
+    route_epsilon: float = Field(0.25, ge=0.0)
     # a prefix no worker holds goes to a worker whose placed prefix tokens are below (1 + eps) x mean
     route_footprint_epsilon: float = Field(0.1, ge=0.0)
     route_prefix_tokens: int = Field(256, ge=0)  # stable-prefix tokens a routing key covers at most
@@ -129,19 +135,19 @@ class GatewaySettings(BaseModel):
     # empty: ~/.cache/switchyard/files, "off": no /v1/files
     files_dir: str = ""
     batch_concurrency: int = Field(4, ge=1, le=256)  # batch lines one gateway runs at once (docs/batches.md)
-    # resumable streams (gateway.streams): SSE event ids, an event log per stream in Redis, replay on any replica
+    # resumable streams (gateway.streams): SSE event ids, a Redis event log per stream, replay on any replica
     stream_resume: bool = True
     # a stream whose client left runs on this long for a reconnect (0: a client that leaves ends its stream)
     stream_detach_grace: float = Field(0.0, ge=0)
     # model pools (docs/routing.md): registry workers grouped by model version, each with its own router and
-    # capacity gate; `model` picks a version directly, by model name or by a weighted alias (Redis `sy:aliases`)
+    # capacity gate; `model` picks a version directly, by model name or a weighted alias (Redis `sy:aliases`)
     model_pools: bool = False
     alias_poll_s: float = Field(0.5, gt=0, le=1.0)  # alias edits apply within this (plus one Redis read)
     # priority class -> preferred worker pool label; a request spills to other pools under the load bound
     class_pools: dict[Literal["interactive", "batch"], str] = Field(
         default_factory=lambda: {"interactive": "interactive", "batch": "batch"})
-    # disaggregated prefill (docs/routing.md): a request's prefill runs on a prefill-role worker when its decode
-    # worker lacks at least disagg_min_tokens of the prompt and a prefill worker has at most
+    # disaggregated prefill (docs/routing.md): a request's prefill runs on a prefill-role worker when its
+    # decode worker lacks at least disagg_min_tokens of the prompt and a prefill worker has at most
     # disagg_max_prefill_queue prefills queued, running or sent by this gateway and not yet acknowledged
     disagg_min_tokens: int = Field(512, ge=1)
     disagg_max_prefill_queue: int = Field(4, ge=0)
@@ -156,7 +162,7 @@ class Settings(BaseSettings):
     cluster_secret_key: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"
-    # OTLP/HTTP traces endpoint (e.g. http://collector:4318/v1/traces; needs the `otel` extra); None: no tracing
+    # OTLP/HTTP traces endpoint (e.g. http://collector:4318/v1/traces; needs the `otel` extra); None: off
     otel_endpoint: str | None = None
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)

@@ -1,6 +1,6 @@
-"""The Starlette application: routes, lifecycle and response framing (HTTP only; the request flow is `service`).
+"""The Starlette application: routes, lifecycle and response framing (HTTP only; request flow: `service`).
 
-A generation is closed exactly once whatever happens, which aborts the worker request and settles the reservation.
+A generation is closed exactly once whatever happens: the worker request aborted, the reservation settled.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from gateway.files import file_routes
 from gateway.files.file_store import DirectoryFileStore
 from gateway.flow.choices import GenerationGroup
 from gateway.flow.generation import Delta, Generation, Prepared
+from gateway.flow.info_routes import get_model, health, list_models, ready
 from gateway.flow.service import GatewayService
 from gateway.openai.openapi import openapi_endpoint
 from gateway.openai.responses_shape import parse_responses
@@ -55,8 +56,7 @@ log = logging.getLogger("switchyard.gateway")
 _T = TypeVar("_T")
 
 THREAD_TOKENIZE_BYTES = 16 * 1024  # bodies from this size parse and tokenize on a thread
-# nginx's convention for "client closed the request"; never seen by the client
-CLIENT_CLOSED = 499
+CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"; never seen by the client
 
 
 @dataclass(slots=True)
@@ -65,12 +65,12 @@ class AppConfig:
     body_timeout_s: float = 10.0  # the whole body must arrive within this (408 otherwise)
     stream_write_timeout_s: float = 30.0  # an SSE client that takes no chunk for this long is cut
     ready_check: Callable[[], Awaitable[bool]] | None = None  # e.g. a Redis ping
-    metrics_token: str | None = None  # /metrics off loopback needs it as a bearer token (gateway.telemetry.gateway_metrics)
+    metrics_token: str | None = None  # /metrics off loopback needs it as a bearer token (gateway_metrics)
     trace_tenant: bool = False  # request spans carry the tenant's name (`switchyard.tenant`)
     trust_client_trace: bool = False  # a client's traceparent parents the request span (else: a link only)
     files_dir: str | None = None  # the Files API's directory (gateway.files); None: /v1/files answers 404
     batch_concurrency: int = 4  # batch lines this gateway runs at once (gateway.batches)
-    event_logs: Any = None  # gateway.streams.event_log.EventLogs: streams carry event ids and can resume; None: off
+    event_logs: Any = None  # gateway.streams.event_log.EventLogs: event ids, resumable streams; None: off
     stream_detach_grace_s: float = 0.0  # a stream whose client left runs on this long for a reconnect
 
 
@@ -119,8 +119,8 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
         return await _generate_group(request, svc, prepared, trace, span)
     if req.background:
         return await _start_background(request, svc, prepared, trace)
-    with gateway_spans.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
-                             max_tokens=prepared.max_tokens):
+    with gateway_spans.child("admission", priority=prepared.priority.label,
+                             prompt_tokens=len(prepared.prompt_ids), max_tokens=prepared.max_tokens):
         gen = await _refused_counted(svc.start(prepared), trace)
     trace.admitted()
     try:
@@ -128,7 +128,8 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
             first = await until_disconnect(request, gen.next())
             trace.first_token(gen.usage.completion_tokens)
             if req.api == "responses":
-                body = stream_events(gen, first, trace, functools.partial(request.app.state.conversations.save_response, tenant, req))
+                body = stream_events(gen, first, trace, functools.partial(
+                    request.app.state.conversations.save_response, tenant, req))
             else:
                 body = _sse_body(gen, first, trace)
             body, closer = resumable(config, prepared, body, functools.partial(_close, gen, trace, span),
@@ -154,7 +155,8 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
 
 
 async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenant,
-                            parse: Callable[[Any], GenerationRequest], rid: str) -> tuple[GenerationRequest, Prepared]:
+                            parse: Callable[[Any], GenerationRequest],
+                            rid: str) -> tuple[GenerationRequest, Prepared]:
     config = request.app.state.config
     # a token-id prompt longer than the context is refused while the body is decoded
     body, size = await read_json(request, config.max_body_bytes, config.body_timeout_s,
@@ -184,8 +186,8 @@ async def _start_background(request: Request, svc: GatewayService, prepared: Pre
     runs: BackgroundRuns = request.app.state.background
     run = runs.reserve(prepared.tenant.name, prepared.shape.id)  # 429/503 past the bounds, before any charge
     try:
-        with gateway_spans.child("admission", priority=prepared.priority.label, prompt_tokens=len(prepared.prompt_ids),
-                                 max_tokens=prepared.max_tokens):
+        with gateway_spans.child("admission", priority=prepared.priority.label,
+                                 prompt_tokens=len(prepared.prompt_ids), max_tokens=prepared.max_tokens):
             gen = await _refused_counted(svc.start(prepared), trace)
     except BaseException:
         runs.release(run)
@@ -225,14 +227,15 @@ async def _generate_group(request: Request, svc: GatewayService, prepared: Prepa
             await _close(group, trace, span)
 
 
-async def _group_sse(group: GenerationGroup, first: dict | None, events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+async def _group_sse(group: GenerationGroup, first: dict | None,
+                     events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     left = group.prepared.choices  # choices without a finish reason yet
     try:
         chunk = first
         while chunk is not None:
             left -= sum(c.get("finish_reason") is not None for c in chunk.get("choices", ()))
             if left <= 0:
-                await group.close()  # settle (the lease goes) before the client can see the end and send again
+                await group.close()  # settle (the lease goes) before the client sees the end and sends again
             yield event(chunk)
             chunk = await anext(events, None)
     except ApiError as exc:
@@ -246,7 +249,8 @@ async def _group_sse(group: GenerationGroup, first: dict | None, events: AsyncIt
     yield DONE
 
 
-async def _close(gen: Generation | GenerationGroup, trace: gateway_metrics.RequestTrace, span: Span | None) -> None:
+async def _close(gen: Generation | GenerationGroup, trace: gateway_metrics.RequestTrace,
+                 span: Span | None) -> None:
     await gen.close()
     u = gen.usage
     done = gen.finished if isinstance(gen, GenerationGroup) else gen.finish_reason is not None
@@ -255,7 +259,8 @@ async def _close(gen: Generation | GenerationGroup, trace: gateway_metrics.Reque
                          cached_tokens=u.cached_tokens, finished=done)
 
 
-async def _sse_body(gen: Generation, first: Delta | None, trace: gateway_metrics.RequestTrace) -> AsyncIterator[bytes]:
+async def _sse_body(gen: Generation, first: Delta | None,
+                    trace: gateway_metrics.RequestTrace) -> AsyncIterator[bytes]:
     shape = gen.prepared.shape
     usage_field = gen.prepared.req.include_usage
     offset = 0
@@ -295,58 +300,15 @@ async def completions(request: Request) -> Response:
 
 async def responses(request: Request) -> Response:
     if "last-event-id" in request.headers:
-        raise api_errors.invalid("A response stream resumes with GET /v1/responses/{id}?stream=true&starting_after=N.",
-                                 param="Last-Event-ID")
+        raise api_errors.invalid("A response stream resumes with GET /v1/responses/{id}?stream=true"
+                                 "&starting_after=N.", param="Last-Event-ID")
     return await _generate(request, parse_responses)
-
-
-def _model_card(request: Request, model: str) -> dict:
-    return {"id": model, "object": "model", "created": request.app.state.started, "owned_by": "switchyard"}
-
-
-async def list_models(request: Request) -> Response:
-    """The models (versions, model names and aliases) with a live worker that the tenant may use."""
-    svc = _service(request)
-    tenant = await svc.authenticate(request.headers.get("authorization"))
-    return JSONResponse({"object": "list", "data": [_model_card(request, m) for m in svc.pools.listing(tenant)]})
-
-
-async def get_model(request: Request) -> Response:
-    """One model by id (or alias) the tenant may use; 404 in OpenAI's shape otherwise."""
-    svc = _service(request)
-    tenant = await svc.authenticate(request.headers.get("authorization"))
-    name = request.path_params["model"]
-    try:
-        svc.check_model(tenant, name)  # 404 unknown, 503 none of it live
-    except ApiError as exc:
-        if exc.code == "model_not_allowed":  # as OpenAI does: a model you may not use is not found
-            raise api_errors.model_not_found(name) from None
-        raise
-    return JSONResponse(_model_card(request, name))
-
-
-async def health(request: Request) -> Response:
-    return JSONResponse({"status": "ok"})
-
-
-async def ready(request: Request) -> Response:
-    svc = _service(request)
-    checks = {"worker": svc.ready, "redis": True}
-    probe = request.app.state.config.ready_check
-    if probe is not None:
-        try:
-            checks["redis"] = bool(await probe())
-        except Exception:
-            checks["redis"] = False
-    ok = all(checks.values())
-    return JSONResponse({"status": "ready" if ok else "not_ready", **checks}, status_code=200 if ok else 503,
-                        headers={} if ok else {"retry-after": "1"})
 
 
 def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: AppConfig | None = None,
                on_close: Callable[[], Awaitable[None]] | None = None,
                response_store: ResponseStore | None = None, redis: Any | None = None) -> Starlette:
-    """The gateway app; `make_service` runs at startup, `on_close` at shutdown; `response_store` keeps responses."""
+    """The app: `make_service` runs at startup, `on_close` at shutdown; `response_store` keeps responses."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -384,7 +346,8 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", gateway_metrics.guarded_endpoint(config.metrics_token if config else None), methods=["GET"]),
+        Route("/metrics", gateway_metrics.guarded_endpoint(config.metrics_token if config else None),
+              methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

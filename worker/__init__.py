@@ -1,1 +1,1 @@
-"""The worker: paged-KV engine, scheduler, model runner and its ZeroMQ server. Imports no other Switchyard package."""
+"""The worker: paged-KV engine, scheduler, model runner, ZeroMQ server; imports no other Switchyard code."""

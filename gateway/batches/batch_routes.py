@@ -86,7 +86,7 @@ def _validate(svc: GatewayService, tenant: Any, endpoint: str, lines: list[dict]
         try:
             if line["url"] != endpoint:
                 raise api_errors.invalid(f"The line's url {line['url']!r} is not the batch's endpoint.",
-                                     param="url")
+                                         param="url")
             svc.prepare(tenant, parse_line(endpoint, line["body"]), "validate")
         except ApiError as exc:
             found.append({"code": exc.code or "invalid_request", "message": exc.message, "param": exc.param,
@@ -122,7 +122,8 @@ async def create(request: Request) -> Response:
         raise api_errors.invalid(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
     endpoint, window = body.get("endpoint"), body.get("completion_window")
     if endpoint not in BATCH_URLS:
-        raise api_errors.invalid(f"'endpoint' must be one of {', '.join(sorted(BATCH_URLS))}.", param="endpoint")
+        raise api_errors.invalid(f"'endpoint' must be one of {', '.join(sorted(BATCH_URLS))}.",
+                                 param="endpoint")
     if window not in WINDOW_S:
         raise api_errors.invalid("'completion_window' must be '24h'.", param="completion_window")
     meta = body.get("metadata")
@@ -130,7 +131,7 @@ async def create(request: Request) -> Response:
                              or not all(isinstance(v, str) and len(k) <= 64 and len(v) <= 512
                                         for k, v in meta.items())):
         raise api_errors.invalid("'metadata' holds at most 16 string pairs (keys 64, values 512 characters).",
-                             param="metadata")
+                                 param="metadata")
     file_id = body.get("input_file_id")
     path = None
     if isinstance(file_id, str):
@@ -139,7 +140,7 @@ async def create(request: Request) -> Response:
         raise file_not_found(str(file_id))
     if await store.count(tenant.name) >= store.max_per_tenant:
         raise api_errors.invalid(f"This key's project holds {store.max_per_tenant} batches, the most it may.",
-                             param="input_file_id", code="batch_quota_exceeded")
+                                 param="input_file_id", code="batch_quota_exceeded")
     now = int(time.time())
     batch = Batch(new_batch_id(), endpoint, file_id, window, "validating", now, now + WINDOW_S[window],
                   metadata=meta)

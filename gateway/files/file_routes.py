@@ -1,5 +1,5 @@
-"""`/v1/files` handlers: upload (multipart, `purpose=batch`, each JSONL line checked), list, retrieve, content,
-delete. The tenant comes from the API key; another tenant's file is a 404."""
+"""`/v1/files` handlers: upload (multipart, `purpose=batch`, each JSONL line checked), list, retrieve,
+content, delete. The tenant comes from the API key; another tenant's file is a 404."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def file_not_found(file_id: str) -> api_errors.ApiError:
 def _store(request: Request) -> FileStore:
     store = request.app.state.files
     if store is None:
-        raise api_errors.ApiError(404, "This gateway serves no Files API (no files directory).", code="not_found")
+        raise api_errors.ApiError(404, "This gateway serves no Files API (no files directory).",
+                                  code="not_found")
     return store
 
 
@@ -40,7 +41,8 @@ async def upload(request: Request) -> Response:
     tenant, store = await _tenant(request), _store(request)
     limits = store.limits
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise api_errors.invalid("Upload the file as multipart/form-data with fields 'file' and 'purpose'.", param="file")
+        raise api_errors.invalid("Upload the file as multipart/form-data with fields 'file' and 'purpose'.",
+                                 param="file")
     length = request.headers.get("content-length")
     if length is None or not length.isdigit():
         raise api_errors.ApiError(411, "A file upload needs a Content-Length.", param="file")
@@ -48,8 +50,8 @@ async def upload(request: Request) -> Response:
         raise api_errors.ApiError(413, f"Files are limited to {limits.max_file_bytes} bytes.", param="file")
     count, used = await asyncio.to_thread(store.usage, tenant)
     if count >= limits.max_files_per_tenant:
-        raise api_errors.invalid(f"This key's project holds {count} files, the most it may; delete some first.",
-                                 param="file", code="files_quota_exceeded")
+        raise api_errors.invalid(f"This key's project holds {count} files, the most it may; delete some "
+                                 "first.", param="file", code="files_quota_exceeded")
     try:  # slow uploads are cut: 10 s plus one second per MiB
         async with asyncio.timeout(10 + int(length) / (1 << 20)):
             form = await request.form(max_files=1, max_fields=len(FORM_FIELDS), max_part_size=1024)
@@ -69,10 +71,11 @@ async def upload(request: Request) -> Response:
             size = await asyncio.to_thread(_copy_checked, upload_file, staged, limits.max_file_bytes,
                                            limits.max_lines)
             if used + size > limits.max_tenant_bytes:
-                raise api_errors.invalid(f"This key's project would hold more than {limits.max_tenant_bytes} bytes of "
-                                         "files; delete some first.", param="file", code="files_quota_exceeded")
-            obj = await asyncio.to_thread(store.put, tenant, Path(upload_file.filename or "upload.jsonl").name,
-                                          "batch", staged)
+                raise api_errors.invalid(f"This key's project would hold more than {limits.max_tenant_bytes} "
+                                         "bytes of files; delete some first.", param="file",
+                                         code="files_quota_exceeded")
+            obj = await asyncio.to_thread(store.put, tenant,
+                                          Path(upload_file.filename or "upload.jsonl").name, "batch", staged)
         finally:
             staged.unlink(missing_ok=True)
     finally:
@@ -119,7 +122,8 @@ def _check_line(n: int, raw: bytes, seen: set[str]) -> None:
     if line.get("method") != "POST":
         raise api_errors.invalid(f"Line {n}: 'method' must be POST.", param="file")
     if line.get("url") not in BATCH_URLS:
-        raise api_errors.invalid(f"Line {n}: 'url' must be one of {', '.join(sorted(BATCH_URLS))}.", param="file")
+        raise api_errors.invalid(f"Line {n}: 'url' must be one of {', '.join(sorted(BATCH_URLS))}.",
+                                 param="file")
     if not isinstance(line.get("body"), dict):
         raise api_errors.invalid(f"Line {n}: 'body' must be a JSON object.", param="file")
 
@@ -148,8 +152,9 @@ async def list_files(request: Request) -> Response:
         ids = [f.id for f in files]
         files = files[ids.index(q["after"]) + 1:] if q["after"] in ids else []
     page = files[:limit]
-    return JSONResponse({"object": "list", "data": [f.to_dict() for f in page], "has_more": len(files) > limit,
-                         "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None})
+    return JSONResponse({"object": "list", "data": [f.to_dict() for f in page],
+                         "has_more": len(files) > limit, "first_id": page[0].id if page else None,
+                         "last_id": page[-1].id if page else None})
 
 
 async def one_file(request: Request) -> Response:

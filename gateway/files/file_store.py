@@ -1,5 +1,5 @@
 """Where uploaded files live: `FileStore` (the interface an S3-compatible store would implement) and
-`DirectoryFileStore`, one folder per tenant (named by a digest of the tenant) holding `<id>.jsonl` and `<id>.json`."""
+`DirectoryFileStore`: a folder per tenant (named by the tenant's digest) of `<id>.jsonl` and `<id>.json`."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ class FileStore(Protocol):
     def staging(self, tenant: str) -> Path: ...
 
 
-STALE_UPLOAD_S = 3600  # an upload file this old belongs to no request: the uploads themselves are cut after minutes
+# an upload file this old belongs to no request: the uploads themselves are cut after minutes
+STALE_UPLOAD_S = 3600
 
 
 def new_file_id() -> str:
@@ -69,7 +70,7 @@ def new_file_id() -> str:
 
 
 class DirectoryFileStore:
-    """Files on a local (or shared) directory; a file is visible once its metadata is written (atomically, last)."""
+    """Files on a local (or shared) directory, each shown once its metadata is written (atomically, last)."""
 
     def __init__(self, root: str | Path, limits: FileLimits | None = None) -> None:
         self.root = Path(root)

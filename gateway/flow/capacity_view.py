@@ -1,6 +1,7 @@
 """Capacity admission's view of the workers: the `views` callable of a `CapacityGate`, read from the Router.
 
-A worker's used KV is the larger of what it reports and what this gateway committed to it (full cost until a reported hit).
+A worker's used KV is the larger of what it reports and what this gateway committed to it (full cost until a
+reported hit).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from router import Router
 
 
 class RouterCapacity:
-    """`CapacityGate` views from a `Router`: one `WorkerCapacity` per worker that reports stats (live or draining)."""
+    """`CapacityGate` views of a `Router`: a `WorkerCapacity` per worker with stats (live or draining)."""
 
     def __init__(self, router: Router, pool: str | None = None) -> None:
         self.router = router
-        self.pool = pool  # count only the workers of this pool label (traffic-class pools); None: every worker
+        # count only the workers of this pool label (traffic-class pools); None: every worker
+        self.pool = pool
 
     def __call__(self) -> list[WorkerCapacity]:
         views: list[WorkerCapacity] = []

@@ -121,7 +121,8 @@ class GenerationGroup:
             if choice is None:
                 return None
         else:
-            choice = {"index": c.index, "text": text, "logprobs": _completion_logprobs(delta.logprobs, c.offset),
+            choice = {"index": c.index, "text": text,
+                      "logprobs": _completion_logprobs(delta.logprobs, c.offset),
                       "finish_reason": c.finish_reason if done else None}
             c.offset += len(text)
         c.first = False

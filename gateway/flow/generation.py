@@ -43,7 +43,8 @@ class Prepared:
     priority: Priority
     ns: bytes
     shape: ResponseShape
-    batch: list[list[int]] = field(default_factory=list)  # every prompt's ids (prompt_ids first); [] = just that
+    # every prompt's ids (prompt_ids first); [] = just that
+    batch: list[list[int]] = field(default_factory=list)
     key_digest: str = ""  # SHA-256 of the request's API key: a revoked key ends its streams ("": not checked)
     target: Target | None = None  # the model version serving it (None: the service's own model and router)
 
@@ -57,10 +58,12 @@ class Prepared:
 
     @property
     def grouped(self) -> bool:
-        """Served by `gateway.flow.choices` (several choices, chat tool calls or echo) rather than one plain stream;
-        a Responses request is always one stream (its tool calls are split in `gateway.openai.responses_items`)."""
+        """Served by `gateway.flow.choices` (several choices, chat tool calls or echo) rather than one plain
+        stream; a Responses request is always one stream (its tool calls are split in
+        `gateway.openai.responses_items`)."""
         tools = self.req.tools
-        return self.choices > 1 or self.req.echo or (tools is not None and tools.active and self.req.api != "responses")
+        return self.choices > 1 or self.req.echo or (tools is not None and tools.active
+                                                     and self.req.api != "responses")
 
 
 @dataclass(slots=True)
@@ -95,7 +98,7 @@ _ADDRESS = re.compile(r"\b(?:tcp|ipc|inproc)://\S+")
 
 
 def worker_error(exc: WorkerError) -> ApiError:
-    """The client-facing error for a failed worker stream; link details (addresses, worker ids) stay in the log."""
+    """The client's error for a failed worker stream; link details (addresses, worker ids) stay in the log."""
     code = str(exc.code)
     log.warning("worker stream failed (%s): %s", code, exc.message)
     message = _ADDRESS.sub("<worker>", exc.message)
@@ -105,8 +108,8 @@ def worker_error(exc: WorkerError) -> ApiError:
         return invalid(f"The request can never fit on a worker: {message}", code="context_length_exceeded")
     if exc.code == ErrorCode.CAPACITY:
         return api_errors.upstream_failed(f"Generation failed ({code}): {message}", exc.retryable)
-    return api_errors.upstream_failed(f"Generation failed ({code}): {_LINK_TEXT.get(code, 'internal error.')}",
-                                      exc.retryable)
+    return api_errors.upstream_failed(f"Generation failed ({code}): "
+                                      f"{_LINK_TEXT.get(code, 'internal error.')}", exc.retryable)
 
 
 @dataclass(slots=True)
@@ -180,7 +183,8 @@ class Generation:
             self._unserved_if_nothing_sent()
             raise api_errors.upstream_failed("Timed out waiting for the first token.", True) from None
         except StopAsyncIteration:
-            raise api_errors.upstream_failed("The worker stream ended without a finish reason.", True) from None
+            raise api_errors.upstream_failed("The worker stream ended without a finish reason.",
+                                             True) from None
 
     def _unserved_if_nothing_sent(self) -> None:
         # A request that failed before producing anything costs the tenant nothing.
@@ -195,7 +199,8 @@ class Generation:
         text = stops.feed(self._detok.feed(toks))
         logprobs = None
         if self.prepared.req.logprobs:
-            logprobs = self.model.token_logprobs(toks, chunk.logprobs or [], chunk.top_ids, chunk.top_logprobs)
+            logprobs = self.model.token_logprobs(toks, chunk.logprobs or [], chunk.top_ids,
+                                                 chunk.top_logprobs)
         finish = chunk.finish_reason
         if stops.stopped:
             self.finish_reason = "stop"

@@ -63,7 +63,7 @@ class GatewayService:
 
     @staticmethod
     def key_digest(authorization: str | None) -> str:
-        """The SHA-256 digest of the request's bearer key ("" without one): streams re-check it is not revoked."""
+        """SHA-256 digest of the request's bearer key ("" without one): streams re-check it is not revoked."""
         key = bearer_key(authorization)
         return key_digest(key) if key else ""
 
@@ -94,8 +94,9 @@ class GatewayService:
 
     async def charge_invalid(self, tenant: Tenant) -> None:
         """A request refused as invalid after authentication costs its tenant one request of its per-minute
-        limit (not tokens), so costly parsing cannot be repeated for free; once none is left, the tenant's next
-        requests on this gateway get a 429 before they are parsed, until one is (`check_invalid_lockout`)."""
+        limit (not tokens), so costly parsing cannot be repeated for free; once none is left, the tenant's
+        next requests on this gateway get a 429 before they are parsed, until one is
+        (`check_invalid_lockout`)."""
         if self.admission is None:
             return
         retry_ms = await self.admission.charge_invalid(tenant)
@@ -104,12 +105,14 @@ class GatewayService:
                 self._invalid_until.pop(next(iter(self._invalid_until)))
             self._invalid_until[tenant.name] = time.monotonic() + retry_ms / 1000
 
-    def check_model(self, tenant: Tenant, model: str, prefix: str = "", priority: Priority | None = None) -> Target:
+    def check_model(self, tenant: Tenant, model: str, prefix: str = "",
+                    priority: Priority | None = None) -> Target:
         """The model version serving `model` for this tenant (404, 403 or 503 in OpenAI's shape otherwise)."""
         return self.pools.resolve(model, tenant, prefix, priority)
 
     def prepare(self, tenant: Tenant, req: GenerationRequest, request_id: str) -> Prepared:
-        target = self.check_model(tenant, req.model, sticky_prefix(req), tenant.effective_priority(req.priority))
+        target = self.check_model(tenant, req.model, sticky_prefix(req),
+                                  tenant.effective_priority(req.priority))
         model = target.model
         enc = model.encode(req)
         batch = [enc.ids]
@@ -133,7 +136,8 @@ class GatewayService:
                           f"the completion).", param=param, code="context_length_exceeded")
         ns = namespace_root(target.ns_model, model.version, tenant.salt or tenant.name, target.router.secret)
         prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
-        shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), target.response_model, req.kind == "chat") \
+        shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), target.response_model,
+                              req.kind == "chat") \
             if req.api != "responses" else responses_shape.new_shape(target.response_model, req)
         return Prepared(request_id, req, tenant, enc.ids, enc.stable_len, max_tokens,
                         tenant.effective_priority(req.priority), ns, shape, batch if len(batch) > 1 else [],
@@ -144,10 +148,11 @@ class GatewayService:
 
     def _sampling(self, p: Prepared, seed: int | None = None) -> SamplingParams:
         r = p.req
-        return SamplingParams(max_tokens=p.max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              seed=r.seed if seed is None else seed, ignore_eos=r.ignore_eos, logprobs=r.logprobs,
-                              top_logprobs=r.top_logprobs, presence_penalty=r.presence_penalty,
-                              frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty,
+        return SamplingParams(max_tokens=p.max_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, seed=r.seed if seed is None else seed, ignore_eos=r.ignore_eos,
+                              logprobs=r.logprobs, top_logprobs=r.top_logprobs,
+                              presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                              repetition_penalty=r.repetition_penalty,
                               min_tokens=min(r.min_tokens, p.max_tokens), logit_bias=r.logit_bias,
                               grammar=None if r.grammar is None else r.grammar.to_dict(),
                               speculative=r.speculative, cache_retention=r.prompt_cache_retention)
@@ -170,8 +175,8 @@ class GatewayService:
         except BaseException:
             await stack.aclose()
             raise
-        return Generation(target.model, p, chunks, stack, usage, headers, self.config.first_token_timeout_s, ticket,
-                          tenants=self.tenants)
+        return Generation(target.model, p, chunks, stack, usage, headers, self.config.first_token_timeout_s,
+                          ticket, tenants=self.tenants)
 
     async def start_group(self, p: Prepared) -> GenerationGroup:
         """Admit once for every choice (prompts once, n x max_tokens each) and open one worker stream per
@@ -226,12 +231,14 @@ class GatewayService:
             if spec is None:
                 raise
             gateway_metrics.current().admission_refused(exc, p.tenant.name)
-            raise ApiError(spec.status, spec.message, spec.type, code=spec.code, headers=spec.headers) from None
+            raise ApiError(spec.status, spec.message, spec.type, code=spec.code,
+                           headers=spec.headers) from None
         # Runs before the admission context exits (LIFO), so settle sees the real usage.
         stack.callback(lambda: ticket.record_usage(usage.prompt_tokens, usage.completion_tokens,
                                                    usage.cached_tokens))
         if self.money is not None:
-            await self._hold_money(stack, p, usage, ticket, p.max_tokens if max_tokens is None else max_tokens)
+            await self._hold_money(stack, p, usage, ticket,
+                                   p.max_tokens if max_tokens is None else max_tokens)
         return ticket
 
     async def _hold_money(self, stack: AsyncExitStack, p: Prepared, usage: Usage, ticket: AdmissionTicket,

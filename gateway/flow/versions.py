@@ -1,5 +1,5 @@
-"""Which model version serves a request: the requested name (a version, a model name or an alias) resolved over
-the live pools to a `Target` (that version's tokenizer, Router and capacity gate), and the model listing.
+"""Which model version serves a request: the requested name (a version, a model name or an alias) resolved
+over the live pools to a `Target` (that version's tokenizer, Router and capacity gate), and the model listing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from tenancy import Tenant
 
 log = logging.getLogger("switchyard.gateway")
 
-MAX_TOKENIZERS = 32  # tokenizers (ServedModels) kept at once, least recently used dropped (a fleet's versions fit)
+# tokenizers (ServedModels) kept at once, least recently used dropped (a fleet's versions fit)
+MAX_TOKENIZERS = 32
 STICKY_PROMPT_CHARS = 1024  # a completion's version sticks to this much of its prompt
 VERSION_HEADER = "x-switchyard-model-version"
 
@@ -94,13 +95,13 @@ class SinglePool:
 class TokenizerCache:
     """ServedModels by (spec, fingerprint), at most MAX_TOKENIZERS; the gateway's own model is always there.
 
-    A load (0.2-0.4 s; seconds for a first GGUF conversion) never runs on the event loop and never holds the lock
-    other lookups take: on the loop, a tokenizer not loaded yet starts loading on a thread and the request gets a
-    retryable 503; off the loop (threads, the fleet's preload of each new version), the caller loads it, and
-    concurrent callers for the same key wait for that one load."""
+    A load (0.2-0.4 s; seconds for a first GGUF conversion) never runs on the event loop and never holds the
+    lock other lookups take: on the loop, a tokenizer not loaded yet starts loading on a thread and the
+    request gets a retryable 503; off the loop (threads, the fleet's preload of each new version), the caller
+    loads it, and concurrent callers for the same key wait for that one load."""
 
-    def __init__(self, default: ServedModel, default_spec: str, load: Callable[[str], ServedModel] = ServedModel.load,
-                 size: int = MAX_TOKENIZERS) -> None:
+    def __init__(self, default: ServedModel, default_spec: str,
+                 load: Callable[[str], ServedModel] = ServedModel.load, size: int = MAX_TOKENIZERS) -> None:
         self.default = default
         self.default_spec = default_spec
         self._load = load
@@ -110,8 +111,8 @@ class TokenizerCache:
         self._lock = threading.Lock()  # the dicts only: never held across a load
 
     def get(self, served: Served) -> ServedModel | str:
-        """The tokenizer of `served`, or why there is none (a load error or a fingerprint mismatch); on an event
-        loop, a 503 `model_unavailable` while it loads (`get` is the loop's cheap path: a dict lookup)."""
+        """The tokenizer of `served`, or why there is none (a load error or a fingerprint mismatch); on an
+        event loop, a 503 `model_unavailable` while it loads (the loop's cheap path: a dict lookup)."""
         if not served.spec or served.tokenizer == self.default.version or (
                 served.spec == self.default_spec and not served.tokenizer):
             return self.default
@@ -164,8 +165,9 @@ def _on_event_loop() -> bool:
 
 class AliasShares:
     """Per tenant and alias, the versions of its last `WINDOW` picks: a tenant whose sticky keys aim more than
-    CAP_FACTOR times a version's weight share at it (with a 3-sigma allowance for chance) (all its load at a 10% canary, say) has the excess sent to the
-    alias's other versions, so it cannot fill a canary's capacity and have others shed there."""
+    CAP_FACTOR times a version's weight share at it (with a 3-sigma allowance for chance) (all its load at a
+    10% canary, say) has the excess sent to the alias's other versions, so it cannot fill a canary's capacity
+    and have others shed there."""
 
     WINDOW, MIN_PICKS, CAP_FACTOR, MAX_KEYS = 200, 20, 2.0, 10_000
 
@@ -215,10 +217,10 @@ class FleetPools:
         return alias
 
     def pick(self, name: str, sticky: bytes, tenant: Tenant | None = None) -> str:
-        """The version key for `name`; 404 when nothing by that name exists, 503 when none of it is live (or its
-        alias record is malformed: the operator's mistake, never charged to the client). With `tenant`, an
-        alias picks only among the versions the tenant may use (403 when none), so its stickiness never lands a
-        request on a forbidden version."""
+        """The version key for `name`; 404 when nothing by that name exists, 503 when none of it is live (or
+        its alias record is malformed: the operator's mistake, never charged to the client). With `tenant`, an
+        alias picks only among the versions the tenant may use (403 when none), so its stickiness never lands
+        a request on a forbidden version."""
         fleet = self.fleet
         live = set(fleet.live_versions())
         alias = self.alias(name)
@@ -245,16 +247,18 @@ class FleetPools:
         return key
 
     def _alias_allowed(self, tenant: Tenant, name: str) -> bool:
-        """`name` itself is in the tenant's allow-list, and it names an alias only (an alias named like a model
-        never stands for that model's permission: the alias's versions are checked one by one instead)."""
-        return tenant.allows_model(name) and (tenant.allowed_models is None or not self.fleet.versions_of(name))
+        """`name` itself is in the tenant's allow-list, and it names an alias only (an alias named like a
+        model never stands for that model's permission: its versions are checked one by one instead)."""
+        return tenant.allows_model(name) and (tenant.allowed_models is None
+                                              or not self.fleet.versions_of(name))
 
     def resolve(self, name: str, tenant: Tenant, prefix: str, priority: Priority | None = None) -> Target:
         key = self.pick(name, sticky_key(tenant.name, name, prefix), tenant)
         served = self.fleet.served(key)
         router = self.fleet.router(key)
         assert served is not None and router is not None  # picked among the fleet's versions
-        if not ((self.alias(name) is not None and self._alias_allowed(tenant, name)) or self._allowed(tenant, key)
+        if not ((self.alias(name) is not None and self._alias_allowed(tenant, name))
+                or self._allowed(tenant, key)
                 or (self.alias(name) is None and tenant.allows_model(name))):
             raise api_errors.model_not_allowed(name)
         model = self.tokenizers.get(served)

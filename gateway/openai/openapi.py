@@ -47,8 +47,9 @@ _ERROR_STATUSES = {
     "413": "The request body is over the size limit (`request_too_large`).",
     "415": "A content type other than application/json (`unsupported_media_type`).",
     "429": "The tenant's quota (requests/min, tokens/min, concurrency); see `retry-after`.",
-    "503": "Our capacity, not your quota: `no_live_worker`, `server_overloaded`, `quota_service_unavailable`, "
-           "`worker_unavailable` or `server_shutting_down`; retry after `retry-after` seconds.",
+    "503": "Our capacity, not your quota: `no_live_worker`, `server_overloaded`, "
+           "`quota_service_unavailable`, `worker_unavailable` or `server_shutting_down`; retry after "
+           "`retry-after` seconds.",
 }
 
 _USAGE = {
@@ -64,7 +65,8 @@ _USAGE = {
 
 # OpenAPI 3.1 reads a text/event-stream schema as the schema of each event: a chunk, the
 # usage chunk, a final {"error": ...} or "[DONE]", each as one `data:` line.
-_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string", "minLength": 1}}}
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string", "minLength": 1}}}
 
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None]}
 _TOOL_CALL = {"type": "object", "required": ["id", "function"],
@@ -75,7 +77,8 @@ _TOOL_CALL = {"type": "object", "required": ["id", "function"],
 
 
 def _integer(lo: int, hi: int, description: str = "") -> dict[str, Any]:
-    return {"type": "integer", "minimum": lo, "maximum": hi, **({"description": description} if description else {})}
+    return {"type": "integer", "minimum": lo, "maximum": hi,
+            **({"description": description} if description else {})}
 
 
 def _nullable(props: dict[str, Any], required: tuple[str, ...]) -> dict[str, Any]:
@@ -102,7 +105,8 @@ def _common_fields() -> dict[str, Any]:
         "top_k": _integer(-1, 1_000_000, "0 or -1: no top-k."),
         "seed": _integer(-(2**63), 2**64 - 1),
         "stop": {"anyOf": [{"type": "string", "minLength": 1},
-                           {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1}}]},
+                           {"type": "array", "maxItems": MAX_STOP,
+                            "items": {"type": "string", "minLength": 1}}]},
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": ["boolean", "null"]}}},
         "n": _integer(1, MAX_N, "Choices per prompt: sibling sequences that share the prompt's KV pages; "
@@ -113,10 +117,11 @@ def _common_fields() -> dict[str, Any]:
         "service_tier": {"type": "string", "description": "Accepted and ignored; see `priority`."},
         "safety_identifier": {"type": "string", "description": "Accepted and ignored."},
         "prompt_cache_key": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_KEY,
-                             "description": "Routes requests with the same key (within your tenant) together."},
+                             "description": "Routes requests with the same key (within your tenant) "
+                                            "together."},
         "prompt_cache_retention": {"type": "string", "enum": ["in_memory", "24h"],
-                                   "description": "in_memory: evicted prefix pages stay in the workers' RAM tier; "
-                                                  "24h: they may also be written to a disk tier."},
+                                   "description": "in_memory: evicted prefix pages stay in the workers' RAM "
+                                                  "tier; 24h: they may also be written to a disk tier."},
         "ignore_eos": {"type": "boolean"},
         "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
         "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
@@ -142,7 +147,8 @@ def _response_format() -> dict[str, Any]:
     json_schema = {"type": "object", "additionalProperties": False, "properties": {
         "name": {"type": ["string", "null"]}, "description": {"type": ["string", "null"]},
         "strict": {"type": ["boolean", "null"], "description": "Output always follows the schema."},
-        "schema": {"type": ["object", "null"], "description": "A JSON schema; keywords that cannot be enforced "
+        "schema": {"type": ["object", "null"],
+                   "description": "A JSON schema; keywords that cannot be enforced "
                    "(not, if/then/else, uniqueItems, contains, ...) are a 400 naming "
                    "`response_format.json_schema.schema`. null: any JSON object."}}}
     return {"anyOf": [plain("text"), plain("json_object"),
@@ -157,8 +163,9 @@ def _tool_fields() -> dict[str, Any]:
     function = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
         "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
         "description": {"type": ["string", "null"]},
-        "parameters": {"type": ["object", "null"], "description": "A JSON schema (the call's arguments follow "
-                       "it); keywords that cannot be enforced are a 400 naming tools[i].function.parameters."},
+        "parameters": {"type": ["object", "null"], "description": "A JSON schema (the call's arguments "
+                       "follow it); keywords that cannot be enforced are a 400 naming "
+                       "tools[i].function.parameters."},
         "strict": {"type": ["boolean", "null"], "description": "Calls always follow the schema."}}}
     tool = {"type": "object", "required": ["type", "function"], "additionalProperties": False,
             "properties": {"type": {"type": "string", "enum": ["function"]}, "function": function}}
@@ -220,7 +227,8 @@ def _completion_request() -> dict[str, Any]:
 def _choice(chat: bool) -> dict[str, Any]:
     if chat:
         body = {"message": {"type": "object", "required": ["role", "content"],
-                            "properties": {"role": {"type": "string"}, "content": {"type": ["string", "null"]},
+                            "properties": {"role": {"type": "string"},
+                                           "content": {"type": ["string", "null"]},
                                            "tool_calls": {"type": "array", "items": _TOOL_CALL}}}}
     else:
         body = {"text": {"type": "string"}}
@@ -243,8 +251,8 @@ def _error_responses(statuses: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _generate_op(summary: str, request: str, response: str) -> dict[str, Any]:
-    ok = {"description": "The completion (JSON), or server-sent events when `stream` is true; a failure after "
-                         "the first event arrives as a final `data: {\"error\": ...}` event.",
+    ok = {"description": "The completion (JSON), or server-sent events when `stream` is true; a failure "
+                         "after the first event arrives as a final `data: {\"error\": ...}` event.",
           "content": {JSON: {"schema": {"$ref": f"#/components/schemas/{response}"}},
                       "text/event-stream": {"schema": _SSE_EVENT}}}
     errors = _error_responses(("400", "401", "403", "404", "408", "413", "415", "429", "503"))
@@ -264,8 +272,10 @@ def _plain_get(summary: str, media: str, schema: dict[str, Any], extra: dict[str
 
 
 def _model_get(card: dict[str, Any]) -> dict[str, Any]:
-    op = _plain_get("One model this key may use", JSON, card, _error_responses(("401", "404", "503")), secured=True)
-    op["get"]["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    op = _plain_get("One model this key may use", JSON, card, _error_responses(("401", "404", "503")),
+                    secured=True)
+    op["get"]["parameters"] = [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string"}}]
     return op
 
 
@@ -276,7 +286,8 @@ def build_document() -> dict[str, Any]:
                              "data": {"type": "array", "items": {
                                  "type": "object", "required": ["id", "object"],
                                  "properties": {"id": {"type": "string"}, "object": {"type": "string"},
-                                                "created": {"type": "integer"}, "owned_by": {"type": "string"}}}}}}
+                                                "created": {"type": "integer"},
+                                                "owned_by": {"type": "string"}}}}}}
     not_ready = {"503": {"description": "A worker or Redis is missing, or the gateway is draining.",
                          "content": {JSON: {"schema": {"type": "object"}}}}}
     return {
@@ -284,10 +295,11 @@ def build_document() -> dict[str, Any]:
         "info": {"title": "Switchyard gateway", "version": "1.0.0",
                  "description": "OpenAI-compatible chat and text completions for many tenants."},
         "paths": {
-            "/v1/chat/completions": _generate_op("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
+            "/v1/chat/completions": _generate_op("Chat completion", "ChatCompletionRequest",
+                                                 "ChatCompletion"),
             "/v1/completions": _generate_op("Text completion", "CompletionRequest", "Completion"),
-            "/v1/models": _plain_get("Models this key may use", JSON, models, _error_responses(("401", "503")),
-                                     secured=True),
+            "/v1/models": _plain_get("Models this key may use", JSON, models,
+                                     _error_responses(("401", "503")), secured=True),
             "/v1/models/{model}": _model_get(models["properties"]["data"]["items"]),
             "/health": _plain_get("Liveness", JSON, {"type": "object"}),
             "/ready": _plain_get("Readiness (worker and Redis reachable, not draining)", JSON,

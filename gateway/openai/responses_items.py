@@ -25,12 +25,13 @@ def chat_tools(raw: Any) -> Any:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             shown = f"type {kind[:40]!r}" if isinstance(kind, str) else "no function type"
-            raise invalid(f"Only function tools are supported; tools[{i}] has {shown} (web_search, file_search "
-                          "and the other hosted tools are not served).", param="tools")
+            raise invalid(f"Only function tools are supported; tools[{i}] has {shown} (web_search, "
+                          "file_search and the other hosted tools are not served).", param="tools")
         for key in tool:
             if key not in _TOOL_KEYS:
                 raise invalid(f"Unrecognized argument in a function tool: {key}", param=f"tools[{i}].{key}")
-        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type" and v is not None}})
+        out.append({"type": "function",
+                    "function": {k: v for k, v in tool.items() if k != "type" and v is not None}})
     return out
 
 
@@ -46,7 +47,7 @@ def chat_tool_choice(value: Any) -> Any:
 
 
 def responses_param(param: str, origins: list[str]) -> str:
-    """A chat parser's param in the Responses request's terms (`messages[3]` -> the `input[i]` it came from)."""
+    """A chat parser's param in the Responses request's terms (`messages[3]` -> its `input[i]`)."""
     param = param.replace(".function.", ".").replace(".function", "")
     m = _CHAT_PARAM.match(param)
     if m is None:
@@ -79,8 +80,8 @@ def chat_messages(raw: Any) -> tuple[list[dict[str, Any]], list[int]]:
         elif kind == "function_call_output":
             msg = _call_output(item, param)
         else:
-            raise invalid("Only message, function_call and function_call_output items are supported in 'input'.",
-                          param=param)
+            raise invalid("Only message, function_call and function_call_output items are supported in "
+                          "'input'.", param=param)
         out.append(msg)
         origins.append(i)
     return out, origins
@@ -104,8 +105,10 @@ def _parts_text(content: Any, param: str, kinds: tuple[str, ...]) -> Any:
         return content
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
-            raise invalid(f"Only text content parts ({', '.join(kinds)}) are supported.", param=f"{param}[{j}]")
+        if (not isinstance(part, dict) or part.get("type") not in kinds
+                or not isinstance(part.get("text"), str)):
+            raise invalid(f"Only text content parts ({', '.join(kinds)}) are supported.",
+                          param=f"{param}[{j}]")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -119,7 +122,8 @@ def _message(item: dict, param: str) -> dict[str, Any]:
 def _call(item: dict, param: str) -> dict[str, Any]:
     _unknown(item, _CALL_KEYS, param)
     return {"id": _string(item, "call_id", param), "type": "function",
-            "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)}}
+            "function": {"name": _string(item, "name", param),
+                         "arguments": _string(item, "arguments", param)}}
 
 
 def _call_output(item: dict, param: str) -> dict[str, Any]:
@@ -167,7 +171,8 @@ def function_call(item_id: str, call_id: str, name: str, arguments: str, status:
 
 
 def message(item_id: str, text: str | None, status: str) -> dict:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
+                                        "logprobs": []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 

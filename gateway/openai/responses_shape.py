@@ -1,4 +1,4 @@
-"""`POST /v1/responses` over the chat path: a Responses body parsed into a chat request, and its Response object."""
+"""`POST /v1/responses` over the chat path: a Responses body as a chat request, and its Response object."""
 
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ from gateway.openai.tool_output import ToolCallStream
 from gateway.web.api_errors import ApiError, invalid
 
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
-                    "store", "metadata", "user", "text", "reasoning", "tools", "tool_choice", "parallel_tool_calls",
-                    "prompt_cache_key", "safety_identifier", "service_tier", "truncation",
-                    "previous_response_id", "background"})
+                    "store", "metadata", "user", "text", "reasoning", "tools", "tool_choice",
+                    "parallel_tool_calls", "prompt_cache_key", "safety_identifier", "service_tier",
+                    "truncation", "previous_response_id", "background"})
 NOT_YET = frozenset({"conversation", "include", "prompt", "stream_options", "top_logprobs", "max_tool_calls"})
 _PASSED_ON = ("model", "temperature", "top_p", "stream", "metadata", "user", "prompt_cache_key",
               "safety_identifier", "service_tier", "parallel_tool_calls")
 # chat fields that name a Responses one in errors
-_PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+_PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+           "messages": "input"}
 
 
 def parse_responses(body: Any) -> GenerationRequest:
@@ -42,7 +43,8 @@ def parse_responses(body: Any) -> GenerationRequest:
     if body.get("truncation") not in (None, "disabled"):
         raise invalid("Only 'truncation': 'disabled' is supported.", param="truncation")
     chat: dict[str, Any] = {k: body[k] for k in _PASSED_ON if k in body}
-    instructions = _text(body["instructions"], "instructions") if body.get("instructions") is not None else None
+    instructions = (_text(body["instructions"], "instructions") if body.get("instructions") is not None
+                    else None)
     conversation, origins = chat_messages(body.get("input"))
     chat["messages"] = with_instructions(instructions, conversation)
     if body.get("max_output_tokens") is not None:
@@ -57,7 +59,8 @@ def parse_responses(body: Any) -> GenerationRequest:
     try:
         req = parse_chat(chat)
     except ApiError as exc:  # name the Responses field, not the chat one it became
-        _rename(exc, (["instructions"] if instructions is not None else []) + [f"input[{i}]" for i in origins])
+        _rename(exc, (["instructions"] if instructions is not None else [])
+                + [f"input[{i}]" for i in origins])
         raise
     req.api, req.instructions = "responses", instructions
     req.conversation = req.messages[1:] if instructions is not None else req.messages
@@ -78,7 +81,8 @@ def _stored_fields(body: dict, req: GenerationRequest) -> None:
     """`previous_response_id`, `store` and `background` (which needs `store` and no `stream`)."""
     previous = body.get("previous_response_id")
     if previous is not None and (not isinstance(previous, str) or not previous.startswith("resp_")):
-        raise invalid("'previous_response_id' must be a response id (resp_...).", param="previous_response_id")
+        raise invalid("'previous_response_id' must be a response id (resp_...).",
+                      param="previous_response_id")
     req.previous_response_id = previous
     store = body.get("store", True)
     if not isinstance(store, bool):
@@ -89,8 +93,8 @@ def _stored_fields(body: dict, req: GenerationRequest) -> None:
         raise invalid("'background' must be a boolean.", param="background")
     req.background = bool(background)
     if req.background and not store:
-        raise invalid("'background': true needs 'store': true (a background response is polled from the store).",
-                      param="background")
+        raise invalid("'background': true needs 'store': true (a background response is polled from the "
+                      "store).", param="background")
     if req.background and req.stream:
         raise invalid("Streaming a background response is not supported yet; poll it with GET "
                       "/v1/responses/{id}.", param="stream")

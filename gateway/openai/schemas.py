@@ -23,7 +23,8 @@ MAX_PROMPTS = 16  # prompts in one completions request
 MAX_CACHE_KEY = 256
 MAX_LOGIT_BIAS = 300
 MAX_MESSAGES = 2048
-BODY_NUMBER_SLACK = 64  # numbers a body may hold beside prompts, logit_bias and schemas (max_tokens, seed, ...)
+# numbers a body may hold beside prompts, logit_bias and schemas (max_tokens, seed, ...)
+BODY_NUMBER_SLACK = 64
 MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`
 MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`
 _MISSING = object()
@@ -76,18 +77,22 @@ class GenerationRequest:
     priority: Priority | None = None
     grammar: GrammarSpec | None = None  # from `response_format`: the output is constrained to it
     speculative: bool = True  # extension: false opts out of n-gram speculative decoding (same output)
-    prompt_cache_retention: str = ""  # "in_memory" (KV tiers in RAM only) | "24h" (may go to disk) | "": default
-    api: str = ""  # "responses": a chat request that came as a Responses one (`gateway.openai.responses_shape`)
+    # "in_memory" (KV tiers in RAM only) | "24h" (may go to disk) | "": default
+    prompt_cache_retention: str = ""
+    # "responses": a chat request that came as a Responses one (`gateway.openai.responses_shape`)
+    api: str = ""
     instructions: str | None = None  # responses: the system message, never carried to the next turn
-    conversation: list[dict[str, Any]] | None = None  # responses: the turns so far (a previous response's, then input)
+    # responses: the turns so far (a previous response's, then input)
+    conversation: list[dict[str, Any]] | None = None
     previous_response_id: str | None = None
     new_turns: int = 0  # responses: how many turns of `conversation` this request's input added
     store: bool = True  # responses: keep it (`gateway.responses.response_store`)
-    background: bool = False  # responses: run as a gateway task, polled by id (`gateway.responses.background`)
+    # responses: run as a gateway task, polled by id (`gateway.responses.background`)
+    background: bool = False
 
 
 def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, param: str | None = None) -> Any:
-    """The field's value, None when absent or null; 400 (naming `param`, default `name`) when of the wrong type."""
+    """The field's value, None when absent or null; 400 (naming `param`, default `name`) if mistyped."""
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         return None
@@ -190,7 +195,8 @@ def _common(body: Any, kind: str) -> GenerationRequest:
 def _retention(body: dict) -> str:
     value = _get(body, "prompt_cache_retention", (str,), "a string")
     if value is not None and value not in ("in_memory", "24h"):
-        raise invalid("'prompt_cache_retention' must be 'in_memory' or '24h'.", param="prompt_cache_retention")
+        raise invalid("'prompt_cache_retention' must be 'in_memory' or '24h'.",
+                      param="prompt_cache_retention")
     return value or ""
 
 
@@ -198,7 +204,7 @@ _JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
 
 
 def _response_format(value: Any) -> GrammarSpec | None:
-    """`{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict, description}}`."""
+    """{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict, description}}"""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -236,7 +242,8 @@ def _response_format(value: Any) -> GrammarSpec | None:
 def _repetition(body: dict) -> float:
     value = _number(body, "repetition_penalty", 0.0, 2.0, 1.0)
     if value <= 0.0:
-        raise invalid("'repetition_penalty' must be greater than 0 and at most 2.", param="repetition_penalty")
+        raise invalid("'repetition_penalty' must be greater than 0 and at most 2.",
+                      param="repetition_penalty")
     return value
 
 
@@ -259,7 +266,8 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
 def _cache_key(body: dict) -> str | None:
     value = _get(body, "prompt_cache_key", (str,), "a string")
     if value is not None and not 0 < len(value) <= MAX_CACHE_KEY:
-        raise invalid(f"'prompt_cache_key' must be 1 to {MAX_CACHE_KEY} characters.", param="prompt_cache_key")
+        raise invalid(f"'prompt_cache_key' must be 1 to {MAX_CACHE_KEY} characters.",
+                      param="prompt_cache_key")
     return value
 
 
@@ -374,10 +382,12 @@ def parse_completion(body: Any) -> GenerationRequest:
     _check_min_tokens(req)
     req.echo = _bool(body, "echo")
     if req.echo and req.logprobs:
-        raise invalid("'echo' with 'logprobs' is not supported (prompt logprobs are not computed).", param="echo")
+        raise invalid("'echo' with 'logprobs' is not supported (prompt logprobs are not computed).",
+                      param="echo")
     best_of = _int(body, "best_of", 1, MAX_N)
     if best_of not in (None, 1):
-        raise invalid("'best_of' above 1 is not supported (candidates are not ranked); use 'n'.", param="best_of")
+        raise invalid("'best_of' above 1 is not supported (candidates are not ranked); use 'n'.",
+                      param="best_of")
     return req
 
 

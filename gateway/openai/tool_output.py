@@ -1,7 +1,7 @@
 """Response side of tool calling: a choice's text split, as it streams, into content and OpenAI tool calls.
 
-The call grammar (worker.protocol.grammar_spec, Hermes style) makes a reply either plain text or calls only, each
-`<tool_call>\\n{"name": "...", "arguments": {...}}\\n</tool_call>`, calls separated by a newline; compact
+The call grammar (worker.protocol.grammar_spec, Hermes style) makes a reply either plain text or calls only,
+each `<tool_call>\\n{"name": "...", "arguments": {...}}\\n</tool_call>`, calls separated by a newline; compact
 JSON holds no raw newline, so the first `}\\n</tool_call>` ends the arguments.
 """
 
@@ -27,7 +27,8 @@ class ToolCall:
     arguments: str = ""
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(slots=True)

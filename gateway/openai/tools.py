@@ -93,7 +93,8 @@ def _tool(value: Any, param: str) -> dict[str, Any]:
             raise invalid(f"Unrecognized argument in a function: {key}", param=f"{param}.function.{key}")
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise invalid("A function name must be 1-64 letters, digits, '_' or '-'.", param=f"{param}.function.name")
+        raise invalid("A function name must be 1-64 letters, digits, '_' or '-'.",
+                      param=f"{param}.function.name")
     desc = fn.get("description")
     if desc is not None and not isinstance(desc, str):
         raise invalid("'description' must be a string.", param=f"{param}.function.description")
@@ -122,9 +123,11 @@ def _choice(value: Any, names: list[str]) -> str:
     fn = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise invalid("'tool_choice' must be {'type': 'function', 'function': {'name': ...}}.", param="tool_choice")
+        raise invalid("'tool_choice' must be {'type': 'function', 'function': {'name': ...}}.",
+                      param="tool_choice")
     if name not in names:
-        raise invalid(f"'tool_choice' names function {name[:64]!r}, which is not in 'tools'.", param="tool_choice")
+        raise invalid(f"'tool_choice' names function {name[:64]!r}, which is not in 'tools'.",
+                      param="tool_choice")
     return name
 
 
@@ -141,6 +144,7 @@ def message_tool_calls(msg: dict, param: str) -> list[dict[str, str]]:
                 or not isinstance(call.get("id"), str):
             raise invalid("A tool call needs 'id', 'type': 'function' and 'function'.", param=where)
         if not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise invalid("A tool call's function needs string 'name' and 'arguments'.", param=f"{where}.function")
+            raise invalid("A tool call's function needs string 'name' and 'arguments'.",
+                          param=f"{where}.function")
         out.append({"id": call["id"], "name": fn["name"], "arguments": fn["arguments"]})
     return out

@@ -1,4 +1,4 @@
-"""Background responses: gateway tasks that store their result, bounded, cancellable from any gateway, ended on shutdown."""
+"""Background responses: stored, bounded gateway tasks, cancellable from any gateway, ended on shutdown."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ MAX_PER_TENANT = 16  # background runs in flight per tenant on one gateway (429 
 MAX_PER_GATEWAY = 256  # background runs in flight on one gateway (503 past it)
 WATCH_INTERVAL_S = 1.0  # how often a gateway looks for cancels asked on another (or deletes) of its runs
 STOP_WAIT_S = 5.0  # a cancel, or the shutdown, waits this long for runs to record how they ended
-LOST_AFTER_S = 60.0  # past its deadline by this, a run still in progress is reported failed (its gateway died)
+# past its deadline by this, a run still in progress is reported failed (its gateway died)
+LOST_AFTER_S = 60.0
 SHUTDOWN_ERROR = {"code": "server_error", "message": "The gateway running this background response shut down "
                   "before it finished; create it again."}
 TOO_LARGE_ERROR = {"code": "server_error", "message": "The response is larger than a stored response may be."}
@@ -45,13 +46,13 @@ class Run:
 
 
 def _error(exc: ApiError) -> dict:
-    """A Response's `error` for an API error that ended a run (its codes are a fixed set: the message says more)."""
+    """A Response's `error` for an API error that ended a run (fixed codes: the message says more)."""
     code = {400: "invalid_prompt", 429: "rate_limit_exceeded"}.get(exc.status, "server_error")
     return {"code": code, "message": exc.message}
 
 
 class BackgroundRuns:
-    """This gateway's background runs: each holds a drain slot, so a drain waits for them (up to its grace)."""
+    """This gateway's background runs: each holds a drain slot, so a drain waits for them (to its grace)."""
 
     def __init__(self, service: GatewayService, conversations: Conversations, drain: DrainState, *,
                  per_tenant: int = MAX_PER_TENANT, per_gateway: int = MAX_PER_GATEWAY) -> None:
@@ -67,7 +68,7 @@ class BackgroundRuns:
         return self.conversations.store
 
     def reserve(self, tenant: str, response_id: str) -> Run:
-        """A slot for one more run (429 past the tenant's bound, 503 past the gateway's); `release` it if unused."""
+        """A run's slot (429 past the tenant's bound, 503 past the gateway's); `release` it if unused."""
         if self.conversations.store is None:
             raise api_errors.invalid("This gateway stores no responses, so it runs none in the background.",
                                      param="background")
@@ -92,8 +93,8 @@ class BackgroundRuns:
         body = shape.response("queued", [])
         try:
             if not await self.conversations.save_background(p.tenant, p.req, body, deadline, start=True):
-                raise api_errors.invalid("The request is larger than a stored response may be, so it cannot run in "
-                                         "the background.", param="background")
+                raise api_errors.invalid("The request is larger than a stored response may be, so it cannot "
+                                         "run in the background.", param="background")
         except BaseException:
             if gen.ticket is not None:
                 gen.ticket.unserved()  # nothing reached a worker: refund it all
@@ -107,8 +108,8 @@ class BackgroundRuns:
             self._watcher = asyncio.create_task(self._watch(), name="background watcher")
         return body
 
-    async def _drive(self, run: Run, gen: Generation, trace: RequestTrace, on_close: Callable[[], Awaitable[None]],
-                     deadline: float) -> None:
+    async def _drive(self, run: Run, gen: Generation, trace: RequestTrace,
+                     on_close: Callable[[], Awaitable[None]], deadline: float) -> None:
         parts: list[str] = []
         status, finish, error = "failed", None, None
         try:
@@ -128,14 +129,16 @@ class BackgroundRuns:
             status = "cancelled" if run.stop == "cancel" else "failed"
             error = None if run.stop == "cancel" else SHUTDOWN_ERROR
         except TimeoutError:
-            error = {"code": "server_error", "message": "The response did not finish within the request deadline."}
+            error = {"code": "server_error",
+                     "message": "The response did not finish within the request deadline."}
         except ApiError as exc:
             error = _error(exc)
         except Exception:
             log.exception("background response %s failed", run.response_id)
             error = {"code": "server_error", "message": "Internal server error."}
         finally:
-            await on_close()  # aborts the worker request if still running and settles (refunds) the reservation
+            # aborts the worker request if still running and settles (refunds) the reservation
+            await on_close()
         if not await self._save(gen, status, parts, deadline, final=True, finish=finish, error=error) \
                 and status != "cancelled":  # too large to store, or refused: cancelled or deleted meanwhile
             await self._save(gen, "failed", [], deadline, final=True, finish=finish, error=TOO_LARGE_ERROR)
@@ -157,8 +160,8 @@ class BackgroundRuns:
                         type(exc).__name__)
             return False
         if not saved and final:
-            log.info("background response %s ended %s; not stored (cancelled, deleted or too large)", body["id"],
-                     status)
+            log.info("background response %s ended %s; not stored (cancelled, deleted or too large)",
+                     body["id"], status)
         return saved
 
     async def _watch(self) -> None:
@@ -183,7 +186,7 @@ class BackgroundRuns:
             run.task.cancel()
 
     async def cancel(self, tenant: str, response_id: str) -> dict:
-        """Cancel a background run of this tenant's, wherever it runs; its response as it ended (`cancelled`)."""
+        """Cancel this tenant's background run, wherever it runs; its response as it ended (`cancelled`)."""
         store = self.conversations.store
         doc = None if store is None else await store.get(tenant, response_id)
         if store is None or doc is None:
@@ -203,8 +206,8 @@ class BackgroundRuns:
         return await self._cancelled(tenant, response_id)
 
     async def _cancelled(self, tenant: str, response_id: str) -> dict:
-        """After a cancel was asked: the run's own record, or (it runs on another gateway, or is lost) `cancelled`
-        stored here; that gateway's watcher stops it within WATCH_INTERVAL_S and stores its usage."""
+        """After a cancel was asked: the run's own record, or (it runs on another gateway, or is lost)
+        `cancelled` stored here; its gateway's watcher stops it within WATCH_INTERVAL_S, storing its usage."""
         doc = await self.store.get(tenant, response_id)
         if doc is None:
             raise api_errors.response_not_found(response_id)  # deleted meanwhile

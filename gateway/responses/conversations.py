@@ -40,8 +40,8 @@ class Conversations:
             raise
         status = reported(prev)["status"]
         if status in ("queued", "in_progress"):
-            raise invalid(f"Previous response '{req.previous_response_id}' is still {status}; continue from it once "
-                          "it has ended.", param="previous_response_id")
+            raise invalid(f"Previous response '{req.previous_response_id}' is still {status}; continue from "
+                          "it once it has ended.", param="previous_response_id")
         assert req.conversation is not None
         req.conversation = prev["conversation"] + req.conversation
         req.messages = responses_shape.with_instructions(req.instructions, req.conversation)
@@ -58,7 +58,8 @@ class Conversations:
         assert self.store is not None and req.conversation is not None
         if start:
             return await self.store.save(tenant.name, body, *_stored(req, body), run_deadline=deadline)
-        return await self.store.save_run(tenant.name, body, *_stored(req, body), run_deadline=deadline, final=final)
+        return await self.store.save_run(tenant.name, body, *_stored(req, body), run_deadline=deadline,
+                                         final=final)
 
 
 def _stored(req: GenerationRequest, body: dict) -> tuple[list[dict], list[dict]]:
@@ -66,4 +67,5 @@ def _stored(req: GenerationRequest, body: dict) -> tuple[list[dict], list[dict]]
     assert req.conversation is not None
     turns = req.conversation
     ended = body["status"] not in ("queued", "in_progress")
-    return input_items(turns, req.new_turns), [*turns, assistant_turn(body["output"])] if ended else list(turns)
+    return (input_items(turns, req.new_turns),
+            [*turns, assistant_turn(body["output"])] if ended else list(turns))

@@ -1,5 +1,5 @@
-"""A background run's events in its log, so `GET /v1/responses/{id}?stream=true` can replay and tail it: the run
-goes through the same typed events a streamed response sends (`gateway.responses.response_events`)."""
+"""A background run's events in its log, so `GET /v1/responses/{id}?stream=true` can replay and tail it: the
+run goes through the same typed events a streamed response sends (`gateway.responses.response_events`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 class _Recorder:
-    """The run's generation as the event stream sees it, keeping its text, finish reason and error for the run."""
+    """The run's generation as the event stream sees it; it keeps the run's text, finish reason and error."""
 
     def __init__(self, gen: Generation, parts: list[str]) -> None:
         self._gen, self.parts = gen, parts
@@ -42,7 +42,8 @@ async def _stored(body: dict) -> bool:
     return True  # the run stores its response itself (`responses_background`)
 
 
-async def logged_run(logs: EventLogs, gen: Generation, first: Delta | None, trace: Any, parts: list[str]) -> str | None:
+async def logged_run(logs: EventLogs, gen: Generation, first: Delta | None, trace: Any,
+                     parts: list[str]) -> str | None:
     """Drive a background run to its end through the stream events, each logged; its text goes into `parts`.
     Its finish reason; the API error that ended it is raised again."""
     rec = _Recorder(gen, parts)

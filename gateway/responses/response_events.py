@@ -1,4 +1,4 @@
-"""A streamed Response: the typed events the `openai` SDK parses, numbered by `sequence_number`, stored at the end."""
+"""A streamed Response: the typed events the `openai` SDK parses, by `sequence_number`, stored at the end."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 async def stream_events(gen: Generation, first: Delta | None, trace: Any,
                         save: Callable[[dict], Awaitable[bool]]) -> AsyncIterator[bytes]:
-    """`response.created` ... `response.completed` (or `.incomplete`); an error mid-stream is an `error` event.
-    Output items open as their text arrives: a message, or function calls (`response.function_call_arguments.*`)."""
+    """`response.created` ... `response.completed` (or `.incomplete`); a mid-stream error is an `error` event.
+    Items open as their text arrives: a message, or function calls (`response.function_call_arguments.*`)."""
     shape: ResponsesShape = gen.prepared.shape  # type: ignore[assignment]
     seq = 0
 

@@ -1,9 +1,9 @@
-"""Stored responses (`store`, the default): each response's object, its input items and the conversation so far
-(for `previous_response_id`) in Redis under the tenant's hash tag, so another tenant's id is a miss (404), with a
-TTL, a per-tenant count bound (oldest dropped) and a size bound per response (a larger one is not stored).
+"""Stored responses (`store`, the default): each response's object, its input items and the conversation so
+far (for `previous_response_id`) in Redis under the tenant's hash tag, so another tenant's id is a miss (404),
+with a TTL, a per-tenant count bound (oldest dropped) and a size bound per response (larger: not stored).
 
 A background run also has a state key (`running`, `cancel` once a cancel was asked, then its final status):
-its later saves go through a script that refuses any but `cancelled` after a cancel, whichever gateway asked."""
+its later saves go through a script that refuses any but `cancelled` after a cancel, from any gateway."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ MAX_PER_TENANT = 1_000
 MAX_BYTES = 1 << 20
 
 
-LOST_ERROR = {"code": "server_error", "message": "The gateway running this background response was lost before "
-              "it finished; create it again."}
+LOST_ERROR = {"code": "server_error", "message": "The gateway running this background response was lost "
+              "before it finished; create it again."}
 
 
 def reported(doc: dict) -> dict:
-    """A stored response as clients see it: a background run past its deadline and still in progress has failed
-    (its gateway died before it could record how it ended)."""
+    """A stored response as clients see it: a background run past its deadline and still in progress has
+    failed (its gateway died before it could record how it ended)."""
     resp = doc["response"]
     if resp["status"] in ("queued", "in_progress") and time.time() > doc.get("run_deadline", float("inf")):
         return {**resp, "status": "failed", "error": LOST_ERROR}
@@ -68,18 +68,20 @@ class ResponseStore:
         self._redis = client
         self.ttl_s, self.max_per_tenant, self.max_bytes = ttl_s, max_per_tenant, max_bytes
 
-    def _blob(self, response: dict, input_items: list[dict], conversation: list[dict], **extra: Any) -> str | None:
-        blob = json.dumps({"response": response, "input_items": input_items, "conversation": conversation, **extra},
-                          separators=(",", ":"))
+    def _blob(self, response: dict, input_items: list[dict], conversation: list[dict],
+              **extra: Any) -> str | None:
+        blob = json.dumps({"response": response, "input_items": input_items, "conversation": conversation,
+                           **extra}, separators=(",", ":"))
         if len(blob) > self.max_bytes:
-            log.info("response %s not stored: %d bytes over the %d bound", response["id"], len(blob), self.max_bytes)
+            log.info("response %s not stored: %d bytes over the %d bound", response["id"], len(blob),
+                     self.max_bytes)
             return None
         return blob
 
     async def save(self, tenant: str, response: dict, input_items: list[dict], conversation: list[dict],
                    *, run_deadline: float | None = None) -> bool:
-        """Store one response; False (nothing stored) when it is over the size bound. With `run_deadline` (epoch
-        seconds) it starts a background run: its state is `running` and later saves go through `save_run`."""
+        """Store one response; False (nothing stored) when it is over the size bound. With `run_deadline`
+        (epoch seconds) it starts a background run: state `running`, later saves through `save_run`."""
         extra = {} if run_deadline is None else {"run_deadline": run_deadline}
         blob = self._blob(response, input_items, conversation, **extra)
         if blob is None:
@@ -102,7 +104,8 @@ class ResponseStore:
         if count > self.max_per_tenant:
             old = await self._redis.zrange(idx, 0, count - self.max_per_tenant - 1)
             if old:
-                await self._redis.delete(*[_key(tenant, (o.decode() if isinstance(o, bytes) else o)) for o in old])
+                await self._redis.delete(*[_key(tenant, (o.decode() if isinstance(o, bytes) else o))
+                                           for o in old])
                 await self._redis.zrem(idx, *old)
 
     async def save_run(self, tenant: str, response: dict, input_items: list[dict], conversation: list[dict],
@@ -113,8 +116,8 @@ class ResponseStore:
         if blob is None:
             return False
         rid = response["id"]
-        saved = await self._redis.eval(_SAVE_RUN, 2, _key(tenant, rid), _run(tenant, rid), blob, response["status"],
-                                       self.ttl_s, 1 if final else 0)
+        saved = await self._redis.eval(_SAVE_RUN, 2, _key(tenant, rid), _run(tenant, rid), blob,
+                                       response["status"], self.ttl_s, 1 if final else 0)
         return bool(saved)
 
     async def cancel_run(self, tenant: str, response_id: str) -> str | None:
@@ -123,8 +126,8 @@ class ResponseStore:
         return state.decode() if isinstance(state, bytes) else state
 
     async def stop_asked(self, runs: list[tuple[str, str]]) -> list[bool]:
-        """Which of these (tenant, response id) runs should stop: no longer `running` (a cancel from any gateway,
-        or deleted)."""
+        """Which of these (tenant, response id) runs should stop: no longer `running` (a cancel from any
+        gateway, or deleted)."""
         pipe = self._redis.pipeline(transaction=False)
         for tenant, rid in runs:
             pipe.get(_run(tenant, rid))

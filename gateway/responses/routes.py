@@ -1,4 +1,4 @@
-"""HTTP endpoints of stored responses: GET, DELETE, GET .../input_items and POST .../cancel, scoped to the key's tenant."""
+"""Stored responses over HTTP: GET, DELETE, GET .../input_items, POST .../cancel, in the key's tenant."""
 
 from __future__ import annotations
 
@@ -74,12 +74,13 @@ _RESPONSES_QUERY = frozenset({"stream", "starting_after", "include_obfuscation"}
 
 
 def wants_stream(request: Request) -> bool:
-    return request.method == "GET" and request.query_params.get("stream", "false").lower() not in ("false", "0")
+    return (request.method == "GET"
+            and request.query_params.get("stream", "false").lower() not in ("false", "0"))
 
 
 async def resume_response(request: Request, tenant: Tenant, response_id: str) -> Response:
     """GET /v1/responses/{id}?stream=true: its events after `starting_after` (or `Last-Event-ID`; default:
-    from the first), then the live tail. `include_obfuscation` is accepted and ignored (no obfuscation here)."""
+    from the first), then the live tail. `include_obfuscation` is accepted and ignored (never obfuscated)."""
     config = request.app.state.config
     query = request.query_params
     for name in query:
@@ -88,11 +89,12 @@ async def resume_response(request: Request, tenant: Tenant, response_id: str) ->
     if query["stream"].lower() not in ("true", "1"):
         raise api_errors.invalid("'stream' must be true or false.", param="stream")
     if config.event_logs is None:
-        raise api_errors.invalid("This gateway keeps no stream events, so a response cannot be streamed again.",
-                                 param="stream")
+        raise api_errors.invalid("This gateway keeps no stream events, so a response cannot be "
+                                 "streamed again.", param="stream")
     after = query.get("starting_after", request.headers.get("last-event-id", "-1")).strip()
     if not re.fullmatch(r"-1|\d{1,9}", after):
-        raise api_errors.invalid("'starting_after' must be an event's sequence_number.", param="starting_after")
+        raise api_errors.invalid("'starting_after' must be an event's sequence_number.",
+                                 param="starting_after")
     if not response_id.startswith("resp_"):
         raise api_errors.response_not_found(response_id)
     svc = request.app.state.service
@@ -105,8 +107,9 @@ async def resume_response(request: Request, tenant: Tenant, response_id: str) ->
             raise
         doc = await request.app.state.conversations.stored_response(tenant, response_id)  # 404 unless stored
         if reported(doc)["status"] not in ("queued", "in_progress") or "run_deadline" not in doc:
-            raise api_errors.invalid("This response has no stream events to send: it ran neither streamed nor in the "
-                                     "background, or its events expired.", param="stream") from None
+            raise api_errors.invalid("This response has no stream events to send: it ran neither streamed "
+                                     "nor in the background, or its events expired.",
+                                     param="stream") from None
         # a background run before its first token: tail the log it will write
         replay.starts_by = time.monotonic() + max(0.0, doc["run_deadline"] - time.time())
     return replay_response(request, replay)

@@ -1,1 +1,1 @@
-"""Resumable streams: every SSE event numbered, an event log per stream in Redis, and replay from any gateway."""
+"""Resumable streams: every SSE event numbered, an event log per stream in Redis, replay from any gateway."""

@@ -1,9 +1,9 @@
-"""The event log of each stream: a Redis stream per SSE stream, under its tenant's hash tag, bounded and expiring.
+"""Each stream's event log: a Redis stream per SSE stream, under its tenant's hash tag, bounded and expiring.
 
 Writes are batched: events wait in memory and one flusher task sends every open stream's new events in one
 pipeline each FLUSH_S, one entry per stream and flush (its events joined; entry id = its last event's), so no
-token costs a Redis command. A `live` key, refreshed by the flusher while the stream's gateway still carries it,
-tells a reader on another gateway whether more events can come."""
+token costs a Redis command. A `live` key, refreshed by the flusher while the stream's gateway still carries
+it, tells a reader on another gateway whether more events can come."""
 
 from __future__ import annotations
 
@@ -69,13 +69,15 @@ class StreamLog:
 class EventLogs:
     """This gateway's open stream logs and their flusher."""
 
-    def __init__(self, client: Any, *, flush_s: float = FLUSH_S, ttl_s: int = TTL_S, max_entries: int = MAX_ENTRIES,
-                 max_pending: int = MAX_PENDING, live_ttl_s: float = LIVE_TTL_S) -> None:
+    def __init__(self, client: Any, *, flush_s: float = FLUSH_S, ttl_s: int = TTL_S,
+                 max_entries: int = MAX_ENTRIES, max_pending: int = MAX_PENDING,
+                 live_ttl_s: float = LIVE_TTL_S) -> None:
         self.redis = client
         self.flush_s, self.ttl_s, self.max_entries = flush_s, ttl_s, max_entries
         self.max_pending, self.live_ttl_s = max_pending, live_ttl_s
         self._open: dict[str, StreamLog] = {}
-        self.readers, self.max_readers = 0, MAX_READERS  # replays being served (`gateway.streams.resume_routes`)
+        # replays being served (`gateway.streams.resume_routes`)
+        self.readers, self.max_readers = 0, MAX_READERS
         self._pending = 0
         self._flusher: asyncio.Task | None = None
         self._detached: set[asyncio.Task] = set()  # streams whose client left, running on (`resumable`)
@@ -94,8 +96,8 @@ class EventLogs:
         if self._pending >= self.max_pending:
             if not stream.dropped:
                 gateway_metrics.current().stream_log_dropped.inc()
-                log.warning("event log: %d events wait for Redis; stream %s is no longer logged", self._pending,
-                            stream.stream_id)
+                log.warning("event log: %d events wait for Redis; stream %s is no longer logged",
+                            self._pending, stream.stream_id)
             stream.dropped = True
         elif not stream.dropped:
             stream.pending.append(data)
@@ -103,8 +105,8 @@ class EventLogs:
         return seq
 
     def end(self, stream: StreamLog, *, whole: bool) -> None:
-        """Close the log: an end entry (`done`, or `cut` when the stream stopped early or events were dropped),
-        at the sequence number after its last event's."""
+        """Close the log: an end entry (`done`, or `cut` when the stream stopped early or events were
+        dropped), at the sequence number after its last event's."""
         if not stream.ended:
             stream.ended, stream.whole = True, whole and not stream.dropped
 
@@ -118,7 +120,7 @@ class EventLogs:
             await self.flush()
 
     async def flush(self) -> None:
-        """Send every buffered event, refresh the `live` keys and expiries, forget ended logs (one pipeline)."""
+        """Send every buffered event, refresh `live` keys and expiries, forget ended logs (one pipeline)."""
         now = time.monotonic()
         batch = [(s, s.pending, s.next_seq, s.ended) for s in self._open.values()
                  if s.pending or s.ended or now - s.refreshed >= LIVE_REFRESH_S]
@@ -128,8 +130,8 @@ class EventLogs:
         for s, chunk, next_seq, ended in batch:
             s.pending = []  # events appended while this flush is on its way go in the next one
             if chunk:
-                pipe.xadd(s.key, {FIRST: next_seq - len(chunk), DATA: b"".join(chunk)}, id=entry_id(next_seq - 1),
-                          maxlen=self.max_entries, approximate=False)
+                pipe.xadd(s.key, {FIRST: next_seq - len(chunk), DATA: b"".join(chunk)},
+                          id=entry_id(next_seq - 1), maxlen=self.max_entries, approximate=False)
             if ended:
                 pipe.xadd(s.key, {END: b"done" if s.whole else b"cut"}, id=entry_id(next_seq),
                           maxlen=self.max_entries, approximate=False)
@@ -145,7 +147,7 @@ class EventLogs:
             for s, chunk, _, _ in batch:
                 s.pending[:0] = chunk
             return
-        # an entry a failed flush had already written is refused as "equal or smaller" when sent again: it is there
+        # an entry a failed flush wrote is refused as "equal or smaller" when sent again: it is there
         refused = [r for r in results if isinstance(r, Exception) and "equal or smaller" not in str(r)]
         if refused:
             log.warning("event log: Redis refused %d writes: %s", len(refused), type(refused[0]).__name__)

@@ -1,4 +1,4 @@
-"""Where the routes meet resumable streams: a stream's body and clean-up wrapped when the gateway logs events."""
+"""Where routes meet resumable streams: a stream's body and clean-up wrapped when the gateway logs events."""
 
 from __future__ import annotations
 

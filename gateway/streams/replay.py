@@ -22,8 +22,8 @@ BATCH = 256  # entries read per XRANGE
 
 
 def stream_not_found(stream_id: str) -> ApiError:
-    return ApiError(404, f"No stream with id '{stream_id[:64]}' to resume (unknown, another tenant's, or expired).",
-                    param="Last-Event-ID", code="stream_not_found")
+    return ApiError(404, f"No stream with id '{stream_id[:64]}' to resume (unknown, another tenant's, or "
+                    "expired).", param="Last-Event-ID", code="stream_not_found")
 
 
 def split(joined: bytes) -> list[bytes]:
@@ -32,7 +32,7 @@ def split(joined: bytes) -> list[bytes]:
 
 
 class Replay:
-    """One reader of one stream's log (the tenant comes from the caller's key, so another tenant's is a 404)."""
+    """One reader of one stream's log (the tenant comes from the caller's key: another tenant's is a 404)."""
 
     def __init__(self, client: Any, tenant: str, stream_id: str, after: int, *, id_prefix: str = "",
                  responses: bool = False, deadline_s: float = 600.0) -> None:
@@ -40,7 +40,8 @@ class Replay:
         self.after, self.prefix, self.responses = after, id_prefix.encode(), responses
         self.key = log_key(tenant, stream_id)
         self.deadline = time.monotonic() + deadline_s
-        self.starts_by = 0.0  # time.monotonic() until which a log not written yet may still start (a queued run)
+        # time.monotonic() until which a log not written yet may still start (a queued run)
+        self.starts_by = 0.0
 
     async def check(self) -> None:
         """404 when there is no such log (after APPEAR_S), 400 when the events after `after` were trimmed."""
@@ -52,9 +53,9 @@ class Replay:
             await asyncio.sleep(FLUSH_S)
         first = await self.redis.xrange(self.key, count=1)
         if first and FIRST in first[0][1] and int(first[0][1][FIRST]) > self.after + 1:
-            raise api_errors.invalid(f"Events up to {int(first[0][1][FIRST]) - 1} of this stream are no longer kept; "
-                                     "resume from a later one.", param="starting_after" if self.responses
-                                     else "Last-Event-ID")
+            raise api_errors.invalid(f"Events up to {int(first[0][1][FIRST]) - 1} of this stream are no "
+                                     "longer kept; resume from a later one.",
+                                     param="starting_after" if self.responses else "Last-Event-ID")
 
     async def events(self) -> AsyncIterator[bytes]:
         """The framed events after `after`, then the tail; an error event when the stream cannot end whole."""
@@ -66,7 +67,8 @@ class Replay:
                 if END in fields:
                     if fields[END] != b"done":
                         yield self._error("stream_cut", "The stream stopped before it finished.")
-                    gateway_metrics.current().stream_resumes.labels("done" if fields[END] == b"done" else "cut").inc()
+                    gateway_metrics.current().stream_resumes.labels("done" if fields[END] == b"done"
+                                                                    else "cut").inc()
                     return
                 for seq, data in enumerate(split(fields[DATA]), int(fields[FIRST])):
                     if seq > last:  # a retried flush may hold events an earlier entry has

@@ -1,6 +1,6 @@
-"""A resumable SSE body: each event gets an `id:` and goes to the stream's event log; a client that leaves does not
-stop the stream, which runs on detached for a grace window so that a reconnecting client can tail it (a client
-that stops reading and is cut after the write deadline ends it as before).
+"""A resumable SSE body: each event gets an `id:` and goes to the stream's event log; a client that leaves
+does not stop the stream, which runs on detached for a grace window so that a reconnecting client can tail it
+(a client that stops reading and is cut after the write deadline ends it as before).
 
 A pump task drives the stream's own body (its generation) and hands each event to the client through a small
 bounded queue; the client's disconnect cancels only the reader, never the generation."""
@@ -17,7 +17,8 @@ from gateway.web.sse import stalled_cut
 
 log = logging.getLogger("switchyard.gateway")
 
-QUEUE_EVENTS = 64  # events waiting for a slow client; past it the generation waits (the write deadline cuts it)
+# events waiting for a slow client; past it the generation waits (the write deadline cuts it)
+QUEUE_EVENTS = 64
 DETACH_GRACE_S = 30.0
 _EOF = object()
 
@@ -32,7 +33,8 @@ class ResumableStream:
 
     def __init__(self, logs: EventLogs, tenant: str, stream_id: str, inner: AsyncIterator[bytes],
                  on_close: Callable[[], Awaitable[None]], *, id_prefix: str = "",
-                 detach_grace_s: float = DETACH_GRACE_S, draining: Callable[[], bool] = lambda: False) -> None:
+                 detach_grace_s: float = DETACH_GRACE_S,
+                 draining: Callable[[], bool] = lambda: False) -> None:
         self._logs, self._inner, self._on_close = logs, inner, on_close
         self._log = logs.open(tenant, stream_id)
         self._prefix = id_prefix.encode()
@@ -82,10 +84,11 @@ class ResumableStream:
             await self._queue.put(_EOF)
 
     async def close(self) -> None:
-        """The response's clean-up: the stream's own at once when it has ended; else the stream runs on detached
-        (its events still logged) until it ends or the grace window passes, and cleans up then."""
+        """The response's clean-up: the stream's own at once when it has ended; else the stream runs on
+        detached (its events still logged) until it ends or the grace window passes, and cleans up then."""
         if self._task is None or self._task.done() or stalled_cut() or self._grace_s <= 0 or self._draining():
-            if self._task is not None and not self._task.done():  # nor a client that stops reading, nor a drain
+            # nor a client that stops reading, nor a drain
+            if self._task is not None and not self._task.done():
                 self._task.cancel()
                 await asyncio.wait({self._task})
             await self._close_once()

@@ -33,8 +33,8 @@ def replay_response(request: Request, replay: Replay) -> Response:
 
 
 async def resume_completion(request: Request) -> Response:
-    """POST with `Last-Event-ID: <stream id>:<n>`: the stream's events after n, then its live tail. The body is
-    not read (the stream's request is the one that started it)."""
+    """POST with `Last-Event-ID: <stream id>:<n>`: the stream's events after n, then its live tail. The body
+    is not read (the stream's request is the one that started it)."""
     config = request.app.state.config
     svc = request.app.state.service
     tenant = await svc.authenticate(request.headers.get("authorization"))

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gateway and its access log (names: a contract with `docker/grafana-dashboard.json`).
+"""The gateway's Prometheus metrics and access log (names: a contract with `docker/grafana-dashboard.json`).
 
 Tenant labels are limited to the configured tenants (the rest are "other"), so label sets stay bounded.
 """
@@ -58,33 +58,44 @@ class GatewayMetrics:
 
         self.ttft = hist("switchyard_ttft_seconds", "Time to first token of streamed requests", TTFT_BUCKETS)
         self.inter_token = hist("switchyard_inter_token_seconds",
-                                "Gap between streamed tokens (per SSE chunk, divided by its tokens)", ITL_BUCKETS)
+                                "Gap between streamed tokens (per SSE chunk, divided by its tokens)",
+                                ITL_BUCKETS)
         self.e2e = hist("switchyard_e2e_seconds", "Request latency, arrival to last token", E2E_BUCKETS)
         self.queue = hist("switchyard_queue_seconds", "Admission wait (budget and capacity)", QUEUE_BUCKETS)
         self.requests = counter("switchyard_requests", "API responses by HTTP status", ["status"])
         self.prompt_tokens = counter("switchyard_prompt_tokens", "Prompt tokens of served requests", tok)
         self.completion_tokens = counter("switchyard_completion_tokens", "Generated tokens", tok)
-        self.cached_tokens = counter("switchyard_cached_tokens", "Prompt tokens served from a prefix cache", tok)
-        self.rate_limited = counter("switchyard_rate_limited", "429s by the tenant limit hit", ["reason", *tok])
-        self.shed = counter("switchyard_shed", "503s by reason (our capacity, not the tenant's quota)", ["reason"])
+        self.cached_tokens = counter("switchyard_cached_tokens",
+                                     "Prompt tokens served from a prefix cache", tok)
+        self.rate_limited = counter("switchyard_rate_limited", "429s by the tenant limit hit",
+                                    ["reason", *tok])
+        self.shed = counter("switchyard_shed",
+                            "503s by reason (our capacity, not the tenant's quota)", ["reason"])
         # A stream that fails after its 200 headers ends with an SSE error event; `requests` still says 200.
         self.stream_errors = counter("switchyard_stream_errors",
-                                     "Streams ended by an SSE error event after a 200, by error status", ["status"])
-        # resumable streams (gateway.streams): replays by how they ended; streams no longer logged (Redis behind)
-        self.stream_resumes = counter("switchyard_stream_resumes", "Reconnected streams by how the replay ended "
+                                     "Streams ended by an SSE error event after a 200, by error status",
+                                     ["status"])
+        # resumable streams (gateway.streams): replays by how they ended; streams no longer logged
+        # (Redis behind)
+        self.stream_resumes = counter("switchyard_stream_resumes",
+                                      "Reconnected streams by how the replay ended "
                                       "(done, cut, lost, timeout)", ["outcome"])
-        self.stream_log_dropped = counter("switchyard_stream_log_dropped", "Streams no longer logged: too many "
-                                          "events waited for Redis", [])
+        self.stream_log_dropped = counter("switchyard_stream_log_dropped",
+                                          "Streams no longer logged: too many events waited for Redis", [])
         # per model version (a canary is judged by these); versions are bounded (router.fleet.MAX_VERSIONS)
-        self.version_ttft = Histogram("switchyard_version_ttft_seconds", "Time to first token by model version",
-                                      ["version"], buckets=TTFT_BUCKETS, registry=registry)
+        self.version_ttft = Histogram("switchyard_version_ttft_seconds",
+                                      "Time to first token by model version", ["version"],
+                                      buckets=TTFT_BUCKETS, registry=registry)
         self.version_requests = counter("switchyard_version_requests",
-                                        "Generations by model version and outcome (ok, error)", ["version", "outcome"])
-        self.version_tokens = counter("switchyard_version_tokens", "Tokens by model version and kind (prompt, "
-                                      "completion)", ["version", "kind"])
-        self._collectors = (self.ttft, self.inter_token, self.e2e, self.queue, self.requests, self.prompt_tokens,
-                            self.completion_tokens, self.cached_tokens, self.rate_limited, self.shed,
-                            self.stream_errors, self.stream_resumes, self.stream_log_dropped, self.version_ttft, self.version_requests, self.version_tokens)
+                                        "Generations by model version and outcome (ok, error)",
+                                        ["version", "outcome"])
+        self.version_tokens = counter("switchyard_version_tokens",
+                                      "Tokens by model version and kind (prompt, completion)",
+                                      ["version", "kind"])
+        self._collectors = (self.ttft, self.inter_token, self.e2e, self.queue, self.requests,
+                            self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.rate_limited,
+                            self.shed, self.stream_errors, self.stream_resumes, self.stream_log_dropped,
+                            self.version_ttft, self.version_requests, self.version_tokens)
         for reason in SHED_REASONS:  # every reason is exported from the start, at 0
             self.shed.labels(reason)
         for reason in RATE_LIMIT_REASONS:
@@ -98,10 +109,10 @@ class GatewayMetrics:
         return (self.tenant_label(tenant),) if self.labelled_tenants else ()
 
     def trace(self, priority: str, tenant: str, start: float, version: str = "") -> RequestTrace:
-        """A new request's latency recorder; `start` is its arrival (`time.perf_counter()`); `version`: the model
-        version serving it ("": no per-version metrics)."""
-        return RequestTrace(self, (priority, *self._tok(tenant)), self._tok(tenant), start, time.perf_counter(),
-                            version=version)
+        """A new request's latency recorder; `start` is its arrival (`time.perf_counter()`); `version`: the
+        model version serving it ("": no per-version metrics)."""
+        return RequestTrace(self, (priority, *self._tok(tenant)), self._tok(tenant), start,
+                            time.perf_counter(), version=version)
 
     def count_shed(self, reason: str) -> None:
         self.shed.labels(reason).inc()
@@ -168,7 +179,8 @@ class RequestTrace:
         if completed:
             m.e2e.labels(*self.labels).observe(time.perf_counter() - self.start)
         if completed or completion > 0:
-            for counter, n in ((m.prompt_tokens, prompt), (m.completion_tokens, completion), (m.cached_tokens, cached)):
+            for counter, n in ((m.prompt_tokens, prompt), (m.completion_tokens, completion),
+                               (m.cached_tokens, cached)):
                 (counter.labels(*self.token_labels) if self.token_labels else counter).inc(n)
         if self.version:
             m.version_requests.labels(self.version, "ok" if completed else "error").inc()
@@ -219,7 +231,7 @@ class UnauthenticatedLines:
 
 
 class ObserveMiddleware:
-    """Counts `/v1/` responses by status and logs one access line per API request (401s: `UnauthenticatedLines`)."""
+    """Counts `/v1/` responses by status; one access line per API request (401s: `UnauthenticatedLines`)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -244,7 +256,8 @@ class ObserveMiddleware:
             current().requests.labels(str(status)).inc()
             if status != 401 or self.unauthenticated.admit(time.monotonic()):
                 log.info("%s %s %d", scope["method"], scope["path"], status,
-                         extra={"status": status, "duration_ms": round((time.perf_counter() - start) * 1000, 1)})
+                         extra={"status": status,
+                                "duration_ms": round((time.perf_counter() - start) * 1000, 1)})
 
 
 def exposition() -> tuple[bytes, str]:
@@ -266,10 +279,10 @@ _PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")  # an HTTP proxy 
 
 
 def guarded_endpoint(token: str | None):
-    """/metrics with `Authorization: Bearer <token>` (compared as SHA-256 digests in constant time) from anyone
-    when a token is set, loopback included; without a token, for loopback clients whose request names no proxy.
-    Anyone else gets a plain 404, as for a path that does not exist. Behind a same-host TCP proxy (which adds no
-    header) set the token: the proxy makes every client loopback."""
+    """/metrics with `Authorization: Bearer <token>` (compared as SHA-256 digests in constant time) from
+    anyone when a token is set, loopback included; without a token, for loopback clients whose request names
+    no proxy. Anyone else gets a plain 404, as for a path that does not exist. Behind a same-host TCP proxy
+    (which adds no header) set the token: the proxy makes every client loopback."""
     want = hashlib.sha256(token.encode()).digest() if token else None
 
     async def endpoint(request: Request) -> Response:

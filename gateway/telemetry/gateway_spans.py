@@ -1,7 +1,7 @@
-"""The gateway's spans: one per API request, with authenticate and admission children; the router adds `route`.
-A client's `traceparent` is untrusted: the request span starts a trace of its own (its own sampling decision) and
-links to the client's span, unless the operator trusts clients' trace context (`trust_client_trace`), when it is
-the parent. Tracing off (no provider installed): every call is a no-op.
+"""The gateway's spans: one per API request, with authenticate and admission children; the router adds
+`route`. A client's `traceparent` is untrusted: the request span starts a trace of its own (its own sampling
+decision) and links to the client's span, unless the operator trusts clients' trace context
+(`trust_client_trace`), when it is the parent. Tracing off (no provider installed): every call is a no-op.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def start_request(request: Request, trust_client: bool = False) -> trace.Span | 
         return None
     remote = extract(request.headers)
     links = []
-    if remote is not None and not trust_client:  # a link: the client cannot opt out of sampling or pick a trace
+    # a link: the client cannot opt out of sampling or pick a trace
+    if remote is not None and not trust_client:
         links = [trace.Link(trace.get_current_span(remote).get_span_context())]
         remote = None
     return tr.start_span(f"{request.method} {request.url.path}", context=remote or Context(), links=links,
@@ -37,7 +38,7 @@ def start_request(request: Request, trust_client: bool = False) -> trace.Span | 
 
 @contextlib.contextmanager
 def child(name: str, **attributes: str | int | float | bool) -> Iterator[trace.Span | None]:
-    """A child span of the current one for the duration of the block (None and no work when tracing is off)."""
+    """A child span of the current one for the block's duration (None and no work when tracing is off)."""
     tr = tracer(TRACER_NAME)
     if tr is None:
         yield None

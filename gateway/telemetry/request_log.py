@@ -1,4 +1,4 @@
-"""The id of the request being served, in a contextvar, so every log line written while serving it carries it."""
+"""The id of the request being served, in a contextvar: every log line written while serving it carries it."""
 
 from __future__ import annotations
 

@@ -65,15 +65,17 @@ def response_not_found(response_id: str) -> ApiError:
 def background_limit(limit: int, per_tenant: bool) -> ApiError:
     """Too many background responses in flight: the tenant's own (429, its quota) or this gateway's (503)."""
     if per_tenant:
-        return ApiError(429, f"Too many background responses in flight: at most {limit} per tenant on a gateway; "
+        return ApiError(429,
+                        f"Too many background responses in flight: at most {limit} per tenant on a gateway; "
                         "retry when one ends.", "requests", param="background", code="rate_limit_exceeded",
                         headers={"retry-after": "1"})
     return ApiError(503, f"This gateway runs its maximum of {limit} background responses; retry shortly.",
-                    "server_error", param="background", code="server_overloaded", headers={"retry-after": "1"})
+                    "server_error", param="background", code="server_overloaded",
+                    headers={"retry-after": "1"})
 
 
 def not_cancellable(response_id: str, status: str | None) -> ApiError:
-    """400 for a cancel of a response that is not a running background one (None: not created in the background)."""
+    """400 for a cancel of a response that is not a running background one (None: not a background one)."""
     if status is None:
         why = "only responses created with 'background': true can be cancelled, and it was not"
     else:
@@ -127,8 +129,9 @@ def lease_lost() -> ApiError:
 
 def model_unavailable(model: str, why: str = "no worker of it is live", retry_after_s: int = 1) -> ApiError:
     """503: the model (version or alias) exists but cannot serve now."""
-    return ApiError(503, f"The model '{model}' is unavailable right now ({why}); retry shortly.", "server_error",
-                    param="model", code="model_unavailable", headers={"retry-after": str(retry_after_s)})
+    return ApiError(503, f"The model '{model}' is unavailable right now ({why}); retry shortly.",
+                    "server_error", param="model", code="model_unavailable",
+                    headers={"retry-after": str(retry_after_s)})
 
 
 def no_live_worker(retry_after_s: int = 1) -> ApiError:
@@ -138,7 +141,8 @@ def no_live_worker(retry_after_s: int = 1) -> ApiError:
 
 def invalid_requests_exhausted(retry_after_ms: int) -> ApiError:
     """429 before parsing: this tenant's requests per minute went on requests refused as invalid."""
-    return ApiError(429, f"Too many invalid requests: they used up your requests-per-minute limit; retry after "
+    return ApiError(429,
+                    f"Too many invalid requests: they used up your requests-per-minute limit; retry after "
                     f"{retry_after_ms / 1000:.1f}s.", "requests", code="rate_limit_exceeded",
                     headers=retry_headers(retry_after_ms))
 

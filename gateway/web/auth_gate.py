@@ -1,7 +1,7 @@
-"""The unknown-key gate: a bare ASGI layer in front of the Starlette app that answers an API request whose bearer
-key is missing, malformed or unknown with the 401 the app would give, without the app's middleware, routing and
-exception handling (an unknown-key flood costs each request a header scan, a digest and the key cache, or one
-Redis read). Known keys, Redis errors and a draining gateway go on to the app, which decides as before."""
+"""The unknown-key gate: a bare ASGI layer in front of the Starlette app that answers an API request whose
+bearer key is missing, malformed or unknown with the 401 the app would give, without the app's middleware,
+routing and exception handling (an unknown-key flood costs each request a header scan, a digest and the key
+cache, or one Redis read). Known keys, Redis errors and a draining gateway go on to the app, as before."""
 
 from __future__ import annotations
 
@@ -74,11 +74,13 @@ class UnknownKeyGate:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"www-authenticate", b"Bearer"), (b"x-request-id", rid.encode())]
         if not await drop_small_body(dict(scope["headers"]), receive):
-            headers.append((b"connection", b"close"))  # a body still on its way: the connection cannot be reused
+            # a body still on its way: the connection cannot be reused
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         gateway_metrics.current().requests.labels("401").inc()
         if self.lines.admit(time.monotonic()):
             gateway_metrics.log.info("%s %s %d", scope["method"], scope["path"], 401, extra={
-                "status": 401, "duration_ms": round((time.perf_counter() - start) * 1000, 1), "request_id": rid})
+                "status": 401, "duration_ms": round((time.perf_counter() - start) * 1000, 1),
+                "request_id": rid})
 

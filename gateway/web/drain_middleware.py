@@ -1,6 +1,7 @@
 """Lame-duck shutdown of a gateway process: SIGTERM stops new work, in-flight streams finish, exit 0.
 
-New API requests get 503 `server_shutting_down` while draining, so load balancers move traffic and the listener stays open.
+New API requests get 503 `server_shutting_down` while draining, so load balancers move traffic and the
+listener stays open.
 """
 
 from __future__ import annotations

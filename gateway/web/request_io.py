@@ -26,9 +26,9 @@ CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # A JSON escape of a UTF-16 surrogate; only then can a parsed string hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 BODY_TIMEOUT_S = 10.0
-THREAD_DECODE_BYTES = 64 * 1024
+THREAD_DECODE_BYTES = 64 * 1024  # bodies larger than this are decoded in a thread
 EARLY_DRAIN_BYTES = 64 * 1024  # an unread body this small is read and dropped after an early response
-EARLY_DRAIN_S = 1.0  # ... if it all arrives within this; else the response closes the connection  # bodies larger than this are decoded in a thread
+EARLY_DRAIN_S = 1.0  # ... if it all arrives within this; else the response closes the connection
 
 
 class _NumberCap:
@@ -80,7 +80,8 @@ class RequestIdMiddleware:
         given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
         rid = given if CLIENT_ID.match(given) else "req-" + uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
-        bind_request_id(rid)  # for log lines (gateway.telemetry.request_log); the request's task owns this context
+        # for log lines (gateway.telemetry.request_log); the request's task owns this context
+        bind_request_id(rid)
         raw_id = rid.encode()
 
         async def send_with_id(message: Message) -> None:
@@ -96,7 +97,7 @@ class CloseUnreadBodyMiddleware:
     """A response sent before its request's body was read (a 401, a 404): a small body already on its way is
     read and dropped first (at most EARLY_DRAIN_BYTES within EARLY_DRAIN_S), so the connection stays usable;
     otherwise the response closes the connection. Left open, the server would wait on the unread body with no
-    deadline, and a client trickling a byte now and then could hold a connection, and a descriptor, forever."""
+    deadline: a client trickling a byte now and then could hold a connection (and a descriptor) forever."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -145,8 +146,8 @@ async def drop_small_body(headers: dict[bytes, bytes], receive: Receive) -> bool
 
 async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S,
                     max_numbers: int | None = None) -> tuple[Any, int]:
-    """The decoded JSON body and its size in bytes; 413 past `limit`, 408 past `timeout_s`, 415/400 when not JSON,
-    400 (param `prompt`) when it holds more than `max_numbers` numbers."""
+    """The decoded JSON body and its size in bytes; 413 past `limit`, 408 past `timeout_s`, 415/400 when not
+    JSON, 400 (param `prompt`) when it holds more than `max_numbers` numbers."""
     _check_content_type(request.headers.get("content-type"))
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -180,8 +181,9 @@ def _decode_json(buf: bytearray, max_numbers: int | None = None) -> Any:
         # Strict UTF-8 first: json.loads(bytes) would let encoded surrogates through ('surrogatepass').
         body = json.loads(buf.decode("utf-8"), parse_int=cap.int, parse_float=cap.float)
     except _TooManyNumbers:
-        raise invalid(f"The request holds more than {max_numbers} numbers: a prompt of token ids may hold at most "
-                      "the model's context length.", param="prompt", code="context_length_exceeded") from None
+        raise invalid(f"The request holds more than {max_numbers} numbers: a prompt of token ids may hold at "
+                      "most the model's context length.", param="prompt",
+                      code="context_length_exceeded") from None
     except UnicodeDecodeError:
         raise invalid("The request body is not valid UTF-8.") from None
     except RecursionError:
@@ -192,7 +194,8 @@ def _decode_json(buf: bytearray, max_numbers: int | None = None) -> Any:
         try:  # paired escapes were joined into one character; a lone one cannot be encoded
             json.dumps(body, ensure_ascii=False).encode()
         except UnicodeEncodeError:
-            raise invalid("The request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff).") from None
+            raise invalid("The request body holds an unpaired UTF-16 surrogate escape "
+                          "(\\ud800-\\udfff).") from None
     return body
 
 

@@ -1,5 +1,5 @@
-"""Fixtures of the end-to-end tool-call and choices tests: one real gateway, Redis and tiny-model worker (prefix
-cache on, worker metrics on a local port) shared by the module, and an `openai` SDK client of a tenant."""
+"""Fixtures of the end-to-end tool-call and choices tests: one real gateway, Redis and tiny-model worker
+(prefix cache on, worker metrics on a local port) shared by the module, and a tenant's `openai` SDK client."""
 
 from __future__ import annotations
 

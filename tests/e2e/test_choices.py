@@ -1,5 +1,5 @@
 """`n`, batches of prompts, `echo` and GET /v1/models/{id} through the official `openai` SDK against a real
-gateway, Redis and worker (tiny random model, prefix cache on): `n` siblings prefill their prompt's pages once."""
+gateway, Redis and worker (tiny random model, prefix cache): `n` siblings prefill the prompt's pages once."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def test_n_siblings_prefill_the_prompt_once(tools_stack, tools_client, stream):
           "extra_body": {"ignore_eos": True}}
     before = _settled(port)
     if stream:
-        chunks = list(tools_client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        chunks = list(tools_client.completions.create(stream=True, stream_options={"include_usage": True},
+                                                      **kw))
         texts, finishes = {}, {}
         for ch in chunks:
             for c in ch.choices:
@@ -59,20 +60,21 @@ def test_n_siblings_prefill_the_prompt_once(tools_stack, tools_client, stream):
 def test_prompt_batch_with_n_and_echo(tools_client):
     prompts = ["The cat sat on", "One two three"]
     resp = tools_client.completions.create(model="default", prompt=prompts, n=2, max_tokens=4, temperature=0,
-                                     echo=True, extra_body={"ignore_eos": True})
+                                           echo=True, extra_body={"ignore_eos": True})
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     for c in resp.choices:
         assert c.text.startswith(prompts[c.index // 2]) and len(c.text) > len(prompts[c.index // 2])
     assert resp.choices[0].text == resp.choices[1].text  # greedy siblings of one prompt agree
     one = tools_client.completions.create(model="default", prompt=prompts[1], max_tokens=4, temperature=0,
-                                    extra_body={"ignore_eos": True})
+                                          extra_body={"ignore_eos": True})
     assert resp.choices[2].text == prompts[1] + one.choices[0].text
     other = tools_client.completions.create(model="default", prompt=prompts[0], max_tokens=1)
     assert resp.usage.prompt_tokens == one.usage.prompt_tokens + other.usage.prompt_tokens  # each prompt once
     assert resp.usage.completion_tokens == 4 * 4
     streamed: dict[int, str] = {}
-    for ch in tools_client.completions.create(model="default", prompt=[[1, 2, 3], "Hello"], max_tokens=3, stream=True,
-                                        echo=True, temperature=0, extra_body={"ignore_eos": True}):
+    for ch in tools_client.completions.create(model="default", prompt=[[1, 2, 3], "Hello"], max_tokens=3,
+                                              stream=True, echo=True, temperature=0,
+                                              extra_body={"ignore_eos": True}):
         for c in ch.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert sorted(streamed) == [0, 1] and streamed[1].startswith("Hello")

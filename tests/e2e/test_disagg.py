@@ -61,14 +61,16 @@ def _count(url: str, name: str, label: str = "") -> float:
 
 
 def _series(url: str, name: str) -> int:
-    return sum(line.startswith(name + "{") for line in httpx.get(url + "/metrics", timeout=10).text.splitlines())
+    return sum(line.startswith(name + "{")
+               for line in httpx.get(url + "/metrics", timeout=10).text.splitlines())
 
 
 def _mid_transfer(gateway_url: str, decode_url: str, bytes_before: float) -> bool:
-    """Pages arrived at the decode worker since `bytes_before`, and fewer transfers ended than the gateway started."""
+    """Pages reached the decode worker since `bytes_before`; fewer transfers ended than the gateway began."""
     remote = _count(gateway_url, "switchyard_disagg_requests_total", 'outcome="remote"')
     ended = _count(decode_url, "switchyard_worker_disagg_transfers_total")
-    return _count(decode_url, "switchyard_worker_disagg_received_bytes_total") > bytes_before and ended < remote
+    return (_count(decode_url, "switchyard_worker_disagg_received_bytes_total") > bytes_before
+            and ended < remote)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -113,14 +115,15 @@ def test_sigkill_of_the_prefill_worker_mid_transfer_loses_no_request(fleet) -> N
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(complete, stack.base_url, key, p, 8) for p in prompts]
         until = time.monotonic() + 30
-        while not _mid_transfer(stack.base_url, decode_url, received):  # pages arriving, not every transfer done
+        # pages arriving, not every transfer done
+        while not _mid_transfer(stack.base_url, decode_url, received):
             assert time.monotonic() < until, "no transfer was seen in flight"
             time.sleep(0.005)
         prefill.proc.kill()
         outs = [f.result(timeout=120) for f in futures]
     for out in outs:
         assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["finish_reason"] == "length"
-    # the kill landed while transfers were open: seen as a dropped link, or (a lease made after the drop) a stall
+    # the kill landed while transfers were open: seen as a dropped link, or (a lease after the drop) a stall
     lost = _count(decode_url, "switchyard_worker_disagg_fallbacks_total", 'reason="prefill_lost"')
     stalled = _count(decode_url, "switchyard_worker_disagg_fallbacks_total", 'reason="stall"')
     assert lost + stalled >= 1 and _count(decode_url, "switchyard_worker_disagg_fallbacks_total") > fallbacks

@@ -41,7 +41,8 @@ def stack() -> Iterator[tuple[Stack, str]]:
 
 def service(text: str, tenant: str) -> float:
     label = fairness_key(tenant, SECRET)[:4].hex()
-    m = re.search(rf'^switchyard_worker_fair_service_tokens_total{{fkey="{label}"}} (\S+)$', text, re.MULTILINE)
+    m = re.search(rf'^switchyard_worker_fair_service_tokens_total{{fkey="{label}"}} (\S+)$', text,
+                  re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
 

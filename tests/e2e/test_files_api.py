@@ -1,6 +1,6 @@
-"""`/v1/files` through the official `openai` SDK against the shared real stack: upload a batch file, list, retrieve,
-download its content, delete; every line checked at upload (400 naming `file` and the line); other purposes and
-unknown fields refused; another tenant's file is a 404."""
+"""`/v1/files` through the official `openai` SDK against the shared real stack: upload a batch file, list,
+retrieve, download its content, delete; every line checked at upload (400 naming `file` and the line); other
+purposes and unknown fields refused; another tenant's file is a 404."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def client(stack) -> openai.OpenAI:
 
 def _line(cid: str, url: str = "/v1/chat/completions", **extra) -> dict:
     return {"custom_id": cid, "method": "POST", "url": url,
-            "body": {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, **extra}
+            "body": {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            **extra}
 
 
 def _jsonl(*lines: dict) -> bytes:

@@ -1,8 +1,8 @@
 """Block reports end to end: real worker processes (tiny random model), real ZeroMQ, one Router.
 
 The worker's reported blocks are exactly the gateway's block ids of what it cached; a repeat of a prompt is
-predicted to the token (precision 1); a worker with another block size is refused; a SIGKILLed worker restarted
-on its port is resynced within 2 s of its first stats frame.
+predicted to the token (precision 1); a worker with another block size is refused; a SIGKILLed worker
+restarted on its port is resynced within 2 s of its first stats frame.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ async def until(predicate, timeout: float) -> float:
 async def test_reports_predictions_refusal_and_resync(tmp_path: Path) -> None:
     good = WorkerProc(tmp_path, extra=["--stats-interval", "0.05"])
     bad = WorkerProc(tmp_path, extra=["--stats-interval", "0.05", "--block-size", "32"])
-    membership = Membership(gateway_id="gw-kv", static_endpoints=[good.endpoint, bad.endpoint], dead_after=2.0)
+    membership = Membership(gateway_id="gw-kv", static_endpoints=[good.endpoint, bad.endpoint],
+                            dead_after=2.0)
     try:
         await membership.start()
         await membership.wait_until(lambda m: len(m.live()) == 2, timeout=READY_S)
@@ -66,7 +67,8 @@ async def test_reports_predictions_refusal_and_resync(tmp_path: Path) -> None:
         await until(lambda: index.match(list(want), [good.endpoint]) == {good.endpoint: 4}, 5)
         assert await run(router, request("b", prompt[:64] + [5, 6])) == 64
         assert seen[-1] == (good.endpoint, 64, 64)  # predicted exactly
-        assert await run(router, request("b2", prompt[:64])) == 48  # a worker recomputes the last prompt token
+        # a worker recomputes the last prompt token
+        assert await run(router, request("b2", prompt[:64])) == 48
         assert seen[-1] == (good.endpoint, 48, 48)
         assert bad.endpoint not in {w for w, _, _ in seen}
 

@@ -1,8 +1,8 @@
-"""Two real models served at once behind one gateway with model pools (`--model-pools`), through the `openai` SDK:
-the default model as version v1 and the tiny random model as version v2, in the Redis worker registry, with a
-weighted alias between them. Each request reaches the model its version header names (same greedy output as
-asking that version directly), weights hold within tolerance, choices stick, an alias edit applies within a
-second, and a version taken away drains its streams and the alias falls back to the other."""
+"""Two real models served at once behind one gateway with model pools (`--model-pools`), through the `openai`
+SDK: the default model as version v1 and the tiny random model as version v2, in the Redis worker registry,
+with a weighted alias between them. Each request reaches the model its version header names (same greedy
+output as asking that version directly), weights hold within tolerance, choices stick, an alias edit applies
+within a second, and a version taken away drains its streams and the alias falls back to the other."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def fleet(redis_server) -> Iterator[dict]:  # noqa: ANN001
         else:
             raise TimeoutError(f"both versions not live after 180 s; logs in {logs}")
         c2 = openai.OpenAI(api_key=key, base_url=gw2.base_url + "/v1", max_retries=0, timeout=60)
-        yield {"client": c, "client2": c2, "redis": r, "workers": workers, "logs": logs, "url": url, "gateway": gw}
+        yield {"client": c, "client2": c2, "redis": r, "workers": workers, "logs": logs, "url": url,
+               "gateway": gw}
     finally:
         gw.kill()
         gw2.kill()
@@ -113,7 +114,8 @@ def test_the_allow_list_and_per_version_metrics(fleet) -> None:  # noqa: ANN001
 
 def test_an_alias_edit_applies_on_every_gateway_within_a_second(fleet) -> None:  # noqa: ANN001
     before = [_complete(fleet["client2"], "canary", f"edit {i}")[0] for i in range(6)]
-    assert before == [_complete(fleet["client"], "canary", f"edit {i}")[0] for i in range(6)]  # replicas agree
+    # replicas agree
+    assert before == [_complete(fleet["client"], "canary", f"edit {i}")[0] for i in range(6)]
     fleet["redis"].hset(ALIASES_KEY, "canary", encode_alias({V1: 0, V2: 100}))
     time.sleep(1.0)
     for client in (fleet["client"], fleet["client2"]):
@@ -136,4 +138,5 @@ def test_a_version_taken_away_drains_its_streams_and_the_alias_falls_back(fleet)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and V2 in {m.id for m in c.models.list()}:
         time.sleep(0.2)
-    assert {_complete(c, "canary", f"after {i}")[0] for i in range(4)} == {V1}  # v2 has weight 100 but is gone
+    # v2 has weight 100 but is gone
+    assert {_complete(c, "canary", f"after {i}")[0] for i in range(4)} == {V1}

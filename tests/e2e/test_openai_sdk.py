@@ -54,8 +54,9 @@ def test_completions_non_streaming_and_streaming(client, tok):
     assert resp.object == "text_completion"
     assert resp.usage.prompt_tokens == len(tok.encode(prompt)) and resp.usage.completion_tokens == 4
     assert resp.choices[0].finish_reason == "length"
-    stream = client.completions.create(model="default", prompt=prompt, max_tokens=4, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.completions.create(model="default", prompt=prompt, max_tokens=4, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == resp.choices[0].text
     assert chunks[-1].usage.completion_tokens == 4

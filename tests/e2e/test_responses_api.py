@@ -1,7 +1,7 @@
-"""`POST /v1/responses` through the official `openai` SDK against a real gateway + worker + Redis (the shared test
-stack): plain and streamed (typed events, numbered), message items with instructions, structured output via
-`text.format`, usage with cached tokens, stored responses (retrieve, input items, delete; another tenant's id is a
-404) and `previous_response_id`, and 400s naming each field not served."""
+"""`POST /v1/responses` through the official `openai` SDK against a real gateway + worker + Redis (the shared
+test stack): plain and streamed (typed events, numbered), message items with instructions, structured output
+via `text.format`, usage with cached tokens, stored responses (retrieve, input items, delete; another tenant's
+id is a 404) and `previous_response_id`, and 400s naming each field not served."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def client(stack) -> openai.OpenAI:
 def test_plain_response_answers_with_usage(client):
     tok = load_tokenizer("default")
     resp = client.responses.create(model="default", input=QUESTION, temperature=0, max_output_tokens=20)
-    assert resp.object == "response" and resp.id.startswith("resp_") and resp.status in ("completed", "incomplete")
+    assert (resp.object == "response" and resp.id.startswith("resp_")
+            and resp.status in ("completed", "incomplete"))
     assert "Paris" in resp.output_text and resp.output[0].role == "assistant"
     assert resp.usage.input_tokens == len(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
     assert 0 < resp.usage.output_tokens <= 20
@@ -38,7 +39,8 @@ def test_streamed_events_are_typed_numbered_and_whole(client):
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
-    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done",
+                            "response.output_item.done"]
     assert kinds[-1] in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -76,7 +78,8 @@ def test_stored_responses_continue_a_conversation_and_stay_the_tenants(client, s
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(first.id)  # another tenant's id: not found, never forbidden
     with pytest.raises(openai.NotFoundError) as err:
-        other.responses.create(model="default", input="hi", max_output_tokens=3, previous_response_id=first.id)
+        other.responses.create(model="default", input="hi", max_output_tokens=3,
+                               previous_response_id=first.id)
     assert err.value.body["param"] == "previous_response_id"
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
@@ -88,8 +91,8 @@ def test_stored_responses_continue_a_conversation_and_stay_the_tenants(client, s
 
 
 def test_a_streamed_response_is_stored_whole(client):
-    events = list(client.responses.create(model="default", input=QUESTION, temperature=0, max_output_tokens=20,
-                                          stream=True))
+    events = list(client.responses.create(model="default", input=QUESTION, temperature=0,
+                                          max_output_tokens=20, stream=True))
     final = events[-1].response
     assert final.store is True and client.responses.retrieve(final.id).output_text == final.output_text
 
@@ -98,5 +101,6 @@ def test_a_streamed_response_is_stored_whole(client):
                                          ("tools", [{"type": "web_search"}]), ("frobnicate", 1)])
 def test_fields_not_served_are_400s_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model="default", input=QUESTION, max_output_tokens=5, extra_body={field: value})
+        client.responses.create(model="default", input=QUESTION, max_output_tokens=5,
+                                extra_body={field: value})
     assert err.value.status_code == 400 and err.value.body["param"] == field

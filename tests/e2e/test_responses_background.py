@@ -1,8 +1,8 @@
-"""Background responses (`background: true`) through the official `openai` SDK against the shared real stack: the
-POST answers `queued` at once and `retrieve` polls the run to completion; a cancel stops a long run (status
-`cancelled`, the worker request aborted, the tenant's lease gone and its unused tokens refunded); another tenant's
-id is a 404 on retrieve and cancel; a cancel of a foreground or finished response, background without store,
-background with stream and a streamed GET are 400s naming their field."""
+"""Background responses (`background: true`) through the official `openai` SDK against the shared real stack:
+the POST answers `queued` at once and `retrieve` polls the run to completion; a cancel stops a long run
+(status `cancelled`, the worker request aborted, the tenant's lease gone and its unused tokens refunded);
+another tenant's id is a 404 on retrieve and cancel; a cancel of a foreground or finished response, background
+without store, background with stream and a streamed GET are 400s naming their field."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_a_background_run_is_polled_to_completion(client):
                                       background=True)
     assert started.status in ("queued", "in_progress") and started.background is True and started.output == []
     done = poll(client, started.id)
-    assert done.status in ("completed", "incomplete") and "Paris" in done.output_text and done.background is True
+    assert (done.status in ("completed", "incomplete") and "Paris" in done.output_text
+            and done.background is True)
     assert 0 < done.usage.output_tokens <= 20
     (item,) = client.responses.input_items.list(done.id).data
     assert item.content[0].text == QUESTION
@@ -66,8 +67,8 @@ def test_cancel_stops_a_long_run_and_refunds_the_reservation(stack):
     r = redis.Redis.from_url(stack.stack.redis_url)
     try:
         assert r.zcard(leases_key(name)) == 0  # the concurrency lease went with the run
-        usage = {k.decode(): int(v) for k, v in r.hgetall(usage_key(name, time.strftime("%Y%m%d", time.gmtime())))
-                 .items()}
+        usage = {k.decode(): int(v)
+                 for k, v in r.hgetall(usage_key(name, time.strftime("%Y%m%d", time.gmtime()))).items()}
         assert usage["requests"] == 1 and usage["completion_tokens"] == got.usage.output_tokens
         level, _ = bucket_level(r, name, TPM)
         # what was used is charged; the rest of prompt + 2,000 reserved came back

@@ -1,7 +1,7 @@
-"""Function tools on `POST /v1/responses` through the official `openai` SDK against the shared real stack: forced
-calls come back as `function_call` items whose arguments validate, streamed as typed, numbered events; a tool round
-trip continues with `previous_response_id` + `function_call_output` (and renders the same as the turns sent whole);
-tool errors are 400s naming their field."""
+"""Function tools on `POST /v1/responses` through the official `openai` SDK against the shared real stack:
+forced calls come back as `function_call` items whose arguments validate, streamed as typed, numbered events;
+a tool round trip continues with `previous_response_id` + `function_call_output` (and renders the same as the
+turns sent whole); tool errors are 400s naming their field."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 
 from tests.tool_data import ASK, SCHEMAS, TOOLS
 
-RTOOLS = [{"type": "function", **t["function"], "strict": True} for t in TOOLS]  # flat, as the Responses API takes
+# flat, as the Responses API takes
+RTOOLS = [{"type": "function", **t["function"], "strict": True} for t in TOOLS]
 QUESTION = ASK[0]["content"]
 
 
@@ -27,7 +28,8 @@ def _forced(client: openai.OpenAI, choice: object = "required", **kw):
                                    parallel_tool_calls=False, max_output_tokens=90, temperature=0, **kw)
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_time"}], ids=["required", "named"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_time"}],
+                         ids=["required", "named"])
 def test_a_forced_call_is_a_function_call_item(client, choice):
     resp = _forced(client, choice)
     assert resp.status == "completed" and len(resp.output) == 1
@@ -48,7 +50,8 @@ def test_streamed_call_events_are_typed_numbered_and_whole(client):
     events = list(_forced(client, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
-    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     added, done = events[2].item, events[-2].item
     assert added.type == "function_call" and added.status == "in_progress" and added.arguments == ""
@@ -66,14 +69,15 @@ def test_tool_round_trip_with_previous_response_id(client):
     first = _forced(client)
     call = first.output[0]
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"forecast": "sunny"}'}
-    second = client.responses.create(model="default", previous_response_id=first.id, input=[result], tools=RTOOLS,
-                                     tool_choice="none", max_output_tokens=8, temperature=0)
+    second = client.responses.create(model="default", previous_response_id=first.id, input=[result],
+                                     tools=RTOOLS, tool_choice="none", max_output_tokens=8, temperature=0)
     assert second.output[0].type == "message" and second.tool_choice == "none"
     alone = client.responses.create(model="default", input=QUESTION, tools=RTOOLS, tool_choice="none",
                                     max_output_tokens=1)
     assert second.usage.input_tokens > alone.usage.input_tokens + 20  # the call and its result were rendered
     (item,) = client.responses.input_items.list(second.id).data
-    assert item.type == "function_call_output" and item.call_id == call.call_id and item.output == result["output"]
+    assert (item.type == "function_call_output" and item.call_id == call.call_id
+            and item.output == result["output"])
     # the same turns sent whole: the call item as the SDK returned it, then its output
     whole = client.responses.create(model="default", input=[{"role": "user", "content": QUESTION},
                                                             call.model_dump(exclude_none=True), result],

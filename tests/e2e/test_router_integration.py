@@ -146,18 +146,21 @@ async def test_sigkill_during_60_streams_then_rejoin(tmp_path: Path, redis_url: 
 @pytest.mark.timeout(480)
 async def test_draining_worker_gets_no_new_requests(tmp_path: Path, redis_url: str) -> None:
     ids = ["dw0", "dw1", "dw2"]
-    async with cluster(tmp_path, redis_url, ids, extra=["--drain-timeout", "60"]) as (procs, membership, router):
+    async with cluster(tmp_path, redis_url, ids,
+                       extra=["--drain-timeout", "60"]) as (procs, membership, router):
         drainer = "dw1"
         mine = home_prefixes(router, drainer, 4)
         # keep the drainer busy so that it stays up (draining) for a while
-        busy = [asyncio.create_task(run_one(router, make_request(f"busy-{p}", p, max_tokens=160))) for p in mine]
+        busy = [asyncio.create_task(run_one(router, make_request(f"busy-{p}", p, max_tokens=160)))
+                for p in mine]
         await membership.wait_until(lambda m: router.loads.inflight_count(drainer) >= 1, timeout=30)
         procs[drainer].signal(signal.SIGTERM)
         # its next stats say so, after the step it is in: three workers share 2 vCPUs here (10 s ran out once)
         await membership.wait_until(lambda m: m.status(drainer) == "draining", timeout=30)
         before = requests_to(drainer)
         results = await asyncio.wait_for(
-            asyncio.gather(*(run_one(router, make_request(f"new-{i}", p, 4)) for i, p in enumerate(mine * 2))), 60)
+            asyncio.gather(*(run_one(router, make_request(f"new-{i}", p, 4))
+                             for i, p in enumerate(mine * 2))), 60)
         assert results == ["completed"] * len(mine) * 2
         assert requests_to(drainer) == before  # its keys went elsewhere
         assert drainer not in membership.live()

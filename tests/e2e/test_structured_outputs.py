@@ -103,7 +103,8 @@ def test_max_tokens_first_ends_with_length(client):
 
 
 @pytest.mark.parametrize(("schema", "param", "words"), [
-    ({"type": "object", "properties": {"a": {"type": "nope"}}}, "response_format.json_schema.schema", "invalid"),
+    ({"type": "object", "properties": {"a": {"type": "nope"}}}, "response_format.json_schema.schema",
+     "invalid"),
     ({"type": "array", "uniqueItems": True}, "response_format.json_schema.schema", "uniqueItems"),
     ({"type": "string", "not": {"const": "x"}}, "response_format.json_schema.schema", "not"),
     ("not a schema", "response_format.json_schema.schema", "object"),
@@ -118,7 +119,8 @@ def test_unusable_schema_is_400_and_charges_one_request(stack, schema, param, wo
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     assert err.value.body["param"] == param
     assert words in err.value.body["message"]
-    assert charged_as_invalid(stack.stack.redis_url, name, before)  # one request of rpm; no tokens, lease or usage
+    # one request of rpm; no tokens, lease or usage
+    assert charged_as_invalid(stack.stack.redis_url, name, before)
 
 
 @pytest.mark.parametrize(("fmt", "param"), [
@@ -164,7 +166,8 @@ def big_schema(seed: int, size: int = 55_000) -> dict:
             "required": list(props)[:8], "additionalProperties": False}
 
 
-async def _stream(client: httpx.AsyncClient, key: str, started: asyncio.Event) -> tuple[list[float], str, int]:
+async def _stream(client: httpx.AsyncClient, key: str,
+                  started: asyncio.Event) -> tuple[list[float], str, int]:
     """(gaps between chunks, finish reason, tokens) of a 600-token greedy streaming completion."""
     body = {"model": "default", "prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -192,10 +195,11 @@ async def _stream(client: httpx.AsyncClient, key: str, started: asyncio.Event) -
 
 def burst_body(seed: int) -> bytes:
     """Built before the stream starts: making and encoding 55 KB of JSON would stall this test's own loop."""
-    return json.dumps({"model": "default", "prompt": [f"record {i} of batch {seed}:" for i in range(16)], "n": 8,
-                       "max_tokens": 4, "temperature": 1.0,
+    return json.dumps({"model": "default", "prompt": [f"record {i} of batch {seed}:" for i in range(16)],
+                       "n": 8, "max_tokens": 4, "temperature": 1.0,
                        "response_format": {"type": "json_schema",
-                                           "json_schema": {"name": f"s{seed}", "schema": big_schema(seed)}}}).encode()
+                                           "json_schema": {"name": f"s{seed}",
+                                                           "schema": big_schema(seed)}}}).encode()
 
 
 async def _burst(client: httpx.AsyncClient, key: str, body: bytes) -> httpx.Response:

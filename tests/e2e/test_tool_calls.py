@@ -1,6 +1,6 @@
 """Tool calls through the official `openai` SDK against a real gateway, Redis and worker (tiny random model,
-default tokenizer): forced calls validate for every seed, a tool result is accepted in a second turn, `auto` and
-`none`, and bad input is a 400 that charges one request of rpm (no tokens)."""
+default tokenizer): forced calls validate for every seed, a tool result is accepted in a second turn, `auto`
+and `none`, and bad input is a 400 that charges one request of rpm (no tokens)."""
 
 from __future__ import annotations
 
@@ -57,22 +57,24 @@ def test_forced_tool_call_validates_for_every_seed(tools_client, choice):
 
 
 def test_tool_result_in_a_second_turn_is_accepted(tools_client):
-    first = tools_client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, max_tokens=90, seed=3, temperature=1.0)
+    first = tools_client.chat.completions.create(model="default", messages=ASK, tools=TOOLS,
+                                                 tool_choice="required", parallel_tool_calls=False,
+                                                 max_tokens=90, seed=3, temperature=1.0)
     msg = first.choices[0].message
     call = msg.tool_calls[0]
     turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
              {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny", "high_c": 21}'}]
-    second = tools_client.chat.completions.create(model="default", messages=turns, tools=TOOLS, tool_choice="none",
-                                            max_tokens=8, temperature=0)
+    second = tools_client.chat.completions.create(model="default", messages=turns, tools=TOOLS,
+                                                  tool_choice="none", max_tokens=8, temperature=0)
     assert second.choices[0].message.tool_calls is None
     alone = tools_client.chat.completions.create(model="default", messages=ASK, max_tokens=1)
-    assert second.usage.prompt_tokens > alone.usage.prompt_tokens + 20  # the call and its result were rendered
+    # the call and its result were rendered
+    assert second.usage.prompt_tokens > alone.usage.prompt_tokens + 20
 
 
 def test_auto_and_none(tools_client):
-    resp = tools_client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, max_tokens=60, seed=1,
-                                          temperature=1.0, n=4)
+    resp = tools_client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, max_tokens=60,
+                                                seed=1, temperature=1.0, n=4)
     for c in resp.choices:
         if c.message.tool_calls:  # a call, if any, is well formed; otherwise plain text
             assert c.message.content is None
@@ -81,8 +83,8 @@ def test_auto_and_none(tools_client):
                     assert SCHEMAS[call.function.name].is_valid(json.loads(call.function.arguments))
         else:
             assert c.finish_reason in ("stop", "length") and isinstance(c.message.content, str)
-    none = tools_client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="none",
-                                          max_tokens=5, temperature=0)
+    none = tools_client.chat.completions.create(model="default", messages=ASK, tools=TOOLS,
+                                                tool_choice="none", max_tokens=5, temperature=0)
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "length"
 
 
@@ -109,10 +111,12 @@ def test_bad_input_is_400_and_charges_one_request(tools_stack, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         sdk.chat.completions.create(model="default", messages=ASK, max_tokens=5, extra_body=extra)
     assert err.value.body["param"] == param, err.value.body
-    assert charged_as_invalid(gs.stack.redis_url, name, before)  # one request of rpm; no tokens, lease or usage
+    # one request of rpm; no tokens, lease or usage
+    assert charged_as_invalid(gs.stack.redis_url, name, before)
 
 
-@pytest.mark.parametrize(("extra", "param"), [({"best_of": 9}, "best_of"), ({"n": 2, "best_of": 2}, "best_of"),
+@pytest.mark.parametrize(("extra", "param"), [({"best_of": 9}, "best_of"),
+                                              ({"n": 2, "best_of": 2}, "best_of"),
                                               ({"echo": True, "logprobs": 2}, "echo"),
                                               ({"prompt": ["a", 5]}, "prompt[1]")])
 def test_bad_completion_input_is_400(tools_client, extra, param):

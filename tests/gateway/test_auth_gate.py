@@ -1,6 +1,7 @@
-"""The unknown-key gate in front of the gateway app: missing, malformed and unknown keys get the app's 401 (OpenAI
-error body, `www-authenticate`, a request id, counted) without reaching the app; known keys, a key directory that
-fails and a draining gateway go on to the app. A small unread body is drained so the connection stays usable."""
+"""The unknown-key gate in front of the gateway app: missing, malformed and unknown keys get the app's 401
+(OpenAI error body, `www-authenticate`, a request id, counted) without reaching the app; known keys, a key
+directory that fails and a draining gateway go on to the app. A small unread body is drained so the connection
+stays usable."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def test_missing_malformed_and_unknown_keys_are_refused_in_front_of_the_app() ->
     for key, words in ((None, "Missing API key"), ("not-a-key", "Invalid"), (UNKNOWN, "Invalid")):
         resp = post(client, key)
         assert resp.status_code == 401 and words in resp.json()["error"]["message"]
-        assert resp.json()["error"]["code"] == "invalid_api_key" and resp.json()["error"]["type"] == "invalid_request_error"
+        assert (resp.json()["error"]["code"] == "invalid_api_key"
+                and resp.json()["error"]["type"] == "invalid_request_error")
         assert resp.headers["www-authenticate"] == "Bearer" and resp.headers["x-request-id"] == "req-test-1"
         assert "connection" not in resp.headers  # the small body was drained: keep-alive holds
     assert reached == [] and keys.lookups == 1  # only the well-formed key needed a look-up

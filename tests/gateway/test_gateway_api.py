@@ -96,7 +96,8 @@ def test_length_finish_counts_tokens(stack, tok):
 
 def test_token_id_prompt(stack, tok):
     ids = tok.encode("Paris is the capital of")
-    resp = post(stack, "/v1/completions", {"model": "default", "prompt": ids, "max_tokens": 3, "temperature": 0})
+    resp = post(stack, "/v1/completions",
+                {"model": "default", "prompt": ids, "max_tokens": 3, "temperature": 0})
     assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == len(ids)
 
 
@@ -225,7 +226,8 @@ def test_revoked_key_fails_within_one_second(stack):
     revoke_key(r, key)
     revoked_at = time.monotonic()
     while True:
-        status = httpx.get(stack.base_url + "/v1/models", headers={"authorization": f"Bearer {key}"}).status_code
+        status = httpx.get(stack.base_url + "/v1/models",
+                           headers={"authorization": f"Bearer {key}"}).status_code
         if status == 401:
             break
         assert time.monotonic() - revoked_at < 1.0, "revoked key still accepted after 1 s"
@@ -237,9 +239,9 @@ def test_revoked_key_fails_within_one_second(stack):
 def test_503_when_no_live_worker(stack):
     port = free_port()
     dead = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "config.cli", "gateway", "--port", str(port), "--redis-url",
-                             stack.stack.redis_url, "--workers", dead], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "config.cli", "gateway", "--port", str(port),
+                             "--redis-url", stack.stack.redis_url, "--workers", dead],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(port, 60)
         url = f"http://127.0.0.1:{port}"

@@ -1,4 +1,4 @@
-"""Request bodies and response streams against hostile clients: huge token lists, clients that stop reading."""
+"""Request bodies and response streams against hostile clients: huge token lists, clients not reading."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ async def test_a_client_that_stops_reading_is_cut_after_the_write_deadline():
 
 
 def test_the_number_cap_counts_what_a_valid_body_can_hold():
-    """Two prompts of 4,500 ids each fit an 8,192-token context: the body's number cap once counted them together
-    (and logit_bias and schema numbers too) and refused them as context_length_exceeded."""
+    """Two prompts of 4,500 ids each fit an 8,192-token context: the body's number cap once counted them
+    together (and logit_bias and schema numbers too) and refused them as context_length_exceeded."""
     from gateway.openai.schemas import MAX_LOGIT_BIAS, body_number_cap
 
     cap = body_number_cap(8192)

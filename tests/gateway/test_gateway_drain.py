@@ -90,8 +90,8 @@ async def wait_draining(client: httpx.AsyncClient, deadline_s: float) -> httpx.R
 
 
 def spawn_gateway(stack: Stack, port: int, extra: list[str], log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "config.cli", "gateway", "--port", str(port), "--redis-url", str(stack.redis_url),
-            "--workers", stack.worker_endpoint, "--worker-timeout", "10", *extra]
+    argv = [sys.executable, "-m", "config.cli", "gateway", "--port", str(port), "--redis-url",
+            str(stack.redis_url), "--workers", stack.worker_endpoint, "--worker-timeout", "10", *extra]
     with open(log, "ab") as out:
         return subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
@@ -118,7 +118,8 @@ async def test_grace_period_over_cuts_stream_aborts_it_and_exits_0(stack: Stack,
             # six streams of one token per step (the random model's looping text is all accepted drafts
             # otherwise), close to its 2,048 positions: they outlive the 1 s grace however fast the machine is
             events = [asyncio.Event() for _ in range(6)]
-            streams = [asyncio.create_task(open_stream(client, key, 1950, e, speculative=False)) for e in events]
+            streams = [asyncio.create_task(open_stream(client, key, 1950, e, speculative=False))
+                       for e in events]
             async with asyncio.timeout(60):
                 for e in events:
                     await e.wait()
@@ -141,7 +142,8 @@ async def test_grace_period_over_cuts_stream_aborts_it_and_exits_0(stack: Stack,
         deadline = time.monotonic() + 10
         while True:
             page = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
-            used = next(line for line in page.splitlines() if line.startswith("switchyard_worker_kv_pages_used "))
+            used = next(line for line in page.splitlines()
+                        if line.startswith("switchyard_worker_kv_pages_used "))
             if float(used.split()[1]) == 0:
                 break
             assert time.monotonic() < deadline, used
@@ -158,8 +160,10 @@ async def test_shutdown_ends_background_responses_and_exits_0(stack: Stack, tmp_
             await wait_ready(client, proc, tmp_path / "gateway.log")
             ids = []
             for _ in range(6):
-                resp = await client.post("/v1/responses", json={"model": "default", "input": "Tell me a long story.",
-                                                                "max_output_tokens": 1950, "background": True})
+                resp = await client.post("/v1/responses", json={"model": "default",
+                                                                "input": "Tell me a long story.",
+                                                                "max_output_tokens": 1950,
+                                                                "background": True})
                 assert resp.status_code == 200 and resp.json()["status"] == "queued", resp.text
                 ids.append(resp.json()["id"])
             proc.send_signal(signal.SIGTERM)
@@ -183,12 +187,13 @@ async def test_shutdown_ends_background_responses_and_exits_0(stack: Stack, tmp_
 async def test_sigterm_finishes_open_streams_refuses_new_and_exits_0(stack: Stack) -> None:
     key = stack.create_tenant("acme")
     gateway = stack.procs["gateway"]
-    # sized in engine steps, not seconds: 1,000 non-speculative tokens outlast the drain's first exchanges on a
-    # fast machine (64 speculative ones did not) and end well inside the 30 s grace on a slow one
+    # sized in engine steps, not seconds: 1,000 non-speculative tokens outlast the drain's first exchanges on
+    # a fast machine (64 speculative ones did not) and end well inside the 30 s grace on a slow one
     n, max_tokens = 4, 1000
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         events = [asyncio.Event() for _ in range(n)]
-        streams = [asyncio.create_task(open_stream(client, key, max_tokens, e, speculative=False)) for e in events]
+        streams = [asyncio.create_task(open_stream(client, key, max_tokens, e, speculative=False))
+                   for e in events]
         async with asyncio.timeout(60):
             await asyncio.gather(*(e.wait() for e in events))
         gateway.send_signal(signal.SIGTERM)
@@ -196,7 +201,8 @@ async def test_sigterm_finishes_open_streams_refuses_new_and_exits_0(stack: Stac
 
         ready = await wait_draining(client, 5)
         assert ready.headers["retry-after"] == "1"
-        refused = await client.post("/v1/chat/completions", json=body(4), headers={"authorization": f"Bearer {key}"})
+        refused = await client.post("/v1/chat/completions", json=body(4),
+                                    headers={"authorization": f"Bearer {key}"})
         assert refused.status_code == 503
         assert refused.headers["retry-after"] == "1"
         assert refused.headers["x-request-id"].startswith("req-")

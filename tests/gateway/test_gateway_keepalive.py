@@ -13,7 +13,7 @@ IDLE_S = 6.0  # past httpx's and uvicorn's 5 s defaults
 
 
 def _get_health(sock: socket.socket) -> bytes:
-    """One GET /health on `sock`: the whole response (headers and content-length body), or what came before a close."""
+    """One GET /health on `sock`: the response (headers, content-length body), or what came before a close."""
     sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
     got = b""
     while b"\r\n\r\n" not in got or len(got) < _response_length(got):
@@ -36,4 +36,5 @@ def test_idle_keep_alive_connection_is_still_served_after_six_seconds(stack: Gat
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
         assert _get_health(sock).startswith(b"HTTP/1.1 200")
         time.sleep(IDLE_S)
-        assert _get_health(sock).startswith(b"HTTP/1.1 200"), "the gateway closed an idle keep-alive connection"
+        assert _get_health(sock).startswith(b"HTTP/1.1 200"), \
+            "the gateway closed an idle keep-alive connection"

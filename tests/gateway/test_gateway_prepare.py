@@ -99,7 +99,8 @@ def test_unknown_and_forbidden_models(service):
 
 
 def test_priority_capped_by_tenant_class(service):
-    assert service.prepare(tenant(priority=Priority.BATCH), chat(priority="interactive"), "r").priority == Priority.BATCH
+    assert (service.prepare(tenant(priority=Priority.BATCH), chat(priority="interactive"), "r").priority
+            == Priority.BATCH)
     assert service.prepare(tenant(), chat(priority="batch"), "r").priority == Priority.BATCH
     assert service.prepare(tenant(), chat(), "r").priority == Priority.INTERACTIVE
 

@@ -31,8 +31,8 @@ def test_minimal_chat_and_defaults():
 def test_chat_fields_parsed():
     req = parse_chat({**CHAT, "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5,
                       "seed": 3, "stop": "END", "stream": True, "stream_options": {"include_usage": True},
-                      "logprobs": True, "top_logprobs": 1, "top_k": 5, "ignore_eos": True, "priority": "batch",
-                      "n": 1, "user": "u1"})
+                      "logprobs": True, "top_logprobs": 1, "top_k": 5, "ignore_eos": True,
+                      "priority": "batch", "n": 1, "user": "u1"})
     assert req.max_tokens == 7 and req.temperature == 0.0 and req.top_p == 0.5 and req.seed == 3
     assert req.stop == ("END",) and req.stream and req.include_usage and req.logprobs
     assert req.top_k == 5 and req.ignore_eos and req.priority == Priority.BATCH and req.user == "u1"
@@ -143,9 +143,11 @@ def test_sampling_controls_parsed_and_bounded():
     assert req.top_logprobs == 20 and req.logprobs
     assert parse_completion({**COMP, "logprobs": 5}).top_logprobs == 5
     for patch, param in [({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
-                         ({"logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"logit_bias": {"\u0663": 1}}, "logit_bias"),
+                         ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
+                         ({"logit_bias": {"\u0663": 1}}, "logit_bias"),
                          ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-                         ({"top_logprobs": 21}, "top_logprobs"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                         ({"top_logprobs": 21}, "top_logprobs"),
+                         ({"presence_penalty": 2.5}, "presence_penalty"),
                          ({"repetition_penalty": 0}, "repetition_penalty"),
                          ({"min_tokens": 5, "max_tokens": 4}, "min_tokens")]:
         assert _error(parse_chat, {**CHAT, **patch}).param == param
@@ -153,12 +155,13 @@ def test_sampling_controls_parsed_and_bounded():
 
 
 def test_tools_over_the_size_limit_are_refused_before_any_schema_compiles(monkeypatch):
-    """Each schema used to be compiled before the combined 64 KB limit was checked (work before any charge)."""
+    """Each schema used to be compiled before the combined 64 KB limit was checked (work before a charge)."""
     from gateway.openai import tools as tools_mod
 
     compiled = []
     monkeypatch.setattr(tools_mod, "tool_call_spec", lambda *a, **k: compiled.append(a))
-    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(60)}}
+    big = {"type": "object",
+           "properties": {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(60)}}
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": big}} for i in range(20)]
     assert _error(parse_chat, {**CHAT, "tools": tools}).param == "tools"
     assert compiled == []

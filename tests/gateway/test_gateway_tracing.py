@@ -1,7 +1,7 @@
-"""Gateway spans through the real app (in process, with a real Redis and a tiny worker process): a request span
-parented on the client's `traceparent` when the operator trusts it, else in a trace of its own with a link to the
-client's span; authenticate, admission and route children; the tenant only when configured; never the key or
-prompt text."""
+"""Gateway spans through the real app (in process, with a real Redis and a tiny worker process): a request
+span parented on the client's `traceparent` when the operator trusts it, else in a trace of its own with a
+link to the client's span; authenticate, admission and route children; the tenant only when configured; never
+the key or prompt text."""
 
 from __future__ import annotations
 
@@ -61,10 +61,13 @@ def test_request_span_tree_follows_the_clients_traceparent(redis_url, worker, sp
         assert "[DONE]" in complete(http, key, traceparent=CLIENT_PARENT)
     finished = spans.get_finished_spans()
     (root,) = [s for s in finished if s.name == "POST /v1/completions"]
-    assert f"{root.context.trace_id:032x}" == CLIENT_TRACE and f"{root.parent.span_id:016x}" == "b7ad6b7169203331"
-    assert root.attributes["switchyard.tenant"] == "traced" and root.attributes["http.response.status_code"] == 200
+    assert (f"{root.context.trace_id:032x}" == CLIENT_TRACE
+            and f"{root.parent.span_id:016x}" == "b7ad6b7169203331")
+    assert (root.attributes["switchyard.tenant"] == "traced"
+            and root.attributes["http.response.status_code"] == 200)
     assert root.attributes["switchyard.completion_tokens"] == 3
-    children = {s.name: s for s in finished if s.parent is not None and s.parent.span_id == root.context.span_id}
+    children = {s.name: s for s in finished if s.parent is not None
+                and s.parent.span_id == root.context.span_id}
     assert {"authenticate", "admission", "route"} <= set(children)
     assert children["route"].attributes["switchyard.worker"]
     assert root.end_time >= children["route"].end_time  # the request span lasts the whole stream
@@ -82,10 +85,12 @@ def test_an_untrusted_traceparent_is_a_link_and_cannot_turn_sampling_off(redis_u
     (root,) = [s for s in spans.get_finished_spans() if s.name == "POST /v1/completions"]
     assert root.parent is None and f"{root.context.trace_id:032x}" != CLIENT_TRACE
     (link,) = root.links
-    assert f"{link.context.trace_id:032x}" == CLIENT_TRACE and f"{link.context.span_id:016x}" == "b7ad6b7169203331"
+    assert (f"{link.context.trace_id:032x}" == CLIENT_TRACE
+            and f"{link.context.span_id:016x}" == "b7ad6b7169203331")
 
 
-def test_refused_request_span_has_its_status_and_no_tenant_without_the_setting(redis_url, worker, spans) -> None:
+def test_refused_request_span_has_its_status_and_no_tenant_without_the_setting(
+        redis_url, worker, spans) -> None:
     key = tenant_with_new_key(redis_url, "quiet")
     with client(redis_url, worker) as http:
         wait_ready(http)
@@ -96,4 +101,5 @@ def test_refused_request_span_has_its_status_and_no_tenant_without_the_setting(r
     roots = [s for s in spans.get_finished_spans() if s.name == "POST /v1/completions"]
     assert [s.attributes["http.response.status_code"] for s in roots] == [200, 400]
     assert all("switchyard.tenant" not in s.attributes for s in roots)
-    assert "switchyard.error_code" in roots[1].attributes and "switchyard.completion_tokens" not in roots[1].attributes
+    assert ("switchyard.error_code" in roots[1].attributes
+            and "switchyard.completion_tokens" not in roots[1].attributes)

@@ -83,7 +83,8 @@ def test_gateway_and_worker_logs_are_json_with_request_ids_and_no_secrets(stack:
             assert resp.status_code == 200
             assert resp.headers["x-request-id"] == ids["stream"]
             assert resp.read().rstrip().endswith(b"data: [DONE]")
-        plain = client.post("/v1/chat/completions", json=chat, headers={**headers, "x-request-id": ids["plain"]})
+        plain = client.post("/v1/chat/completions", json=chat,
+                            headers={**headers, "x-request-id": ids["plain"]})
         assert plain.status_code == 200 and plain.headers["x-request-id"] == ids["plain"]
         bad = client.post("/v1/chat/completions", json={**chat, "max_tokens": -1},
                           headers={**headers, "x-request-id": ids["bad"]})
@@ -101,7 +102,8 @@ def test_gateway_and_worker_logs_are_json_with_request_ids_and_no_secrets(stack:
             break
         time.sleep(0.1)
     assert set(ids.values()) <= seen
-    by_id = {line["request_id"]: line for line in gateway if line.get("logger") == "switchyard.gateway.access"}
+    by_id = {line["request_id"]: line for line in gateway
+             if line.get("logger") == "switchyard.gateway.access"}
     assert by_id[ids["stream"]]["status"] == 200 and by_id[ids["bad"]]["status"] == 400
     for line in gateway:
         assert {"ts", "level", "logger", "msg"} <= line.keys()
@@ -109,5 +111,6 @@ def test_gateway_and_worker_logs_are_json_with_request_ids_and_no_secrets(stack:
     assert any(line["logger"].startswith("worker") for line in worker)
     for name in ("gateway.log", "worker.log"):
         text = (log_dir / name).read_text()
-        assert stack.key not in text and stack.key[-12:] not in text, name  # nor its secret tail (keys may hold "_")
+        # neither the key nor its secret tail (keys may hold "_")
+        assert stack.key not in text and stack.key[-12:] not in text, name
         assert marker not in text, name

@@ -33,7 +33,8 @@ def scrape(url: str) -> Samples:
     with urllib.request.urlopen(url, timeout=10) as resp:
         assert resp.headers["content-type"].startswith("text/plain")
         text = resp.read().decode()
-    out: Samples = {("# TYPE", line.split()[2]): 1.0 for line in text.splitlines() if line.startswith("# TYPE ")}
+    out: Samples = {("# TYPE", line.split()[2]): 1.0 for line in text.splitlines()
+                    if line.startswith("# TYPE ")}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
@@ -50,7 +51,8 @@ def total(samples: Samples, name: str) -> float:
 
 def post(base: str, key: str, body: dict) -> tuple[int, dict | str, dict]:
     req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+                                 headers={"authorization": f"Bearer {key}",
+                                          "content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             raw = resp.read().decode()
@@ -93,8 +95,9 @@ def test_gateway_metrics_count_the_requests_made(stack: tuple[Stack, int]) -> No
 
     usage = {"acme": [0, 0, 0], "other": [0, 0, 0]}
     streamed = 0
-    for i, (tenant, key, stream) in enumerate([("acme", acme, True), ("acme", acme, True), ("acme", acme, False),
-                                               ("other", beta, True), ("other", beta, False)]):
+    for i, (tenant, key, stream) in enumerate([("acme", acme, True), ("acme", acme, True),
+                                               ("acme", acme, False), ("other", beta, True),
+                                               ("other", beta, False)]):
         extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
         status, body, _ = post(s.base_url, key, chat(f"count to {i}", **extra))
         assert status == 200, body
@@ -139,7 +142,8 @@ def test_gateway_metrics_count_the_requests_made(stack: tuple[Stack, int]) -> No
     itl = delta("switchyard_inter_token_seconds_count", priority="interactive", tenant="acme")
     assert 1 <= itl <= 10
     assert delta("switchyard_ttft_seconds_sum", priority="interactive", tenant="acme") > 0
-    assert total(after, "switchyard_router_requests_total") - total(before, "switchyard_router_requests_total") == 6
+    assert (total(after, "switchyard_router_requests_total")
+            - total(before, "switchyard_router_requests_total") == 6)
 
 
 def settled_scrape(url: str, timeout: float = 10.0):
@@ -189,7 +193,8 @@ def test_worker_metrics_plausible_and_back_to_idle(stack: tuple[Stack, int]) -> 
         return value(after, name) - value(before, name)
 
     assert delta("switchyard_worker_prompt_tokens_total") == sum(u["prompt_tokens"] for u in made)
-    assert delta("switchyard_worker_generated_tokens_total") == sum(u["completion_tokens"] for u in made) == 15
+    assert (delta("switchyard_worker_generated_tokens_total") == sum(u["completion_tokens"] for u in made)
+            == 15)
     assert delta("switchyard_worker_prefill_seconds_count") == 3
     assert delta("switchyard_worker_queue_seconds_count") == 3
     assert delta("switchyard_worker_step_seconds_count") >= 5  # at least one step per token of a request
@@ -218,7 +223,8 @@ def test_request_trace_records_with_and_without_tenant_labels(labelled: tuple[st
     other = {"tenant": "other"} if labelled else {}
     get = reg.get_sample_value
     if labelled:
-        assert get("switchyard_prompt_tokens_total", tenant) == 10 == get("switchyard_prompt_tokens_total", other)
+        assert (get("switchyard_prompt_tokens_total", tenant) == 10
+                == get("switchyard_prompt_tokens_total", other))
         assert get("switchyard_ttft_seconds_count", {"priority": "batch", **other}) == 1
     else:
         assert get("switchyard_prompt_tokens_total", {}) == 20
@@ -236,11 +242,13 @@ def test_multiprocess_mode_sums_every_process(tmp_path: Path) -> None:
     import sys
 
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    bump = ("import time; from gateway.telemetry.gateway_metrics import current; m = current(); m.count_shed('capacity'); "
-            "t = m.trace('interactive', 'acme', time.perf_counter()); t.finished(5, 2, 0, completed=True)")
+    bump = ("import time; from gateway.telemetry.gateway_metrics import current; m = current(); "
+            "m.count_shed('capacity'); t = m.trace('interactive', 'acme', time.perf_counter()); "
+            "t.finished(5, 2, 0, completed=True)")
     for _ in range(2):
         subprocess.run([sys.executable, "-c", bump], env=env, check=True, timeout=60)
-    show = "import sys; from gateway.telemetry.gateway_metrics import exposition; sys.stdout.write(exposition()[0].decode())"
+    show = ("import sys; from gateway.telemetry.gateway_metrics import exposition; "
+            "sys.stdout.write(exposition()[0].decode())")
     text = subprocess.run([sys.executable, "-c", show], env=env, check=True, timeout=60, capture_output=True,
                           text=True).stdout
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value

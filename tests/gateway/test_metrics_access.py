@@ -1,5 +1,5 @@
-"""/metrics on the gateway's public port: loopback clients, or a bearer metrics token; anyone else gets a 404 (it
-once answered everyone, showing worker ids and per-tenant volumes). Worker metrics bind loopback by default."""
+"""/metrics on the gateway's public port: loopback clients, or a bearer metrics token; anyone else gets a 404
+(it once answered all, showing worker ids and per-tenant volumes). Worker metrics bind loopback by default."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_loopback_is_served_without_a_token():
 
 
 def test_a_set_token_is_needed_from_loopback_too():
-    """A proxy on the same host makes every client loopback: once a token is set, nobody is served without it."""
+    """A proxy on the same host makes every client loopback: with a token set, nobody is served without it."""
     client = _client("s3cret", "127.0.0.1")
     assert client.get("/metrics").status_code == 404
     assert client.get("/metrics", headers={"authorization": "Bearer s3cret"}).status_code == 200
@@ -47,7 +47,7 @@ def test_worker_metrics_bind_loopback_unless_told():
 
 
 def test_unauthenticated_access_lines_are_capped_per_second(caplog):
-    """An unknown-key flood logs at most `per_second` access lines a second and one line summing up the rest."""
+    """An unknown-key flood logs at most `per_second` access lines a second, and one line summing the rest."""
     from gateway.telemetry.gateway_metrics import UnauthenticatedLines
 
     lines = UnauthenticatedLines(per_second=10)

@@ -1,6 +1,6 @@
 """Model pools in the gateway: a request's `model` (version, model name or alias) resolved to a live version's
-Target, the errors (404 unknown, 403 not allowed, 503 none live, with retry-after), the tokenizer cache and the
-model listing, over simulated workers."""
+Target, the errors (404 unknown, 403 not allowed, 503 none live, with retry-after), the tokenizer cache and
+the model listing, over simulated workers."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ MODELS = {"spec-m": SimpleNamespace(model_id="m", version="tok-m")}
 
 def _pools(aliases: AliasTable | None = None) -> tuple[FleetPools, SimMembership]:
     m = SimMembership()
-    fleet = Fleet(m, lambda view, served: Router(view, secret=b"s"), default=Served("own"))  # type: ignore[arg-type]
+    fleet = Fleet(m, lambda view, served: Router(view, secret=b"s"),  # type: ignore[arg-type]
+                  default=Served("own"))
     m.add("a", "own", tokenizer="tok-own")
     m.add("b", "m", "v1", spec="spec-m", tokenizer="tok-m")
     m.add("c", "m", "v2", spec="spec-m", tokenizer="tok-m")
@@ -119,7 +120,8 @@ def test_operator_alias_mistakes_are_not_the_clients() -> None:
         assert {pools.resolve("canary", only_v1, f"conv-{i}").key for i in range(200)} == {"m@v1"}
         err = _error(pools.resolve, "canary", Tenant("t", allowed_models=("x",)), "")
         assert (err.status, err.code) == (403, "model_not_allowed")
-        err = _error(pools.resolve, "own", Tenant("t", allowed_models=("own",)), "")  # the model's name, not m's
+        # the model's name, not m's
+        err = _error(pools.resolve, "own", Tenant("t", allowed_models=("own",)), "")
         assert (err.status, err.code) == (403, "model_not_allowed")
         assert pools.resolve("canary", Tenant("t", allowed_models=("canary",)), "p").key in ("m@v1", "m@v2")
         await table.close()
@@ -128,8 +130,8 @@ def test_operator_alias_mistakes_are_not_the_clients() -> None:
 
 
 def test_a_tokenizer_load_never_blocks_the_event_loop() -> None:
-    """On the loop, a version whose tokenizer is not loaded gets a retryable 503 at once while a thread loads it
-    (once, however many requests ask); the next request after the load is served."""
+    """On the loop, a version whose tokenizer is not loaded gets a retryable 503 at once while a thread loads
+    it (once, however many requests ask); the next request after the load is served."""
     pools, _ = _pools()
     release = threading.Event()
     slow = pools.tokenizers._load
@@ -171,7 +173,8 @@ def test_capacity_is_admitted_per_version_and_per_traffic_class_pool() -> None:
     from common.priorities import Priority
 
     m = SimMembership()
-    fleet = Fleet(m, lambda view, served: Router(view, secret=b"s"), default=Served("own"))  # type: ignore[arg-type]
+    fleet = Fleet(m, lambda view, served: Router(view, secret=b"s"),  # type: ignore[arg-type]
+                  default=Served("own"))
     m.add("i", "m", "v1", pool="interactive")
     m.add("b", "m", "v1", pool="batch")
     m.add("c", "m", "v2")
@@ -203,8 +206,8 @@ def test_router_capacity_counts_only_its_pool() -> None:
 
 
 def test_a_tenant_cannot_aim_all_its_load_at_a_canary() -> None:
-    """Sticky keys chosen to land on a 10% canary: at most twice its share of the tenant's picks stay there, the
-    rest go to the stable version; another tenant's picks follow the weights as before."""
+    """Sticky keys chosen to land on a 10% canary: at most twice its share of the tenant's picks stay there,
+    the rest go to the stable version; another tenant's picks follow the weights as before."""
     async def main() -> None:
         class R:
             async def hgetall(self, key: str) -> dict:

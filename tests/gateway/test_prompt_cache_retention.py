@@ -1,4 +1,4 @@
-"""OpenAI's prompt_cache_retention: parsed, checked (a 400 naming it) and carried to the worker in the sampling map."""
+"""OpenAI's prompt_cache_retention: parsed, checked (a 400 naming it), carried to the worker in sampling."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 @pytest.mark.parametrize("value", ["in_memory", "24h"])
 def test_accepted_values_pass_through(value):
     assert parse_chat({**CHAT, "prompt_cache_retention": value}).prompt_cache_retention == value
-    assert parse_completion({"model": "m", "prompt": "x", "prompt_cache_retention": value}).prompt_cache_retention \
-        == value
+    assert (parse_completion({"model": "m", "prompt": "x", "prompt_cache_retention": value})
+            .prompt_cache_retention == value)
     sp = SamplingParams(cache_retention=value)
     assert SamplingParams.from_dict(sp.to_dict()).cache_retention == value
 

@@ -1,5 +1,5 @@
-"""Stored responses in a real Redis: per-tenant keys (another tenant's id is a miss), a TTL, the count bound per
-tenant (the oldest go), and the size bound (a larger response is not stored)."""
+"""Stored responses in a real Redis: per-tenant keys (another tenant's id is a miss), a TTL, the count bound
+per tenant (the oldest go), and the size bound (a larger response is not stored)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ async def store(redis_url):
 async def test_bounds_and_tenant_scope(store, redis_url):
     for i in range(5):
         assert await store.save("acme", body(i), [], [{"role": "user", "content": "q"}])
-    assert [await store.get("acme", f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert ([await store.get("acme", f"resp_{i}") is not None for i in range(5)]
+            == [False, False, True, True, True])
     assert await store.get("other", "resp_4") is None  # keys live under the tenant's hash tag
     r = sync_client(redis_url)
     assert 0 < r.ttl("{t:acme}:resp:resp_4") <= 60 and r.zcard("{t:acme}:resps") == 3

@@ -1,7 +1,7 @@
-"""Background responses against a real Redis with a stand-in generation: the per-tenant and per-gateway bounds, a
-cancel here and from another gateway (its watcher stops the run), shutdown records `failed`, a finished run refuses
-a cancel, a lost run reads as failed, a request too large to store never runs, and the store refuses any end but
-`cancelled` after a cancel."""
+"""Background responses against a real Redis with a stand-in generation: the per-tenant and per-gateway
+bounds, a cancel here and from another gateway (its watcher stops the run), shutdown records `failed`, a
+finished run refuses a cancel, a lost run reads as failed, a request too large to store never runs, and the
+store refuses any end but `cancelled` after a cancel."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def runs_over(store: ResponseStore, drain: DrainState | None = None, **bounds) -
 
 def new_gen(finish: bool = False) -> FakeGen:
     req = parse_responses({"model": "default", "input": "hi", "background": True})
-    return FakeGen(SimpleNamespace(shape=new_shape("default", req), tenant=Tenant(name="acme"), req=req), finish)
+    return FakeGen(SimpleNamespace(shape=new_shape("default", req), tenant=Tenant(name="acme"), req=req),
+                   finish)
 
 
 async def launch(runs: BackgroundRuns, gen: FakeGen) -> str:
@@ -155,7 +156,8 @@ async def test_deleting_a_running_response_stops_it(store, monkeypatch):
     deadline = time.monotonic() + 5
     while gen.closed == 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    assert gen.closed == 1 and runs.drain.in_flight == 0 and await store.get("acme", rid) is None  # not stored again
+    # not stored again
+    assert gen.closed == 1 and runs.drain.in_flight == 0 and await store.get("acme", rid) is None
     await runs.shutdown()
 
 
@@ -170,7 +172,8 @@ async def test_shutdown_records_failed_and_leaves_no_task(store):
     for rid, gen in zip(rids, gens, strict=True):
         resp = (await store.get("acme", rid))["response"]
         assert resp["status"] == "failed" and "shut down" in resp["error"]["message"] and gen.closed == 1
-    assert drain.in_flight == 0 and not [t for t in asyncio.all_tasks() if t.get_name().startswith("background")]
+    assert drain.in_flight == 0 and not [t for t in asyncio.all_tasks()
+                                         if t.get_name().startswith("background")]
 
 
 async def test_a_finished_run_refuses_a_cancel_and_a_lost_one_reads_failed(store):
@@ -202,10 +205,12 @@ async def test_store_refuses_any_end_but_cancelled_after_a_cancel(store):
     body = {"id": "resp_x", "status": "queued", "output": []}
     assert await store.save("acme", body, [], [], run_deadline=time.time() + 60)
     assert await store.stop_asked([("acme", "resp_x"), ("acme", "resp_gone")]) == [False, True]
-    assert await store.save_run("acme", {**body, "status": "in_progress"}, [], [], run_deadline=0, final=False)
+    assert await store.save_run("acme", {**body, "status": "in_progress"}, [], [], run_deadline=0,
+                                final=False)
     assert await store.cancel_run("acme", "resp_x") == "running"
     assert await store.stop_asked([("acme", "resp_x")]) == [True]
-    assert not await store.save_run("acme", {**body, "status": "completed"}, [], [], run_deadline=0, final=True)
+    assert not await store.save_run("acme", {**body, "status": "completed"}, [], [], run_deadline=0,
+                                    final=True)
     assert await store.save_run("acme", {**body, "status": "cancelled"}, [], [], run_deadline=0, final=True)
     assert await store.cancel_run("acme", "resp_x") == "cancelled"
     assert (await store.get("acme", "resp_x"))["response"]["status"] == "cancelled"

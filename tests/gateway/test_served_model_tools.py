@@ -1,5 +1,5 @@
 """Tools in chat templates: hermes-style messages for templates without a tools section (all of it message
-content), and templates that render tools themselves (checked for forged control text) through `ServedModel`."""
+content), and templates that render tools themselves (checked for forged control text), via `ServedModel`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def test_hermes_messages_keep_tool_text_as_content():
     assert msgs[2]["content"].startswith("<tool_call>\n") and msgs[3]["content"].startswith("<tool_response>")
     ids = tok.encode_chat(msgs).ids
     specials = {tok.hf.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>")}
-    assert sum(i in specials for i in ids) == 2 * len(msgs) + 1  # the template's own, plus the generation prompt
+    # the template's own, plus the generation prompt
+    assert sum(i in specials for i in ids) == 2 * len(msgs) + 1
 
 
 NATIVE_TEMPLATE = """{%- if tools %}<|im_start|>system

@@ -1,5 +1,5 @@
-"""The streamed tool-call parser (`gateway.openai.tool_output`) in any chunking, and the `auto` tool grammar: text or
-calls, nothing in between."""
+"""The streamed tool-call parser (`gateway.openai.tool_output`) in any chunking, and the `auto` tool grammar:
+text or calls, nothing in between."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from worker.protocol import tool_call_spec
 from worker.sample.grammar import grammar_tokenizer
 from worker.text.tokenizer import load_tokenizer
 
-CALLS_TEXT = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a}\\n</b", "days": 2}}\n</tool_call>\n'
-              '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
+CALLS_TEXT = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a}\\n</b", "days": 2}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
 
 
 @pytest.mark.parametrize("step", [1, 3, 7, len(CALLS_TEXT)])
@@ -51,8 +51,10 @@ def test_auto_grammar_allows_text_or_calls_only():
     grammar = grammar_text(spec)
     tok = load_tokenizer("default")
     lt = grammar_tokenizer(tok)
-    for text, ok in [("plain words", True), ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', True),
-                     ("<tool_call>oops", False), ("  <tool_call>oops", False), ('<tool_call>\n{"name": "g"', False)]:
+    for text, ok in [("plain words", True),
+                     ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', True),
+                     ("<tool_call>oops", False), ("  <tool_call>oops", False),
+                     ('<tool_call>\n{"name": "g"', False)]:
         m = llguidance.LLMatcher(lt, grammar, log_level=0)
         assert all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) == ok, text
     assert spec != tool_call_spec([{"name": "f", "parameters": {"type": "object"}}])

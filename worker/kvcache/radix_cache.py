@@ -104,7 +104,7 @@ class RadixCache:
         return PrefixMatch(pages, pos, node)
 
     def lock_prefix(self, ns: bytes, tokens: Sequence[int]) -> tuple[RadixNode | None, int]:
-        """`match_prefix` without taking page references or counting a look-up: (handle to `unlock`, tokens)."""
+        """`match_prefix` taking no page references and counting no look-up: (handle to `unlock`, tokens)."""
         node, pos, _ = self._lock_longest(ns, self._check(ns, tokens))
         return node, pos
 

@@ -246,7 +246,8 @@ def _decode_gen(obj: dict[str, Any], max_prompt_tokens: int) -> GenRequest:
     if n == 0:
         raise ProtocolError("prompt has no tokens", rid=rid, param="tokens")
     if n > max_prompt_tokens:
-        raise ProtocolError(f"prompt has {n} tokens, over the limit of {max_prompt_tokens}", rid=rid, param="tokens")
+        raise ProtocolError(f"prompt has {n} tokens, over the limit of {max_prompt_tokens}",
+                            rid=rid, param="tokens")
     tokens = np.frombuffer(raw, dtype=TOKEN_DTYPE)
     sampling = _field(obj, "sampling", dict, rid)
     priority = _field(obj, "priority", int, rid)

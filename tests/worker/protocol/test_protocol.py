@@ -144,7 +144,8 @@ def test_protocol_module_does_not_import_torch() -> None:
 
 
 def test_tokens_view_is_int32() -> None:
-    req = p.decode_gateway_frame(p.encode_gen("r", b"", np.arange(5), p.SamplingParams()), max_prompt_tokens=8)
+    req = p.decode_gateway_frame(p.encode_gen("r", b"", np.arange(5), p.SamplingParams()),
+                                 max_prompt_tokens=8)
     assert req.tokens.dtype == np.dtype("<i4")
 
 
