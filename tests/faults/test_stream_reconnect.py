@@ -19,7 +19,8 @@ import pytest
 
 from tests.faults.cluster import FaultCluster
 
-pytestmark = pytest.mark.timeout(240)
+# two gateways and a worker: a long multi-process scenario, `make test-heavy` (its own CI step)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.heavy]
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 120,
         "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 RESP = {"model": "default", "input": "Tell me a story.", "max_output_tokens": 120, "temperature": 0,

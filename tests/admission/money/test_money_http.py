@@ -13,7 +13,8 @@ from admission.money.prices import set_price
 from tenancy.redis_client import sync_client
 from tests.admission_stack import AdmissionStack
 
-pytestmark = pytest.mark.timeout(120)
+# two gateway processes and a worker: a long multi-process scenario, `make test-heavy` (its own CI step)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.heavy]
 
 
 @pytest.fixture(scope="module")
