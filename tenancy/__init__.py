@@ -18,6 +18,7 @@ from tenancy.schema import (
     bucket_key,
     config_key,
     leases_key,
+    tag,
     usage_key,
 )
 from tenancy.tenancy_errors import (
@@ -67,6 +68,7 @@ __all__ = [
     "get_tenant",
     "issue_key",
     "leases_key",
+    "tag",
     "list_keys",
     "list_tenants",
     "revoke_key",

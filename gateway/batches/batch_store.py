@@ -9,6 +9,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tenancy import tag
+
 STREAM = "{batches}:lines"  # every batch line of the deployment, read by all gateways through one group
 GROUP = "runners"
 TTL_S = 30 * 86_400  # a batch object is kept as long as a stored response
@@ -54,15 +56,15 @@ def new_batch_id() -> str:
 
 
 def _key(tenant: str, batch_id: str) -> str:
-    return f"{{t:{tenant}}}:batch:{batch_id}"
+    return tag(tenant) + f":batch:{batch_id}"
 
 
 def _results(tenant: str, batch_id: str) -> str:
-    return f"{{t:{tenant}}}:batch:{batch_id}:results"
+    return tag(tenant) + f":batch:{batch_id}:results"
 
 
 def _index(tenant: str) -> str:
-    return f"{{t:{tenant}}}:batches"
+    return tag(tenant) + ":batches"
 
 
 def _text(raw: Any) -> str:

@@ -12,6 +12,8 @@ import logging
 import time
 from typing import Any
 
+from tenancy import tag
+
 log = logging.getLogger("switchyard.gateway")
 
 TTL_S = 30 * 86_400  # as OpenAI keeps responses
@@ -33,15 +35,15 @@ def reported(doc: dict) -> dict:
 
 
 def _key(tenant: str, response_id: str) -> str:
-    return f"{{t:{tenant}}}:resp:{response_id}"
+    return tag(tenant) + f":resp:{response_id}"
 
 
 def _index(tenant: str) -> str:
-    return f"{{t:{tenant}}}:resps"
+    return tag(tenant) + ":resps"
 
 
 def _run(tenant: str, response_id: str) -> str:
-    return f"{{t:{tenant}}}:resp:{response_id}:run"
+    return tag(tenant) + f":resp:{response_id}:run"
 
 
 # KEYS: object, run state; ARGV: blob, status, ttl, final (1: the state becomes the status)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.telemetry import gateway_metrics
+from tenancy import tag
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -31,11 +32,11 @@ END = b"end"  # the field of the entry that closes a log: "done" (it ended) or "
 
 
 def log_key(tenant: str, stream_id: str) -> str:
-    return f"{{t:{tenant}}}:sse:{stream_id}"
+    return tag(tenant) + f":sse:{stream_id}"
 
 
 def live_key(tenant: str, stream_id: str) -> str:
-    return f"{{t:{tenant}}}:sse:{stream_id}:live"
+    return tag(tenant) + f":sse:{stream_id}:live"
 
 
 def entry_id(seq: int) -> str:
