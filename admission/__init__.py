@@ -11,7 +11,7 @@ from admission.headers import format_duration, rate_limit_headers, retry_headers
 from admission.hold import BudgetGuard
 from admission.local_limits import LocalLimiter
 from admission.metering import DayUsage, read_usage
-from admission.money import BudgetExceeded
+from admission.money import BudgetExceeded, MoneyHold, MoneyPath, Price
 from admission.money.money_gate import MoneyGate
 from admission.results import (
     ADMITTED,
@@ -44,7 +44,10 @@ __all__ = [
     "GatewayRegistry",
     "LocalLimiter",
     "MoneyGate",
+    "MoneyHold",
+    "MoneyPath",
     "Overloaded",
+    "Price",
     "QuotaExceeded",
     "Renewal",
     "RequestTooLarge",

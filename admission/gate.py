@@ -68,6 +68,16 @@ class Admission:
                 gate.release(cap)
             await self.guard.release(res)
 
+    @contextlib.asynccontextmanager
+    async def carried(self, res: Reservation) -> AsyncIterator[AdmissionTicket]:
+        """The ticket of a stream carried on from a lost gateway: its reservation, renewed here and settled
+        once when the stream ends (no new reservation, no capacity slot: its tokens were admitted)."""
+        self.guard.adopt(res)
+        try:
+            yield AdmissionTicket(res, None, {})
+        finally:
+            await self.guard.release(res)
+
     async def charge_invalid(self, tenant: Tenant) -> int:
         """One request of the tenant's per-minute limit for a request refused as invalid
         (`Budget.charge_invalid`)."""

@@ -41,6 +41,13 @@ class BudgetGuard:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_loop(), name="lease-renewer")
         return res
 
+    def adopt(self, res: Reservation) -> None:
+        """Hold (renew, then settle) a reservation another gateway took: a stream carried on after that
+        gateway was lost (`gateway.streams.carry_on`)."""
+        self._held[res.lease_id] = res
+        if self._renewer is None and not res.result.local:
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_loop(), name="lease-renewer")
+
     async def release(self, res: Reservation) -> None:
         """Settle `res` (once); survives the caller's cancellation and never raises Redis errors."""
         self._held.pop(res.lease_id, None)

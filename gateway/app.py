@@ -37,6 +37,8 @@ from gateway.responses.response_events import stream_events
 from gateway.responses.response_store import ResponseStore
 from gateway.responses.routes import cancel_response, stored_response
 from gateway.streams import resume_routes
+from gateway.streams.carry_on import CarryOn
+from gateway.streams.carry_record import MAX_BODY_BYTES
 from gateway.streams.hooks import resumable
 from gateway.telemetry import gateway_metrics, gateway_spans
 from gateway.web import api_errors
@@ -72,6 +74,7 @@ class AppConfig:
     batch_concurrency: int = 4  # batch lines this gateway runs at once (gateway.batches)
     event_logs: Any = None  # gateway.streams.event_log.EventLogs: event ids, resumable streams; None: off
     stream_detach_grace_s: float = 0.0  # a stream whose client left runs on this long for a reconnect
+    carry_on: bool = True  # with event logs: a lost gateway's single streams are carried on by a reconnect
 
 
 def _service(request: Request) -> GatewayService:
@@ -127,13 +130,9 @@ async def _serve(request: Request, parse: Callable[[Any], GenerationRequest], sp
         if req.stream:
             first = await until_disconnect(request, gen.next())
             trace.first_token(gen.usage.completion_tokens)
-            if req.api == "responses":
-                body = stream_events(gen, first, trace, functools.partial(
-                    request.app.state.conversations.save_response, tenant, req))
-            else:
-                body = _sse_body(gen, first, trace)
+            body = _stream_body(request.app.state.conversations, req.api, gen, first, trace, req)
             body, closer = resumable(config, prepared, body, functools.partial(_close, gen, trace, span),
-                                     request.app.state.drain)
+                                     request.app.state.drain, gen=gen)
             response: Response = SSEResponse(body, closer, headers=gen.headers,
                                              write_timeout_s=config.stream_write_timeout_s)
             gen = None  # the response owns it now
@@ -164,11 +163,13 @@ async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenan
     if size < THREAD_TOKENIZE_BYTES:
         req = parse(body)
         await request.app.state.conversations.continue_previous(tenant, req)
-        return req, svc.prepare(tenant, req, rid)
-    # large bodies (long prompts, big JSON schemas to validate) are handled off the event loop
-    req = await run_in_threadpool(parse, body)
-    await request.app.state.conversations.continue_previous(tenant, req)
-    return req, await run_in_threadpool(svc.prepare, tenant, req, rid)
+        prepared = svc.prepare(tenant, req, rid)
+    else:  # large bodies (long prompts, big JSON schemas to validate) are handled off the event loop
+        req = await run_in_threadpool(parse, body)
+        await request.app.state.conversations.continue_previous(tenant, req)
+        prepared = await run_in_threadpool(svc.prepare, tenant, req, rid)
+    prepared.raw_body = body if size <= MAX_BODY_BYTES else None  # a stream another gateway may carry on
+    return req, prepared
 
 
 async def _refused_counted(started: Awaitable[_T], trace: gateway_metrics.RequestTrace) -> _T:
@@ -259,6 +260,15 @@ async def _close(gen: Generation | GenerationGroup, trace: gateway_metrics.Reque
                          cached_tokens=u.cached_tokens, finished=done)
 
 
+def _stream_body(conversations: Conversations, api: str, gen: Generation, first: Delta | None,
+                 trace: gateway_metrics.RequestTrace, req: GenerationRequest) -> AsyncIterator[bytes]:
+    """A single stream's SSE events (`api`: "responses", else chat or completions)."""
+    if api == "responses":
+        return stream_events(gen, first, trace,
+                             functools.partial(conversations.save_response, gen.prepared.tenant, req))
+    return _sse_body(gen, first, trace)
+
+
 async def _sse_body(gen: Generation, first: Delta | None,
                     trace: gateway_metrics.RequestTrace) -> AsyncIterator[bytes]:
     shape = gen.prepared.shape
@@ -314,13 +324,21 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.service = await make_service()
         app.state.background = BackgroundRuns(app.state.service, app.state.conversations, app.state.drain)
-        app.state.background.logs = app.state.config.event_logs
+        app.state.background.logs = logs = app.state.config.event_logs
+        if logs is not None and app.state.config.carry_on:
+            app.state.carry = CarryOn(logs, app.state.service,
+                                      functools.partial(_stream_body, app.state.conversations),
+                                      {"chat": parse_chat, "completions": parse_completion,
+                                       "responses": parse_responses},
+                                      app.state.conversations.continue_previous)
         start_batches(app)
         try:
             yield
         finally:
             await stop_batches(app)
             await app.state.background.shutdown()  # before the router and admission close under the runs
+            if app.state.carry is not None:
+                await app.state.carry.close()
             if app.state.config.event_logs is not None:
                 await app.state.config.event_logs.close()  # streams whose client left end; a last flush
             await app.state.service.close()
@@ -355,6 +373,7 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
     app.state.started = int(time.time())
     app.state.drain = DrainState()  # flipped by gateway.web.drain_middleware.LameDuckServer on SIGTERM
     app.state.conversations = Conversations(response_store)
+    app.state.carry = None  # gateway.streams.carry_on.CarryOn, made at startup when event logs are on
     app.state.redis = redis  # the gateway's Redis client (batches; None: no Batch API)
     app.state.files = DirectoryFileStore(config.files_dir) if config and config.files_dir else None
     install_handlers(app)

@@ -68,6 +68,9 @@ class RouteRequest:
     cache_key: str | None = None  # the client's prompt_cache_key: routes instead of the prefix, within `ns`
     fkey: bytes = b""  # fairness key: `fairness_key(...)` of the tenant; empty: the worker uses `ns`
     weight: float = 1.0  # the tenant's fair-share weight
+    # a stream carried on from a lost gateway: the tokens it streamed, and the cached tokens it reported
+    streamed: list[int] = field(default_factory=list)
+    first_cached: int | None = None
 
 
 class Router:
@@ -242,8 +245,9 @@ class Router:
         matched = self.kv.matched(req.ns, req.tokens, self.policy.members | self.disagg.ids)
         exclude: frozenset[str] = frozenset()
         failed: WorkerError | None = None
-        streamed: list[int] = []  # tokens the consumer has seen: a resumed attempt carries on after them
-        resumes, failed_at, first_cached = 0, 0.0, None
+        # tokens the consumer has seen: a resumed attempt carries on after them
+        streamed: list[int] = list(req.streamed)
+        resumes, failed_at, first_cached = 0, 0.0, req.first_cached
         while True:
             try:
                 choice = self._pick_in_class(key, req, exclude, span, matched)

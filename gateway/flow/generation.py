@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 from admission import AdmissionTicket
 from common.priorities import Priority
@@ -47,6 +48,8 @@ class Prepared:
     batch: list[list[int]] = field(default_factory=list)
     key_digest: str = ""  # SHA-256 of the request's API key: a revoked key ends its streams ("": not checked)
     target: Target | None = None  # the model version serving it (None: the service's own model and router)
+    raw_body: Any = None  # the body as the client sent it (a stream another gateway may carry on keeps it)
+    money_hold: Any = None  # its `admission.money.MoneyHold` under dollar budgets
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -126,6 +129,7 @@ class Generation:
     ticket: AdmissionTicket | None = None
     tenants: TenantDirectory | None = None  # re-checked while running (see the module docstring)
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # every token consumed (a carried stream logs them)
     _recheck_at: float = 0.0
     _detok: IncrementalDetokenizer = field(init=False)
     _stops: StopMatcher = field(init=False)
@@ -193,6 +197,7 @@ class Generation:
 
     def _consume(self, chunk: OutItem) -> Delta | None:
         toks = chunk.tokens
+        self.token_ids += toks
         self.usage.completion_tokens += len(toks)
         self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.cached_tokens)
         stops = self._stops

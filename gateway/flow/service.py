@@ -260,6 +260,7 @@ class GatewayService:
             gateway_metrics.current().count_shed("quota_service_unavailable")
             raise api_errors.quota_unavailable() from None
         ticket.headers.update(hold.headers())
+        p.money_hold = hold
         stack.push_async_callback(lambda: money.settle(hold, ticket.reservation.served, usage.prompt_tokens,
                                                        usage.cached_tokens, usage.completion_tokens))
 

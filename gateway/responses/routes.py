@@ -12,7 +12,7 @@ from gateway.flow.service import GatewayService
 from gateway.responses.background import BackgroundRuns
 from gateway.responses.response_store import reported
 from gateway.streams.replay import Replay
-from gateway.streams.resume_routes import replay_response
+from gateway.streams.resume_routes import carrier, replay_response
 from gateway.web import api_errors
 from gateway.web.api_errors import ApiError
 from tenancy import Tenant
@@ -99,7 +99,7 @@ async def resume_response(request: Request, tenant: Tenant, response_id: str) ->
         raise api_errors.response_not_found(response_id)
     svc = request.app.state.service
     replay = Replay(config.event_logs.redis, tenant.name, response_id, int(after), responses=True,
-                    deadline_s=svc.config.request_timeout_s)
+                    deadline_s=svc.config.request_timeout_s, carry=carrier(request))
     try:
         await replay.check()
     except ApiError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from gateway.streams.event_log import DATA, END, FIRST, FLUSH_S, entry_id, live_key, log_key
@@ -16,7 +16,7 @@ from gateway.web.api_errors import ApiError
 from gateway.web.sse import event, event_named
 
 POLL_S = 0.05  # a tailing reader looks for new events this often (one XRANGE; no connection held meanwhile)
-LIVE_CHECK_S = 1.0  # ... and whether the stream's gateway still carries it this often
+LIVE_CHECK_S = 0.25  # ... and whether the stream's gateway still carries it this often
 APPEAR_S = 4 * FLUSH_S  # a stream whose first events are not flushed yet: wait this long before a 404
 BATCH = 256  # entries read per XRANGE
 
@@ -35,11 +35,13 @@ class Replay:
     """One reader of one stream's log (the tenant comes from the caller's key: another tenant's is a 404)."""
 
     def __init__(self, client: Any, tenant: str, stream_id: str, after: int, *, id_prefix: str = "",
-                 responses: bool = False, deadline_s: float = 600.0) -> None:
+                 responses: bool = False, deadline_s: float = 600.0,
+                 carry: Callable[[str, str], Awaitable[bool]] | None = None) -> None:
         self.redis, self.tenant, self.stream_id = client, tenant, stream_id
         self.after, self.prefix, self.responses = after, id_prefix.encode(), responses
         self.key = log_key(tenant, stream_id)
         self.deadline = time.monotonic() + deadline_s
+        self.carry = carry  # `CarryOn.claim`: a lost stream is carried on (here or by another gateway)
         # time.monotonic() until which a log not written yet may still start (a queued run)
         self.starts_by = 0.0
 
@@ -87,6 +89,8 @@ class Replay:
                     pass  # a queued background run: its log starts with its first token
                 elif not await self.redis.exists(live_key(self.tenant, self.stream_id)) \
                         and not await self.redis.xrange(self.key, min="(" + cursor, count=1):
+                    if self.carry is not None and await self.carry(self.tenant, self.stream_id):
+                        continue  # its events come on in the log
                     yield self._error("stream_lost", "The gateway carrying this stream was lost before it "
                                       "finished; create the request again.")
                     gateway_metrics.current().stream_resumes.labels("lost").inc()

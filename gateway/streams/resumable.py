@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from gateway.streams.event_log import EventLogs
+from gateway.streams.event_log import EventLogs, TokenSource
 from gateway.web.sse import stalled_cut
 
 log = logging.getLogger("switchyard.gateway")
@@ -20,6 +20,7 @@ log = logging.getLogger("switchyard.gateway")
 # events waiting for a slow client; past it the generation waits (the write deadline cuts it)
 QUEUE_EVENTS = 64
 DETACH_GRACE_S = 30.0
+WRITE_AHEAD_S = 1.0  # a carried stream's event waits this long at most for its log; then it is not carried
 _EOF = object()
 
 
@@ -34,9 +35,10 @@ class ResumableStream:
     def __init__(self, logs: EventLogs, tenant: str, stream_id: str, inner: AsyncIterator[bytes],
                  on_close: Callable[[], Awaitable[None]], *, id_prefix: str = "",
                  detach_grace_s: float = DETACH_GRACE_S,
-                 draining: Callable[[], bool] = lambda: False) -> None:
+                 draining: Callable[[], bool] = lambda: False, source: TokenSource | None = None,
+                 carry: bytes | None = None) -> None:
         self._logs, self._inner, self._on_close = logs, inner, on_close
-        self._log = logs.open(tenant, stream_id)
+        self._log = logs.open(tenant, stream_id, source=source, carry=carry)
         self._prefix = id_prefix.encode()
         self._grace_s, self._draining = detach_grace_s, draining
         self._queue: asyncio.Queue = asyncio.Queue(QUEUE_EVENTS)
@@ -49,27 +51,47 @@ class ResumableStream:
         self._task = asyncio.create_task(self._pump(), name=f"stream {self._log.stream_id}")
         while True:
             item = await self._queue.get()
-            batch = []
+            batch, last = [], -1
             while item is not _EOF:
-                batch.append(item)
+                last, data = item
+                batch.append(data)
                 if self._queue.empty():
                     break
                 item = self._queue.get_nowait()
             if batch:
+                await self._durable(last)
                 yield b"".join(batch)
             if item is _EOF:
                 break
         if self._error is not None:
             raise self._error
 
+    async def _durable(self, seq: int) -> None:
+        """A carried stream's events go out once its log holds them (within WRITE_AHEAD_S; past it the
+        stream is no longer carried, and they go out)."""
+        stream = self._log
+        deadline = asyncio.get_running_loop().time() + WRITE_AHEAD_S
+        while stream.source is not None:
+            stream.wake.clear()
+            if stream.flushed > seq:
+                return
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await stream.wake.wait()
+            except TimeoutError:
+                log.warning("stream %s: its log is late; it can no longer be carried on", stream.stream_id)
+                stream.source, stream.carry = None, b""
+
     async def _pump(self) -> None:
         whole = False
         try:
             async for data in self._inner:
                 seq = self._logs.append(self._log, data)
+                if self._log.taken:  # another gateway carries it on (this one was thought lost)
+                    break
                 if not self._detached:
-                    await self._queue.put(framed(self._prefix + str(seq).encode(), data))
-            whole = True
+                    await self._queue.put((seq, framed(self._prefix + str(seq).encode(), data)))
+            whole = not self._log.taken
         except Exception as exc:  # handed to the client's side, which raises it as the body would have
             self._error = exc
         finally:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -15,6 +16,12 @@ from gateway.web.sse import SSEResponse
 
 _CHAT_ID = re.compile(r"^(chatcmpl-[0-9a-f]{32}(?:-\d+)?):(\d{1,9})$")
 _COMPLETION_ID = re.compile(r"^(cmpl-[0-9a-f]{32}(?:-\d+)?):(\d{1,9})$")
+
+
+def carrier(request: Request) -> Callable[[str, str], Awaitable[bool]] | None:
+    """How a replay carries on a stream whose gateway was lost (None: carrying on is off)."""
+    carry = request.app.state.carry
+    return carry.claim if carry is not None else None
 
 
 def replay_response(request: Request, replay: Replay) -> Response:
@@ -47,6 +54,6 @@ async def resume_completion(request: Request) -> Response:
         raise api_errors.invalid("'Last-Event-ID' must be an event id of this endpoint's streams (<id>:<n>).",
                                  param="Last-Event-ID")
     replay = Replay(config.event_logs.redis, tenant.name, match[1], int(match[2]), id_prefix=match[1] + ":",
-                    deadline_s=svc.config.request_timeout_s)
+                    deadline_s=svc.config.request_timeout_s, carry=carrier(request))
     await replay.check()
     return replay_response(request, replay)

@@ -9,15 +9,18 @@ ends, on B, with the events it logged and a `stream_lost` error (its worker requ
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
+import redis
 
-from tests.faults.cluster import FaultCluster
+from tenancy.schema import leases_key, usage_key
+from tests.faults.cluster import FaultCluster, gateway_log_records, unattributed_errors
 
 # two gateways and a worker: a long multi-process scenario, `make test-heavy` (its own CI step)
 pytestmark = [pytest.mark.timeout(240), pytest.mark.heavy]
@@ -167,14 +170,56 @@ def test_reconnects_that_cannot_be_served_name_their_field(cluster: FaultCluster
             assert (resp.status_code, resp.json()["error"]["param"]) == (status, param), resp.text
 
 
-def test_a_killed_gateway_s_stream_ends_with_stream_lost(cluster: FaultCluster, key: str):  # last: it kills A
+def usage_today(cluster: FaultCluster, tenant: str) -> dict[str, int]:
+    day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    with redis.Redis.from_url(cluster.redis.url) as r:
+        return {k.decode(): int(v) for k, v in r.hgetall(usage_key(tenant, day)).items()}
+
+
+def read_until_cut(it: Iterator[str], lines: list[str]) -> None:
+    """The rest of a stream whose gateway is killed: its lines until the connection breaks."""
+    with contextlib.suppress(httpx.HTTPError):
+        for line in it:
+            lines.append(line)
+
+
+def test_a_killed_gateway_s_streams_are_carried_on_by_another(cluster: FaultCluster):  # last: it kills A
     a, b = cluster.gateways
-    body = {**CHAT, "max_tokens": 4000}
+    key = cluster.create_tenant("carried")
+    auth = {"authorization": f"Bearer {key}"}
     with httpx.Client(timeout=60) as http:
-        part = read(http, "POST", a.base_url + "/v1/chat/completions", key, body=body, stop_after=5)
-        time.sleep(0.3)  # the events the client saw are flushed (every 50 ms)
-        a.kill()
-        rest = read(http, "POST", b.base_url + "/v1/chat/completions", key,
-                    headers={"last-event-id": part[-1][0]})
-    assert json.loads(rest[-1][2])["error"]["code"] == "stream_lost"
-    assert [int(e[0].rpartition(":")[2]) for e in part + rest[:-1]] == list(range(len(part) + len(rest) - 1))
+        whole_chat = chat_text(read(http, "POST", b.base_url + "/v1/chat/completions", key, body=CHAT))
+        whole_resp = response_text(read(http, "POST", b.base_url + "/v1/responses", key, body=RESP))
+        before = usage_today(cluster, "carried")
+        with contextlib.ExitStack() as stack:
+            streams = [stack.enter_context(http.stream("POST", a.base_url + path, json=body, headers=auth))
+                       for path, body in (("/v1/chat/completions", CHAT), ("/v1/responses", RESP))]
+            lines: list[list[str]] = [[], []]
+            its = [resp.iter_lines() for resp in streams]
+            for it, seen in zip(its, lines, strict=True):
+                while sum(x.startswith("data: ") for x in seen) < 12:
+                    seen.append(next(it))
+            a.kill()
+            for it, seen in zip(its, lines, strict=True):
+                read_until_cut(it, seen)
+        chat_part, resp_part = sse(lines[0]), sse(lines[1])
+        chat_rest = read(http, "POST", b.base_url + "/v1/chat/completions", key,
+                         headers={"last-event-id": chat_part[-1][0]})
+        rid = json.loads(resp_part[0][2])["response"]["id"]
+        resp_rest = read(http, "GET", f"{b.base_url}/v1/responses/{rid}?stream=true"
+                         f"&starting_after={resp_part[-1][0]}", key)
+    assert [int(e[0].rpartition(":")[2]) for e in chat_part + chat_rest[:-1]] == list(
+        range(len(chat_part) + len(chat_rest) - 1))
+    assert chat_text(chat_part + chat_rest) == whole_chat  # the text and usage of an undisturbed run
+    text, final = response_text(resp_part + resp_rest)
+    assert [int(e[0]) for e in resp_part + resp_rest] == list(range(len(resp_part) + len(resp_rest)))
+    assert (text, final["response"]["usage"]) == (whole_resp[0], whole_resp[1]["response"]["usage"])
+    after = usage_today(cluster, "carried")
+    want = whole_chat[1]["completion_tokens"] + whole_resp[1]["response"]["usage"]["output_tokens"]
+    metered = {k: after[k] - before.get(k, 0) for k in ("requests", "completion_tokens")}
+    assert metered == {"requests": 2, "completion_tokens": want}  # once, by the gateway that carried them on
+    with redis.Redis.from_url(cluster.redis.url) as r:
+        assert r.zcard(leases_key("carried")) == 0  # the lost gateway's leases are settled
+    carried = [r["msg"] for r in gateway_log_records(b)[0] if "carrying on stream" in r.get("msg", "")]
+    assert len(carried) == 2, carried  # B carried both on (they had not ended when A died)
+    assert not unattributed_errors(b)

@@ -1,0 +1,152 @@
+"""Carrying on a stream whose gateway was lost: a reader that finds the stream's gateway gone claims it (one
+gateway wins, `SET NX`), rebuilds its request from the carry record, replays its logged tokens through the
+same framing (the events the log holds come out again and are dropped) and logs the live rest after them, so
+every reader of the log, on any gateway, gets the whole stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from gateway.flow.carried import groups, start_carried
+from gateway.flow.generation import Prepared
+from gateway.streams.carry_record import CarryRecord
+from gateway.streams.event_log import (
+    CODES,
+    DATA,
+    END,
+    FIRST,
+    TOKENS,
+    EventLogs,
+    carry_key,
+    log_key,
+    owner_key,
+)
+from gateway.telemetry import gateway_metrics
+from gateway.web.api_errors import ApiError
+
+log = logging.getLogger("switchyard.gateway")
+
+MAX_CARRIED = 256  # streams one gateway carries on at once; past it a lost stream ends `stream_lost`
+# (api, generation, first delta, trace, request) -> the stream's SSE events, as its first gateway framed them
+BodyBuilder = Callable[[str, Any, Any, Any, Any], AsyncIterator[bytes]]
+
+
+@dataclasses.dataclass(slots=True)
+class Logged:
+    """What the lost gateway logged: how many events, and the tokens they were made from."""
+
+    events: int
+    tokens: list[int]
+    codes: list[int]
+
+
+def read_logged(entries: list) -> Logged | None:
+    """The log's events and tokens; None when it cannot be carried on (ended, trimmed, or without tokens)."""
+    events, tokens, codes = 0, [], []
+    for _, fields in entries:
+        if END in fields:
+            return None
+        if int(fields[FIRST]) != events or TOKENS not in fields:
+            return None  # trimmed, or an entry without its tokens
+        events += fields[DATA].count(b"\n\n")
+        tokens += np.frombuffer(fields[TOKENS], dtype="<i4").tolist()
+        codes += np.frombuffer(fields[CODES], dtype="<i4").tolist()
+    return Logged(events, tokens, codes) if len(codes) == events else None
+
+
+class CarryOn:
+    """This gateway's carried-on streams."""
+
+    def __init__(self, logs: EventLogs, service: Any, build_body: BodyBuilder,
+                 parsers: dict[str, Callable[[Any], Any]],
+                 continue_previous: Callable[[Any, Any], Awaitable[None]]) -> None:
+        self.logs, self.service, self.build_body = logs, service, build_body
+        self.parsers, self.continue_previous = parsers, continue_previous
+        self._running: dict[str, asyncio.Task] = {}
+
+    async def claim(self, tenant: str, stream_id: str) -> bool:
+        """Carry the stream on here if nobody does; True while this gateway or another one carries it."""
+        redis, key = self.logs.redis, log_key(tenant, stream_id)
+        if key in self._running:
+            return True
+        raw = await redis.get(carry_key(tenant, stream_id))
+        record = CarryRecord.decode(raw) if raw is not None else None
+        if record is None or record.tenant != tenant or len(self._running) >= MAX_CARRIED:
+            return False
+        owner = owner_key(tenant, stream_id)
+        if not await redis.set(owner, self.logs.owner_id, nx=True, px=int(self.logs.live_ttl_s * 1000)):
+            return await redis.exists(owner) > 0  # another gateway carries it on
+        logged = read_logged(await redis.xrange(key))
+        if logged is None:
+            await redis.delete(owner)
+            return False
+        task = asyncio.create_task(self._run(record, logged), name=f"carry {stream_id}")
+        self._running[key] = task
+        task.add_done_callback(lambda _: self._running.pop(key, None))
+        gateway_metrics.current().stream_resumes.labels("carried").inc()
+        log.info("carrying on stream %s after %d events", stream_id, logged.events)
+        return True
+
+    async def _run(self, record: CarryRecord, logged: Logged) -> None:
+        stream = self.logs.open(record.tenant, record.stream_id, carry=record.encode(),
+                                first_seq=logged.events, owned=True)
+        whole, gen = False, None
+        try:
+            prepared = await self._prepare(record)
+            gen = await start_carried(self.service, prepared, _reservation(record, prepared),
+                                      record.money_hold(), groups(logged.tokens, logged.codes),
+                                      record.first_cached)
+            stream.source, stream.tokens_logged = gen, len(logged.tokens)
+            stream.finish_logged = any(code & 3 for code in logged.codes)
+            trace = gateway_metrics.current().trace(prepared.priority.label, record.tenant,
+                                                    time.perf_counter(), "")
+            first = await gen.next()
+            seen = 0
+            async for data in self.build_body(record.api, gen, first, trace, prepared.req):
+                seen += 1
+                if seen > logged.events:  # those before are in the log already
+                    self.logs.append(stream, data)
+                    if stream.taken:
+                        break
+            whole = not stream.taken
+        except ApiError as exc:
+            log.warning("stream %s could not be carried on: %s", record.stream_id, exc.code or exc.status)
+        except Exception:
+            log.exception("carrying on stream %s failed", record.stream_id)
+        finally:
+            self.logs.end(stream, whole=whole)
+            if gen is not None:
+                await gen.close()
+
+    async def _prepare(self, record: CarryRecord) -> Prepared:
+        """The request again, as its first gateway prepared it (the same ids and creation time)."""
+        svc = self.service
+        tenant = await svc.tenants.tenant(record.tenant)
+        if tenant is None or not tenant.active or (
+                record.key_digest and await svc.tenants.key_owner(record.key_digest) != tenant.name):
+            raise ApiError(403, "The stream's tenant or key is no longer active.", "permission_error")
+        req = self.parsers[record.api](record.body)
+        await self.continue_previous(tenant, req)
+        prepared = svc.prepare(tenant, req, record.request_id)
+        prepared.shape = dataclasses.replace(prepared.shape, id=record.stream_id, created=record.created)
+        prepared.key_digest, prepared.raw_body = record.key_digest, record.body
+        return prepared
+
+    async def close(self) -> None:
+        for task in list(self._running.values()):
+            task.cancel()
+        if self._running:
+            with contextlib.suppress(Exception):
+                await asyncio.wait(list(self._running.values()), timeout=5.0)
+
+
+def _reservation(record: CarryRecord, prepared: Prepared) -> Any:
+    return record.lease.reservation(prepared.tenant) if record.lease is not None else None

@@ -1,0 +1,85 @@
+"""What another gateway needs to carry a stream on: the request as the client sent it, its ids, and the
+reservations it holds (one typed record, JSON in Redis under `event_log.carry_key`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from admission import ADMITTED, MoneyHold, MoneyPath, Price, Reservation, ReserveResult
+from tenancy import Tenant
+
+VERSION = 1
+MAX_BODY_BYTES = 256 * 1024  # a bigger body is not kept: its stream ends `stream_lost` with its gateway
+APIS = ("chat", "completions", "responses")
+
+
+@dataclass(slots=True)
+class Lease:
+    """The token reservation the stream's first gateway took (`admission.budget.Reservation`)."""
+
+    lease_id: str
+    prompt_tokens: int
+    max_tokens: int
+
+    def reservation(self, tenant: Tenant) -> Reservation:
+        result = ReserveResult(ADMITTED, None, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        # renewed_at 0: the next renewal round extends it (its first gateway renewed it last)
+        return Reservation(tenant, self.lease_id, self.prompt_tokens, self.max_tokens, result, renewed_at=0.0)
+
+
+@dataclass(slots=True)
+class CarryRecord:
+    api: str  # chat | completions | responses
+    body: dict[str, Any]  # the request body as the client sent it
+    tenant: str
+    key_digest: str
+    stream_id: str  # the response id (chatcmpl-..., cmpl-..., resp_...)
+    created: int
+    request_id: str
+    first_cached: int  # the cached prompt tokens the stream reported
+    lease: Lease | None = None
+    money: dict[str, Any] | None = None  # `MoneyHold` as a dict
+
+    def encode(self) -> bytes:
+        return json.dumps({"v": VERSION, **dataclasses.asdict(self)}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> CarryRecord | None:
+        """The record, or None when it is not one this gateway reads (another version, damaged)."""
+        try:
+            data = json.loads(raw)
+            if data.pop("v", None) != VERSION or data.get("api") not in APIS:
+                return None
+            lease = data.pop("lease", None)
+            return cls(**data, lease=Lease(**lease) if lease else None)
+        except (ValueError, TypeError):
+            return None
+
+    def money_hold(self) -> MoneyHold | None:
+        if self.money is None:
+            return None
+        fields = dict(self.money)
+        return MoneyHold(**{**fields, "path": MoneyPath(**fields["path"]), "price": Price(**fields["price"])})
+
+
+def money_dict(hold: MoneyHold | None) -> dict[str, Any] | None:
+    return None if hold is None else dataclasses.asdict(hold)
+
+
+def carry_record(prepared: Any, gen: Any) -> CarryRecord | None:
+    """The record of a single stream (`Generation`) that another gateway can carry on; None when it cannot
+    be (several choices, tool calls, a body over MAX_BODY_BYTES: `raw_body` None)."""
+    body = prepared.raw_body
+    if body is None or prepared.grouped or (prepared.req.tools is not None and prepared.req.tools.active):
+        return None
+    req = prepared.req
+    api = "responses" if req.api == "responses" else "chat" if req.kind == "chat" else "completions"
+    res = gen.ticket.reservation if gen.ticket is not None else None
+    local = res is None or res.result.local
+    lease = None if local else Lease(res.lease_id, res.prompt_tokens, res.max_tokens)
+    return CarryRecord(api, body, prepared.tenant.name, prepared.key_digest, prepared.shape.id,
+                       prepared.shape.created, prepared.request_id, gen.usage.cached_tokens, lease,
+                       money_dict(prepared.money_hold))
