@@ -1,4 +1,4 @@
-"""Usage and costs pages in OpenAI's shape, from the per-day spend ledger (the one place that computes them)."""
+"""Usage and costs pages in OpenAI's shape from the per-day spend ledger (the one place computing them)."""
 
 from __future__ import annotations
 
