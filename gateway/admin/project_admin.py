@@ -59,12 +59,21 @@ async def list_projects(client: aredis.Redis, scope: AdminScope, include_archive
     names = sorted(_text(n) for n in await client.smembers(TENANTS_SET))
     orgs = await project_orgs(client)
     names = [n for n in names if scope.sees(orgs.get(n, DEFAULT_ORG))]
-    out = []
-    for name, fields in zip(names, [await client.hgetall(config_key(n)) for n in names], strict=True):
-        if fields:
-            out.append(project_object(name, fields))
-    out = [p for p in out if include_archived or p["status"] == "active"]
-    return sorted(out, key=lambda p: (p["created_at"], p["id"]))
+    found = []
+    for name in names:
+        fields = await client.hgetall(config_key(name))
+        project = project_object(name, fields) if fields else None
+        if project is not None and (include_archived or project["status"] == "active"):
+            found.append((_created(fields), name, project))
+    return [project for *_, project in sorted(found, key=lambda t: t[:2])]
+
+
+def _created(fields: dict) -> float:
+    """Creation time to the millisecond (the object shows whole seconds): the listing's order."""
+    try:
+        return float(_text(fields.get(b"created_at", fields.get("created_at"))) or 0)
+    except ValueError:
+        return 0.0
 
 
 async def get_project(client: aredis.Redis, scope: AdminScope, project_id: str) -> dict:

@@ -54,8 +54,8 @@ async def list_keys(client: aredis.Redis, scope: AdminScope, project_id: str) ->
     for d in digests:
         fields = await client.hgetall(api_key_key(d))
         if _text(fields.get(b"tenant", fields.get("tenant"))) == project_id:
-            out.append(key_object(d, fields, project))
-    return sorted(out, key=lambda k: (k["created_at"], k["id"]))
+            out.append((float(_text(fields.get(b"created_at")) or 0), d, key_object(d, fields, project)))
+    return [key for *_, key in sorted(out, key=lambda t: t[:2])]
 
 
 async def get_key(client: aredis.Redis, scope: AdminScope, project_id: str, key_id: str) -> dict:
