@@ -8,8 +8,15 @@ import redis.asyncio as aredis
 from redis.exceptions import RedisClusterException, RedisError
 from starlette.requests import Request
 
-from admission.money.admin_keys import admin_key_key, admin_key_shape_ok, parse_admin_key
-from admission.money.keys import DEFAULT_ORG, ORGS_SET, PROJECT_ORG_KEY, validate_org
+from admission import (
+    DEFAULT_ORG,
+    ORGS_SET,
+    PROJECT_ORG_KEY,
+    admin_key_key,
+    admin_key_shape_ok,
+    parse_admin_key,
+    validate_org,
+)
 from gateway.web.api_errors import ApiError, unauthorized
 from gateway.web.request_io import bearer_key
 from tenancy import key_digest

@@ -6,12 +6,10 @@ import time
 
 import redis.asyncio as aredis
 
-from admission.money.keys import DEFAULT_ORG, ORGS_SET, PROJECT_ORG_KEY
+from admission import DEFAULT_ORG, ORGS_SET, PROJECT_ORG_KEY
 from gateway.admin.admin_scope import AdminScope, project_orgs
 from gateway.web.api_errors import ApiError, invalid
-from tenancy import ACTIVE, DISABLED, config_key
-from tenancy.apikeys import new_salt
-from tenancy.schema import TENANTS_SET, validate_name
+from tenancy import ACTIVE, DISABLED, TENANTS_SET, config_key, new_salt, validate_name
 
 
 def project_not_found(project_id: str) -> ApiError:

@@ -9,8 +9,7 @@ import redis.asyncio as aredis
 from gateway.admin.admin_scope import AdminScope
 from gateway.admin.project_admin import project_fields, project_object
 from gateway.web.api_errors import ApiError
-from tenancy import api_key_key
-from tenancy.schema import tenant_keys_key
+from tenancy import api_key_key, tenant_keys_key
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aredis
 
-from admission.money.keys import spend_key, user_ident
+from admission import spend_key, user_ident
 from gateway.admin.admin_query import DAY_S, UsageQuery, page_token
 
 Ledger = dict[str, dict[str, int]]  # UTC day "YYYYMMDD" -> spend fields `<dimension>|<counter>` -> value
