@@ -119,6 +119,11 @@ def test_admin_keys_are_digests_scoped_to_their_organization(capsys, r, redis_ur
         a.admin.organization.projects.api_keys.list("far")
     assert [p.id for p in sdk(gateway, beta).admin.organization.projects.list()] == ["far"]
     assert {p.id for p in sdk(gateway, root).admin.organization.projects.list()} == {"shop", "lab", "far"}
+    beta_only = {"OpenAI-Organization": "beta"}
+    narrowed = sdk(gateway, root).admin.organization.projects.list(extra_headers=beta_only)
+    assert [p.id for p in narrowed] == ["far"]
+    with pytest.raises(openai.PermissionDeniedError):
+        a.admin.organization.projects.list(extra_headers=beta_only)
     (listed,) = a.admin.organization.projects.api_keys.list("shop").data
     assert listed.id == key_digest(world.keys["shop"]) and listed.object == "organization.project.api_key"
     assert listed.redacted_value == world.keys["shop"][:10] + "..." and world.keys["shop"] not in listed.name
