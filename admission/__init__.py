@@ -12,6 +12,15 @@ from admission.hold import BudgetGuard
 from admission.local_limits import LocalLimiter
 from admission.metering import DayUsage, read_usage
 from admission.money import BudgetExceeded, MoneyHold, MoneyPath, Price
+from admission.money.admin_keys import admin_key_key, admin_key_shape_ok, parse_admin_key
+from admission.money.keys import (
+    DEFAULT_ORG,
+    ORGS_SET,
+    PROJECT_ORG_KEY,
+    spend_key,
+    user_ident,
+    validate_org,
+)
 from admission.money.money_gate import MoneyGate
 from admission.results import (
     ADMITTED,
@@ -27,6 +36,15 @@ from admission.results import (
 )
 
 __all__ = [
+    "DEFAULT_ORG",
+    "ORGS_SET",
+    "PROJECT_ORG_KEY",
+    "admin_key_key",
+    "admin_key_shape_ok",
+    "parse_admin_key",
+    "spend_key",
+    "user_ident",
+    "validate_org",
     "ADMITTED",
     "DENIED",
     "NEVER_FITS",

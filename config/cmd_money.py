@@ -1,4 +1,4 @@
-"""`switchyard money prices|budget|assign|migrate|spend`: prices, dollar budgets and spend in Redis."""
+"""`switchyard money prices|budget|assign|migrate|spend` (and the admin verbs): prices, budgets, spend."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import redis
 from admission.money.hierarchy import assign_project, migrate_projects, read_spend, set_budget
 from admission.money.keys import DEFAULT_ORG, PERIODS, micro_to_usd
 from admission.money.prices import list_prices, set_price
+from config import cmd_money_admin
 from config.cmd_tenants import add_redis_argument, run_operator_command
 
 
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--days", type=int, default=7)
     s.add_argument("--by", default="org",
                    help="dimension: org, project, key, model, user or p (all combined); default org")
-    for sp in (p, b, a, s, sub.choices["migrate"]):
+    for sp in (p, b, a, s, sub.choices["migrate"], *cmd_money_admin.add_arguments(sub)):
         add_redis_argument(sp)
         sp.add_argument("--json", action="store_true", help="print JSON on one line")
 
@@ -77,6 +78,9 @@ def _spend(r: redis.Redis, args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.verb in cmd_money_admin.VERBS:
+        return cmd_money_admin.run(args)
+
     def action(r: redis.Redis) -> int:
         if args.verb == "prices":
             result = _prices(r, args)

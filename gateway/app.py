@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.admin import admin_routes
 from gateway.batches import batch_routes
 from gateway.batches.lifecycle import start_batches, stop_batches
 from gateway.files import file_routes
@@ -367,6 +368,7 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
         Route("/metrics", gateway_metrics.guarded_endpoint(config.metrics_token if config else None),
               methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+        *admin_routes.ROUTES,
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.config = config or AppConfig()

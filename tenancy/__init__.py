@@ -4,6 +4,7 @@ The package face: callers import from `tenancy`, not from its modules.
 """
 
 from tenancy.apikeys import digest as key_digest
+from tenancy.apikeys import new_salt
 from tenancy.directory import TenantDirectory, key_shape_ok
 from tenancy.redis_client import async_client, sync_client
 from tenancy.schema import (
@@ -13,13 +14,16 @@ from tenancy.schema import (
     INTERACTIVE,
     PRIORITIES,
     STATUSES,
+    TENANTS_SET,
     Tenant,
     api_key_key,
     bucket_key,
     config_key,
     leases_key,
     tag,
+    tenant_keys_key,
     usage_key,
+    validate_name,
 )
 from tenancy.tenancy_errors import (
     AmbiguousKeyPrefix,
@@ -43,6 +47,10 @@ from tenancy.tenant_admin import (
 )
 
 __all__ = [
+    "TENANTS_SET",
+    "new_salt",
+    "tenant_keys_key",
+    "validate_name",
     "key_shape_ok",
     "key_digest",
     "ACTIVE",

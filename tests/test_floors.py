@@ -19,7 +19,7 @@ FOLDER_FLOORS = {  # each package's folders, lowest first (a package's own modul
     "worker.server": ("worker.server.process", "worker.server.telemetry", "worker.server.disagg",
                       "worker.server"),
     "gateway": ("gateway.telemetry", "gateway.web", "gateway.openai", "gateway.flow", "gateway.files",
-                "gateway.streams", "gateway.responses", "gateway.batches", "gateway"),
+                "gateway.streams", "gateway.responses", "gateway.batches", "gateway.admin", "gateway"),
     "router": ("router.placement", "router.links", "router.disagg", "router.pools", "router"),
     "config": ("config.local_stack", "config.loadtest", "config"),
     "admission": ("admission.lua", "admission.money", "admission"),

@@ -1,7 +1,8 @@
 """The unknown-key gate: a bare ASGI layer in front of the Starlette app that answers an API request whose
 bearer key is missing, malformed or unknown with the 401 the app would give, without the app's middleware,
 routing and exception handling (an unknown-key flood costs each request a header scan, a digest and the key
-cache, or one Redis read). Known keys, Redis errors and a draining gateway go on to the app, as before."""
+cache, or one Redis read). Known keys, Redis errors, a draining gateway and the administration API
+(`/v1/organization/`, which takes admin keys) go on to the app."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tenancy import key_digest, key_shape_ok
 
 MISSING = "Missing API key: send 'Authorization: Bearer <key>'."
 INVALID = "Invalid, revoked or disabled API key."
+ADMIN_PATHS = "/v1/organization/"  # the administration API checks its own (admin) keys
 
 
 def _body(message: str) -> bytes:
@@ -38,7 +40,9 @@ class UnknownKeyGate:
         return getattr(self.app, name)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(gateway_metrics.API_PREFIX):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith(gateway_metrics.API_PREFIX) or \
+                path.startswith(ADMIN_PATHS):
             await self.app(scope, receive, send)
             return
         why = await self._refusal(scope)
