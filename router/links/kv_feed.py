@@ -65,7 +65,7 @@ class KvFeed:
         if self.dealer is not None and self.replaying:
             n += self._read_replay()
             if self.replaying and self._clock() > self._replay_until:
-                self._give_up_replay("no answer within %.1f s" % REPLAY_TIMEOUT_S)
+                self._give_up_replay(f"no answer within {REPLAY_TIMEOUT_S} s")
         for _ in range(MAX_MESSAGES_PER_STEP):
             try:
                 parts = self.sub.recv_multipart(zmq.NOBLOCK)
@@ -144,7 +144,7 @@ class KvFeed:
             self._first_replayed = False
             expected = self.ingest.next_seq or 0
             if seq > expected:  # the publisher's buffer no longer holds them
-                log.warning("kv events from %s: batches %d..%d are gone from the replay buffer: view resynced",
+                log.warning("kv events from %s: batches %d..%d left the replay buffer: view resynced",
                             self.source.worker_id, expected, seq - 1)
                 self.ingest.resync_at(seq)
         self.ingest.offer(seq, payload, replayed=True)

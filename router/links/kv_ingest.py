@@ -62,7 +62,8 @@ class _Accum:
 class KvIngest:
     """One source's batches into `index`; every call is synchronous and O(the batch)."""
 
-    def __init__(self, source: FeedSource, index: KvIndex, block_size: int, max_keys: int = 1_000_000) -> None:
+    def __init__(self, source: FeedSource, index: KvIndex, block_size: int,
+                 max_keys: int = 1_000_000) -> None:
         self.source = source
         self.index = index
         self.block_size = block_size
