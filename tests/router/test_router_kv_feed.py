@@ -32,7 +32,8 @@ class FakeVllm:
             s.setsockopt(zmq.LINGER, 0)
 
     def endpoints(self) -> tuple[str, str]:
-        return (self.pub.getsockopt_string(zmq.LAST_ENDPOINT), self.replay.getsockopt_string(zmq.LAST_ENDPOINT))
+        last = zmq.LAST_ENDPOINT
+        return self.pub.getsockopt_string(last), self.replay.getsockopt_string(last)
 
     def send(self, seq: int, events: list, live: bool = True) -> None:
         payload = msgspec.msgpack.encode([time.time(), events, 0])
