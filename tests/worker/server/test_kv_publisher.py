@@ -149,3 +149,45 @@ def test_a_full_queue_drops_the_batch_and_the_next_offer_is_a_snapshot() -> None
     finally:
         pub.close()
         ctx.term()
+
+
+def test_a_worker_server_with_the_flag_publishes_its_prefix_cache_blocks() -> None:
+    import torch
+
+    from worker import protocol as proto
+    from worker.config import EngineConfig
+    from worker.engine.core import Engine
+    from worker.model.tiny_model import load_tiny_model
+    from worker.protocol import SamplingParams
+    from worker.server.serve import ServerConfig, WorkerServer
+
+    torch.set_num_threads(1)
+    engine = Engine(load_tiny_model(dtype="float32", device="cpu"), EngineConfig())
+    cfg = ServerConfig(bind="tcp://127.0.0.1:0", worker_id="w9", kv_events_endpoint="tcp://127.0.0.1:*")
+    server = WorkerServer(engine, cfg)
+    server.bind()
+    assert server._kv_pub is not None
+    sub = subscriber(server.ctx, server._kv_pub)
+    server._send = lambda ident, payload: None  # type: ignore[method-assign]
+    try:
+        bs = engine.config.block_size
+        ns = b"n" * 16
+        tokens = [5 + i % 50 for i in range(3 * bs + 1)]
+        server._handle(b"gw", proto.encode_gen("r1", ns, tokens, SamplingParams(max_tokens=2, ignore_eos=True)))
+        for _ in range(50):
+            if not len(server.table):
+                break
+            server._step()
+        server._send_stats()
+        topic, _, payload = recv(sub)
+        assert topic == f"kv@w9@{engine.model_id}".encode()
+        ids = {h for ev in decode_batch(payload)[1] if isinstance(ev, BlockStored) for h in ev.block_hashes}
+        assert set(block_ids(ns, tokens, bs, 3)) <= ids
+    finally:
+        sub.close()
+        server._kv_pub.close()
+        server.engine.close()
+        server.sock.close()
+        if server._auth is not None:
+            server._auth.close()
+        server.ctx.term()
