@@ -173,7 +173,8 @@ def test_a_worker_server_with_the_flag_publishes_its_prefix_cache_blocks() -> No
         bs = engine.config.block_size
         ns = b"n" * 16
         tokens = [5 + i % 50 for i in range(3 * bs + 1)]
-        server._handle(b"gw", proto.encode_gen("r1", ns, tokens, SamplingParams(max_tokens=2, ignore_eos=True)))
+        sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+        server._handle(b"gw", proto.encode_gen("r1", ns, tokens, sampling))
         for _ in range(50):
             if not len(server.table):
                 break
