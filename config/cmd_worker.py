@@ -78,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--spec-max-batch", type=int, help="speculate only while this many sequences decode or fewer (0: off)")
     a("--spec-ngram-max", type=int, help="longest suffix matched for drafts (default 3)")
     a("--spec-ngram-min", type=int, help="shortest suffix matched for drafts (default 1)")
+    a("--kv-events-endpoint",
+      help="publish the prefix cache's block changes as vLLM KV events on this ZeroMQ PUB endpoint, e.g. "
+           "tcp://*:5557 (default: off)")
+    a("--kv-events-replay", help="ROUTER endpoint answering vLLM replay requests, e.g. tcp://*:5558")
+    a("--kv-events-topic", help="topic of the KV event messages (default kv@<worker_id>@<model>)")
+    a("--kv-events-plain", action="store_const", const=True, default=None,
+      help="no CurveZMQ on the KV event sockets even with a cluster key (subscribers such as llm-d's)")
     a("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a("--log-format", choices=["json", "text"], help="log lines as JSON objects (default) or text")
     a("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default 0: off)")
@@ -134,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
                               gateway_timeout=ws.gateway_timeout, stats_interval=ws.stats_interval,
                               cluster_key=settings.cluster_key(), model_version=ws.model_version,
                               model_spec=ws.model, pool=ws.pool, role=ws.role,
-                              disagg_stall_s=ws.disagg_stall_s, disagg_lease_s=ws.disagg_lease_s)
+                              disagg_stall_s=ws.disagg_stall_s, disagg_lease_s=ws.disagg_lease_s,
+                              kv_events_endpoint=ws.kv_events_endpoint, kv_events_replay=ws.kv_events_replay,
+                              kv_events_topic=ws.kv_events_topic, kv_events_plain=ws.kv_events_plain)
     loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,
                       device=None if ws.device == "auto" else ws.device, quantization=ws.quantization)
     loaded.version = ws.model_version or ""  # the tier fingerprint names it (`LoadedModel.weights_id`)

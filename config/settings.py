@@ -76,6 +76,12 @@ class WorkerSettings(BaseModel):
     spec_max_batch: int | None = Field(None, ge=0)
     spec_ngram_max: int | None = Field(None, ge=1, le=8)
     spec_ngram_min: int | None = Field(None, ge=1, le=8)
+    # vLLM-format KV events (docs/routing.md "KV events in vLLM's format"): PUB and replay endpoints (None:
+    # off), the topic (None: kv@<worker_id>@<model>), and plain: no CurveZMQ on them even with a cluster key
+    kv_events_endpoint: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str | None = Field(None, max_length=256)
+    kv_events_plain: bool = False
     metrics_port: int = Field(0, ge=0, le=65535)  # Prometheus /metrics HTTP port; 0 = disabled
     # an operator opens it wider on purpose (Kubernetes: 0.0.0.0 in workers.yaml)
     metrics_host: str = "127.0.0.1"

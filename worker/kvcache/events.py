@@ -45,6 +45,9 @@ class KvEvents:
         self._overflow = False
         # set by `worker.kvcache.tiers.tier_store.KvTiers`
         self.tier_held: Callable[[], list[int]] | None = None
+        # set by the vLLM-format publisher (worker.server.process.kv_publisher): `kv_report` hands it each
+        # batch (None: no change) and a way to take a snapshot
+        self.on_batch: Callable[[KvBatch | None, Callable[[], KvBatch]], None] | None = None
 
     @property
     def pending(self) -> int:
@@ -122,6 +125,8 @@ def kv_report(cache: RadixCacheLike | None, block_size: int, tokenizer_version: 
         return None
     events = cache.events
     batch = events.snapshot(cache.held_block_ids) if snapshot else events.next_batch(cache.held_block_ids)
+    if not snapshot and events.on_batch is not None:
+        events.on_batch(batch, lambda: events.snapshot(cache.held_block_ids))
     if batch is None:
         batch = KvBatch(events.epoch, events.seq, False, [], [])
     return KvReport(KvContract(block_size, HASH_ALGO, tokenizer_version), batch.epoch, batch.seq,

@@ -20,6 +20,7 @@ from worker.server.disagg.prefill_links import PrefillLinks
 from worker.server.disagg.prefill_side import PrefillSide
 from worker.server.process.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, HANDOFF_MESSAGE, Drain
 from worker.server.process.inflight import InFlight, InFlightTable
+from worker.server.process.kv_publisher import KvEventPublisher, server_publisher
 from worker.server.process.link_auth import LinkAuth
 from worker.server.process.memory import MemoryReport, TrimSchedule
 from worker.server.process.registry import Registrar
@@ -58,8 +59,8 @@ class WorkerServer:
         self._last_stats = b""
         self.metrics = WorkerMetrics(engine)
         self.spans = RequestSpans(engine, self.metrics)  # traced requests only: no-op with no tracer provider
-        self._promises = (KvPromises(engine.cache, engine.config.block_size) if engine.cache is not None
-                          else None)
+        self._promises = None if engine.cache is None else KvPromises(engine.cache, engine.config.block_size)
+        self._kv_pub: KvEventPublisher | None = None  # vLLM-format KV events, when configured
         fp = engine.kv_fingerprint
         self.prefill = PrefillSide(engine, self.table, self._send_parts, config.role, fp)
         links = PrefillLinks(self.ctx, config.cluster_key, config.worker_id or "")
@@ -85,6 +86,7 @@ class WorkerServer:
         self.endpoint = self.config.advertise or advertised_endpoint(bound)
         if not self.worker_id:
             self.worker_id = f"{socket.gethostname()}-{bound.rsplit(':', 1)[-1]}"
+        self._kv_pub = server_publisher(self.ctx, self.config, self.engine, self.worker_id, self._auth)
         log.info("worker %s listening on %s (advertised %s)", self.worker_id, bound, self.endpoint)
         return self.endpoint
 
@@ -98,8 +100,7 @@ class WorkerServer:
             self._registrar.start()
 
     def run(self, signals: bool = True) -> int:
-        """Serve until a drain completes; returns the exit code (0). `signals`: SIGTERM/SIGINT start the drain
-        (only the main thread may install them: in-process tests pass False and call `drain.start`)."""
+        """Serve until a drain completes (returns 0); `signals`: SIGTERM/SIGINT start it (main thread only)"""
         if not self.endpoint:
             self.bind()
         if signals:
@@ -119,6 +120,7 @@ class WorkerServer:
             self._registrar.stop()
         self._send_stats()  # last word: draining=true
         self.decode.close()
+        self._kv_pub and self._kv_pub.close()
         self.engine.close()
         self.sock.close()
         if self._auth is not None:
@@ -322,9 +324,8 @@ class WorkerServer:
         self.spans.forget_gone()
 
     def _abandon(self, engine_rid: str) -> None:
-        """Stop a request whose gateway (or decode peer) fell silent, and tell it so: when its loop comes back
-        it resumes the stream (gateway) or prefills locally (decode peer) at once, instead of waiting for a
-        timeout or lease that would never end on its own."""
+        """Stop a request whose gateway (or decode peer) fell silent, and tell it so: back, it resumes the
+        stream (gateway) or prefills locally (decode peer) at once, not after a timeout or lease."""
         entry = self.table.get(engine_rid)
         if entry is None:
             return
@@ -333,8 +334,7 @@ class WorkerServer:
             self._send_parts(entry.ident, [proto.encode_kv_error(
                 entry.rid, "error", "the prefill worker stopped waiting for the decode worker (silent)")])
             return
-        self._end(entry, ErrorCode.ABANDONED, "the worker stopped waiting for this gateway (silent)",
-                  retryable=True)
+        self._end(entry, ErrorCode.ABANDONED, "the worker stopped waiting for this gateway (silent)", True)
 
     def _abort_quietly(self, engine_rid: str) -> None:
         """Stop a request whose owner will hear nothing more about it (its final output is ignored)."""

@@ -28,6 +28,11 @@ class ServerConfig:
     role: str = "both"
     disagg_stall_s: float = 5.0
     disagg_lease_s: float = 60.0
+    # vLLM-format KV events (worker.server.process.kv_publisher), None: off; topic None: kv@<worker>@<model>
+    kv_events_endpoint: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str | None = None
+    kv_events_plain: bool = False  # no CurveZMQ on them even with a cluster key
 
 
 def advertised_endpoint(bound: str) -> str:
