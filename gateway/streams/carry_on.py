@@ -96,6 +96,7 @@ class CarryOn:
         return True
 
     async def _run(self, record: CarryRecord, logged: Logged) -> None:
+        claimed = time.monotonic()
         stream = self.logs.open(record.tenant, record.stream_id, carry=record.encode(),
                                 first_seq=logged.events, owned=True)
         whole, gen = False, None
@@ -113,6 +114,9 @@ class CarryOn:
             async for data in self.build_body(record.api, gen, first, trace, prepared.req):
                 seen += 1
                 if seen > logged.events:  # those before are in the log already
+                    if seen == logged.events + 1:
+                        log.info("stream %s: its first new event %.0f ms after the claim", record.stream_id,
+                                 1000 * (time.monotonic() - claimed))
                     self.logs.append(stream, data)
                     if stream.taken:
                         break

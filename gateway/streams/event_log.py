@@ -27,10 +27,12 @@ from tenancy import tag
 log = logging.getLogger("switchyard.gateway")
 
 FLUSH_S = 0.02  # events reach Redis within this (plus one round trip)
-LIVE_TTL_S = 1.0  # a stream whose gateway wrote nothing and refreshed nothing for this long is lost
-LIVE_REFRESH_S = 0.25
+LIVE_TTL_S = 3.0  # a stream whose gateway wrote nothing and refreshed nothing for this long is lost
+LIVE_REFRESH_S = 1.0
+ALIVE_TTL_S = 0.5  # a gateway that has not said it is alive for this long is lost (its streams with it)
+ALIVE_REFRESH_S = 0.1
 TTL_S = 600  # a log expires this long after its last write
-MAX_ENTRIES = 1024  # flushes kept per stream (at least 51 s of events): older ones are trimmed
+MAX_ENTRIES = 8192  # flushes kept per stream (a stream of up to 8,192 events stays whole): older ones go
 MAX_READERS = 1024  # reconnected streams one gateway serves at once (503 past it)
 MAX_PENDING = 65_536  # events waiting for a flush, all streams together; past it new events are not logged
 FIRST = b"s"  # an entry's fields: the sequence number of its first event, and its events joined (`DATA`)
@@ -43,6 +45,11 @@ FINISH_CODES = {None: 0, "stop": 1, "length": 2}
 
 def log_key(tenant: str, stream_id: str) -> str:
     return tag(tenant) + f":sse:{stream_id}"
+
+
+def alive_key(owner_id: bytes) -> str:
+    """Refreshed by a gateway while it carries streams; a stream's `live` key names its gateway's id."""
+    return "sy:gateway-alive:" + owner_id.decode()
 
 
 def live_key(tenant: str, stream_id: str) -> str:
@@ -114,6 +121,7 @@ class EventLogs:
         self.max_pending, self.live_ttl_s = max_pending, live_ttl_s
         self._open: dict[str, StreamLog] = {}
         self.owner_id = os.urandom(8).hex().encode()  # this gateway, as the owner of streams it carries on
+        self._alive_at = 0.0  # time.monotonic() of the last `alive_key` refresh
         # replays being served (`gateway.streams.resume_routes`)
         self.readers, self.max_readers = 0, MAX_READERS
         self._pending = 0
@@ -182,9 +190,12 @@ class EventLogs:
         now = time.monotonic()
         batch = [(s, s.pending, s.next_seq, s.ended) for s in self._open.values()
                  if s.pending or s.ended or s.carry is not None or now - s.refreshed >= LIVE_REFRESH_S]
-        if not batch:
+        alive = bool(self._open) and now - self._alive_at >= ALIVE_REFRESH_S
+        if not batch and not alive:
             return
         pipe = self.redis.pipeline(transaction=False)
+        if alive:
+            pipe.set(alive_key(self.owner_id), b"1", px=int(ALIVE_TTL_S * 1000))
         saved, owner_checks = [], []
         for s, chunk, next_seq, ended in batch:
             saved.append((s.pending_tokens, s.pending_codes))
@@ -201,6 +212,8 @@ class EventLogs:
         refused = [r for r in results if isinstance(r, Exception) and "equal or smaller" not in str(r)]
         if refused:
             log.warning("event log: Redis refused %d writes: %s", len(refused), type(refused[0]).__name__)
+        if alive:
+            self._alive_at = now
         for index, s in owner_checks:
             if results[index] not in (None, self.owner_id) and not s.taken:
                 s.taken = True
@@ -237,7 +250,7 @@ class EventLogs:
                         owner_key(s.tenant, s.stream_id))
         elif now - s.refreshed >= LIVE_REFRESH_S:
             pipe.expire(s.key, self.ttl_s)
-            pipe.set(live_key(s.tenant, s.stream_id), b"1", px=int(self.live_ttl_s * 1000))
+            pipe.set(live_key(s.tenant, s.stream_id), self.owner_id, px=int(self.live_ttl_s * 1000))
             if s.owned:
                 pipe.set(owner_key(s.tenant, s.stream_id), self.owner_id, px=int(self.live_ttl_s * 1000))
             if s.source is not None:
