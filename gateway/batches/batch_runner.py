@@ -29,7 +29,7 @@ Execute = Callable[[str, Batch, dict], Awaitable[tuple[int, dict]]]
 class RunnerConfig:
     concurrency: int = 4  # lines in flight on one gateway
     claim_idle_s: float = 60.0  # a line claimed this long ago and not acknowledged is taken over
-    block_ms: int = 1000  # one XREADGROUP waits at most this long
+    block_ms: int = 250  # one XREADGROUP waits at most this long (below the clients' 0.5 s read timeout)
     stop_wait_s: float = 10.0  # a stop waits this long for lines in flight (the rest are reclaimed elsewhere)
 
 

@@ -112,3 +112,21 @@ async def _long_and_retried(redis_url: str, tmp_path) -> None:
     out = json.loads(files.content_path("t", (await store.get("t", batch.id)).output_file_id).read_bytes())
     assert out["response"]["body"] == {"ok": True}
     await client.aclose()
+
+
+def test_an_idle_runner_waits_quietly_on_the_gateway_s_redis_client(redis_url, tmp_path, caplog):
+    """Its blocking read stays within the gateway client's read timeout: no error every round."""
+    asyncio.run(_idle(redis_url, tmp_path))
+    assert not [r for r in caplog.records if r.name == "switchyard.gateway" and r.levelname == "WARNING"]
+
+
+async def _idle(redis_url: str, tmp_path) -> None:
+    from tenancy.redis_client import async_client
+
+    client = async_client(redis_url)
+    files = DirectoryFileStore(tmp_path)
+    runner = BatchRunner(BatchStore(client), files, None, name="idle")  # type: ignore[arg-type]
+    runner.start()
+    await asyncio.sleep(2.0)
+    await runner.stop()
+    await client.aclose()
