@@ -4,7 +4,7 @@ The package face: callers import from `router`, not from its modules.
 """
 
 from router.disagg.prefill_target import DisaggRule
-from router.dispatch import Router, RouteRequest
+from router.dispatch import Routed, Router, RouteRequest
 from router.fleet import Fleet
 from router.links.client import WorkerClient, WorkerError
 from router.links.membership import Member, Membership, StatsEvent
@@ -48,6 +48,7 @@ __all__ = [
     "Membership",
     "NoWorkerAvailable",
     "RouteRequest",
+    "Routed",
     "Router",
     "StatsEvent",
     "WorkerClient",

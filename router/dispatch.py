@@ -17,8 +17,9 @@ import numpy as np
 from common.priorities import Priority
 from common.trace_context import traceparent, tracer
 from router.disagg.prefill_target import Disaggregation, DisaggRule, member_role
-from router.links.client import LinkError, WorkerError
+from router.links.client import WorkerError
 from router.links.membership import Member, Membership, StatsEvent, StatsListener
+from router.links.resuming import resume_reason, with_streamed
 from router.placement import routing_metrics
 from router.placement.class_pools import SPILL, outside_pool, over_bound
 from router.placement.holders import InFlightPrefixes, PrefixHolders
@@ -71,6 +72,17 @@ class RouteRequest:
     # a stream carried on from a lost gateway: the tokens it streamed, and the cached tokens it reported
     streamed: list[int] = field(default_factory=list)
     first_cached: int | None = None
+
+
+@dataclass(slots=True)
+class Routed:
+    """A request with its worker chosen (`choice`), and the prefix key and holdings it was chosen by."""
+
+    req: RouteRequest
+    key: bytes | None
+    span: int  # prompt tokens the worker holds under `key` once it has prefilled the request
+    matched: dict[str, int]  # the prompt tokens each worker reports holding
+    choice: Choice
 
 
 class Router:
@@ -234,8 +246,8 @@ class Router:
         return {wid: max(0.0, tokens - FREE_FOOTPRINT_SHARE * holders.capacity(wid))
                 for wid, tokens in placed.items()}
 
-    async def stream(self, req: RouteRequest) -> AsyncIterator[OutItem]:
-        """Yield the request's chunks; raises WorkerError or NoWorkerAvailable (before any output)."""
+    def route(self, req: RouteRequest) -> Routed:
+        """Choose the request's worker now; raises NoWorkerAvailable. `stream` then runs it there."""
         if req.cost < 0:
             raise ValueError("cost must be >= 0")
         key = self.key_for(req)
@@ -243,6 +255,15 @@ class Router:
         span = key_span(req.tokens, req.stable_len, block_size=self.block_size,
                         max_tokens=self.route_prefix_tokens)
         matched = self.kv.matched(req.ns, req.tokens, self.policy.members | self.disagg.ids)
+        return Routed(req, key, span, matched, self._pick_in_class(key, req, frozenset(), span, matched))
+
+    async def stream(self, routed: Routed | RouteRequest) -> AsyncIterator[OutItem]:
+        """Yield the request's chunks from its routed worker (a RouteRequest is routed first); raises
+        WorkerError, or NoWorkerAvailable before any output; carries on elsewhere after a worker loss."""
+        if isinstance(routed, RouteRequest):
+            routed = self.route(routed)
+        req, key, span, matched = routed.req, routed.key, routed.span, routed.matched
+        first_choice: Choice | None = routed.choice
         exclude: frozenset[str] = frozenset()
         failed: WorkerError | None = None
         # tokens the consumer has seen: a resumed attempt carries on after them
@@ -250,11 +271,12 @@ class Router:
         resumes, failed_at, first_cached = 0, 0.0, req.first_cached
         while True:
             try:
-                choice = self._pick_in_class(key, req, exclude, span, matched)
+                choice = first_choice or self._pick_in_class(key, req, exclude, span, matched)
             except NoWorkerAvailable:
                 if failed is not None:
                     raise failed from None
                 raise
+            first_choice = None
             started = False
             attempt = self._attempt(choice, req, key, span, matched, streamed)
             try:
@@ -274,7 +296,7 @@ class Router:
             except WorkerError as err:
                 overdue = req.deadline > 0 and time.time() >= req.deadline
                 if started or streamed:
-                    reason = _resume_reason(err)
+                    reason = resume_reason(err)
                     if reason is None or resumes >= self.max_resumes or overdue:
                         raise
                     resumes += 1
@@ -306,7 +328,7 @@ class Router:
         self.sending.add(key, wid, span)
         routing_metrics.REQUESTS.labels(wid).inc()
         routing_metrics.OUTSTANDING_TOKENS.labels(wid).set(loads.load(wid))
-        tokens = _with_streamed(req.tokens, streamed) if streamed else req.tokens
+        tokens = with_streamed(req.tokens, streamed) if streamed else req.tokens
         hint = self.disagg.choose(req.rid, token_count(tokens) - predicted, matched)  # afresh per attempt
         stream = client.generate(req.rid, req.ns, tokens, req.sampling, req.priority, req.deadline,
                                  fkey=req.fkey, weight=req.weight, resumed=len(streamed), prefill=hint,
@@ -374,23 +396,3 @@ def _route_span(choice: Choice, predicted: int, resumed: int, hint: PrefillHint 
         span.set_attribute("switchyard.route.prefill_worker", hint.worker_id)
     span.end()
     return traceparent(span)
-
-
-def _resume_reason(err: WorkerError) -> str | None:
-    """Why a stream that already produced tokens may carry on elsewhere (None: it may not)."""
-    if err.code == LinkError.WORKER_LOST:
-        return "worker_lost"
-    if err.code == ErrorCode.DRAINING:
-        return "drain"
-    if err.code == ErrorCode.ABANDONED:
-        return "abandoned"
-    if err.code in (LinkError.CLOSED, LinkError.PROTOCOL) and err.retryable:
-        return "link"
-    return None
-
-
-def _with_streamed(tokens: Sequence[int] | np.ndarray | bytes, streamed: list[int]) -> np.ndarray:
-    """The request's tokens followed by those already streamed (int32, as the wire packs them)."""
-    head = (np.frombuffer(tokens, dtype="<i4") if isinstance(tokens, bytes)
-            else np.asarray(tokens, dtype="<i4"))
-    return np.concatenate([head, np.asarray(streamed, dtype="<i4")])

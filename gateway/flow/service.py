@@ -25,7 +25,7 @@ from gateway.telemetry import gateway_metrics
 from gateway.web import api_errors
 from gateway.web.api_errors import ApiError, invalid
 from gateway.web.request_io import bearer_key
-from router import Router, RouteRequest, fairness_key, namespace_root
+from router import NoWorkerAvailable, Routed, Router, RouteRequest, fairness_key, namespace_root
 from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory, key_digest
 from worker.protocol import OutItem, SamplingParams
 
@@ -165,12 +165,13 @@ class GatewayService:
         headers: dict[str, str] = {VERSION_HEADER: target.key}
         try:
             ticket = await self._gate(stack, p, usage, headers)
-            chunks = target.router.stream(RouteRequest(
+            routed = self._route(target.router, ticket, RouteRequest(
                 # the response id is unique; a client-chosen x-request-id need not be
                 rid=p.shape.id, ns=p.ns, tokens=p.prompt_ids, cost=usage.prompt_tokens + p.max_tokens,
                 sampling=self._sampling(p), stable_len=p.stable_len, priority=p.priority,
                 deadline=time.time() + self.config.request_timeout_s, cache_key=p.req.prompt_cache_key,
                 fkey=fairness_key(p.tenant.name, self.router.secret), weight=p.tenant.weight))
+            chunks = target.router.stream(routed)
             stack.push_async_callback(_aclose, chunks)
         except BaseException:
             await stack.aclose()
@@ -193,11 +194,11 @@ class GatewayService:
             for i, ids in enumerate(p.prompts):
                 for j in range(p.req.n):
                     index = i * p.req.n + j
-                    chunks = target.router.stream(RouteRequest(
+                    chunks = target.router.stream(self._route(target.router, ticket, RouteRequest(
                         rid=p.shape.id if index == 0 else f"{p.shape.id}-{index}", ns=p.ns, tokens=ids,
                         cost=len(ids) + p.max_tokens, sampling=self._sampling(p, sibling_seed(p.req.seed, j)),
                         stable_len=p.stable_len if i == 0 else None, priority=p.priority, deadline=deadline,
-                        cache_key=p.req.prompt_cache_key, fkey=fkey, weight=p.tenant.weight))
+                        cache_key=p.req.prompt_cache_key, fkey=fkey, weight=p.tenant.weight)))
                     stack.push_async_callback(_aclose, chunks)
                     gens.append(Generation(target.model, p, chunks, AsyncExitStack(), usage, headers,
                                            self.config.first_token_timeout_s, ticket, tenants=self.tenants))
@@ -205,6 +206,18 @@ class GatewayService:
             await stack.aclose()
             raise
         return GenerationGroup(p, gens, stack, usage, headers)
+
+    @staticmethod
+    def _route(router: Router, ticket: AdmissionTicket | None, req: RouteRequest) -> Routed:
+        """Choose the request's worker (before its first token is asked for); none usable: 503, nothing
+        charged."""
+        try:
+            return router.route(req)
+        except NoWorkerAvailable:
+            if ticket is not None:
+                ticket.unserved()
+            gateway_metrics.current().count_shed("no_worker")
+            raise api_errors.no_live_worker() from None
 
     async def _gate(self, stack: AsyncExitStack, p: Prepared, usage: Usage, headers: dict[str, str],
                     max_tokens: int | None = None) -> AdmissionTicket | None:
