@@ -1,4 +1,4 @@
-"""Capacity admission's view of the workers (KV room, measured step costs): a `CapacityGate`'s `views`, from the Router.
+"""Capacity admission's view of the workers (KV room, measured step costs): a `CapacityGate`'s `views`.
 
 A worker's used KV is the larger of what it reports and what this gateway committed to it (full cost until a
 reported hit).
