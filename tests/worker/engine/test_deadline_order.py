@@ -21,7 +21,8 @@ A, B = b"tenant-a", b"tenant-b"
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
 
 
-def seq(rid: str, arrival: int, fkey: bytes = A, ttft: float = 0.0, priority: Priority = INTERACTIVE) -> Sequence:
+def seq(rid: str, arrival: int, fkey: bytes = A, ttft: float = 0.0,
+        priority: Priority = INTERACTIVE) -> Sequence:
     return Sequence(rid, [5, 6, 7, 8], 4, SamplingParams(max_tokens=2), priority, arrival, b"ns", 0,
                     frozenset(), fkey=fkey, ttft_deadline=ttft)
 
