@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from admission import TtftTarget
 from common.priorities import Priority
@@ -13,11 +13,18 @@ from gateway.telemetry import gateway_metrics
 from gateway.web.api_errors import invalid
 from tenancy import Tenant
 
-if TYPE_CHECKING:
-    from gateway.flow.generation import Prepared
-
 TTFT_HEADER = "x-switchyard-ttft-slo-ms"
 MAX_TTFT_SLO_MS = 3_600_000  # an hour: a header above it is refused as invalid
+
+
+class Prepared(Protocol):
+    """What this module reads of a `gateway.flow.generation.Prepared` request."""
+
+    tenant: Tenant
+    priority: Priority
+    ttft_slo_ms: int
+    received: float
+    slo_counted: bool
 
 
 def default_target_ms(tenant: Tenant, priority: Priority, class_defaults: dict[Priority, int]) -> int:
