@@ -4,7 +4,14 @@ The package face: callers import from `admission`, not from its modules.
 """
 
 from admission.budget import Budget, Reservation
-from admission.capacity import CapacityGate, CapacityNeverFits, CapacityTicket, Overloaded, WorkerCapacity
+from admission.capacity import (
+    CapacityGate,
+    CapacityNeverFits,
+    CapacityTicket,
+    Overloaded,
+    TtftUnattainable,
+    WorkerCapacity,
+)
 from admission.gate import Admission, AdmissionTicket, ErrorSpec, error_response
 from admission.gateways import GatewayRegistry
 from admission.headers import format_duration, rate_limit_headers, retry_headers
@@ -34,6 +41,7 @@ from admission.results import (
     TenantRejected,
     error_for,
 )
+from admission.ttft_predict import TtftTarget
 
 __all__ = [
     "DEFAULT_ORG",
@@ -72,6 +80,8 @@ __all__ = [
     "ReserveResult",
     "Reservation",
     "TenantRejected",
+    "TtftTarget",
+    "TtftUnattainable",
     "WorkerCapacity",
     "error_for",
     "error_response",

@@ -3,7 +3,9 @@ shed it.
 
 Pure asyncio over a callable of per-worker views (`WorkerCapacity`); `notify()` on new stats, `release()`
 on ends.
-Waiters are served fairly across tenants within a priority class (`admission.fair_waiters`).
+Waiters are served fairly across tenants within a priority class (`admission.fair_waiters`). A request with a
+TTFT target is shed at once when its predicted time to first token exceeds it (`admission.ttft_predict`), and
+waits no longer than its deadline.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from admission.fair_waiters import FairWaiters, Waiter
+from admission.ttft_predict import TtftTarget, WorkerLoad, excess_retry_s, predict_ttft_s
 from common.priorities import Priority
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
@@ -35,6 +38,9 @@ class WorkerCapacity:
     queued_tokens: int = 0
     draining: bool = False
     updated_at: float = 0.0  # clock() time of the stats sample; 0: unknown (all pending tickets count)
+    prefill_tps: float = 0.0  # measured prompt tokens a second (0.0: unknown)
+    step_s: float = 0.0  # measured seconds of one engine step (0.0: unknown)
+    prefill_backlog: int = 0  # prompt tokens queued or mid-prefill on the worker
 
 
 class Overloaded(Exception):
@@ -43,6 +49,14 @@ class Overloaded(Exception):
     def __init__(self, retry_after_s: float, message: str) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class TtftUnattainable(Overloaded):
+    """The request's TTFT target cannot be met: 503 ttft_slo_unattainable with `retry-after`."""
+
+    def __init__(self, retry_after_s: float, message: str, priority: Priority) -> None:
+        super().__init__(retry_after_s, message)
+        self.priority = priority
 
 
 class CapacityNeverFits(ValueError):
@@ -59,6 +73,7 @@ class CapacityTicket:
     admitted_at: float
     released: bool = False
     key: str = ""        # the tenant's fairness key in this gate
+    prefill: int = 0     # prompt tokens the worker computes before the first token
 
 
 class CapacityGate:
@@ -86,13 +101,16 @@ class CapacityGate:
         self._outstanding = 0  # tickets admitted and not yet released
         self._idle_since: float | None = None  # when _outstanding last dropped to 0
         self.shed: dict[Priority, int] = {INTERACTIVE: 0, BATCH: 0}
+        self.slo_shed: dict[Priority, int] = {INTERACTIVE: 0, BATCH: 0}  # TTFT targets found unattainable
 
     # ---- public API -------------------------------------------------------------------------------
-    async def acquire(self, cost: int, priority: Priority, key: str = "",
-                      weight: float = 1.0) -> CapacityTicket:
+    async def acquire(self, cost: int, priority: Priority, key: str = "", weight: float = 1.0, *,
+                      prefill: int = 0, slo: TtftTarget | None = None) -> CapacityTicket:
         """Admit now, or wait up to `admission_wait_ms`; raises Overloaded or CapacityNeverFits.
 
-        `key`/`weight`: the tenant and its share among the waiters of its priority class.
+        `key`/`weight`: the tenant and its share among the waiters of its priority class. `prefill`: its
+        prompt tokens to compute; `slo`: its TTFT target (TtftUnattainable when predicted missed, or when
+        its deadline passes while it waits).
         """
         if priority not in (INTERACTIVE, BATCH):
             raise ValueError(f"priority must be a Priority, got {priority!r}")
@@ -100,18 +118,21 @@ class CapacityGate:
             raise ValueError("cost must be >= 0")
         self._waiters.activate(key, weight)
         try:
-            return await self._acquire(cost, Priority(priority), key)
+            return await self._acquire(cost, Priority(priority), key, max(0, prefill), slo)
         except BaseException:
             self._waiters.deactivate(key)
             raise
 
-    async def _acquire(self, cost: int, priority: Priority, key: str) -> CapacityTicket:
+    async def _acquire(self, cost: int, priority: Priority, key: str, prefill: int,
+                       slo: TtftTarget | None) -> CapacityTicket:
         views = self._live_views()
         if views and cost > max(v.kv_total for v in views):
             raise CapacityNeverFits(f"request needs {cost} KV tokens; the largest worker holds "
                                     f"{max(v.kv_total for v in views)}")
+        if slo is not None:
+            self._check_slo(cost, prefill, priority, views, slo)
         if not self._blocked(priority):
-            ticket = self._try_admit(cost, priority, views, key)
+            ticket = self._try_admit(cost, priority, views, key, prefill)
             if ticket is not None:
                 return ticket
         waiters = self._waiters
@@ -120,12 +141,14 @@ class CapacityGate:
             if pushed is None:
                 raise self._overloaded(cost, priority, "admission queue full")
             pushed.future.set_exception(self._overloaded(pushed.cost, priority, "admission queue full"))
-        waiter = waiters.new_waiter(cost, priority, key)
+        waiter = waiters.new_waiter(cost, priority, key, prefill)
         waiters.push(waiter)
         if waiters.fair:
             self.notify()  # the newcomer may be the fairest head
+        wait_s = self.admission_wait_s if slo is None else \
+            min(self.admission_wait_s, max(0.0, slo.deadline - self._clock()))
         try:
-            await asyncio.wait({waiter.future}, timeout=self.admission_wait_s)
+            await asyncio.wait({waiter.future}, timeout=wait_s)
         except asyncio.CancelledError:
             self._abandon(waiter)
             raise
@@ -135,6 +158,8 @@ class CapacityGate:
         # the wait is charged like an admission: a key shed after holding the queue's head does not keep the
         # lowest counter, so it cannot hold the head again and again at no cost
         self._waiters.charge(key, cost)
+        if slo is not None and wait_s < self.admission_wait_s:  # its deadline passed while it waited
+            raise self._unattainable(slo, priority, self.retry_after_s(cost, priority), "it waited past it")
         raise self._overloaded(cost, priority, f"no capacity within {self.admission_wait_s * 1000:.0f} ms")
 
     def release(self, ticket: CapacityTicket) -> None:
@@ -168,7 +193,7 @@ class CapacityGate:
                 if priority == BATCH and waiters.count(INTERACTIVE):
                     return
                 views = views if views is not None else self._live_views()
-                ticket = self._try_admit(waiter.cost, priority, views, waiter.key)
+                ticket = self._try_admit(waiter.cost, priority, views, waiter.key, waiter.prefill)
                 if ticket is None:
                     break  # the chosen head waits; the others do not jump it
                 waiters.remove(waiter)
@@ -189,15 +214,27 @@ class CapacityGate:
 
     def retry_after_s(self, cost: int, priority: Priority) -> float:
         """Seconds until the deficit for this request (and those queued ahead) should have drained."""
-        views = self._live_views()
-        best = max((self._headroom(v, priority) for v in views), default=0)
-        ahead = sum(w.cost for w in self._waiters.waiters(INTERACTIVE))
-        if priority == BATCH:
-            ahead += sum(w.cost for w in self._waiters.waiters(BATCH))
-        deficit = max(0, cost + ahead - best)
+        deficit = self._deficit(cost, priority, self._live_views())
         rate = self.drain_rate()
         seconds = deficit / rate if rate > 0 else self.fallback_retry_s
         return float(min(self.max_retry_s, max(self.min_retry_s, math.ceil(seconds * 10) / 10)))
+
+    def predict_ttft_s(self, cost: int, prefill: int, priority: Priority,
+                       views: list[WorkerCapacity] | None = None) -> float:
+        """Predicted seconds to this request's first token: the wait for KV capacity (none when it fits now,
+        the deficit at the drain rate, or `fallback_retry_s` when nothing drained yet), then the prompts
+        queued ahead of it and its own at the workers' measured prefill rates, then one step."""
+        views = self._live_views() if views is None else views
+        fits = [self._headroom(v, priority) >= cost for v in views]
+        deficit = self._deficit(cost, priority, views)
+        rate = self.drain_rate()
+        if any(fits) and not self._blocked(priority) or deficit == 0:
+            wait = 0.0
+        else:
+            wait = deficit / rate if rate > 0 else self.fallback_retry_s
+        loads = [WorkerLoad(v.prefill_backlog + self._pending_prefill(v), v.prefill_tps, v.step_s, fit)
+                 for v, fit in zip(views, fits, strict=True)]
+        return predict_ttft_s(loads, prefill, self._ahead(priority, prefill=True), wait)
 
     def drain_rate(self) -> float:
         """KV tokens per second released recently (0.0 when nothing was released in the window)."""
@@ -209,6 +246,33 @@ class CapacityGate:
         return self._drained_sum / span
 
     # ---- internals --------------------------------------------------------------------------------
+    def _ahead(self, priority: Priority, prefill: bool = False) -> int:
+        """KV cost (or prompt tokens) of the waiters served before a newcomer of `priority`."""
+        classes = (INTERACTIVE,) if priority == INTERACTIVE else (INTERACTIVE, BATCH)
+        return sum(w.prefill if prefill else w.cost for p in classes for w in self._waiters.waiters(p))
+
+    def _deficit(self, cost: int, priority: Priority, views: list[WorkerCapacity]) -> int:
+        best = max((self._headroom(v, priority) for v in views), default=0)
+        return max(0, cost + self._ahead(priority) - best)
+
+    def _pending_prefill(self, view: WorkerCapacity) -> int:
+        """Prompt tokens admitted to the worker since its stats sample (not in its reported backlog)."""
+        tickets = self._pending.get(view.worker_id, ())
+        return sum(t.prefill for t in tickets if t.admitted_at >= view.updated_at)
+
+    def _check_slo(self, cost: int, prefill: int, priority: Priority, views: list[WorkerCapacity],
+                   slo: TtftTarget) -> None:
+        predicted = self.predict_ttft_s(cost, prefill, priority, views)
+        left = slo.deadline - self._clock()
+        if predicted > left:
+            retry = excess_retry_s(predicted, left, self.min_retry_s, self.max_retry_s)
+            raise self._unattainable(slo, priority, retry, f"predicted {predicted * 1000:.0f} ms")
+
+    def _unattainable(self, slo: TtftTarget, priority: Priority, retry: float, why: str) -> TtftUnattainable:
+        self.slo_shed[priority] += 1
+        return TtftUnattainable(retry, f"The time-to-first-token target of {slo.target_ms} ms cannot be met "
+                                       f"({why}); retry after {retry:g}s.", priority)
+
     def _record_drain(self, cost: int) -> None:
         now = self._clock()
         self._prune_drained(now)
@@ -240,7 +304,7 @@ class CapacityGate:
         return room
 
     def _try_admit(self, cost: int, priority: Priority, views: list[WorkerCapacity],
-                   key: str) -> CapacityTicket | None:
+                   key: str, prefill: int = 0) -> CapacityTicket | None:
         best, best_room = None, -1
         for view in views:
             room = self._headroom(view, priority)
@@ -249,7 +313,7 @@ class CapacityGate:
         if best is None:
             return None
         now = self._clock()
-        ticket = CapacityTicket(cost, priority, best.worker_id, now, key=key)
+        ticket = CapacityTicket(cost, priority, best.worker_id, now, key=key, prefill=prefill)
         self._waiters.charge(key, cost)
         if self._outstanding == 0 and self._idle_since is not None and now - self._idle_since > IDLE_RESET_S:
             self._drained.clear()  # a new busy period: releases before the idle gap say nothing of now

@@ -20,6 +20,7 @@ class Waiter:
     key: str
     seq: int  # arrival number: FIFO order, and ties between keys
     future: asyncio.Future = field(repr=False)
+    prefill: int = 0  # prompt tokens to compute (TTFT prediction)
 
 
 @dataclass(slots=True, eq=False)
@@ -96,9 +97,9 @@ class FairWaiters:
 
     # ---- waiters ----
 
-    def new_waiter(self, cost: int, priority: Priority, key: str) -> Waiter:
+    def new_waiter(self, cost: int, priority: Priority, key: str, prefill: int = 0) -> Waiter:
         self._seq += 1
-        return Waiter(cost, priority, key, self._seq, asyncio.get_running_loop().create_future())
+        return Waiter(cost, priority, key, self._seq, asyncio.get_running_loop().create_future(), prefill)
 
     def push(self, waiter: Waiter) -> None:
         self._queues[waiter.priority].setdefault(waiter.key, deque()).append(waiter)

@@ -11,10 +11,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from admission.budget import Reservation
-from admission.capacity import CapacityGate, CapacityNeverFits, CapacityTicket, Overloaded
+from admission.capacity import CapacityGate, CapacityNeverFits, CapacityTicket, Overloaded, TtftUnattainable
 from admission.headers import rate_limit_headers, retry_headers
 from admission.hold import BudgetGuard
 from admission.results import QuotaExceeded, RequestTooLarge, TenantRejected
+from admission.ttft_predict import TtftTarget
 from common.priorities import Priority
 from tenancy.schema import Tenant
 from tenancy.tenancy_errors import QuotaServiceUnavailable
@@ -49,16 +50,19 @@ class Admission:
     @contextlib.asynccontextmanager
     async def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, priority: Priority,
                     expected_cached_tokens: int = 0, capacity: CapacityGate | None = None,
-                    ) -> AsyncIterator[AdmissionTicket]:
-        """`capacity`: the gate of the request's pool (model version), else this Admission's own."""
+                    slo: TtftTarget | None = None) -> AsyncIterator[AdmissionTicket]:
+        """`capacity`: the gate of the request's pool (model version), else this Admission's own; `slo`: the
+        request's TTFT target (shed at once, fully refunded, when the gate predicts it missed)."""
         gate = capacity if capacity is not None else self.capacity
         res = await self.guard.acquire(tenant, prompt_tokens, max_tokens)
         cap: CapacityTicket | None = None
         try:
             if gate is not None:
                 cost = max(0, prompt_tokens + max_tokens - expected_cached_tokens)
+                prefill = max(0, prompt_tokens - expected_cached_tokens)
                 try:
-                    cap = await gate.acquire(cost, priority, tenant.name, tenant.weight)
+                    cap = await gate.acquire(cost, priority, tenant.name, tenant.weight, prefill=prefill,
+                                             slo=slo)
                 except (Overloaded, CapacityNeverFits):
                     res.unserved()
                     raise
@@ -110,6 +114,9 @@ def error_response(exc: BaseException) -> ErrorSpec | None:
         return ErrorSpec(400, "invalid_request_error", "request_too_large", str(exc), {})
     if isinstance(exc, TenantRejected):
         return ErrorSpec(401, "invalid_request_error", "invalid_api_key", str(exc), {})
+    if isinstance(exc, TtftUnattainable):
+        return ErrorSpec(503, "server_error", "ttft_slo_unattainable", str(exc),
+                         retry_headers(int(exc.retry_after_s * 1000)))
     if isinstance(exc, Overloaded):
         return ErrorSpec(503, "server_error", "server_overloaded", str(exc),
                          retry_headers(int(exc.retry_after_s * 1000)))

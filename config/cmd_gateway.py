@@ -158,7 +158,8 @@ def build_app(settings: Settings):
         closers.append(admission.aclose)
         tenants = TenantDirectory(redis, serve_stale_on_error=gw.fail_open)
         service = GatewayService(model, tenants, router, admission,
-                                 ServiceConfig(request_timeout_s=gw.request_timeout), pools=pools)
+                                 ServiceConfig(request_timeout_s=gw.request_timeout,
+                                               ttft_slo_ms=_ttft_defaults(gw)), pools=pools)
         if gw.money_budgets:  # a hold outlives its request's whole deadline
             service.money = MoneyGate(redis, hold_ttl_s=gw.request_timeout + 60.0)
         # the tokenizer and the rest built at start live as long as the process: out of the collector's sight
@@ -187,6 +188,12 @@ def build_app(settings: Settings):
                                               event_logs=EventLogs(redis) if gw.stream_resume else None,
                                               stream_detach_grace_s=gw.stream_detach_grace),
                       on_close=close, response_store=ResponseStore(redis), redis=redis)
+
+
+def _ttft_defaults(gw) -> dict:  # noqa: ANN001
+    from common.priorities import Priority
+
+    return {Priority.parse(c): ms for c, ms in gw.ttft_slo_ms.items()}
 
 
 # settings and router types load late

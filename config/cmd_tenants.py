@@ -23,7 +23,7 @@ from tenancy import (
     update_tenant,
 )
 
-QUOTA_OPTIONS = ("tpm", "rpm", "max_concurrent", "max_tokens", "default_max_tokens")
+QUOTA_OPTIONS = ("tpm", "rpm", "max_concurrent", "max_tokens", "default_max_tokens", "ttft_slo_ms")
 
 
 def add_redis_argument(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +64,8 @@ def _add_quota_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent", type=int, help="concurrent requests (0 = unlimited)")
     p.add_argument("--max-tokens", type=int, help="cap on max_tokens per request")
     p.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none")
+    p.add_argument("--ttft-slo-ms", type=int,
+                   help="time-to-first-token target in ms (0 = the priority class's default)")
     p.add_argument("--priority", choices=PRIORITIES, help="priority class")
     p.add_argument("--weight", type=float, help="relative fair share on a worker (default 1)")
     p.add_argument("--models", help="allowed model ids, comma-separated, or '*'")
@@ -96,7 +98,8 @@ def describe(t: Tenant) -> str:
     models = ",".join(t.allowed_models) if t.allowed_models is not None else "*"
     return (f"{t.name} status={t.status} priority={t.priority.label} tpm={t.tpm} rpm={t.rpm} "
             f"max_concurrent={t.max_concurrent} max_tokens={t.max_tokens} "
-            f"default_max_tokens={t.default_max_tokens} weight={t.weight:g} models={models}")
+            f"default_max_tokens={t.default_max_tokens} ttft_slo_ms={t.ttft_slo_ms} weight={t.weight:g} "
+            f"models={models}")
 
 
 def _list(r: redis.Redis) -> int:

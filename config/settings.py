@@ -127,6 +127,9 @@ class GatewaySettings(BaseModel):
     admission_wait_ms: int = Field(2000, ge=0)  # queue this long for KV capacity, then 503 server_overloaded
     interactive_reserve: float = Field(0.2, ge=0.0, lt=1.0)  # share of each worker's KV kept for interactive
     capacity_fair_queue: bool = True  # capacity waiters: fair across tenants (false: one FIFO per priority)
+    # priority class -> default time-to-first-token target (ms) of requests whose tenant sets none; 0: none
+    ttft_slo_ms: dict[Literal["interactive", "batch"], int] = Field(
+        default_factory=lambda: {"interactive": 0, "batch": 0})
     fail_open: bool = False  # Redis down: admit up to this gateway's share of each limit instead of 503
     lease_ttl: float = Field(60.0, gt=0)  # concurrency lease expiry (renewed every ttl/3 while streaming)
     money_budgets: bool = False  # dollar budgets per organization/project/key/user (admission/money)
@@ -157,6 +160,13 @@ class GatewaySettings(BaseModel):
     # disagg_max_prefill_queue prefills queued, running or sent by this gateway and not yet acknowledged
     disagg_min_tokens: int = Field(512, ge=1)
     disagg_max_prefill_queue: int = Field(4, ge=0)
+
+    @field_validator("ttft_slo_ms")
+    @classmethod
+    def _check_ttft(cls, value: dict[str, int]) -> dict[str, int]:
+        if any(ms < 0 for ms in value.values()):
+            raise ValueError("ttft_slo_ms values must be >= 0 (0: no target)")
+        return value
 
 
 class Settings(BaseSettings):

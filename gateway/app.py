@@ -26,6 +26,7 @@ from gateway.batches.lifecycle import start_batches, stop_batches
 from gateway.files import file_routes
 from gateway.files.file_store import DirectoryFileStore
 from gateway.flow.choices import GenerationGroup
+from gateway.flow.deadlines import TTFT_HEADER, header_target_ms
 from gateway.flow.generation import Delta, Generation, Prepared
 from gateway.flow.info_routes import get_model, health, list_models, ready
 from gateway.flow.service import GatewayService
@@ -169,6 +170,7 @@ async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenan
         req = await run_in_threadpool(parse, body)
         await request.app.state.conversations.continue_previous(tenant, req)
         prepared = await run_in_threadpool(svc.prepare, tenant, req, rid)
+    prepared.ttft_slo_ms = header_target_ms(prepared.ttft_slo_ms, request.headers.get(TTFT_HEADER))
     prepared.raw_body = body if size <= MAX_BODY_BYTES else None  # a stream another gateway may carry on
     return req, prepared
 

@@ -66,6 +66,7 @@ class RouteRequest:
     stable_len: int | None = None  # chat: tokens before the last user turn; None: raw completion
     priority: Priority = Priority.INTERACTIVE
     deadline: float = 0.0  # unix seconds; 0 = none
+    ttft_deadline: float = 0.0  # unix seconds its first token is due by (the worker's waiting order); 0: none
     cache_key: str | None = None  # the client's prompt_cache_key: routes instead of the prefix, within `ns`
     fkey: bytes = b""  # fairness key: `fairness_key(...)` of the tenant; empty: the worker uses `ns`
     weight: float = 1.0  # the tenant's fair-share weight
@@ -332,6 +333,7 @@ class Router:
         hint = self.disagg.choose(req.rid, token_count(tokens) - predicted, matched)  # afresh per attempt
         stream = client.generate(req.rid, req.ns, tokens, req.sampling, req.priority, req.deadline,
                                  fkey=req.fkey, weight=req.weight, resumed=len(streamed), prefill=hint,
+                                 ttft_deadline=0.0 if streamed else req.ttft_deadline,
                                  traceparent=_route_span(choice, predicted, len(streamed), hint))
         first = True
         cached = 0

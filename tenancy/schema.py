@@ -27,6 +27,7 @@ INT_DEFAULTS: dict[str, int] = {
     "max_concurrent": 16,
     "max_tokens": 4096,
     "default_max_tokens": 256,
+    "ttft_slo_ms": 0,  # time-to-first-token target of the tenant's requests (ms); 0: its class's default
 }
 STR_DEFAULTS: dict[str, str] = {"status": ACTIVE, "priority": INTERACTIVE.label, "allowed_models": "*"}
 DEFAULT_WEIGHT = 1.0  # `weight`: relative fair share on a worker, in (0, MAX_WEIGHT]
@@ -91,6 +92,7 @@ class Tenant:
     max_concurrent: int = INT_DEFAULTS["max_concurrent"]
     max_tokens: int = INT_DEFAULTS["max_tokens"]
     default_max_tokens: int = INT_DEFAULTS["default_max_tokens"]
+    ttft_slo_ms: int = INT_DEFAULTS["ttft_slo_ms"]  # 0: the priority class's default (gateway settings)
     allowed_models: tuple[str, ...] | None = None  # None: every model
     weight: float = DEFAULT_WEIGHT  # relative fair share on a worker
     salt: str = ""

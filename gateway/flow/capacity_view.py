@@ -1,4 +1,4 @@
-"""Capacity admission's view of the workers: the `views` callable of a `CapacityGate`, read from the Router.
+"""Capacity admission's view of the workers (KV room, measured step costs): a `CapacityGate`'s `views`.
 
 A worker's used KV is the larger of what it reports and what this gateway committed to it (full cost until a
 reported hit).
@@ -28,5 +28,7 @@ class RouterCapacity:
             assert stats is not None  # reporting members have stats
             used = max(stats.kv_total - stats.kv_free, int(self.router.committed(member.member_id)))
             views.append(WorkerCapacity(member.member_id, max(0, stats.kv_total - used), stats.kv_total,
-                                        draining=stats.draining, updated_at=member.stats_at or 0.0))
+                                        draining=stats.draining, updated_at=member.stats_at or 0.0,
+                                        prefill_tps=stats.prefill_tps, step_s=stats.step_s,
+                                        prefill_backlog=stats.prefill_backlog))
         return views

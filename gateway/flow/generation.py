@@ -16,6 +16,7 @@ from typing import Any
 
 from admission import AdmissionTicket
 from common.priorities import Priority
+from gateway.flow import deadlines
 from gateway.flow.detokenize import IncrementalDetokenizer, StopMatcher
 from gateway.flow.served_model import ServedModel
 from gateway.flow.versions import Target
@@ -50,6 +51,9 @@ class Prepared:
     target: Target | None = None  # the model version serving it (None: the service's own model and router)
     raw_body: Any = None  # the body as the client sent it (a stream another gateway may carry on keeps it)
     money_hold: Any = None  # its `admission.money.MoneyHold` under dollar budgets
+    ttft_slo_ms: int = 0  # its time-to-first-token target (gateway.flow.deadlines); 0: none
+    received: float = field(default_factory=time.monotonic)  # prepared at: the target counts from here
+    slo_counted: bool = False  # its SLO outcome was counted
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -197,6 +201,8 @@ class Generation:
 
     def _consume(self, chunk: OutItem) -> Delta | None:
         toks = chunk.tokens
+        if toks and not self.usage.completion_tokens:
+            deadlines.first_token(self.prepared)
         self.token_ids += toks
         self.usage.completion_tokens += len(toks)
         self.usage.cached_tokens = max(self.usage.cached_tokens, chunk.cached_tokens)
@@ -234,4 +240,5 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        deadlines.ended(self.prepared)
         await close_stack(self.stack, self.prepared.request_id)

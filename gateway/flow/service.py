@@ -9,11 +9,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from admission import Admission, AdmissionTicket, BudgetExceeded, MoneyGate, error_response
 from common.priorities import Priority
+from gateway.flow import deadlines
 from gateway.flow.choices import GenerationGroup
 from gateway.flow.generation import Generation, Prepared
 from gateway.flow.served_model import ServedModel
@@ -39,6 +40,7 @@ MAX_INVALID_LOCKOUTS = 10_000  # tenants remembered as out of requests after inv
 class ServiceConfig:
     request_timeout_s: float = 600.0  # whole-request deadline sent to the worker
     first_token_timeout_s: float = 120.0
+    ttft_slo_ms: dict[Priority, int] = field(default_factory=dict)  # class default TTFT targets (0: none)
 
 
 class GatewayService:
@@ -139,9 +141,10 @@ class GatewayService:
         shape = ResponseShape(prefix + uuid.uuid4().hex, int(time.time()), target.response_model,
                               req.kind == "chat") \
             if req.api != "responses" else responses_shape.new_shape(target.response_model, req)
-        return Prepared(request_id, req, tenant, enc.ids, enc.stable_len, max_tokens,
-                        tenant.effective_priority(req.priority), ns, shape, batch if len(batch) > 1 else [],
-                        target=target)
+        priority = tenant.effective_priority(req.priority)
+        return Prepared(request_id, req, tenant, enc.ids, enc.stable_len, max_tokens, priority, ns, shape,
+                        batch if len(batch) > 1 else [], target=target,
+                        ttft_slo_ms=deadlines.default_target_ms(tenant, priority, self.config.ttft_slo_ms))
 
     def _target(self, p: Prepared) -> Target:
         return p.target or Target(self.model.model_id, self.model, self.router)
@@ -170,7 +173,8 @@ class GatewayService:
                 rid=p.shape.id, ns=p.ns, tokens=p.prompt_ids, cost=usage.prompt_tokens + p.max_tokens,
                 sampling=self._sampling(p), stable_len=p.stable_len, priority=p.priority,
                 deadline=time.time() + self.config.request_timeout_s, cache_key=p.req.prompt_cache_key,
-                fkey=fairness_key(p.tenant.name, self.router.secret), weight=p.tenant.weight))
+                fkey=fairness_key(p.tenant.name, self.router.secret), weight=p.tenant.weight,
+                ttft_deadline=deadlines.worker_deadline(p)))
             chunks = target.router.stream(routed)
             stack.push_async_callback(_aclose, chunks)
         except BaseException:
@@ -198,7 +202,8 @@ class GatewayService:
                         rid=p.shape.id if index == 0 else f"{p.shape.id}-{index}", ns=p.ns, tokens=ids,
                         cost=len(ids) + p.max_tokens, sampling=self._sampling(p, sibling_seed(p.req.seed, j)),
                         stable_len=p.stable_len if i == 0 else None, priority=p.priority, deadline=deadline,
-                        cache_key=p.req.prompt_cache_key, fkey=fkey, weight=p.tenant.weight)))
+                        cache_key=p.req.prompt_cache_key, fkey=fkey, weight=p.tenant.weight,
+                        ttft_deadline=deadlines.worker_deadline(p))))
                     stack.push_async_callback(_aclose, chunks)
                     gens.append(Generation(target.model, p, chunks, AsyncExitStack(), usage, headers,
                                            self.config.first_token_timeout_s, ticket, tenants=self.tenants))
@@ -226,6 +231,7 @@ class GatewayService:
         if not self._target(p).router.live():
             gateway_metrics.current().count_shed("no_worker")
             raise api_errors.no_live_worker()
+        deadlines.count_target(p)
         if self.admission is None:
             return None
         ticket = await self._admit(stack, p, usage, max_tokens)
@@ -238,12 +244,12 @@ class GatewayService:
         try:
             ticket = await stack.enter_async_context(self.admission.admit(
                 p.tenant, usage.prompt_tokens, p.max_tokens if max_tokens is None else max_tokens, p.priority,
-                capacity=self._target(p).capacity))
+                capacity=self._target(p).capacity, slo=deadlines.slo_target(p)))
         except Exception as exc:
             spec = error_response(exc)
             if spec is None:
                 raise
-            gateway_metrics.current().admission_refused(exc, p.tenant.name)
+            gateway_metrics.current().admission_refused(exc, p.tenant.name, p.priority.label)
             raise ApiError(spec.status, spec.message, spec.type, code=spec.code,
                            headers=spec.headers) from None
         # Runs before the admission context exits (LIFO), so settle sees the real usage.

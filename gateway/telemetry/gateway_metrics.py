@@ -27,14 +27,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from admission import Overloaded, QuotaExceeded
+from admission import Overloaded, QuotaExceeded, TtftUnattainable
 from tenancy import QuotaServiceUnavailable
 
 log = logging.getLogger("switchyard.gateway.access")
 
 OTHER_TENANT = "other"
 API_PREFIX = "/v1/"
-SHED_REASONS = ("capacity", "no_worker", "draining", "quota_service_unavailable")
+SHED_REASONS = ("capacity", "ttft_slo", "no_worker", "draining", "quota_service_unavailable")
+SLO_OUTCOMES = ("target", "met", "missed", "shed")  # requests with a TTFT target, then how each ended
 RATE_LIMIT_REASONS = ("requests", "tokens", "concurrency")
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -92,7 +93,11 @@ class GatewayMetrics:
         self.version_tokens = counter("switchyard_version_tokens",
                                       "Tokens by model version and kind (prompt, completion)",
                                       ["version", "kind"])
-        self._collectors = (self.ttft, self.inter_token, self.e2e, self.queue, self.requests,
+        # SLO attainment = met / (met + missed); shed: refused at admission as unattainable
+        self.ttft_slo = counter("switchyard_ttft_slo",
+                                "Requests with a TTFT target by outcome (target, met, missed, shed)",
+                                ["outcome", *per_req])
+        self._collectors = (self.ttft_slo, self.ttft, self.inter_token, self.e2e, self.queue, self.requests,
                             self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.rate_limited,
                             self.shed, self.stream_errors, self.stream_resumes, self.stream_log_dropped,
                             self.version_ttft, self.version_requests, self.version_tokens)
@@ -120,10 +125,16 @@ class GatewayMetrics:
     def count_rate_limited(self, reason: str, tenant: str) -> None:
         self.rate_limited.labels(reason, *self._tok(tenant)).inc()
 
-    def admission_refused(self, exc: BaseException, tenant: str) -> None:
+    def count_slo(self, outcome: str, priority: str, tenant: str) -> None:
+        self.ttft_slo.labels(outcome, priority, *self._tok(tenant)).inc()
+
+    def admission_refused(self, exc: BaseException, tenant: str, priority: str = "interactive") -> None:
         """Count an admission exception as rate-limited or shed (others are not refusals)."""
         if isinstance(exc, QuotaExceeded):
             self.count_rate_limited(exc.result.limit_name or "requests", tenant)
+        elif isinstance(exc, TtftUnattainable):
+            self.count_shed("ttft_slo")
+            self.count_slo("shed", priority, tenant)
         elif isinstance(exc, Overloaded):
             self.count_shed("capacity")
         elif isinstance(exc, QuotaServiceUnavailable):

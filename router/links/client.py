@@ -184,7 +184,8 @@ class WorkerClient:
     async def generate(self, rid: str, ns: bytes, tokens: Any, sampling: SamplingParams,
                        priority: Priority = Priority.INTERACTIVE, deadline: float = 0.0, *, fkey: bytes = b"",
                        weight: float = 1.0, resumed: int = 0, traceparent: str = "",
-                       prefill: PrefillHint | None = None) -> AsyncIterator[OutItem]:
+                       prefill: PrefillHint | None = None, ttft_deadline: float = 0.0,
+                       ) -> AsyncIterator[OutItem]:
         """Stream a request's tokens (the `gen` goes out on the first iteration). `prefill`: the worker
         receives the prompt's pages from that prefill worker instead of computing them (disaggregated
         prefill).
@@ -207,7 +208,7 @@ class WorkerClient:
                 else self.inter_token_timeout)
         try:
             self._send_soon(encode_gen(rid, ns, tokens, sampling, priority, deadline, fkey, weight, resumed,
-                                       traceparent, prefill))
+                                       traceparent, prefill, ttft_deadline))
             while True:
                 if queue.empty():
                     try:

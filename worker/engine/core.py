@@ -14,7 +14,7 @@ import torch
 from worker.config import EngineConfig
 from worker.engine.export import PageExport
 from worker.engine.prefix_pins import PrefixPins
-from worker.engine.records.outputs import EngineStats, StepOutput
+from worker.engine.records.outputs import EngineStats, StepCosts, StepOutput
 from worker.engine.records.request_errors import RequestError, bad_request
 from worker.engine.records.sequence import NgramIndex, Priority, ScheduledBatch, SeqStatus, Sequence
 from worker.engine.runner import ModelRunner, StepResult
@@ -77,14 +77,15 @@ class Engine:
         self._generated = 0
         self._steps = 0
         self._spec = [0, 0, 0]  # proposed, accepted, verify steps
+        self.costs = StepCosts()
         self._grammars: CompileWait | None = None  # built with the first grammar request
     # ---- requests ----
 
     def add_request(self, rid: str, token_ids: list[int], sampling: SamplingParams,
                     priority: Priority = Priority.INTERACTIVE, namespace: bytes = b"", fkey: bytes = b"",
-                    weight: float = 1.0, resumed: int = 0) -> None:
+                    weight: float = 1.0, resumed: int = 0, ttft: float = 0.0) -> None:
         """`fkey`/`weight`: fairness key and share (worker.engine.scheduling.fairness); no key => the cache
-        namespace's.
+        namespace's. `ttft`: unix seconds its first token is due by (0.0: none; the waiting order's).
 
         `resumed`: the last this many of `token_ids` were streamed already (by a worker that was lost): they
         are output, so sampling positions, penalties, `max_tokens` and the grammar carry on after them."""
@@ -103,7 +104,7 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(rid, list(token_ids), prompt_len, sampling, Priority(priority), self._arrivals,
                        namespace, seed & 0xFFFFFFFFFFFFFFFF, frozenset(stops),
-                       fkey=fkey or namespace, weight=float(weight), grammar=grammar)
+                       fkey=fkey or namespace, weight=float(weight), grammar=grammar, ttft_deadline=ttft)
         cfg = self.config
         if cfg.spec_tokens and cfg.spec_max_batch and compiling is None and speculation_allowed(sampling):
             seq.ngram = NgramIndex(cfg.spec_ngram_min, cfg.spec_ngram_max)
@@ -233,6 +234,7 @@ class Engine:
         self._steps += 1
         t = time.perf_counter()
         result = self.runner.run(batch)
+        self.costs.stepped(batch, time.perf_counter() - t)
         if self.restorer is not None:
             self.restorer.stepped(batch, time.perf_counter() - t)
         return outputs + self._postprocess(batch, result)
@@ -354,6 +356,8 @@ class Engine:
             spec_proposed_tokens=self._spec[0], spec_accepted_tokens=self._spec[1],
             spec_verify_steps=self._spec[2],
             tiers=self.restorer.tiers.snapshot_stats() if self.restorer is not None else None,
+            prefill_tps=self.costs.prefill_tps, step_s=self.costs.step_s,
+            prefill_backlog=sched.prefill_backlog(),
         )
 
     # ---- convenience ----

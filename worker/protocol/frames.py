@@ -19,7 +19,7 @@ from worker.protocol.request import ErrorCode, SamplingParams
 from worker.protocol.request import RequestError as RequestError
 from worker.protocol.request import bad_request as bad_request
 from worker.protocol.stats import MAX_KV_IDS as MAX_KV_IDS
-from worker.protocol.stats import STATS, SYNC, Sync, WorkerStats, decode_kv, stats_fields
+from worker.protocol.stats import STATS, SYNC, Sync, WorkerStats, decode_costs, decode_kv, stats_fields
 from worker.protocol.stats import KvContract as KvContract
 from worker.protocol.stats import KvReport as KvReport
 from worker.protocol.transfer import (
@@ -78,6 +78,7 @@ class GenRequest:
     resumed: int = 0  # the last `resumed` tokens were already streamed by another worker: output, not prompt
     traceparent: str = ""  # W3C trace context of the gateway's span for this request ("" : not traced)
     prefill: PrefillHint | None = None  # disaggregated: prefill on that worker and receive the pages
+    ttft_deadline: float = 0.0  # unix seconds the first token is due by ("ttft"); 0.0 = no TTFT target
 
 
 @dataclass(slots=True)
@@ -137,7 +138,7 @@ def encode_hello(gateway_id: str) -> bytes:
 def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: SamplingParams,
                priority: Priority = Priority.INTERACTIVE, deadline: float = 0.0, fkey: bytes = b"",
                weight: float = 1.0, resumed: int = 0, traceparent: str = "",
-               prefill: PrefillHint | None = None) -> bytes:
+               prefill: PrefillHint | None = None, ttft_deadline: float = 0.0) -> bytes:
     token_bytes = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
     obj = {"t": GEN, "rid": rid, "ns": bytes(ns), "tokens": token_bytes, "sampling": sampling.to_dict(),
            "priority": int(priority), "deadline": float(deadline), "fkey": bytes(fkey),
@@ -148,6 +149,8 @@ def encode_gen(rid: str, ns: bytes, tokens: Any, sampling: SamplingParams,
         obj["traceparent"] = traceparent
     if prefill is not None:  # only a disaggregated request carries it
         obj["prefill"] = hint_field(prefill)
+    if ttft_deadline > 0:  # only a request with a TTFT target carries it
+        obj["ttft"] = float(ttft_deadline)
     return _pack(obj)
 
 
@@ -254,8 +257,10 @@ def _decode_gen(obj: dict[str, Any], max_prompt_tokens: int) -> GenRequest:
     if priority not in (0, 1):
         raise ProtocolError("priority must be 0 (interactive) or 1 (batch)", rid=rid, param="priority")
     deadline = float(_field(obj, "deadline", (int, float), rid))
-    if not math.isfinite(deadline) or deadline < 0:
-        raise ProtocolError("deadline must be a finite non-negative unix time", rid=rid, param="deadline")
+    ttft = float(_field(obj, "ttft", (int, float), rid)) if "ttft" in obj else 0.0
+    for name, value in (("deadline", deadline), ("ttft", ttft)):
+        if not math.isfinite(value) or value < 0:
+            raise ProtocolError(f"{name} must be a finite non-negative unix time", rid=rid, param=name)
     fkey = _field(obj, "fkey", bytes, rid) if "fkey" in obj else b""
     if len(fkey) > MAX_FKEY_LEN:
         raise ProtocolError(f"fkey longer than {MAX_FKEY_LEN} bytes", rid=rid, param="fkey")
@@ -276,7 +281,7 @@ def _decode_gen(obj: dict[str, Any], max_prompt_tokens: int) -> GenRequest:
         raise ProtocolError(str(exc), rid=rid, param="prefill") from None
     return GenRequest(rid=rid, ns=ns, tokens=tokens, sampling=sampling, priority=Priority(priority),
                       deadline=deadline, fkey=fkey, weight=weight, resumed=resumed, traceparent=traceparent,
-                      prefill=prefill)
+                      prefill=prefill, ttft_deadline=ttft)
 
 
 def decode_gateway_frame(data: bytes, max_prompt_tokens: int
@@ -366,6 +371,7 @@ def _decode_stats(obj: dict[str, Any]) -> WorkerStats:
     if role not in ROLES:
         raise ProtocolError(f"stats role must be one of {ROLES}")
     stats.role = role
+    decode_costs(obj, stats)
     if "kv" in obj:  # a bad kv part costs a snapshot request, not the worker's stats
         try:
             stats.kv = decode_kv(obj["kv"])

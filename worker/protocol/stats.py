@@ -59,6 +59,10 @@ class WorkerStats:
     # why the frame's `kv` part could not be read (the rest of the frame could); not on the wire
     kv_error: str = ""
     role: str = "both"  # disaggregation role; on the wire as "role" only when not "both"
+    # measured step costs (TTFT prediction in admission); absent from an older worker's frame: 0.0 (unknown)
+    prefill_tps: float = 0.0  # prompt tokens a second in steps that prefill ("ptps")
+    step_s: float = 0.0  # seconds one engine step takes ("step")
+    prefill_backlog: int = 0  # prompt tokens waiting or mid-prefill, not yet computed ("pback")
 
 
 @dataclass(slots=True)
@@ -86,7 +90,17 @@ def stats_fields(stats: WorkerStats) -> dict[str, Any]:
         obj["kv"] = kv_fields(stats.kv)
     if stats.role != "both":
         obj["role"] = stats.role
+    obj.update(ptps=float(stats.prefill_tps), step=float(stats.step_s), pback=int(stats.prefill_backlog))
     return obj
+
+
+def decode_costs(obj: dict[str, Any], stats: WorkerStats) -> None:
+    """The step-cost fields of a stats frame into `stats`; an absent or malformed one stays 0 (unknown)."""
+    for wire, name, kind in (("ptps", "prefill_tps", float), ("step", "step_s", float),
+                             ("pback", "prefill_backlog", int)):
+        value = obj.get(wire)
+        if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < float("inf"):
+            setattr(stats, name, kind(value))
 
 
 def _ids(raw: Any, name: str) -> list[int]:

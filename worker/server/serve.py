@@ -240,8 +240,8 @@ class WorkerServer:
                        resumed: int) -> bool:
         """Hand an admitted request to the engine; False (the gateway told why) when the engine refuses it."""
         try:  # the engine validates sampling against the vocabulary, token ids and the context length
-            self.engine.add_request(entry.engine_rid, tokens, sampling, priority=req.priority,
-                                    namespace=req.ns, fkey=req.fkey, weight=req.weight, resumed=resumed)
+            self.engine.add_request(entry.engine_rid, tokens, sampling, req.priority, req.ns, req.fkey,
+                                    req.weight, resumed, req.ttft_deadline)
             self.metrics.admitted(entry.engine_rid, req.fkey or req.ns)
             self.spans.admitted(entry.engine_rid, req.traceparent)
             if self._promises is not None:  # gateways learn the placement now, not after the prefill
@@ -386,8 +386,9 @@ class WorkerServer:
         return proto.encode_stats(proto.WorkerStats(
             worker_id=self.worker_id, queue=int(s.num_waiting), running=int(s.num_running),
             kv_free=int(s.kv_free_tokens), kv_total=int(s.kv_total_tokens), draining=self.drain.active,
-            model=str(self.engine.model_id), version=proto.PROTOCOL_VERSION, kv=kv, role=self.config.role,
-            hit_rate=float(s.prefix_hit_rate)))
+            model=str(e.model_id), version=proto.PROTOCOL_VERSION, kv=kv, role=self.config.role,
+            hit_rate=float(s.prefix_hit_rate), prefill_tps=s.prefill_tps, step_s=s.step_s,
+            prefill_backlog=s.prefill_backlog))
 
     def _send_stats(self) -> None:
         self._next_stats = time.monotonic() + self.config.stats_interval

@@ -1,11 +1,12 @@
-"""What the engine hands out: one request's output of a step (`StepOutput`) and the engine's counters
-(`EngineStats`).
+"""What the engine hands out: one request's output of a step (`StepOutput`), the engine's counters
+(`EngineStats`) and its measured step costs (`StepCosts`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.engine.records.sequence import ScheduledBatch
 from worker.kvcache.tiers.tier_store import TierStats
 from worker.protocol import RequestError
 
@@ -48,6 +49,9 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # drafts the target agreed with
     spec_verify_steps: int = 0  # sequence-steps that verified drafts
     tiers: TierStats | None = None  # KV tiers below the radix cache (None: off)
+    prefill_tps: float = 0.0  # measured prompt tokens a second in steps that prefill (0.0: none measured)
+    step_s: float = 0.0  # measured seconds of one engine step (0.0: none measured)
+    prefill_backlog: int = 0  # prompt tokens of waiting and prefilling requests not yet computed
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -58,3 +62,27 @@ class EngineStats:
         """Tokens a verifying sequence got per forward (1.0 = no gain); 0.0 before any verification."""
         n = self.spec_verify_steps
         return (n + self.spec_accepted_tokens) / n if n else 0.0
+
+
+COST_SMOOTHING = 0.2  # weight of the newest step in the moving averages
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """Exponential moving averages of what steps cost: seconds per step, prompt tokens per second of steps
+    that prefill (what admission predicts a request's time to first token from)."""
+
+    step_s: float = 0.0
+    prefill_tps: float = 0.0
+
+    def stepped(self, batch: ScheduledBatch, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self.step_s = _mix(self.step_s, seconds)
+        prefilled = sum(n for _, n in batch.prefills)
+        if prefilled:
+            self.prefill_tps = _mix(self.prefill_tps, prefilled / seconds)
+
+
+def _mix(old: float, new: float) -> float:
+    return new if old <= 0 else old + COST_SMOOTHING * (new - old)

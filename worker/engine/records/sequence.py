@@ -40,6 +40,7 @@ class Sequence:
     stop_ids: frozenset[int]
     fkey: bytes = b""  # fairness key (opaque tenant digest); the scheduler's fair share is per key
     weight: float = 1.0  # the key's relative share
+    ttft_deadline: float = 0.0  # unix seconds its first token is due by; 0.0: no TTFT target
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V are cached; 0 again after a preemption
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission

@@ -14,7 +14,7 @@ from worker.engine.records.sequence import ScheduledBatch, SeqStatus, Sequence
 from worker.engine.scheduling.fairness import FairShare
 from worker.engine.scheduling.restore import Restorer
 from worker.engine.scheduling.speculative import DraftPlanner
-from worker.engine.scheduling.waiting_order import cache_aware_index, cached_len, fair_head
+from worker.engine.scheduling.waiting_order import cache_aware_index, cached_len, deadline_index, fair_head
 from worker.kvcache.page_pool import PagePool
 from worker.kvcache.radix_cache import RadixCache
 
@@ -77,6 +77,11 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens of waiting and prefilling requests not computed yet (cache hits still counted)."""
+        return sum(s.remaining_prefill for s in self.waiting) + \
+            sum(s.remaining_prefill for s in self.running if not s.in_decode)
 
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
@@ -155,7 +160,10 @@ class Scheduler:
         """
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = fair_head(self.waiting, self.fair)
-            idx = cache_aware_index(self.waiting, head, self.fair, self.cache) if self.cache_aware else head
+            idx = deadline_index(self.waiting, head, self.fair)
+            if idx is None and self.cache_aware:
+                idx = cache_aware_index(self.waiting, head, self.fair, self.cache)
+            idx = head if idx is None else idx
             seq = self.waiting[idx]
             if light and any(s.fkey == seq.fkey for s in self.running):
                 break

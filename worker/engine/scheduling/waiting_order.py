@@ -1,9 +1,13 @@
-"""Which waiting request the scheduler admits next: the fairest key's oldest request (VTC), then, with the
-radix cache, the request of that class and key with the longest cached prefix (cache-aware order).
+"""Which waiting request the scheduler admits next: the fairest key's oldest request (VTC), then the
+earliest TTFT deadline of that key's interactive requests, else, with the radix cache, the request of that
+class and key with the longest cached prefix (cache-aware order).
 """
 
 from __future__ import annotations
 
+import math
+
+from common.priorities import Priority
 from worker.engine.records.sequence import Sequence
 from worker.engine.scheduling.fairness import FairShare
 from worker.kvcache.radix_cache import RadixCache
@@ -36,6 +40,29 @@ def fair_head(waiting: list[Sequence], fair: FairShare) -> int:
         c = (counter(seq.fkey), active(seq.fkey))
         if c < best_c:
             best, best_c = i, c
+    return best
+
+
+def deadline_index(waiting: list[Sequence], start: int, fair: FairShare) -> int | None:
+    """Index of the interactive request of waiting[start]'s key (under VTC with several keys; else of the
+    class) with the earliest TTFT deadline; None when none has one (the caller keeps its own order).
+
+    Requests without a deadline go after those with one; a head overtaken `CACHE_AWARE_MAX_SKIPS` times goes
+    first (no starvation). O(waiting of that class).
+    """
+    head = waiting[start]
+    if head.priority != Priority.INTERACTIVE or head.skipped >= CACHE_AWARE_MAX_SKIPS:
+        return None
+    by_key = fair.fair and fair.active_keys > 1
+    best, best_due = None, math.inf
+    for i in range(start, len(waiting)):
+        seq = waiting[i]
+        if seq.priority != head.priority:
+            break
+        if by_key and seq.fkey != head.fkey:
+            continue
+        if 0.0 < seq.ttft_deadline < best_due and not seq.admissions:  # a preempted one had its first
+            best, best_due = i, seq.ttft_deadline
     return best
 
 
