@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
     ap.add_argument("--max-tokens", type=int, default=32, help="each request's max_tokens: uniform 1..this")
     ap.add_argument("--cancel-frac", type=float, default=0.25, help="share of streams closed mid-way")
-    ap.add_argument("--budget-requests", type=int, default=3000,
+    ap.add_argument("--budget-requests", type=int, default=2000,
                     help="the organization's budget: this many requests' maximum cost (40-token "
                          "prompt, max_tokens/2 out)")
     ap.add_argument("--tail-s", type=float, default=10.0, help="load after the first refusal, at most")

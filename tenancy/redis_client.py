@@ -56,6 +56,10 @@ class BoundedRedisCluster(aredis.RedisCluster):
             await self._turns.acquire()
         try:
             return await super().execute_command(*args, **kwargs)
+        except AttributeError as exc:
+            # redis-py 8.1's race: after a timeout it disconnects a node's idle connections while another
+            # command takes one of them and writes to it (`'NoneType' object has no attribute 'writelines'`).
+            raise RedisConnectionError(f"Redis Cluster connection closed under the command: {exc}") from None
         finally:
             self._turns.release()
 
