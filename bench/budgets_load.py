@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import re
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import httpx
 
 WORDS = ("budget", "ledger", "river", "stone", "orbit", "lantern", "copper", "meadow", "signal", "harbor")
 _USED = re.compile(r"\(\$([0-9.]+) used or held\)")
+BLOCKS = 5  # admission timings: p99 per block of consecutive samples, the median block reported
 
 
 @dataclass(slots=True, frozen=True)
@@ -140,7 +142,9 @@ async def admission_latency(url: str, api_key: str, project: str, samples: int) 
     """p50/p99 (ms) of one request's admission calls against `url`, the two paths alternating sample by
     sample: flat = authenticate + token reserve + token settle (the tenant path without `money_budgets`);
     four-level = the same plus the money hold and settle of the organization -> project -> key -> user path,
-    each through the gateway's own objects (`TenantDirectory`, `Budget`, `MoneyGate`)."""
+    each through the gateway's own objects (`TenantDirectory`, `Budget`, `MoneyGate`). The samples fall into
+    BLOCKS consecutive blocks; a path's p99 is the median of its blocks' p99s and the overhead the median of
+    the blocks' differences, so one burst of a shared machine's noise does not decide the figure."""
     from admission import Budget
     from admission.money.money_gate import MoneyGate
     from tenancy import TenantDirectory, async_client
@@ -166,17 +170,22 @@ async def admission_latency(url: str, api_key: str, project: str, samples: int) 
         await money.settle(hold, True, 20, 0, 16)
         await budget.settle(res)
 
-    times: dict[str, list[float]] = {"flat": [], "four_level": []}
+    times: dict[str, list[list[float]]] = {"flat": [[] for _ in range(BLOCKS)],
+                                           "four_level": [[] for _ in range(BLOCKS)]}
     try:
         for i in range(-50, samples):  # 50 warm-up pairs: connections, scripts, caches
             for name in ("flat", "four_level") if i % 2 else ("four_level", "flat"):
                 t0 = time.perf_counter()
                 await (flat() if name == "flat" else four(i))
                 if i >= 0:
-                    times[name].append((time.perf_counter() - t0) * 1000)
+                    times[name][i * BLOCKS // samples].append((time.perf_counter() - t0) * 1000)
     finally:
         await client.aclose()
-    out = {f"{k}_p99_ms": round(p99(v), 3) for k, v in times.items()}
-    out.update({f"{k}_p50_ms": round(sorted(v)[len(v) // 2], 3) for k, v in times.items()})
+    blocks = {k: [p99(b) for b in v] for k, v in times.items()}
+    out = {f"{k}_p99_ms": round(statistics.median(v), 3) for k, v in blocks.items()}
+    out.update({f"{k}_p50_ms": round(statistics.median([x for b in v for x in b]), 3)
+                for k, v in times.items()})
+    diffs = [f - g for f, g in zip(blocks["four_level"], blocks["flat"], strict=True)]
+    out["p99_overhead_ms"] = round(statistics.median(diffs), 3)
     out["samples"] = samples
     return out

@@ -63,4 +63,5 @@ async def test_closed_cluster_connection_is_a_connection_error(monkeypatch):
     with pytest.raises(RedisConnectionError):
         await client.execute_command("EVALSHA", "x", 0)
     with pytest.raises(QuotaServiceUnavailable):
-        await ledger_mod.MONEY_SETTLE(client, ["{o:a}:holds", "{o:a}:hold:1", "{o:a}:spend:1"], [0, 1, 0, 0, 0])
+        keys = ["{o:a}:holds", "{o:a}:hold:1", "{o:a}:spend:1"]
+        await ledger_mod.MONEY_SETTLE(client, keys, [0, 1, 0, 0, 0])
