@@ -53,9 +53,13 @@ async def test_settle_is_retried_and_charged_exactly_once(r, redis_url, monkeypa
         await client.aclose()
 
 
-async def test_closed_cluster_connection_is_a_connection_error(monkeypatch):
+@pytest.mark.parametrize("error", [
+    AttributeError("'NoneType' object has no attribute 'writelines'"),
+    RuntimeError("unable to perform operation on <TCPTransport closed=True reading=False>; the handler is "
+                 "closed")])
+async def test_closed_cluster_connection_is_a_connection_error(monkeypatch, error):
     async def closed_under(self, *args, **kwargs):
-        raise AttributeError("'NoneType' object has no attribute 'writelines'")
+        raise error
 
     monkeypatch.setattr(aredis.RedisCluster, "execute_command", closed_under)
     client = BoundedRedisCluster(host="127.0.0.1", port=7000)
@@ -65,3 +69,14 @@ async def test_closed_cluster_connection_is_a_connection_error(monkeypatch):
     with pytest.raises(QuotaServiceUnavailable):
         keys = ["{o:a}:holds", "{o:a}:hold:1", "{o:a}:spend:1"]
         await ledger_mod.MONEY_SETTLE(client, keys, [0, 1, 0, 0, 0])
+
+
+async def test_other_runtime_errors_of_the_cluster_client_are_not_hidden(monkeypatch):
+    async def bug(self, *args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(aredis.RedisCluster, "execute_command", bug)
+    client = BoundedRedisCluster(host="127.0.0.1", port=7000)
+    client._initialize = False
+    with pytest.raises(RuntimeError, match="a bug"):
+        await client.execute_command("GET", "x")
