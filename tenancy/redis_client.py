@@ -56,6 +56,13 @@ class BoundedRedisCluster(aredis.RedisCluster):
             await self._turns.acquire()
         try:
             return await super().execute_command(*args, **kwargs)
+        except (AttributeError, RuntimeError) as exc:
+            # redis-py 8.1's race: after a timeout it disconnects a node's idle connections while another
+            # command takes one of them and writes to it (`'NoneType' object has no attribute 'writelines'`,
+            # or uvloop's "unable to perform operation on <TCPTransport closed=True ...>").
+            if isinstance(exc, RuntimeError) and "closed" not in str(exc):
+                raise
+            raise RedisConnectionError(f"Redis Cluster connection closed under the command: {exc}") from None
         finally:
             self._turns.release()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import redis.asyncio as aredis
@@ -12,6 +13,9 @@ from admission.money.prices import PriceBook
 from tenancy.tenancy_errors import QuotaServiceUnavailable
 
 log = logging.getLogger("switchyard.admission")
+# Pauses before the settle's retries: the settle script is idempotent (a hold is settled once), so a call that
+# failed, or timed out after running, is tried again rather than losing the cost and keeping the hold.
+SETTLE_RETRY_S = (0.05, 0.25, 1.0)
 
 
 class MoneyGate:
@@ -30,12 +34,19 @@ class MoneyGate:
 
     async def settle(self, hold: MoneyHold, served: bool, prompt_tokens: int, cached_tokens: int,
                      completion_tokens: int) -> None:
-        """Charge what was served (nothing if the request never reached a worker) and free the hold."""
-        try:
-            if served:
-                await self.ledger.settle(hold, prompt_tokens, cached_tokens, completion_tokens)
-            else:
-                await self.ledger.refund(hold)
-        except QuotaServiceUnavailable as exc:
-            # The hold is given back when its lease ends (the reserve script sweeps it); the cost is lost.
-            log.warning("money settle of hold %s failed: %s", hold.hold_id, exc)
+        """Charge what was served (nothing if the request never reached a worker) and free the hold; an
+        unreachable Redis is tried again SETTLE_RETRY_S later (the script settles a hold once)."""
+        for pause in (*SETTLE_RETRY_S, None):
+            try:
+                if served:
+                    await self.ledger.settle(hold, prompt_tokens, cached_tokens, completion_tokens)
+                else:
+                    await self.ledger.refund(hold)
+                return
+            except QuotaServiceUnavailable as exc:
+                if pause is None:
+                    # The hold is given back when its lease ends (the reserve script sweeps it); the cost is
+                    # lost.
+                    log.warning("money settle of hold %s failed: %s", hold.hold_id, exc)
+                    return
+                await asyncio.sleep(pause)
