@@ -1,7 +1,5 @@
-"""The gateway <-> worker frames: msgpack over ZeroMQ and their typed records. Both ends encode and decode
-through here; no torch. (The package's `__init__` re-exports these and the block-hash, grammar, Redis URL and
-registration names.)
-"""
+"""The gateway <-> worker frames: msgpack over ZeroMQ and their typed records, which both ends encode and
+decode here; no torch (the package face re-exports them with the block-hash, grammar and registry names)."""
 
 from __future__ import annotations
 

@@ -40,8 +40,7 @@ COMPILE_POLL_S = 0.005  # idle wait while only grammar compiles are pending
 
 class WorkerServer:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
-        self.engine = engine
-        self.config = config
+        self.engine, self.config = engine, config
         self.max_prompt_tokens = int(engine.max_context)
         self.table = InFlightTable()
         self.drain = Drain(config.drain_timeout, config.drain_handoff)
