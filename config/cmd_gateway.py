@@ -146,6 +146,8 @@ def build_app(settings: Settings):
             router = _router(gw, membership, model.version)
             gate = _capacity_gate(gw, router)
             await router.start()
+            if gw.kv_event_feeds:
+                closers.append(_start_kv_feeds(gw, router, settings.cluster_key()))
         local = None
         if gw.fail_open:
             # Gateways count each other while Redis is up; the last count splits the limits during an outage.
@@ -300,3 +302,19 @@ def run(args: argparse.Namespace) -> int:
                  loop="uvloop", http=header_deadline_protocol(gw.body_timeout),
                  log_level=settings.log_level.lower(), access_log=False, log_config=None,
                  timeout_keep_alive=gw.keep_alive_timeout, timeout_graceful_shutdown=2)
+
+
+def _start_kv_feeds(gw, router, cluster_key: str | None):  # noqa: ANN001, ANN202
+    """Subscribe the router to the configured KV event publishers; the closer stops the subscriptions."""
+    from router import FeedSource, KvFeeds
+
+    feeds = KvFeeds([FeedSource(**f.model_dump()) for f in gw.kv_event_feeds], router.kv.index,
+                    gw.block_size, cluster_key)
+    task = asyncio.create_task(feeds.run(), name="kv event feeds")
+
+    async def stop() -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        feeds.close()
+
+    return stop

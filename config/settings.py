@@ -87,6 +87,17 @@ class WorkerSettings(BaseModel):
     metrics_host: str = "127.0.0.1"
 
 
+class KvEventFeed(BaseModel):
+    """A publisher of KV events in vLLM's format the router indexes (docs/routing.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    worker_id: str = Field(min_length=1)  # the worker id its blocks count for
+    endpoint: str = Field(pattern=r"^(tcp|ipc)://")  # its PUB socket
+    replay_endpoint: str | None = Field(None, pattern=r"^(tcp|ipc)://")  # its replay socket
+    hashes: Literal["vllm", "switchyard"] = "vllm"  # switchyard: the hashes are Switchyard block ids
+    topic: str = ""  # subscription prefix
+
+
 class GatewaySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -160,6 +171,9 @@ class GatewaySettings(BaseModel):
     # disagg_max_prefill_queue prefills queued, running or sent by this gateway and not yet acknowledged
     disagg_min_tokens: int = Field(512, ge=1)
     disagg_max_prefill_queue: int = Field(4, ge=0)
+    # KV events in vLLM's format (vLLM servers or Switchyard workers with --kv-events-endpoint) into the
+    # router's view of which worker holds which blocks
+    kv_event_feeds: list[KvEventFeed] = Field(default_factory=list, max_length=256)
 
     @field_validator("ttft_slo_ms")
     @classmethod

@@ -7,6 +7,8 @@ from router.disagg.prefill_target import DisaggRule
 from router.dispatch import Routed, Router, RouteRequest
 from router.fleet import Fleet
 from router.links.client import WorkerClient, WorkerError
+from router.links.kv_feed import KvFeeds
+from router.links.kv_ingest import FeedSource
 from router.links.membership import Member, Membership, StatsEvent
 from router.placement.policy import (
     FALLBACK_DEAD,
@@ -28,7 +30,9 @@ __all__ = [
     "ALIASES_KEY",
     "Alias",
     "AliasTable",
+    "FeedSource",
     "Fleet",
+    "KvFeeds",
     "PoolView",
     "Served",
     "encode_alias",
