@@ -333,7 +333,9 @@ def create_app(make_service: Callable[[], Awaitable[GatewayService]], config: Ap
                                       functools.partial(_stream_body, app.state.conversations),
                                       {"chat": parse_chat, "completions": parse_completion,
                                        "responses": parse_responses},
-                                      app.state.conversations.continue_previous)
+                                      app.state.conversations.continue_previous,
+                                      app.state.background.carry_on)
+            app.state.carry.start()
         start_batches(app)
         try:
             yield

@@ -235,6 +235,13 @@ class Generation:
                 logprobs.extend(delta.logprobs)
         return "".join(parts), logprobs
 
+    def hand_over(self) -> None:
+        """Another gateway carries this stream on and settles it: closing it here aborts, charges nothing."""
+        if self.ticket is not None:
+            self.ticket.reservation.settled = True
+        if self.prepared.money_hold is not None:
+            self.prepared.money_hold.settled = True
+
     async def close(self) -> None:
         """Abort the worker request if still running and settle admission; idempotent, cancel-safe."""
         if self._closed:

@@ -12,15 +12,16 @@ from typing import TYPE_CHECKING
 
 from gateway.openai.responses_shape import ResponsesShape, final_status
 from gateway.responses.conversations import Conversations
-from gateway.responses.logged_runs import logged_run
+from gateway.responses.logged_runs import logged_run, run_events
 from gateway.responses.response_store import ResponseStore, reported
+from gateway.streams.event_log import StreamTaken
 from gateway.telemetry.gateway_metrics import RequestTrace
 from gateway.web import api_errors
 from gateway.web.api_errors import ApiError
 from gateway.web.drain_middleware import DrainState
 
 if TYPE_CHECKING:
-    from gateway.flow.generation import Generation
+    from gateway.flow.generation import Delta, Generation
     from gateway.flow.service import GatewayService
     from gateway.streams.event_log import EventLogs
 
@@ -118,27 +119,61 @@ class BackgroundRuns:
                 trace.first_token(gen.usage.completion_tokens)
                 await self._save(gen, "in_progress", [], deadline, final=False)
                 if self.logs is not None:
-                    finish = await logged_run(self.logs, gen, delta, trace, parts)
+                    finish = await logged_run(self.logs, gen, delta, trace, parts, deadline)
                     delta = None
                 while delta is not None:
                     parts.append(delta.text)
                     finish = delta.finish_reason or finish
                     delta = await gen.next()
             status = final_status(finish)
-        except asyncio.CancelledError:
-            status = "cancelled" if run.stop == "cancel" else "failed"
-            error = None if run.stop == "cancel" else SHUTDOWN_ERROR
-        except TimeoutError:
-            error = {"code": "server_error",
-                     "message": "The response did not finish within the request deadline."}
-        except ApiError as exc:
-            error = _error(exc)
-        except Exception:
-            log.exception("background response %s failed", run.response_id)
-            error = {"code": "server_error", "message": "Internal server error."}
+        except StreamTaken:
+            return  # another gateway carries it on, stores how it ends and settles it (`on_close` aborts)
+        except BaseException as exc:  # noqa: BLE001 - each way a run ends is stored
+            status, error = self._ended(run, exc)
         finally:
             # aborts the worker request if still running and settles (refunds) the reservation
             await on_close()
+        await self._save_final(gen, status, parts, deadline, finish, error)
+
+    async def carry_on(self, gen: Generation, first: Delta | None, trace: RequestTrace,
+                       sink: Callable[[bytes], None], deadline: float) -> None:
+        """Run a background run on here whose gateway was lost (`gateway.streams.carry_on`): its events go to
+        `sink`; it is cancellable from any gateway as the runs started here are; its end is stored."""
+        p = gen.prepared
+        run = self._runs[p.shape.id] = Run(p.tenant.name, p.shape.id, asyncio.current_task())
+        self.drain.in_flight += 1
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch(), name="background watcher")
+        parts: list[str] = []
+        status, finish, error = "failed", None, None
+        try:
+            finish = await run_events(gen, first, trace, parts, sink)
+            status = final_status(finish)
+        except StreamTaken:
+            return
+        except BaseException as exc:  # noqa: BLE001 - each way a run ends is stored
+            status, error = self._ended(run, exc)
+        finally:
+            self.release(run)
+            await gen.close()
+        await self._save_final(gen, status, parts, deadline, finish, error)
+
+    def _ended(self, run: Run, exc: BaseException) -> tuple[str, dict | None]:
+        """The status and error a run that raised `exc` is stored with."""
+        if isinstance(exc, asyncio.CancelledError):
+            return ("cancelled", None) if run.stop == "cancel" else ("failed", SHUTDOWN_ERROR)
+        if isinstance(exc, TimeoutError):
+            return "failed", {"code": "server_error",
+                              "message": "The response did not finish within the request deadline."}
+        if isinstance(exc, ApiError):
+            return "failed", _error(exc)
+        if not isinstance(exc, Exception):
+            raise exc
+        log.exception("background response %s failed", run.response_id, exc_info=exc)
+        return "failed", {"code": "server_error", "message": "Internal server error."}
+
+    async def _save_final(self, gen: Generation, status: str, parts: list[str], deadline: float,
+                          finish: str | None, error: dict | None) -> None:
         if not await self._save(gen, status, parts, deadline, final=True, finish=finish, error=error) \
                 and status != "cancelled":  # too large to store, or refused: cancelled or deleted meanwhile
             await self._save(gen, "failed", [], deadline, final=True, finish=finish, error=TOO_LARGE_ERROR)

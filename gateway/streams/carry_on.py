@@ -23,11 +23,15 @@ from gateway.streams.event_log import (
     DATA,
     END,
     FIRST,
+    RUNS_KEY,
     TOKENS,
     EventLogs,
+    StreamTaken,
     carry_key,
+    gateway_lost,
     log_key,
     owner_key,
+    run_member,
 )
 from gateway.telemetry import gateway_metrics
 from gateway.web.api_errors import ApiError
@@ -35,8 +39,12 @@ from gateway.web.api_errors import ApiError
 log = logging.getLogger("switchyard.gateway")
 
 MAX_CARRIED = 256  # streams one gateway carries on at once; past it a lost stream ends `stream_lost`
+SWEEP_S = 0.5  # how often a gateway looks for background runs whose gateway was lost (nobody may read them)
+MAX_SWEPT = 256  # runs looked at per sweep
 # (api, generation, first delta, trace, request) -> the stream's SSE events, as its first gateway framed them
 BodyBuilder = Callable[[str, Any, Any, Any, Any], AsyncIterator[bytes]]
+# (generation, first delta, trace, sink, run deadline): a background run driven to its stored end
+BackgroundDriver = Callable[[Any, Any, Any, Callable[[bytes], None], float], Awaitable[None]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -67,10 +75,44 @@ class CarryOn:
 
     def __init__(self, logs: EventLogs, service: Any, build_body: BodyBuilder,
                  parsers: dict[str, Callable[[Any], Any]],
-                 continue_previous: Callable[[Any, Any], Awaitable[None]]) -> None:
+                 continue_previous: Callable[[Any, Any], Awaitable[None]],
+                 drive_background: BackgroundDriver | None = None) -> None:
         self.logs, self.service, self.build_body = logs, service, build_body
         self.parsers, self.continue_previous = parsers, continue_previous
+        self.drive_background = drive_background  # `BackgroundRuns.carry_on`
         self._running: dict[str, asyncio.Task] = {}
+        self._sweeper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Sweep for lost background runs (a streamed request is carried on by its client's reconnect)."""
+        if self.drive_background is not None:
+            self._sweeper = asyncio.create_task(self._sweep(), name="background run sweeper")
+
+    async def _sweep(self) -> None:
+        suspects: set[bytes] = set()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                suspects = await self._sweep_once(suspects)
+            except Exception as exc:  # Redis down: the next sweep
+                log.warning("background run sweep failed: %s", type(exc).__name__)
+
+    async def _sweep_once(self, suspects: set[bytes]) -> set[bytes]:
+        """Claim the listed runs found lost at this sweep and the one before (a run just starting may have
+        no `live` key yet); drop those past their deadline. The runs found lost now."""
+        redis = self.logs.redis
+        await redis.zremrangebyscore(RUNS_KEY, "-inf", time.time())
+        lost = set()
+        for member in await redis.zrange(RUNS_KEY, 0, MAX_SWEPT - 1):
+            tenant, _, response_id = member.decode().partition(" ")
+            if log_key(tenant, response_id) in self._running \
+                    or not await gateway_lost(redis, tenant, response_id):
+                continue
+            if member in suspects:
+                await self.claim(tenant, response_id)
+            else:
+                lost.add(member)
+        return lost
 
     async def claim(self, tenant: str, stream_id: str) -> bool:
         """Carry the stream on here if nobody does; True while this gateway or another one carries it."""
@@ -99,7 +141,20 @@ class CarryOn:
         claimed = time.monotonic()
         stream = self.logs.open(record.tenant, record.stream_id, carry=record.encode(),
                                 first_seq=logged.events, owned=True)
-        whole, gen = False, None
+        whole, gen, seen = False, None, 0
+
+        def sink(data: bytes) -> None:
+            nonlocal seen
+            seen += 1
+            if seen <= logged.events:  # the log holds it already
+                return
+            if seen == logged.events + 1:
+                log.info("stream %s: its first new event %.0f ms after the claim", record.stream_id,
+                         1000 * (time.monotonic() - claimed))
+            self.logs.append(stream, data)
+            if stream.taken:
+                raise StreamTaken(record.stream_id)
+
         try:
             prepared = await self._prepare(record)
             gen = await start_carried(self.service, prepared, _reservation(record, prepared),
@@ -110,17 +165,15 @@ class CarryOn:
             trace = gateway_metrics.current().trace(prepared.priority.label, record.tenant,
                                                     time.perf_counter(), "")
             first = await gen.next()
-            seen = 0
-            async for data in self.build_body(record.api, gen, first, trace, prepared.req):
-                seen += 1
-                if seen > logged.events:  # those before are in the log already
-                    if seen == logged.events + 1:
-                        log.info("stream %s: its first new event %.0f ms after the claim", record.stream_id,
-                                 1000 * (time.monotonic() - claimed))
-                    self.logs.append(stream, data)
-                    if stream.taken:
-                        break
+            if record.run_deadline and self.drive_background is not None:
+                await self.drive_background(gen, first, trace, sink, record.run_deadline)
+            else:
+                async for data in self.build_body(record.api, gen, first, trace, prepared.req):
+                    sink(data)
             whole = not stream.taken
+        except StreamTaken:
+            if gen is not None:
+                gen.hand_over()
         except ApiError as exc:
             log.warning("stream %s could not be carried on: %s", record.stream_id, exc.code or exc.status)
         except Exception:
@@ -129,6 +182,9 @@ class CarryOn:
             self.logs.end(stream, whole=whole)
             if gen is not None:
                 await gen.close()
+            if record.run_deadline and not stream.taken:
+                with contextlib.suppress(Exception):
+                    await self.logs.redis.zrem(RUNS_KEY, run_member(record.tenant, record.stream_id))
 
     async def _prepare(self, record: CarryRecord) -> Prepared:
         """The request again, as its first gateway prepared it (the same ids and creation time)."""
@@ -145,6 +201,8 @@ class CarryOn:
         return prepared
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for task in list(self._running.values()):
             task.cancel()
         if self._running:

@@ -42,6 +42,7 @@ class CarryRecord:
     first_cached: int  # the cached prompt tokens the stream reported
     lease: Lease | None = None
     money: dict[str, Any] | None = None  # `MoneyHold` as a dict
+    run_deadline: float = 0.0  # a background run's stored deadline (0: a streamed request)
 
     def encode(self) -> bytes:
         return json.dumps({"v": VERSION, **dataclasses.asdict(self)}, separators=(",", ":")).encode()
@@ -69,7 +70,7 @@ def money_dict(hold: MoneyHold | None) -> dict[str, Any] | None:
     return None if hold is None else dataclasses.asdict(hold)
 
 
-def carry_record(prepared: Any, gen: Any) -> CarryRecord | None:
+def carry_record(prepared: Any, gen: Any, run_deadline: float = 0.0) -> CarryRecord | None:
     """The record of a single stream (`Generation`) that another gateway can carry on; None when it cannot
     be (several choices, tool calls, a body over MAX_BODY_BYTES: `raw_body` None)."""
     body = prepared.raw_body
@@ -82,4 +83,4 @@ def carry_record(prepared: Any, gen: Any) -> CarryRecord | None:
     lease = None if local else Lease(res.lease_id, res.prompt_tokens, res.max_tokens)
     return CarryRecord(api, body, prepared.tenant.name, prepared.key_digest, prepared.shape.id,
                        prepared.shape.created, prepared.request_id, gen.usage.cached_tokens, lease,
-                       money_dict(prepared.money_hold))
+                       money_dict(prepared.money_hold), run_deadline)

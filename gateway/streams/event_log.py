@@ -47,6 +47,17 @@ def log_key(tenant: str, stream_id: str) -> str:
     return tag(tenant) + f":sse:{stream_id}"
 
 
+RUNS_KEY = "sy:background-runs"  # zset: "<tenant> <response id>" of logged background runs, by deadline
+
+
+class StreamTaken(Exception):
+    """Another gateway carries this stream on now: this one stops it, and records nothing of its end."""
+
+
+def run_member(tenant: str, response_id: str) -> str:
+    return f"{tenant} {response_id}"
+
+
 def alive_key(owner_id: bytes) -> str:
     """Refreshed by a gateway while it carries streams; a stream's `live` key names its gateway's id."""
     return "sy:gateway-alive:" + owner_id.decode()
@@ -54,6 +65,12 @@ def alive_key(owner_id: bytes) -> str:
 
 def live_key(tenant: str, stream_id: str) -> str:
     return tag(tenant) + f":sse:{stream_id}:live"
+
+
+async def gateway_lost(redis: Any, tenant: str, stream_id: str) -> bool:
+    """No gateway carries the stream: no `live` key, or the gateway it names is no longer alive."""
+    owner = await redis.get(live_key(tenant, stream_id))
+    return owner is None or not await redis.exists(alive_key(owner))
 
 
 def carry_key(tenant: str, stream_id: str) -> str:

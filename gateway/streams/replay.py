@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from gateway.streams.event_log import DATA, END, FIRST, FLUSH_S, alive_key, entry_id, live_key, log_key
+from gateway.streams.event_log import DATA, END, FIRST, FLUSH_S, entry_id, gateway_lost, live_key, log_key
 from gateway.streams.resumable import framed
 from gateway.telemetry import gateway_metrics
 from gateway.web import api_errors
@@ -87,7 +87,7 @@ class Replay:
                 checked = now
                 if now < self.starts_by and not await self.redis.exists(self.key):
                     pass  # a queued background run: its log starts with its first token
-                elif await self._gateway_lost() \
+                elif await gateway_lost(self.redis, self.tenant, self.stream_id) \
                         and not await self.redis.xrange(self.key, min="(" + cursor, count=1):
                     if self.carry is not None and await self.carry(self.tenant, self.stream_id):
                         continue  # its events come on in the log
@@ -96,11 +96,6 @@ class Replay:
                     gateway_metrics.current().stream_resumes.labels("lost").inc()
                     return
             await asyncio.sleep(POLL_S)
-
-    async def _gateway_lost(self) -> bool:
-        """No gateway carries the stream: no `live` key, or the gateway it names is no longer alive."""
-        owner = await self.redis.get(live_key(self.tenant, self.stream_id))
-        return owner is None or not await self.redis.exists(alive_key(owner))
 
     def _error(self, code: str, message: str) -> bytes:
         if self.responses:

@@ -39,6 +39,7 @@ class ResumableStream:
                  carry: bytes | None = None) -> None:
         self._logs, self._inner, self._on_close = logs, inner, on_close
         self._log = logs.open(tenant, stream_id, source=source, carry=carry)
+        self._source = source
         self._prefix = id_prefix.encode()
         self._grace_s, self._draining = detach_grace_s, draining
         self._queue: asyncio.Queue = asyncio.Queue(QUEUE_EVENTS)
@@ -88,6 +89,7 @@ class ResumableStream:
             async for data in self._inner:
                 seq = self._logs.append(self._log, data)
                 if self._log.taken:  # another gateway carries it on (this one was thought lost)
+                    _hand_over(self._source)
                     break
                 if not self._detached:
                     await self._queue.put((seq, framed(self._prefix + str(seq).encode(), data)))
@@ -128,3 +130,10 @@ class ResumableStream:
         if not self._closed:
             self._closed = True
             await self._on_close()
+
+
+def _hand_over(source: TokenSource | None) -> None:
+    """The new owner settles the stream: its generation here charges nothing when it closes."""
+    hand_over = getattr(source, "hand_over", None)
+    if hand_over is not None:
+        hand_over()

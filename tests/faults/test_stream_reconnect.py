@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -176,6 +177,10 @@ def usage_today(cluster: FaultCluster, tenant: str) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in r.hgetall(usage_key(tenant, day)).items()}
 
 
+def output_text(response: dict) -> str:
+    return "".join(c["text"] for item in response["output"] for c in item.get("content") or [])
+
+
 def read_until_cut(it: Iterator[str], lines: list[str]) -> None:
     """The rest of a stream whose gateway is killed: its lines until the connection breaks."""
     with contextlib.suppress(httpx.HTTPError):
@@ -190,7 +195,11 @@ def test_a_killed_gateway_s_streams_are_carried_on_by_another(cluster: FaultClus
     with httpx.Client(timeout=60) as http:
         whole_chat = chat_text(read(http, "POST", b.base_url + "/v1/chat/completions", key, body=CHAT))
         whole_resp = response_text(read(http, "POST", b.base_url + "/v1/responses", key, body=RESP))
+        long_run = {**RESP, "max_output_tokens": 1500, "stream": False}
+        whole_run = http.post(b.base_url + "/v1/responses", json=long_run, headers=auth).json()
         before = usage_today(cluster, "carried")
+        run = http.post(a.base_url + "/v1/responses", json={**long_run, "background": True},
+                        headers=auth).json()
         with contextlib.ExitStack() as stack:
             streams = [stack.enter_context(http.stream("POST", a.base_url + path, json=body, headers=auth))
                        for path, body in (("/v1/chat/completions", CHAT), ("/v1/responses", RESP))]
@@ -208,6 +217,13 @@ def test_a_killed_gateway_s_streams_are_carried_on_by_another(cluster: FaultClus
         rid = json.loads(resp_part[0][2])["response"]["id"]
         resp_rest = read(http, "GET", f"{b.base_url}/v1/responses/{rid}?stream=true"
                          f"&starting_after={resp_part[-1][0]}", key)
+        deadline = time.monotonic() + 60  # nobody reads the background run: a sweeper carries it on
+        while (done := http.get(f"{b.base_url}/v1/responses/{run['id']}", headers=auth).json())["status"] \
+                in ("queued", "in_progress"):
+            assert time.monotonic() < deadline, done
+            time.sleep(0.2)
+    assert (done["status"], output_text(done), done["usage"]) == (
+        whole_run["status"], output_text(whole_run), whole_run["usage"])
     assert [int(e[0].rpartition(":")[2]) for e in chat_part + chat_rest[:-1]] == list(
         range(len(chat_part) + len(chat_rest) - 1))
     assert chat_text(chat_part + chat_rest) == whole_chat  # the text and usage of an undisturbed run
@@ -217,9 +233,10 @@ def test_a_killed_gateway_s_streams_are_carried_on_by_another(cluster: FaultClus
     after = usage_today(cluster, "carried")
     want = whole_chat[1]["completion_tokens"] + whole_resp[1]["response"]["usage"]["output_tokens"]
     metered = {k: after[k] - before.get(k, 0) for k in ("requests", "completion_tokens")}
-    assert metered == {"requests": 2, "completion_tokens": want}  # once, by the gateway that carried them on
+    want += whole_run["usage"]["output_tokens"]
+    assert metered == {"requests": 3, "completion_tokens": want}  # once, by the gateway that carried them on
     with redis.Redis.from_url(cluster.redis.url) as r:
         assert r.zcard(leases_key("carried")) == 0  # the lost gateway's leases are settled
     carried = [r["msg"] for r in gateway_log_records(b)[0] if "carrying on stream" in r.get("msg", "")]
-    assert len(carried) == 2, carried  # B carried both on (they had not ended when A died)
+    assert len(carried) == 3, carried  # B carried them on (they had not ended when A died)
     assert not unattributed_errors(b)
