@@ -139,6 +139,7 @@ class EventLogs:
         self._open: dict[str, StreamLog] = {}
         self.owner_id = os.urandom(8).hex().encode()  # this gateway, as the owner of streams it carries on
         self._alive_at = 0.0  # time.monotonic() of the last `alive_key` refresh
+        self._kick = asyncio.Event()  # wakes the flusher before its interval
         # replays being served (`gateway.streams.resume_routes`)
         self.readers, self.max_readers = 0, MAX_READERS
         self._pending = 0
@@ -173,6 +174,8 @@ class EventLogs:
             self._pending += 1
             if stream.source is not None:
                 self._log_tokens(stream, stream.source)
+                if seq == 0:  # its client waits for it (write-ahead): no flush interval on the first token
+                    self._kick.set()
         return seq
 
     @staticmethod
@@ -199,7 +202,9 @@ class EventLogs:
 
     async def _flush_loop(self) -> None:
         while self._open:
-            await asyncio.sleep(self.flush_s)
+            with contextlib.suppress(TimeoutError):  # a carried stream's first event flushes at once
+                await asyncio.wait_for(self._kick.wait(), self.flush_s)
+            self._kick.clear()
             await self.flush()
 
     async def flush(self) -> None:
