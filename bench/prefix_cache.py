@@ -1,7 +1,7 @@
 """Prefix-cache benchmark: time to first token with a shared system prompt, cache off vs on, one run.
 
-Targets on CPU: `ttft_warm_over_cold` <= 0.25, `prefill_tokens_saved_frac` >= 0.9 (--json for one line); exits 1
-when one is missed.
+Targets on CPU: `ttft_warm_over_cold` <= 0.25, `prefill_tokens_saved_frac` >= 0.9 (--json for one line);
+exits 1 when one is missed.
 """
 
 from __future__ import annotations
