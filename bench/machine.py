@@ -99,3 +99,15 @@ def own_cpu_s(pids: list[int]) -> float:
         with contextlib.suppress(OSError):
             total += cpu_seconds(pid)
     return total
+
+
+def serving_dtype(asked: str) -> str:
+    """The dtype the workers run: `asked`, or for auto what the loader picks on this CPU."""
+    if asked != "auto":
+        return asked
+    import torch
+
+    from worker.model.loader import pick_dtype
+
+    return str(pick_dtype("auto", torch.device("cpu"))).replace("torch.", "")
+
