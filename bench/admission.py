@@ -1,7 +1,7 @@
 """Benchmark of the admission path alone: authenticate + budget reserve + settle.
 
 N processes (like N gateways) share one tenant; prints latency, Redis round trips per request and
-`over_admit_frac` (must be 0.0). Run: `.venv/bin/python -m bench.admission --json`
+`over_admit_frac` (target: 0.0; exits 1 otherwise). Run: `.venv/bin/python -m bench.admission --json`
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from admission.lua.scripts import RESERVE, SETTLE
+from bench.machine import add_no_targets, exit_code
 from tenancy import create_tenant, issue_key, revoke_key, sync_client
 
 TENANT = "bench"
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-tokens", type=int, default=100_000,
                     help="tenant tokens/min (default: half the offered load of 2000 x 100 tokens)")
     ap.add_argument("--json", action="store_true")
+    add_no_targets(ap)
     args = ap.parse_args(argv)
     if args.processes < 1 or args.requests < 1 or args.inflight < 1 or args.budget_tokens < COST:
         ap.error("processes, requests, inflight must be >= 1 and budget-tokens >= 100")
@@ -183,12 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=10)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    result["met"] = {"over_admit_frac": result["over_admit_frac"] == 0}
+    if not args.json:
         for k, v in result.items():
-            print(f"{k:32} {v}")
-    return 0
+            print(f"{k:32} {v}", file=sys.stderr)
+    print(json.dumps(result))
+    return exit_code(result, not args.no_targets)
 
 
 if __name__ == "__main__":

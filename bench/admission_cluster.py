@@ -4,7 +4,7 @@ Rounds alternate single / cluster (bench.admission's workers: authenticate + res
 one tenant); one JSON line: over-admission (0), Redis round trips per admitted request (<= 2) from INFO
 commandstats summed over every node (admission's own: EVALSHA, EVAL, ASKING; and all calls, with the tenant
 directory's cache refreshes), and the p99 ratio cluster / single (<= 1.5), medians over the rounds.
-Run: `.venv/bin/python -m bench.admission_cluster --json`
+Exits 1 when a target is missed. Run: `.venv/bin/python -m bench.admission_cluster --json`
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import redis
 
 from admission.lua.scripts import RESERVE, SETTLE
 from bench.admission import COST, TENANT, _client_calls, _script_commands, _start_redis, spawn_workers
-from bench.machine import cpu_model, emit, machine_fields
+from bench.machine import add_no_targets, cpu_model, emit, machine_fields
 from config.local_stack.redis_cluster import RedisClusterProcs
 from tenancy import create_tenant, issue_key, sync_client
 from tenancy.schema import bucket_key, config_key, leases_key
@@ -126,13 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-tokens", type=int, default=100_000,
                     help="tenant tokens/min (default: half the offered load of 2000 x 100 tokens)")
     ap.add_argument("--json", action="store_true")
+    add_no_targets(ap)
     args = ap.parse_args(argv)
     if min(args.rounds, args.processes, args.requests, args.inflight) < 1 or args.budget_tokens < COST:
         ap.error("rounds, processes, requests, inflight must be >= 1 and budget-tokens >= 100")
     load = os.getloadavg()
     result = run(args.rounds, args.processes, args.requests, args.inflight, args.budget_tokens)
     result.update({"cpu": cpu_model(), **machine_fields(load)})
-    return emit(result, args.json)
+    return emit(result, args.json, not args.no_targets)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Disaggregated prefill vs colocated (two workers pinned to a core each; gateway and load unpinned): steady
 streams' ITL, throughput and SLO goodput while long prompts arrive; one JSON line (docs/benchmarks.md).
-Run: `python -m bench.disagg [--duration 180]` (dtype float32; needs redis-server; ~2 x (duration + 70 s))."""
+The colocated arm runs once per `--prefill-chunk` (default 1024, 256 and 128 tokens a step) and each ratio is
+taken against the colocated chunk best at it; the disaggregated arm runs at the first chunk. Workers at the
+serving dtype (`--dtype auto`; greedy outputs compare exactly across arms only in float32). Exits 1 when a
+target is missed, a request failed or the disaggregated arm fell back to local prefill (`--no-targets`: 0).
+Run: `python -m bench.disagg [--duration 180]` (needs redis-server; ~(chunks + 1) x (duration + 70 s))."""
 
 from __future__ import annotations
 
@@ -22,14 +26,24 @@ from bench.disagg_workload import (
     Sample,
     Slo,
     Workload,
+    against_best,
     arm_numbers,
     greedy_compare,
     long_prompt,
     long_schedule,
-    ratio,
+    ratios,
     short_turn,
 )
-from bench.machine import busy_cpu_s, cores_of, cpu_model, own_cpu_s, pinned
+from bench.machine import (
+    add_no_targets,
+    busy_cpu_s,
+    cores_of,
+    cpu_model,
+    exit_code,
+    own_cpu_s,
+    pinned,
+    serving_dtype,
+)
 from config.local_stack.launcher import GatewayProc, WorkerProc, free_port, wait_for_port
 
 ROLES = {"colocated": ("both", "both"), "disagg": ("prefill", "decode")}  # the workers on cores 0 and 1
@@ -63,23 +77,25 @@ def stop_proc(proc: subprocess.Popen, grace: float = 10.0) -> None:
 class Arm:
     """One arm's processes: two pinned workers and a gateway that knows them statically."""
 
-    def __init__(self, name: str, args: argparse.Namespace, log_dir: Path, redis_url: str) -> None:
+    def __init__(self, name: str, args: argparse.Namespace, log_dir: Path, redis_url: str,
+                 chunk: int) -> None:
         self.name, self.workers, self.metrics_ports, self.gateway = name, [], [], None
-        log_dir = log_dir / name
+        log_dir = log_dir / f"{name}-{chunk}"
         log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self._start(args, log_dir, redis_url)
+            self._start(args, log_dir, redis_url, chunk)
         except BaseException:
             self.stop()
             raise
 
-    def _start(self, args: argparse.Namespace, log_dir: Path, redis_url: str) -> None:
+    def _start(self, args: argparse.Namespace, log_dir: Path, redis_url: str, chunk: int) -> None:
         for core, role in enumerate(ROLES[self.name]):
             port = free_port()
-            extra = ["--role", role, "--dtype", args.dtype, "--kv-cache-bytes", str(args.kv_cache_mib << 20),
+            extra = ["--role", role, "--dtype", args.dtype, "--quantization", args.quantization,
+                     "--kv-dtype", args.kv_dtype, "--kv-cache-bytes", str(args.kv_cache_mib << 20),
                      "--kv-host-bytes", "0", "--spec-tokens", "0", "--metrics-port", str(port),
                      "--metrics-host", "127.0.0.1", "--drain-timeout", "5",
-                     "--max-num-batched-tokens", str(args.prefill_chunk)]
+                     "--max-num-batched-tokens", str(chunk)]
             if args.stall_s is not None:
                 extra += ["--disagg-stall-s", str(args.stall_s)]
             with pinned(core):
@@ -239,10 +255,10 @@ async def warm_up(base: str, key: str, model: str, w: Workload) -> None:
         raise RuntimeError(f"warm-up failed: {failed[0]}")
 
 
-def run_arm(name: str, args: argparse.Namespace, w: Workload, slo: Slo, log_dir: Path, redis: tuple[int, str],
-            key: str) -> tuple[dict, list]:
+def run_arm(name: str, chunk: int, args: argparse.Namespace, w: Workload, slo: Slo, log_dir: Path,
+            redis: tuple[int, str], key: str) -> tuple[dict, list]:
     redis_pid, redis_url = redis
-    arm = Arm(name, args, log_dir, redis_url)
+    arm = Arm(name, args, log_dir, redis_url, chunk)
     try:
         arm.wait_ready(args.ready_timeout)
         model = httpx.get(arm.gateway.base_url + "/v1/models", headers={"authorization": f"Bearer {key}"},
@@ -263,34 +279,33 @@ def run_arm(name: str, args: argparse.Namespace, w: Workload, slo: Slo, log_dir:
         drained = max((s.chunks[-1][0] for s in samples if s.chunks), default=t0) - t0 - w.duration_s
         numbers = {**arm_numbers(samples, slo, t0, w.duration_s), "drain_s": round(max(drained, 0.0), 3),
                    "metrics": delta(scrape(arm), before), "pinned": arm.pinning(),
-                   "other_cpu_s": round(other, 1)}
+                   "other_cpu_s": round(other, 1), "prefill_chunk": chunk}
         return numbers, samples
     finally:
         arm.stop()
 
 
 def summary(arms: dict[str, dict], greedy: dict, args: argparse.Namespace, w: Workload, slo: Slo) -> dict:
-    co, dis = arms["colocated"], arms["disagg"]
-    p = {k: ratio(dis[f][s], co[f][s]) for k, f, s in (("itl_p99_ratio", "itl_ms", "p99"),
-                                                       ("itl_p50_ratio", "itl_ms", "p50"),
-                                                       ("ttft_p50_ratio", "ttft_long_ms", "p50"),
-                                                       ("ttft_short_p50_ratio", "ttft_short_ms", "p50"))}
-    p["throughput_ratio"] = ratio(dis["output_tok_s"], co["output_tok_s"])
-    p["goodput_ratio"] = ratio(dis["goodput_rps"], co["goodput_rps"])
+    """`arms`: `colocated@<chunk>` per chunk and `disagg`."""
+    dis = arms["disagg"]
+    by_chunk = {k.split("@")[1]: ratios(dis, co) for k, co in arms.items() if k.startswith("colocated@")}
+    p = against_best(by_chunk)
     remote = dis["metrics"].get("gateway_requests", {})
     met = {"itl_p99": p["itl_p99_ratio"] is not None and p["itl_p99_ratio"] <= TARGETS["itl_p99_ratio_max"],
            "throughput": p["throughput_ratio"] is not None
            and p["throughput_ratio"] >= TARGETS["throughput_ratio_min"],
            "goodput": p["goodput_ratio"] is not None and p["goodput_ratio"] >= TARGETS["goodput_ratio_min"]}
     fallbacks = sum(sum(f.values()) for f in dis["metrics"].get("worker_fallbacks", []))
-    met["no_errors"] = co["errors"] == 0 and dis["errors"] == 0  # a failed request is never a fast one
+    met["no_errors"] = all(a["errors"] == 0 for a in arms.values())  # a failed request is never a fast one
     met["no_fallbacks"] = fallbacks == 0  # a disagg arm that prefilled locally did not measure disaggregation
     return {
-        "bench": "disagg", "cpu": cpu_model(), "model": args.model, "dtype": args.dtype, **p,
+        "bench": "disagg", "cpu": cpu_model(), "model": args.model, "dtype": serving_dtype(args.dtype),
+        "quantization": args.quantization, "kv_dtype": args.kv_dtype, "speculation": "off", **p,
+        "against": "the colocated chunk best at each ratio", "by_chunk": by_chunk,
         "greedy_identical": greedy["compared"] > 0 and greedy["identical"] == greedy["compared"],
         "greedy": greedy, "disaggregated_requests": remote.get("remote", 0),
         "local_requests": remote.get("local", 0),
-        "worker_fallbacks": fallbacks, "prefill_chunk": args.prefill_chunk, "targets": TARGETS, "met": met,
+        "worker_fallbacks": fallbacks, "prefill_chunks": args.prefill_chunk, "targets": TARGETS, "met": met,
         "other_cpu_s": {name: arm["other_cpu_s"] for name, arm in arms.items()},  # others' CPU: noise
         "slo": {"ttft_short_s": slo.ttft_short_s, "ttft_long_s": f"{slo.ttft_long_base_s} + "
                 f"{slo.ttft_long_per_token_s} x prompt tokens", "itl_p99_per_request_s": slo.itl_p99_s},
@@ -321,11 +336,14 @@ def run(args: argparse.Namespace) -> dict:
 
         key = tenant_with_new_key(url, "disagg-bench", max_concurrent=1000, rpm=100_000, tpm=100_000_000)
         arms, samples = {}, {}
-        for name in ("colocated", "disagg"):
-            arms[name], samples[name] = run_arm(name, args, w, slo, log_dir, (redis.pid, url), key)
+        first = args.prefill_chunk[0]
+        for name, chunk in [*(("colocated", c) for c in args.prefill_chunk), ("disagg", first)]:
+            label = f"colocated@{chunk}" if name == "colocated" else name
+            arms[label], samples[label] = run_arm(name, chunk, args, w, slo, log_dir, (redis.pid, url), key)
     finally:
         stop_proc(redis)
-    out = summary(arms, greedy_compare(samples["colocated"], samples["disagg"]), args, w, slo)
+    same_chunk = f"colocated@{args.prefill_chunk[0]}"
+    out = summary(arms, greedy_compare(samples[same_chunk], samples["disagg"]), args, w, slo)
     out.update(wall_s=round(time.monotonic() - started, 1), logs=str(log_dir))
     return out
 
@@ -335,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Disaggregated prefill vs colocated: ITL, throughput, SLO goodput")
     a, slo = ap.add_argument, Slo()
     a("--model", default="default")
-    a("--dtype", default="float32",
-      help="the workers' dtype (float32: greedy outputs comparable across arms)")
+    a("--dtype", default="auto", help="the workers' dtype (auto: the serving dtype; float32: greedy "
+      "outputs compare exactly across arms)")
+    a("--quantization", default="auto", help="the workers' --quantization (auto: the serving default)")
+    a("--kv-dtype", default="auto", help="the workers' --kv-dtype (auto: the serving default)")
     a("--duration", type=float, default=180.0, help="seconds of load per arm, then in-flight requests drain")
     a("--drain-timeout", type=float, default=300.0, help="bound of the drain after the window")
     a("--seed", type=int, default=0)
@@ -352,9 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     a("--kv-cache-mib", type=int, default=2048, help="each worker's KV cache")
     a("--disagg-min-tokens", type=int, default=512, help="the gateway's flag (its default)")
     a("--disagg-max-prefill-queue", type=int, default=4, help="the gateway's flag (its default)")
-    a("--prefill-chunk", type=int, default=1024,
-      help="every worker's --max-num-batched-tokens (the colocated arm's "
-      "prefill chunk: compare 1024, 256 and 128 at the serving dtype, not one long chunk)")
+    a("--prefill-chunk", type=chunk_list, default=[1024, 256, 128],
+      help="comma list of the workers' --max-num-batched-tokens: the colocated arm runs at each, the "
+      "disaggregated one at the first")
     a("--stall-s", type=float, default=None, help="the workers' --disagg-stall-s (default: theirs, 5 s)")
     a("--slo-ttft-short", type=float, default=slo.ttft_short_s,
       help="TTFT SLO of the steady streams' requests (s)")
@@ -365,9 +385,18 @@ def main(argv: list[str] | None = None) -> int:
     a("--slo-itl-p99", type=float, default=slo.itl_p99_s, help="per-request p99 inter-chunk gap SLO (s)")
     a("--ready-timeout", type=float, default=300.0)
     a("--json", action="store_true", help="(the output is always one JSON line)")
-    out = run(ap.parse_args(argv))
+    add_no_targets(ap)
+    args = ap.parse_args(argv)
+    out = run(args)
     print(json.dumps(out))
-    return 0 if all(out["met"].values()) else 1
+    return exit_code(out, not args.no_targets)
+
+
+def chunk_list(text: str) -> list[int]:
+    chunks = [int(c) for c in text.split(",") if c.strip()]
+    if not chunks or min(chunks) < 1:
+        raise argparse.ArgumentTypeError("a comma list of positive token counts")
+    return chunks
 
 
 if __name__ == "__main__":

@@ -167,3 +167,25 @@ def greedy_compare(a: list[Sample], b: list[Sample]) -> dict:
 
 def ratio(new: float | None, base: float | None) -> float | None:
     return round(new / base, 4) if new is not None and base else None
+
+
+LOWER_BETTER = {"itl_p99_ratio": ("itl_ms", "p99"), "itl_p50_ratio": ("itl_ms", "p50"),
+                "ttft_p50_ratio": ("ttft_long_ms", "p50"), "ttft_short_p50_ratio": ("ttft_short_ms", "p50")}
+
+
+def ratios(dis: dict, co: dict) -> dict[str, float | None]:
+    """The disaggregated arm's figures over one colocated arm's."""
+    p = {k: ratio(dis[f][s], co[f][s]) for k, (f, s) in LOWER_BETTER.items()}
+    p["throughput_ratio"] = ratio(dis["output_tok_s"], co["output_tok_s"])
+    p["goodput_ratio"] = ratio(dis["goodput_rps"], co["goodput_rps"])
+    return p
+
+
+def against_best(by_chunk: dict[str, dict[str, float | None]]) -> dict[str, float | None]:
+    """Each ratio against the colocated chunk best at it (lower-is-better ratios: the largest over the chunks,
+    throughput and goodput: the smallest); a ratio missing at any chunk is missing."""
+    out: dict[str, float | None] = {}
+    for k in next(iter(by_chunk.values())):
+        values = [r[k] for r in by_chunk.values()]
+        out[k] = None if None in values else (max if k in LOWER_BETTER else min)(values)
+    return out

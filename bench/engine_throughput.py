@@ -1,6 +1,7 @@
 """Engine throughput benchmark: our continuous-batching engine vs HF `generate` with static batches.
 
 Same greedy workload on both, one process; `roofline_frac` compares with plain matmuls of the model's shapes.
+Targets: `ratio_vs_hf_static` >= 3.0, `roofline_frac` >= 0.5; exits 1 when one is missed.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from bench.machine import add_no_targets, exit_code
 from worker.config import EngineConfig
 from worker.engine.debug import DebugEngine
 from worker.model.loader import load_model
 from worker.protocol import SamplingParams
 from worker.text.model_source import default_model_path
+
+TARGETS = {"ratio_vs_hf_static": 3.0, "roofline_frac": 0.5}  # at least
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -129,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens)
     ap.add_argument("--max-num-seqs", type=int, default=EngineConfig().max_num_seqs)
     ap.add_argument("--skip-hf", action="store_true", help="engine only (for profiling)")
+    add_no_targets(ap)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -161,14 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         "preemptions": engine.stats().preemptions,
         "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "requests": len(reqs),
         "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-        "device": _device_name(loaded.device),
+        "device": _device_name(loaded.device), "targets": TARGETS,
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
+    result["met"] = {"roofline_frac": result["roofline_frac"] >= TARGETS["roofline_frac"]}
+    if not args.skip_hf:
+        result["met"]["ratio_vs_hf_static"] = result["ratio_vs_hf_static"] >= TARGETS["ratio_vs_hf_static"]
+    if not args.json:
         for k, v in result.items():
-            print(f"{k:>22}: {v}")
-    return 0
+            print(f"{k:>22}: {v}", file=sys.stderr)
+    print(json.dumps(result))
+    return exit_code(result, not args.no_targets)
 
 
 def _device_name(device: torch.device) -> str:

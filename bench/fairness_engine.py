@@ -11,7 +11,8 @@ from what a loaded machine's gateway and client add. One JSON line:
      "weighted_service_ratio", ...details}
 
 The bound (VTC): the light tenant's p99 TTFT under the flood is at most its solo p99 plus one flood step's
-p99 duration, and the p99 of the steps it waits is at most 2.
+p99 duration, and the p99 of the steps it waits is at most 2. Targets: that bound, throughput >= 0.95x FIFO
+and (`--weights`) weight-2 service 2x +- 10%; exits 1 when one is missed (`--no-targets`: 0).
 
     .venv/bin/python -m bench.fairness_engine --json
 """
@@ -23,7 +24,7 @@ import os
 import random
 import time
 
-from bench.machine import cpu_model, emit, machine_fields
+from bench.machine import add_no_targets, cpu_model, emit, machine_fields
 from config.loadtest.report import latency_stats_ms
 from worker.config import EngineConfig
 from worker.engine.core import Engine
@@ -174,6 +175,12 @@ def bench(args: argparse.Namespace) -> dict:
         out["within_ttft_bound"] = vtc["light_ttft_ms"]["p99"] <= a99 + vtc["step_ms_p99"]
     w = weighted(model, args) if args.weights else {}
     out["weighted_service_ratio"] = w.get("weighted_service_ratio")
+    met = {"within_ttft_bound": out.get("within_ttft_bound") is True,
+           "steps_waited_p99": out["steps_waited_p99"] is not None and out["steps_waited_p99"] <= 2,
+           "throughput_ratio_vs_fifo": (out["throughput_ratio_vs_fifo"] or 0.0) >= 0.95}
+    if args.weights:
+        met["weighted_service_ratio"] = 1.8 <= (out["weighted_service_ratio"] or 0.0) <= 2.2
+    out["met"] = met
     return {**out, "capacity_rps": round(capacity, 3), "alone": alone, "flood": res, "weights": w,
             "model": args.model, "dtype": str(model.dtype).removeprefix("torch."), "threads": args.threads,
             "cpu": cpu_model(), "duration_s": args.duration, "max_num_seqs": args.max_num_seqs,
@@ -185,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = ap.add_argument
     a("--json", action="store_true", help="print only the JSON line")
+    add_no_targets(ap)
     a("--model", default="default", help="model spec ('default', 'tiny-random', path)")
     a("--dtype", default=None)
     a("--threads", type=int, default=2)
@@ -207,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     a("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     result = bench(args)
-    return emit(result, args.json)
+    return emit(result, args.json, not args.no_targets)
 
 
 if __name__ == "__main__":

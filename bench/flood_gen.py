@@ -5,7 +5,7 @@ connection per request instead (`connection: close`, one request in flight per c
 botnet's flood.
 
 Prints one JSON line: requests sent and answered, seconds taken, the count of each response status and the
-generator's own CPU seconds.
+generator's own CPU seconds. A load generator (for bench/flood.py): no targets of its own.
 """
 
 from __future__ import annotations

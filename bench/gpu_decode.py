@@ -1,7 +1,10 @@
 """GPU decode benchmark: step time at batch 1/16/64 against its HBM floor, CUDA-graph gain, prefill tokens/s.
 
 The floor is (weight bytes + K/V bytes read) / the device-to-device copy bandwidth measured in the same run,
-and `x_floor_sold` the same against the HBM bandwidth the device is sold at (`SOLD_BANDWIDTH`, where known).
+and `x_floor_sold` the same against the HBM bandwidth the device is sold at (`SOLD_BANDWIDTH` by
+`torch.cuda.get_device_name`; null for a device not listed). Targets (the 8B shape, bf16 weights): batch 1
+<= 1.5x its floor, batch 64 <= 2x, CUDA graphs >= 1.5x eager at batch 1; `met` per result, and the run exits 1
+when one is missed or a variant fails (`--no-targets`: 0); other shapes are measured without targets.
 Models are random-weight Llama shapes (no download): the default model's (SmolLM2-135M) and an 8B one. One
 JSON line. Run: `python -m bench.gpu_decode [--shapes smollm2-135m,llama-8b] [--fp8] [--kv-int8] [--ctx N]`.
 """
@@ -18,6 +21,7 @@ import traceback
 
 import torch
 
+from bench.machine import add_no_targets, exit_code
 from worker.config import EngineConfig, ModelConfig
 from worker.engine.runner import ModelRunner
 from worker.kvcache.tensors import bytes_per_page
@@ -39,15 +43,38 @@ SHAPES = {
 BATCHES = (1, 16, 64)
 
 
-# HBM bandwidth as sold (bytes/s), by a substring of the device name: the floor against it is reported beside
-# the measured-copy floor, which is lower (4.2 against 4.8 TB/s on an H200) and so flatters the x_floor ratio
-SOLD_BANDWIDTH = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+# HBM bandwidth as sold (bytes/s), by a substring of the device name, first match (GH200's depends on its
+# memory: unknown): the floor against it is reported beside the measured-copy floor, which is lower (4.2
+# against 4.8 TB/s on an H200) and so flatters the x_floor ratio
+SOLD_BANDWIDTH = (("GH200", None), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12),
+                  ("H100", 3.35e12),
                   ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12),
                   ("L40S", 0.864e12))
 
 
+TARGETS = {"shape": "llama-8b", "x_floor_b1_max": 1.5, "x_floor_b64_max": 2.0, "graph_speedup_b1_min": 1.5}
+
+
 def sold_bandwidth(device_name: str) -> float | None:
+    """The device's HBM bandwidth as sold (bytes/s), None for a device not in SOLD_BANDWIDTH."""
     return next((bw for key, bw in SOLD_BANDWIDTH if key in device_name), None)
+
+
+def targets_met(result: dict, key: str = "x_floor") -> dict[str, bool] | None:
+    """The targets of one result (TARGETS: the 8B shape with bf16 weights; None for other variants), with the
+    floor ratio `key` (`x_floor`: the measured copy bandwidth, `x_floor_sold`: the sold one); a variant that
+    failed or a batch not measured misses."""
+    if result.get("shape") != TARGETS["shape"] or result.get("quantization") != "none":
+        return None
+    rows = result.get("decode", {})
+
+    def field(batch: str, name: str) -> float | None:
+        return rows.get(batch, {}).get(name)
+
+    b1, b64, speedup = field("1", key), field("64", key), field("1", "graph_speedup")
+    return {"x_floor_b1": b1 is not None and b1 <= TARGETS["x_floor_b1_max"],
+            "x_floor_b64": b64 is not None and b64 <= TARGETS["x_floor_b64_max"],
+            "graph_speedup_b1": speedup is not None and speedup >= TARGETS["graph_speedup_b1_min"]}
 
 
 def copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30) -> float:
@@ -166,17 +193,16 @@ def bench_shape(name: str, bw: float, ctx: int, quantization: str, eager_batches
         for b in batches:
             inp = decode_inputs(b, ctx, ecfg.block_size)
             floor = (weights + b * ctx * kv_token) / bw
-            row = {"floor_ms": round(floor * 1e3, 4)}
-            if sold is not None:
-                row["floor_sold_ms"] = round((weights + b * ctx * kv_token) / sold * 1e3, 4)
+            sold_floor = (weights + b * ctx * kv_token) / sold if sold is not None else None
+            row = {"floor_ms": round(floor * 1e3, 4),
+                   "floor_sold_ms": round(sold_floor * 1e3, 4) if sold_floor is not None else None}
             if runner.graphs is not None:
                 step = _time(lambda inp=inp: runner.graphs.run(inp).argmax(-1), iters)
                 if profile and b == 1:
                     _profile(lambda inp=inp: runner.graphs.run(inp).argmax(-1),
                              f"{name} {quantization} batch 1")
-                row.update(step_ms=round(step * 1e3, 4), x_floor=round(step / floor, 3))
-                if sold is not None:
-                    row["x_floor_sold"] = round(step * sold / (weights + b * ctx * kv_token), 3)
+                row.update(step_ms=round(step * 1e3, 4), x_floor=round(step / floor, 3),
+                           x_floor_sold=round(step / sold_floor, 3) if sold_floor is not None else None)
             if b in eager_batches:
                 eager = _time(lambda inp=inp: eager_step(runner, inp), max(1, iters // 2))
                 row["eager_ms"] = round(eager * 1e3, 4)
@@ -201,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="norms and SiLU-mul inside the decode projections (both: each variant off, then on)")
     ap.add_argument("--profile", action="store_true",
                     help="print the kernels of batch-1 graph steps (stderr)")
+    add_no_targets(ap)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run on CPU under Triton's interpreter (checks the "
                     "bench itself; its times mean nothing)")
@@ -238,10 +265,18 @@ def main(argv: list[str] | None = None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter smoke run)"
-    print(json.dumps({"bench": "gpu_decode", "device": device, "torch": torch.__version__,
-                      "triton": triton.__version__, "copy_bw_GBps": round(bw / 1e9, 1), "results": results,
-                      "wall_s": round(time.monotonic() - t0, 1)}))
-    return 0
+    sold = sold_bandwidth(device) if dev.type == "cuda" else None
+    met: dict[str, bool] = {}
+    for r in results:
+        name = f"{r['shape']} {r['quantization']} kv {r['kv_dtype']} fused {r['fused_linear']}"
+        r["met"], r["met_sold"] = targets_met(r), targets_met(r, "x_floor_sold") if sold else None
+        if r["met"] is not None or "error" in r:
+            met[name] = "error" not in r and all(r["met"].values())
+    out = {"bench": "gpu_decode", "device": device, "torch": torch.__version__, "triton": triton.__version__,
+           "copy_bw_GBps": round(bw / 1e9, 1), "sold_bw_GBps": round(sold / 1e9, 1) if sold else None,
+           "targets": TARGETS, "met": met, "results": results, "wall_s": round(time.monotonic() - t0, 1)}
+    print(json.dumps(out))
+    return exit_code(out, not args.no_targets)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 three (`nmixed`, `nprefix`, `nsingle`), whose prompts are passages of the Python Language Reference
 shipped with every CPython (`pydoc_data.topics`, ~65k words of English prose with code), so greedy
 continuations do not repeat the way random-word prompts make them. Same protocol, fields and JSON line;
-a stream short of its `max_tokens` is an error here.
+a stream short of its `max_tokens` is an error here. A load generator (for bench/vs_peer.py): no targets.
 
 Run as a script with the peer's python (stdlib and httpx only):
 `long_loadgen.py PEER_LOADGEN --workload long ...`.

@@ -1,8 +1,10 @@
 """The CPU a benchmark ran on, for its JSON line (figures are only comparable on the same CPU), the line's
-printing, and CPU pinning and accounting of the processes a benchmark runs."""
+printing and exit code (1 when the bench's own targets are missed), and CPU pinning and accounting of the
+processes a benchmark runs. A helper module: no targets of its own."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -29,12 +31,33 @@ def machine_fields(load_before: tuple[float, ...]) -> dict:
     return {"loadavg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)], "cpus": os.cpu_count()}
 
 
-def emit(result: dict, as_json: bool) -> int:
-    """Print the one JSON line (stdout), and unless `as_json` an indented copy first (stderr); exit code 0."""
+def add_no_targets(ap: argparse.ArgumentParser) -> None:
+    """`--no-targets`: exit 0 whatever the targets say (small configurations that check the bench itself)."""
+    ap.add_argument("--no-targets", action="store_true",
+                    help="exit 0 even when a target is missed (small configurations check the bench)")
+
+
+def targets_missed(result: dict) -> bool:
+    """Whether the line's `met` (or `targets_met`) says a target was missed: a False flag, or one False value
+    of a dict of them; a line with neither has no targets."""
+    met = result.get("met", result.get("targets_met"))
+    if isinstance(met, dict):
+        return not all(met.values())
+    return met is not None and not met
+
+
+def exit_code(result: dict, enforce: bool = True) -> int:
+    """1 when `enforce` and a target was missed (`targets_missed`), else 0: print the line first."""
+    return 1 if enforce and targets_missed(result) else 0
+
+
+def emit(result: dict, as_json: bool, enforce: bool = True) -> int:
+    """Print the one JSON line (stdout), and unless `as_json` an indented copy first (stderr); the exit code:
+    1 when `enforce` and the line's `met`/`targets_met` says a target was missed."""
     if not as_json:
         print(json.dumps(result, indent=2), file=sys.stderr)
     print(json.dumps(result))
-    return 0
+    return exit_code(result, enforce)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -76,3 +99,15 @@ def own_cpu_s(pids: list[int]) -> float:
         with contextlib.suppress(OSError):
             total += cpu_seconds(pid)
     return total
+
+
+def serving_dtype(asked: str) -> str:
+    """The dtype the workers run: `asked`, or for auto what the loader picks on this CPU."""
+    if asked != "auto":
+        return asked
+    import torch
+
+    from worker.model.loader import pick_dtype
+
+    return str(pick_dtype("auto", torch.device("cpu"))).replace("torch.", "")
+

@@ -1,6 +1,7 @@
 """Prefix-cache benchmark: time to first token with a shared system prompt, cache off vs on, one run.
 
-Targets on CPU: `ttft_warm_over_cold` <= 0.25, `prefill_tokens_saved_frac` >= 0.9 (--json for one line).
+Targets on CPU: `ttft_warm_over_cold` <= 0.25, `prefill_tokens_saved_frac` >= 0.9 (--json for one line);
+exits 1 when one is missed.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import time
 
 import torch
 
+from bench.machine import add_no_targets, exit_code
 from worker.config import EngineConfig
 from worker.engine.core import Engine, EngineStats
 from worker.model.loader import LoadedModel, load_model
 from worker.protocol import SamplingParams
 
+TARGETS = {"ttft_warm_over_cold": 0.25, "prefill_tokens_saved_frac": 0.9}  # at most, at least
 TOPICS = ("refunds", "shipping", "warranty", "privacy", "accounts", "payments", "returns", "discounts",
           "invoices", "deliveries", "repairs", "subscriptions", "gift cards", "loyalty points", "complaints",
           "order tracking")
@@ -82,6 +85,7 @@ def run(loaded: LoadedModel, prompts: list[list[int]], out_tokens: int, concurre
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    add_no_targets(ap)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--questions", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=24)
@@ -127,13 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens_mean": round(statistics.mean(map(len, prompts)), 1),
         "requests": len(prompts), "output_tokens": args.output_tokens, "concurrency": args.concurrency,
         "dtype": str(loaded.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+        "targets": TARGETS,
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
+    result["met"] = {"ttft_warm_over_cold": result["ttft_warm_over_cold"] <= TARGETS["ttft_warm_over_cold"],
+                     "prefill_tokens_saved_frac":
+                         result["prefill_tokens_saved_frac"] >= TARGETS["prefill_tokens_saved_frac"]}
+    if not args.json:
         for k, v in result.items():
-            print(f"{k:>26}: {v}")
-    return 0
+            print(f"{k:>26}: {v}", file=sys.stderr)
+    print(json.dumps(result))
+    return exit_code(result, not args.no_targets)
 
 
 def _p90(xs: list[float]) -> float:

@@ -1,14 +1,14 @@
 """Weight-only quantization benchmark: decode step time per mode against its bandwidth floor, and quality.
 
 Quality is perplexity and top-1 agreement with the unquantized model on `tests/data/quant_eval.txt`,
-scored through the engine's own paged prefill.
+scored through the engine's own paged prefill. Target: each mode's batch-1 step <= 1.15x its floor
+(`b1_over_floor`); exits 1 when one misses it.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.machine import add_no_targets, cpu_model, emit
 from worker.config import EngineConfig
 from worker.engine.core import Engine
 from worker.engine.debug import DebugEngine
@@ -26,6 +27,7 @@ from worker.protocol import SamplingParams
 from worker.quant import w8a8 as smooth
 from worker.quant import weights as quant
 
+TARGET_B1_OVER_FLOOR = 1.15  # a batch-1 decode step over its weight-bandwidth floor, at most
 EVAL_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quant_eval.txt"
 
 
@@ -137,10 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=4096,
                    help="prefill tokens per step when scoring (<= 24: packed kernels)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
+    add_no_targets(p)
     args = p.parse_args(argv)
     res = run(args.modes.split(","), args.steps, args.chunk)
-    print(json.dumps(res) if args.json else json.dumps(res, indent=2))
-    return 0
+    res["cpu"], res["target_b1_over_floor"] = cpu_model(), TARGET_B1_OVER_FLOOR
+    res["met"] = {f"{m}_b1_over_floor": row["b1_over_floor"] <= TARGET_B1_OVER_FLOOR
+                  for m, row in res["modes"].items()}
+    return emit(res, args.json, not args.no_targets)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Two workers with the default model, one gateway, N greedy streams; once every stream has `--after` tokens, one
 worker is killed. The gap of a stream is its longest pause between two chunks after the kill; the streams that
-moved are the ones with the largest gaps (as many as the gateway counted resumes). Prints one JSON line.
+moved are the ones with the largest gaps (as many as the gateway counted resumes). Prints one JSON line and
+exits 1 when a target is missed: gap p50 <= 1 s, every stream whole (its full `max_tokens`).
 Run: `python -m bench.resume_gap [--streams 8]` (needs redis-server; starts its own stack).
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.machine import cpu_model
+from bench.machine import add_no_targets, cpu_model, exit_code
 from config.loadtest.report import latency_stats_ms
 from config.local_stack.launcher import Stack, StackConfig, WorkerProc, free_port
 
@@ -111,7 +112,9 @@ def run(args: argparse.Namespace) -> dict:
             "whole": whole, "gap_p50_ms": stats["p50"],
             "gap_max_ms": round(1000 * max(gaps), 3) if gaps else None,
             "itl_p50_ms": latency_stats_ms(out["itl"])["p50"], "target_gap_p50_ms": 1000 * TARGET_P50_S,
-            "within_target": stats["p50"] is not None and stats["p50"] <= 1000 * TARGET_P50_S}
+            "within_target": stats["p50"] is not None and stats["p50"] <= 1000 * TARGET_P50_S,
+            "met": {"gap_p50": stats["p50"] is not None and stats["p50"] <= 1000 * TARGET_P50_S,
+                    "whole": whole == args.streams}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-timeout", type=float, default=1.0,
                     help="the gateway's silence limit (its default)")
     ap.add_argument("--json", action="store_true", help="(the output is always one JSON line)")
-    print(json.dumps(run(ap.parse_args(argv))))
-    return 0
+    add_no_targets(ap)
+    args = ap.parse_args(argv)
+    out = run(args)
+    print(json.dumps(out))
+    return exit_code(out, not args.no_targets)
 
 
 if __name__ == "__main__":

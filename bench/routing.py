@@ -2,7 +2,10 @@
 with the router run by N gateway processes at once (`--gateways 1,3`: clients split across them).
 
 Prints one JSON line (hit rates, TTFT p50, max/mean load, routing precision, per N under `by_gateways`); the
-method and targets are in docs. `--json` prints only it.
+method is in docs/benchmarks.md. Targets (`met`): hit rate >= 0.9x the oracle's and >= 2.5x
+round-robin's, TTFT p50 <= 0.5x round-robin's, `max_over_mean_load` <= 1 + epsilon + 0.1, precision p50
+>= 0.9, no errors; with several N, the last N's hit rate >= 0.95x the first's and >= 0.9x the oracle's.
+Exits 1 when one is missed (`--no-targets`: 0). `--json` prints only the line.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.machine import cpu_model, emit
+from bench.machine import add_no_targets, cpu_model, emit
 from common.priorities import Priority
 from config.local_stack.launcher import WorkerProc
 from router import Membership, Router, RouteRequest, WorkerError, namespace_root
@@ -286,6 +289,7 @@ async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
                 round(by_n[last]["hit_rate"] / hr["router"], 3) if hr["router"] else None)
             out["checks"][f"hit_{last}gw_vs_oracle"] = (
                 round(by_n[last]["hit_rate"] / hr["oracle"], 3) if hr["oracle"] else None)
+        out["met"] = routing_met(out, args.epsilon)
         out.update(model=args.model, workers=3, gateways=args.gateways, orders=args.orders,
                    requests=len(pooled[first]), concurrency=args.concurrency, prompt_len=args.prompt_len,
                    max_tokens=args.max_tokens, epsilon=args.epsilon, cpu=cpu_model(),
@@ -297,9 +301,29 @@ async def bench(args: argparse.Namespace, log_dir: Path) -> dict:
             p.stop()
 
 
+def routing_met(out: dict, epsilon: float) -> dict[str, bool]:
+    """The targets against the line's `checks`, load ratio, precision and errors (None misses)."""
+    def at_least(v: float | None, floor: float) -> bool:
+        return v is not None and v >= floor
+
+    checks, precision = out["checks"], out["precision_p50"]
+    met = {"hit_vs_oracle": at_least(checks["hit_vs_oracle"], 0.9),
+           "hit_vs_round_robin": at_least(checks["hit_vs_round_robin"], 2.5),
+           "ttft_vs_round_robin": checks["ttft_vs_round_robin"] <= 0.5,
+           "max_over_mean_load": out["max_over_mean_load"] <= 1 + epsilon + 0.1,
+           "precision_p50": at_least(precision, 0.9), "no_errors": not any(out["errors"].values())}
+    for key, value in checks.items():
+        if key.endswith("gw_vs_oracle"):
+            met[key] = at_least(value, 0.9)
+        elif "gw_vs_" in key:
+            met[key] = at_least(value, 0.95)
+    return met
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    add_no_targets(ap)
     ap.add_argument("--model", default="default", help="worker model spec ('default', 'tiny-random', path)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
@@ -334,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--gateways must be a comma list of positive integers")
     with tempfile.TemporaryDirectory(prefix="sy-bench-routing-") as tmp:
         result = asyncio.run(bench(args, Path(tmp)))
-    return emit(result, args.json)
+    return emit(result, args.json, not args.no_targets)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 speculation on vs off, same prompts, greedy.
 
 The prompts ask the model to copy a passage with one change, so answers repeat spans of the prompt.
+A measurement with no targets of its own (TPOT ratio, acceptance, identical text): it exits 0.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def measure(loaded: LoadedModel, batch: int, rounds: int, max_tokens: int, workl
             "output_tokens": sum(len(t) for t in texts[False])}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     ap.add_argument("--batches", default="1,4", help="comma-separated batch sizes")
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--workload", default="repetitive", choices=["repetitive", "free"])
     ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "w8a8", "auto"])
     ap.add_argument("--dtype", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     loaded = load_model("default", dtype=args.dtype, quantization=args.quantization)
     result = {"bench": "spec_decode", "model": loaded.model_id, "cpu": cpu_model(),
               "threads": torch.get_num_threads(),
@@ -132,7 +133,8 @@ def main() -> None:
                "tokens_per_step": first["tokens_per_step"],
                "identical_text": all(v["identical_text"] for v in result["batches"].values())}
     print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

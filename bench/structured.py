@@ -1,17 +1,19 @@
 """Structured-output cost: output tokens/s with a `response_format`
 JSON schema vs without, same prompts, same run.
 
-Target: `ratio` (constrained over unconstrained tok/s) >= 0.8. `--json` prints one line.
+Target: `ratio` (constrained over unconstrained tok/s) >= 0.8; exits 1 when missed. `--json` prints one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
 
+from bench.machine import add_no_targets, cpu_model, exit_code
 from worker.config import EngineConfig
 from worker.engine.core import Engine
 from worker.model.loader import LoadedModel, load_model
@@ -56,7 +58,7 @@ def run(loaded: LoadedModel, ids: list[list[int]], max_tokens: int,
         engine.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--requests", type=int, default=16)
@@ -64,7 +66,8 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto", help="auto (the worker's choice) | bfloat16 | float32")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    args = ap.parse_args()
+    add_no_targets(ap)
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=None if args.dtype == "auto" else args.dtype)
     ids = prompts(loaded, args.requests)
@@ -79,13 +82,15 @@ def main() -> None:
               "tokens_unconstrained": n_free, "tok_s_constrained": round(n_con / t_con, 1),
               "tok_s_unconstrained": round(n_free / t_free, 1),
               "ratio": round((n_con / t_con) / (n_free / t_free), 3), "target_ratio": 0.8,
-              "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")}
-    if args.json:
-        print(json.dumps(result))
-    else:
+              "device": str(loaded.device), "cpu": cpu_model(),
+              "dtype": str(loaded.dtype).removeprefix("torch.")}
+    result["met"] = {"ratio": result["ratio"] >= result["target_ratio"]}
+    if not args.json:
         for k, v in result.items():
-            print(f"{k:>22}: {v}")
+            print(f"{k:>22}: {v}", file=sys.stderr)
+    print(json.dumps(result))
+    return exit_code(result, not args.no_targets)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -2,6 +2,7 @@
 
 Same workload as `bench.engine_throughput`, in-process and through a worker (`--json` for one line);
 `--http` adds the full stack (gateway + worker, streaming `/v1/completions` with token-id prompts).
+Targets: `ratio_vs_engine` >= 0.95, `http_ratio_vs_engine` >= 0.85; exits 1 when one is missed.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench.machine import cpu_model
+from bench.machine import add_no_targets, cpu_model, exit_code
 
 REPO = Path(__file__).resolve().parent.parent
+TARGETS = {"ratio_vs_engine": 0.95, "http_ratio_vs_engine": 0.85}  # at least
 
 
 def _free_port() -> int:
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ready-timeout", type=float, default=180.0)
     ap.add_argument("--http", action="store_true", help="also through gateway + worker over HTTP (SSE)")
+    add_no_targets(ap)
     args = ap.parse_args(argv)
     workload, eng_wall = run_in_process(args)
     out_tokens = sum(n for _, n in workload)
@@ -190,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         http_wall = run_through_http(args, workload)
         result["http_tok_s"] = round(out_tokens / http_wall, 1)
         result["http_ratio_vs_engine"] = round(eng_wall / http_wall, 3)
+    result["targets"] = {k: v for k, v in TARGETS.items() if k in result}
+    result["met"] = {k: result[k] >= v for k, v in result["targets"].items()}
     if not args.json:
         print(f"in-process {eng_wall:.2f}s, through the worker {zmq_wall:.2f}s", file=sys.stderr)
     print(json.dumps(result))
-    return 0
+    return exit_code(result, not args.no_targets)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """`switchyard bench`: load-test any OpenAI-compatible server and write a report (`config.loadtest.loadgen`,
-`config.loadtest.report`)."""
+`config.loadtest.report`). A measurement tool with no targets of its own: exits 0 when the run completes."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ SLOs and goodput, greedy comparison, pinning."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -12,6 +13,7 @@ from bench.disagg_workload import (
     Sample,
     Slo,
     Workload,
+    against_best,
     goodput,
     greedy_compare,
     long_prompt,
@@ -101,24 +103,49 @@ def test_counters_read_totals_by_label_and_unlabelled(monkeypatch: pytest.Monkey
     assert disagg.transfer_mib("u") == {"pushed": 2.0}
 
 
-def _arm(errors: int, fallbacks: int = 0) -> dict:
-    stats = {"p50": 10.0, "p99": 20.0}
-    return {"itl_ms": stats, "ttft_long_ms": stats, "ttft_short_ms": stats, "output_tok_s": 100.0,
+def _arm(errors: int, fallbacks: int = 0, itl_p99: float = 20.0, tok_s: float = 100.0) -> dict:
+    stats = {"p50": 10.0, "p99": itl_p99}
+    return {"itl_ms": stats, "ttft_long_ms": stats, "ttft_short_ms": stats, "output_tok_s": tok_s,
             "goodput_rps": 1.0, "errors": errors, "other_cpu_s": 0.0,
             "metrics": {"worker_fallbacks": [{"busy": float(fallbacks)}]}}
+
+
+def _args(chunks: list[int]) -> argparse.Namespace:
+    return argparse.Namespace(model="m", dtype="float32", quantization="none", kv_dtype="model",
+                              kv_cache_mib=1, disagg_min_tokens=1, disagg_max_prefill_queue=1, stall_s=None,
+                              prefill_chunk=chunks)
 
 
 @pytest.mark.parametrize(("co_errors", "dis_errors", "fallbacks", "ok"),
                          [(0, 0, 0, True), (1, 0, 0, False), (0, 2, 0, False), (0, 0, 3, False)])
 def test_errors_and_fallbacks_miss_the_targets(co_errors: int, dis_errors: int, fallbacks: int,
                                                ok: bool) -> None:
-    import argparse
-
     from bench import disagg
 
-    args = argparse.Namespace(model="m", dtype="float32", kv_cache_mib=1, disagg_min_tokens=1,
-                              disagg_max_prefill_queue=1, stall_s=None, prefill_chunk=256)
-    out = disagg.summary({"colocated": _arm(co_errors), "disagg": _arm(dis_errors, fallbacks)},
-                         {"compared": 1, "identical": 1}, args, Workload(), Slo())
-    assert out["prefill_chunk"] == 256 and out["worker_fallbacks"] == fallbacks
+    out = disagg.summary({"colocated@256": _arm(co_errors), "disagg": _arm(dis_errors, fallbacks)},
+                         {"compared": 1, "identical": 1}, _args([256]), Workload(), Slo())
+    assert out["prefill_chunks"] == [256] and out["worker_fallbacks"] == fallbacks
     assert (out["met"]["no_errors"] and out["met"]["no_fallbacks"]) is ok
+    assert out["dtype"] == "float32" and out["kv_dtype"] == "model" and out["speculation"] == "off"
+
+
+def test_each_ratio_is_against_the_colocated_chunk_best_at_it() -> None:
+    from bench import disagg
+
+    # a 128-token chunk gives the colocated arm a short ITL tail but less throughput than a 1,024-token one
+    arms = {"colocated@1024": _arm(0, itl_p99=3000.0, tok_s=40.0), "colocated@128": _arm(0, itl_p99=400.0),
+            "disagg": _arm(0, itl_p99=300.0, tok_s=60.0)}
+    out = disagg.summary(arms, {"compared": 0, "identical": 0}, _args([1024, 128]), Workload(), Slo())
+    assert out["by_chunk"]["1024"]["itl_p99_ratio"] == 0.1 and out["by_chunk"]["128"]["itl_p99_ratio"] == 0.75
+    assert out["itl_p99_ratio"] == 0.75 and out["throughput_ratio"] == 0.6  # the worst of the two
+    assert not out["met"]["itl_p99"] and not out["met"]["throughput"]
+    missing = {"1": {"itl_p99_ratio": None}, "2": {"itl_p99_ratio": 0.1}}
+    assert against_best(missing) == {"itl_p99_ratio": None}
+
+
+def test_the_chunk_flag_takes_a_comma_list() -> None:
+    from bench.disagg import chunk_list
+
+    assert chunk_list("1024,256,128") == [1024, 256, 128] and chunk_list("512") == [512]
+    with pytest.raises(argparse.ArgumentTypeError):
+        chunk_list("0")
