@@ -1,10 +1,8 @@
-"""Disaggregated prefill vs colocated (two workers pinned to a core each; gateway and load unpinned): steady
-streams' ITL, throughput and SLO goodput while long prompts arrive; one JSON line (docs/benchmarks.md).
-The colocated arm runs once per `--prefill-chunk` (default 1024, 256 and 128 tokens a step) and each ratio is
-taken against the colocated chunk best at it; the disaggregated arm runs at the first chunk. Workers at the
-serving dtype (`--dtype auto`; greedy outputs compare exactly across arms only in float32). Exits 1 when a
-target is missed, a request failed or the disaggregated arm fell back to local prefill (`--no-targets`: 0).
-Run: `python -m bench.disagg [--duration 180]` (needs redis-server; ~(chunks + 1) x (duration + 70 s))."""
+"""Disaggregated prefill vs colocated (two workers pinned to a core each): steady streams' ITL, throughput and
+SLO goodput while long prompts arrive; one JSON line (docs/benchmarks.md). The colocated arm runs once per
+`--prefill-chunk` (default 1024, 256, 128 tokens a step), each ratio against the chunk best at it; the
+disaggregated arm at the first chunk; workers at the serving dtype (`--dtype auto`). Exits 1 when a target is
+missed, a request failed or a prefill fell back to local (`--no-targets`: 0). Run: `python -m bench.disagg`."""
 
 from __future__ import annotations
 
