@@ -1,8 +1,8 @@
 """Disaggregated prefill vs colocated (two workers pinned to a core each): steady streams' ITL, throughput and
 SLO goodput while long prompts arrive; one JSON line (docs/benchmarks.md). The colocated arm runs once per
-`--prefill-chunk` (default 1024, 256, 128 tokens a step), each ratio against the chunk best at it; the
-disaggregated arm at the first chunk; workers at the serving dtype (`--dtype auto`). Exits 1 when a target is
-missed, a request failed or a prefill fell back to local (`--no-targets`: 0). Run: `python -m bench.disagg`."""
+`--prefill-chunk` (default 1024, 256, 128), each ratio against the chunk best at it; the disaggregated arm at
+the first chunk; workers at the serving dtype. Exits 1 on a missed target, a failed request or a local
+fallback (`--no-targets`: 0). Run: `python -m bench.disagg`."""
 
 from __future__ import annotations
 
