@@ -116,7 +116,11 @@ class TenantDirectory:
         missing, unknown, expired, revoked or disabled key."""
         if not api_key or not key_shape_ok(api_key):
             return None
-        record = await self._live_key(apikeys.digest(api_key))
+        return await self.key_tenant(apikeys.digest(api_key))
+
+    async def key_tenant(self, digest: str) -> Tenant | None:
+        """`authenticate` by the key's SHA-256 digest (a carried-on stream knows only that)."""
+        record = await self._live_key(digest)
         if record is None:
             return None
         tenant = await self.tenant(record.tenant)
