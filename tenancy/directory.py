@@ -1,6 +1,7 @@
 """The gateway's view of tenants: API key -> `Tenant`, cached in-process for a short TTL.
 
 The TTL bounds both the Redis reads per key and how long a revoked key or an edited quota takes to apply.
+A cached key carries its expiry and is checked against the wall clock on every use, so it never outlives it.
 Unknown keys are cached apart and their Redis look-ups capped, so a flood of made-up keys cannot evict
 real ones or take the Redis pool from them.
 """
@@ -20,7 +21,15 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from tenancy import apikeys
 from tenancy.key_batch import KeyBatcher
-from tenancy.schema import Tenant, api_key_key, config_key, parse_tenant
+from tenancy.schema import (
+    KEY_FIELDS,
+    KeyRecord,
+    Tenant,
+    api_key_key,
+    config_key,
+    parse_key_record,
+    parse_tenant,
+)
 from tenancy.tenancy_errors import QuotaServiceUnavailable
 
 # The shape every issued key has (`apikeys.new_api_key`): anything else is refused before any cache or Redis.
@@ -86,11 +95,12 @@ class TenantDirectory:
     def __init__(self, client: aredis.Redis, *, ttl_s: float = 0.5, stale_s: float = 300.0,
                  max_entries: int = 10_000, max_unknown_entries: int = 10_000, unknown_ttl_s: float = 0.5,
                  max_unknown_lookups: int = 8, unknown_wait_s: float = 0.1,
-                 serve_stale_on_error: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 serve_stale_on_error: bool = False, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         if not 0 < ttl_s <= 0.5 or not 0 < unknown_ttl_s <= 0.5:
             raise ValueError("ttl_s and unknown_ttl_s must be in (0, 0.5] so changes show within 1 s")
         self._redis = client
-        self._keys = _TTLCache(ttl_s, stale_s, max_entries)                       # digest -> tenant name
+        self._keys = _TTLCache(ttl_s, stale_s, max_entries)                       # digest -> KeyRecord
         self._unknown = _TTLCache(unknown_ttl_s, unknown_ttl_s, max_unknown_entries)  # digest -> None
         self._tenants = _TTLCache(ttl_s, stale_s, max_entries)                    # name -> Tenant | None
         self._lookups = asyncio.Semaphore(max_unknown_lookups)
@@ -99,16 +109,22 @@ class TenantDirectory:
         self._inflight: dict[str, asyncio.Future] = {}
         self._serve_stale = serve_stale_on_error
         self._clock = clock
+        self._wall = wall  # unix seconds, for key expiry
 
     async def authenticate(self, api_key: str | None) -> Tenant | None:
-        """The active tenant owning `api_key`, or None for a missing, unknown, revoked or disabled key."""
+        """The active tenant owning `api_key` as the key sees it (its model scope applied), or None for a
+        missing, unknown, expired, revoked or disabled key."""
         if not api_key or not key_shape_ok(api_key):
             return None
-        name = await self._key_owner(apikeys.digest(api_key))
-        if name is None:
+        return await self.key_tenant(apikeys.digest(api_key))
+
+    async def key_tenant(self, digest: str) -> Tenant | None:
+        """`authenticate` by the key's SHA-256 digest (a carried-on stream knows only that)."""
+        record = await self._live_key(digest)
+        if record is None:
             return None
-        tenant = await self.tenant(name)
-        return tenant if tenant is not None and tenant.active else None
+        tenant = await self.tenant(record.tenant)
+        return record.scoped(tenant) if tenant is not None and tenant.active else None
 
     async def tenant(self, name: str) -> Tenant | None:
         """The tenant's current config (active or not), or None if it does not exist."""
@@ -118,16 +134,21 @@ class TenantDirectory:
         return await self._shared("t:" + name, lambda: self._load_tenant(name))
 
     async def key_owner(self, digest: str) -> str | None:
-        """The tenant holding the key of this SHA-256 digest, or None once it is revoked (cached like
-        look-ups)."""
-        return await self._key_owner(digest)
+        """The tenant holding the key of this SHA-256 digest, or None once it is revoked or expired (cached
+        like look-ups)."""
+        record = await self._live_key(digest)
+        return None if record is None else record.tenant
 
     def invalidate(self) -> None:
         self._keys.clear()
         self._unknown.clear()
         self._tenants.clear()
 
-    async def _key_owner(self, digest: str) -> str | None:
+    async def _live_key(self, digest: str) -> KeyRecord | None:
+        record = await self._key_record(digest)
+        return record if record is not None and record.live(self._wall()) else None
+
+    async def _key_record(self, digest: str) -> KeyRecord | None:
         now = self._clock()
         entry = self._keys.get(digest, now)
         if entry is not None:
@@ -138,7 +159,7 @@ class TenantDirectory:
             return await self._shared("k:" + digest, lambda: self._load_key(digest))
         return await self._shared("k:" + digest, lambda: self._load_unknown_key(digest))
 
-    async def _load_unknown_key(self, digest: str) -> str | None:
+    async def _load_unknown_key(self, digest: str) -> KeyRecord | None:
         if not self._lookups.locked():
             # a free slot: taken at once, no timer (the common case, even in a flood)
             await self._lookups.acquire()
@@ -152,26 +173,26 @@ class TenantDirectory:
         finally:
             self._lookups.release()
 
-    async def _load_key(self, digest: str, batched: bool = False) -> str | None:
+    async def _load_key(self, digest: str, batched: bool = False) -> KeyRecord | None:
         try:
             if batched:  # an unknown key: read with this turn's others (`KeyBatcher`)
-                owner = await asyncio.shield(self._batch.owner(digest))
+                values = await asyncio.shield(self._batch.record(digest))
             else:
-                owner = await self._redis.hget(api_key_key(digest), "tenant")
+                values = await self._redis.hmget(api_key_key(digest), KEY_FIELDS)
         except (RedisError, RedisClusterException, OSError) as exc:
             stale = self._keys.get(digest, self._clock(), allow_stale=True) if self._serve_stale else None
             if stale is not None:
                 return stale.value
             raise QuotaServiceUnavailable(f"tenant store unreachable: {type(exc).__name__}") from None
         now = self._clock()
-        if owner is None:
+        record = parse_key_record(values)
+        if record is None:
             self._keys.discard(digest)
             self._unknown.put(digest, None, now)
             return None
-        name = owner.decode()
         self._unknown.discard(digest)
-        self._keys.put(digest, name, now)
-        return name
+        self._keys.put(digest, record, now)
+        return record
 
     async def _load_tenant(self, name: str) -> Tenant | None:
         try:

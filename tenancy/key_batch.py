@@ -1,5 +1,5 @@
 """Look-ups of unknown API keys batched: the digests asked for in one event-loop turn (a flood's pipelined
-requests arrive together) go to Redis as one pipeline of HGETs, one round trip and one client call per batch
+requests arrive together) go to Redis as one pipeline of HMGETs, one round trip and one client call per batch
 instead of per key."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tenancy.schema import api_key_key
+from tenancy.schema import KEY_FIELDS, api_key_key
 
 MAX_BATCH = 64  # digests per pipeline; more in one turn start another batch
 
@@ -15,12 +15,12 @@ MAX_BATCH = 64  # digests per pipeline; more in one turn start another batch
 class KeyBatcher:
     def __init__(self, client: Any) -> None:
         self._redis = client
-        self._pending: dict[str, asyncio.Future[bytes | None]] = {}
+        self._pending: dict[str, asyncio.Future[list]] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    def owner(self, digest: str) -> asyncio.Future[bytes | None]:
-        """The raw `tenant` field of the key's record (None: no such key), read with this turn's other
-        digests."""
+    def record(self, digest: str) -> asyncio.Future[list]:
+        """The raw values of the key record's `KEY_FIELDS` (a None tenant: no such key), read with this
+        turn's other digests."""
         fut = self._pending.get(digest)
         if fut is None:
             loop = asyncio.get_running_loop()
@@ -39,11 +39,11 @@ class KeyBatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _read(self, batch: dict[str, asyncio.Future[bytes | None]]) -> None:
+    async def _read(self, batch: dict[str, asyncio.Future[list]]) -> None:
         try:
             pipe = self._redis.pipeline(transaction=False)
             for digest in batch:
-                pipe.hget(api_key_key(digest), "tenant")
+                pipe.hmget(api_key_key(digest), KEY_FIELDS)
             owners = await pipe.execute()
         except BaseException as exc:  # every waiter of the batch gets the error (cancellation included)
             for fut in batch.values():

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from common.priorities import MAX_WEIGHT, PRIORITY_NAMES, Priority
 
@@ -34,7 +35,7 @@ DEFAULT_WEIGHT = 1.0  # `weight`: relative fair share on a worker, in (0, MAX_WE
 
 # Single-key records, spread over Redis Cluster slots on purpose (no script or transaction spans two):
 TENANTS_SET = "sy:tenants"          # set of tenant names (for `tenants list`)
-API_KEY_PREFIX = "sy:key:"          # sy:key:<sha256 hex> -> hash {tenant, prefix, created_at}
+API_KEY_PREFIX = "sy:key:"          # sy:key:<sha256 hex> -> hash {tenant, prefix, created_at, ...}
 GATEWAYS_KEY = "{sy:gateways}"      # sorted set of live gateway ids scored by expiry (ms); its own hash tag
 LEGACY_GATEWAYS_KEY = "sy:gateways"  # its name before Redis Cluster support (`switchyard redis migrate-keys`)
 
@@ -185,3 +186,49 @@ def parse_tenant(name: str, fields: dict) -> Tenant:
         created_at=created_at,
         **{k: parse_int_field(k, f.get(k)) for k in INT_DEFAULTS},
     )
+
+
+KEY_FIELDS = ("tenant", "models", "expires_at")  # what a gateway reads of a key's record
+
+
+@dataclass(slots=True, frozen=True)
+class KeyRecord:
+    """What a gateway knows of one API key: its tenant, model scope and expiry."""
+
+    tenant: str
+    models: tuple[str, ...] | None = None  # None: every model its tenant may use
+    expires_at: float | None = None  # unix seconds; None: never
+
+    def live(self, now: float) -> bool:
+        return self.expires_at is None or now < self.expires_at
+
+    def scoped(self, tenant: Tenant) -> Tenant:
+        """The tenant as this key sees it: the key's models narrow the tenant's allow-list, never widen it."""
+        if self.models is None:
+            return tenant
+        allowed = tenant.allowed_models
+        models = self.models if allowed is None else tuple(m for m in self.models if m in allowed)
+        return replace(tenant, allowed_models=models)
+
+
+def parse_expiry(raw: str | None) -> float | None:
+    """`expires_at` in unix seconds: absent, empty or 0 is never; a malformed value has expired (fails
+    closed)."""
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if value != value or value == -math.inf:
+        log.warning("API key field expires_at %r is not a number; the key is refused", raw)
+        return 0.0
+    return None if value in (0, math.inf) else value
+
+
+def parse_key_record(values: Sequence[str | bytes | None]) -> KeyRecord | None:
+    """A key's record from the values of `KEY_FIELDS` (None: no such key)."""
+    tenant, models, expires = (_text(v) for v in values)
+    if tenant is None:
+        return None
+    return KeyRecord(tenant, parse_models(models or "*"), parse_expiry(expires))

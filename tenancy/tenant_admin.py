@@ -6,8 +6,10 @@ stored.
 
 from __future__ import annotations
 
+import math
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 
@@ -25,6 +27,8 @@ from tenancy.schema import (
     Tenant,
     api_key_key,
     config_key,
+    parse_expiry,
+    parse_models,
     parse_tenant,
     tenant_keys_key,
     validate_name,
@@ -32,6 +36,7 @@ from tenancy.schema import (
 from tenancy.tenancy_errors import AmbiguousKeyPrefix, KeyNotFound, TenancyError, TenantExists, TenantNotFound
 
 SETTABLE_FIELDS = (*INT_DEFAULTS, "priority", "allowed_models", "status", "weight")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,6 +47,11 @@ class KeyInfo:
     tenant: str
     prefix: str
     created_at: float
+    models: tuple[str, ...] | None = None  # None: every model its tenant may use
+    expires_at: float | None = None  # unix seconds; None: never
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
 
 def validate_fields(fields: dict[str, object]) -> dict[str, str]:
@@ -77,11 +87,11 @@ def validate_fields(fields: dict[str, object]) -> dict[str, str]:
     return out
 
 
-def _models_value(value: object) -> str:
+def _models_value(value: object, what: str = "allowed_models") -> str:
     items = value if isinstance(value, list | tuple) else str(value).split(",")
     models = [str(m).strip() for m in items if str(m).strip()]
     if not models:
-        raise TenancyError("allowed_models must be '*' or a comma-separated list of model ids")
+        raise TenancyError(f"{what} must be '*' or a comma-separated list of model ids")
     if "*" in models:
         return "*"
     return ",".join(models)
@@ -139,17 +149,56 @@ def list_tenants(r: redis.Redis) -> list[tuple[Tenant, int]]:
     return out
 
 
-def issue_key(r: redis.Redis, name: str) -> str:
-    """Make a new API key for tenant `name`; the returned plaintext is the only copy."""
+def issue_key(r: redis.Redis, name: str, *, models: object = None, expires_at: float | None = None) -> str:
+    """Make a new API key for tenant `name`, scoped to `models` (None or '*': every model its tenant may use)
+    and valid until `expires_at` (unix seconds; None: never); the returned plaintext is the only copy."""
     get_tenant(r, name)
+    fields = {}
+    if models is not None and _models_value(models, "models") != "*":
+        fields["models"] = _models_value(models, "models")
+    if expires_at is not None:
+        fields["expires_at"] = _expiry_value(expires_at)
+    return _store_key(r, name, fields)
+
+
+def _expiry_value(expires_at: float) -> str:
+    number = isinstance(expires_at, int | float) and not isinstance(expires_at, bool)
+    if not number or not math.isfinite(expires_at) or expires_at <= 0:
+        raise TenancyError(f"expires_at must be a positive number of unix seconds, got {expires_at!r}")
+    return f"{expires_at:.3f}"
+
+
+def _store_key(r: redis.Redis, name: str, fields: dict[str, str]) -> str:
     key = apikeys.new_api_key()
     dig = apikeys.digest(key)
     pipe = r.pipeline(transaction=False)
     pipe.hset(api_key_key(dig), mapping={
-        "tenant": name, "prefix": apikeys.display_prefix(key), "created_at": f"{time.time():.3f}"})
+        **fields, "tenant": name, "prefix": apikeys.display_prefix(key), "created_at": f"{time.time():.3f}"})
     pipe.sadd(tenant_keys_key(name), dig)
     pipe.execute()
     return key
+
+
+def rotate_key(r: redis.Redis, name: str, old: str, grace_s: float,
+               expires_at: float | None = None) -> tuple[str, KeyInfo]:
+    """Issue tenant `name` a new key with the record of its key `old` (display prefix, whole key or digest):
+    its model scope and other fields; `old` keeps working for `grace_s` more seconds (never longer than it
+    would have). Returns the new key (the only copy) and the old key's record with its new expiry."""
+    if isinstance(grace_s, bool) or not isinstance(grace_s, int | float) or not 0 <= grace_s < math.inf:
+        raise TenancyError(f"grace must be a non-negative number of seconds, got {grace_s!r}")
+    info = find_key(r, old, name)
+    fields = {k.decode(): v.decode() for k, v in r.hgetall(api_key_key(info.digest)).items()}
+    for own in ("tenant", "prefix", "created_at", "expires_at", "rotated_from"):
+        fields.pop(own, None)
+    fields["rotated_from"] = info.digest
+    if expires_at is not None:
+        fields["expires_at"] = _expiry_value(expires_at)
+    key = _store_key(r, name, fields)
+    until = time.time() + grace_s
+    if info.expires_at is not None:
+        until = min(until, info.expires_at)
+    r.hset(api_key_key(info.digest), "expires_at", f"{until:.3f}")
+    return key, replace(info, expires_at=round(until, 3))
 
 
 def tenant_with_new_key(redis_url: str, name: str, **fields: object) -> str:
@@ -178,37 +227,47 @@ def list_keys(r: redis.Redis, name: str | None = None) -> list[KeyInfo]:
                    for k in r.scan_iter(match=API_KEY_PREFIX + "*", count=500)]
     pipe = r.pipeline(transaction=False)
     for dig in digests:
-        pipe.hmget(api_key_key(dig), "tenant", "prefix", "created_at")
+        pipe.hmget(api_key_key(dig), "tenant", "prefix", "created_at", "models", "expires_at")
     infos = []
-    for dig, (tenant, prefix, created) in zip(digests, pipe.execute(), strict=True):
+    for dig, (tenant, prefix, created, models, expires) in zip(digests, pipe.execute(), strict=True):
         if tenant is not None:
-            infos.append(KeyInfo(dig, tenant.decode(), (prefix or b"").decode(), float(created or 0)))
+            infos.append(KeyInfo(dig, tenant.decode(), (prefix or b"").decode(), float(created or 0),
+                                 parse_models((models or b"").decode()),
+                                 parse_expiry(None if expires is None else expires.decode())))
     return sorted(infos, key=lambda k: (k.tenant, k.created_at))
 
 
-def revoke_key(r: redis.Redis, key_prefix: str) -> KeyInfo:
-    """Revoke the single key whose display prefix starts with `key_prefix` (or the full key itself).
-
-    Raises KeyNotFound when nothing matches and AmbiguousKeyPrefix when several keys do.
-    """
+def find_key(r: redis.Redis, key_prefix: str, tenant: str | None = None) -> KeyInfo:
+    """The single key whose display prefix starts with `key_prefix` (or the whole key, or its SHA-256 digest),
+    of `tenant` if given. Raises KeyNotFound when nothing matches and AmbiguousKeyPrefix when several keys
+    do."""
     key_prefix = key_prefix.strip()
     if not key_prefix:
         raise TenancyError("empty key prefix")
-    if len(key_prefix) > apikeys.DISPLAY_PREFIX_CHARS:
+    keys = list_keys(r, tenant)
+    if _DIGEST.fullmatch(key_prefix):
+        matches = [k for k in keys if k.digest == key_prefix]
+    elif len(key_prefix) > apikeys.DISPLAY_PREFIX_CHARS:
         exact = apikeys.digest(key_prefix)  # a full key: match it exactly by digest
-        matches = [k for k in list_keys(r) if k.digest == exact]
+        matches = [k for k in keys if k.digest == exact]
     else:
-        matches = [k for k in list_keys(r) if k.prefix.startswith(key_prefix)]
+        matches = [k for k in keys if k.prefix.startswith(key_prefix)]
     if not matches:
         hint = "" if len(key_prefix) <= apikeys.DISPLAY_PREFIX_CHARS else (
-            f" (only the first {apikeys.DISPLAY_PREFIX_CHARS} characters are stored: give those, or the "
-            "whole key)")
-        raise KeyNotFound(f"no API key matches {key_prefix[:apikeys.DISPLAY_PREFIX_CHARS]!r}…{hint}")
+            f" (only the first {apikeys.DISPLAY_PREFIX_CHARS} characters are stored: give those, the "
+            "whole key or its digest)")
+        of = f" of tenant {tenant!r}" if tenant is not None else ""
+        raise KeyNotFound(f"no API key{of} matches {key_prefix[:apikeys.DISPLAY_PREFIX_CHARS]!r}…{hint}")
     if len(matches) > 1:
         shown = ", ".join(f"{k.prefix}… ({k.tenant})" for k in matches[:10])
         raise AmbiguousKeyPrefix(f"{len(matches)} keys start with {key_prefix!r}: {shown}; "
                                  "give a longer prefix")
-    info = matches[0]
+    return matches[0]
+
+
+def revoke_key(r: redis.Redis, key_prefix: str) -> KeyInfo:
+    """Revoke the single key `find_key` names (a display prefix, the whole key or its digest)."""
+    info = find_key(r, key_prefix)
     pipe = r.pipeline(transaction=False)
     pipe.delete(api_key_key(info.digest))
     pipe.srem(tenant_keys_key(info.tenant), info.digest)

@@ -77,6 +77,16 @@ def set_budget(r: redis.Redis, org: str, level: str, ident: str, usd: str, perio
     return BudgetSetting(micro, period)
 
 
+def copy_key_budget(r: redis.Redis, project: str, old_digest: str, new_digest: str) -> bool:
+    """Give a rotated key's successor the old key's budget config (its spend starts afresh); False when the
+    old key has none."""
+    org = project_org(r, project)
+    fields = r.hgetall(config_key(org, "key", old_digest))
+    if fields:
+        r.hset(config_key(org, "key", new_digest), mapping=fields)
+    return bool(fields)
+
+
 def read_balance(r: redis.Redis, org: str, level: str, ident: str, project: str = "") -> dict[str, int]:
     """A level's settled spend and in-flight holds of its current period (as last written)."""
     if level == "user":

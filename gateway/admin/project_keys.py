@@ -9,7 +9,7 @@ import redis.asyncio as aredis
 from gateway.admin.admin_scope import AdminScope
 from gateway.admin.project_admin import project_fields, project_object
 from gateway.web.api_errors import ApiError
-from tenancy import api_key_key, tenant_keys_key
+from tenancy import api_key_key, parse_expiry, tenant_keys_key
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -28,10 +28,12 @@ def key_object(key_digest: str, fields: dict, project: dict) -> dict:
     f = {_text(k): _text(v) for k, v in fields.items()}
     created = int(float(f.get("created_at") or 0))
     prefix = f.get("prefix", "")
+    expires = parse_expiry(f.get("expires_at"))
     owner = {"id": project["id"], "name": project["name"], "created_at": project["created_at"],
              "role": "member"}
     return {"object": "organization.project.api_key", "id": key_digest, "name": f.get("name") or prefix,
-            "redacted_value": prefix + "...", "created_at": created, "last_used_at": None, "expires_at": None,
+            "redacted_value": prefix + "...", "created_at": created, "last_used_at": None,
+            "expires_at": None if expires is None else int(expires),
             "owner": {"type": "service_account", "service_account": owner, "user": None},
             "owner_project_access": "active" if project["status"] == "active" else "inactive"}
 

@@ -41,7 +41,7 @@ _ERROR_STATUSES = {
     "400": "Invalid request: malformed JSON, a field of the wrong type or range (`param` names it), "
            "token ids outside the vocabulary, or `context_length_exceeded`.",
     "401": "Missing, unknown or revoked API key, or a disabled tenant (`invalid_api_key`).",
-    "403": "The key's tenant may not use this model (`model_not_allowed`).",
+    "403": "The key or its tenant may not use this model (`model_not_allowed`).",
     "404": "Unknown model (`model_not_found`).",
     "408": "The request body did not arrive within the body timeout (`request_timeout`).",
     "413": "The request body is over the size limit (`request_too_large`).",

@@ -189,9 +189,9 @@ class CarryOn:
     async def _prepare(self, record: CarryRecord) -> Prepared:
         """The request again, as its first gateway prepared it (the same ids and creation time)."""
         svc = self.service
-        tenant = await svc.tenants.tenant(record.tenant)
-        if tenant is None or not tenant.active or (
-                record.key_digest and await svc.tenants.key_owner(record.key_digest) != tenant.name):
+        tenant = await (svc.tenants.key_tenant(record.key_digest) if record.key_digest
+                        else svc.tenants.tenant(record.tenant))  # the key's model scope applies again
+        if tenant is None or not tenant.active or tenant.name != record.tenant:
             raise ApiError(403, "The stream's tenant or key is no longer active.", "permission_error")
         req = self.parsers[record.api](record.body)
         await self.continue_previous(tenant, req)

@@ -115,8 +115,9 @@ def tenant_disabled() -> ApiError:
 
 
 def key_revoked() -> ApiError:
-    """Ends the in-flight requests of a revoked API key (an SSE error event once streaming)."""
-    return ApiError(401, "The API key of this request was revoked.", INVALID_REQUEST, code="api_key_revoked")
+    """Ends the in-flight requests of a revoked or expired API key (an SSE error event once streaming)."""
+    return ApiError(401, "The API key of this request was revoked or has expired.", INVALID_REQUEST,
+                    code="api_key_revoked")
 
 
 def lease_lost() -> ApiError:

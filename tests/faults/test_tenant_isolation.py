@@ -216,6 +216,23 @@ def test_revoked_key_streams_end_and_new_requests_401(fault_stack, rds):
     expect_error(refused[0], 401, "invalid_api_key", None)
 
 
+def test_expiring_key_streams_end_and_new_requests_401(fault_stack, rds):
+    """A key whose `expires_at` passes (an operator's HSET here) ends its in-flight streams like a revoked
+    one, within LIMIT_S, and its new requests get the unknown key's 401."""
+    key = fault_stack.stack.create_tenant("iso-x")
+
+    async def expire() -> float:
+        rds.hset(api_key_key(digest(key)), "expires_at", f"{time.time():.3f}")
+        return time.monotonic()
+
+    t0, results, refused = asyncio.run(_disable_during_streams(fault_stack, key, expire))
+    for chunks, error, ended in results:
+        assert error is not None and error["code"] == "api_key_revoked", error
+        assert chunks < 1900, "the stream ran to the end"
+        assert ended - t0 < LIMIT_S + 0.5, f"a stream ran {ended - t0:.2f}s after the expiry"
+    expect_error(refused[0], 401, "invalid_api_key", None)
+
+
 # After the disable test (file order), so its error events and 401s are in the logs scanned here.
 @pytest.fixture(scope="module")
 def all_keys(fault_stack: GatewayStack, disabled_key: str) -> list[str]:

@@ -144,7 +144,7 @@ async def test_directory_caches_and_shares_lookups(r, redis_url):
         await client.aclose()
     after = r.info("commandstats")
     calls = sum(after[c]["calls"] - before.get(c, {"calls": 0})["calls"]
-                for c in ("cmdstat_hget", "cmdstat_hgetall"))
+                for c in ("cmdstat_hmget", "cmdstat_hgetall"))
     assert calls == 2  # one key lookup + one config read for 50 concurrent authentications
 
 
@@ -161,13 +161,13 @@ class _SlowRedis:
     def __init__(self, client, delay_s: float) -> None:
         self.client, self.delay_s, self.running, self.peak, self.calls = client, delay_s, 0, 0, 0
 
-    async def hget(self, *args):
+    async def hmget(self, *args):
         self.running += 1
         self.calls += 1
         self.peak = max(self.peak, self.running)
         try:
             await asyncio.sleep(self.delay_s)
-            return await self.client.hget(*args)
+            return await self.client.hmget(*args)
         finally:
             self.running -= 1
 
@@ -186,9 +186,9 @@ class _SlowPipeline:
     def __init__(self, slow: _SlowRedis, pipe) -> None:
         self.slow, self.pipe, self.n = slow, pipe, 0
 
-    def hget(self, *args):
+    def hmget(self, *args):
         self.n += 1
-        self.pipe.hget(*args)
+        self.pipe.hmget(*args)
 
     async def execute(self):
         self.slow.running += self.n
@@ -220,9 +220,9 @@ async def test_unknown_key_flood_cannot_evict_known_keys(r, redis_url):
             store.revoke_key(r, key[:10])
         assert all([await directory.authenticate(k) is not None for k in keys])
         # an unknown key is remembered briefly too, apart from the known ones
-        before = r.info("commandstats").get("cmdstat_hget", {"calls": 0})["calls"]
+        before = r.info("commandstats").get("cmdstat_hmget", {"calls": 0})["calls"]
         assert await directory.authenticate(_unknown_key(199)) is None
-        assert r.info("commandstats")["cmdstat_hget"]["calls"] == before
+        assert r.info("commandstats")["cmdstat_hmget"]["calls"] == before
     finally:
         await client.aclose()
 
@@ -293,11 +293,11 @@ async def test_keys_of_the_wrong_shape_never_reach_redis(r, redis_url):
     client = async_client(redis_url)
     directory = TenantDirectory(client)
     try:
-        before = r.info("commandstats").get("cmdstat_hget", {"calls": 0})["calls"]
+        before = r.info("commandstats").get("cmdstat_hmget", {"calls": 0})["calls"]
         for bad in ("sy-wrong", "sy-" + "x" * 39, "sy-" + "x" * 41, "sy-" + "x" * 39 + "!", "xy-" + "x" * 40,
                     "sy-" + "é" * 40):
             assert await directory.authenticate(bad) is None
-        assert r.info("commandstats").get("cmdstat_hget", {"calls": 0})["calls"] == before
+        assert r.info("commandstats").get("cmdstat_hmget", {"calls": 0})["calls"] == before
         assert len(directory._unknown) == 0  # nor take a cache entry
     finally:
         await client.aclose()
