@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.priorities import Priority
-from common.trace_context import traceparent, tracer
 from router.disagg.prefill_target import Disaggregation, DisaggRule, member_role
 from router.links.client import WorkerError
 from router.links.membership import Member, Membership, StatsEvent, StatsListener
@@ -41,7 +40,7 @@ from router.placement.prefix import (
     prefix_key,
     token_count,
 )
-from worker.protocol import ErrorCode, OutItem, PrefillHint, SamplingParams
+from worker.protocol import ErrorCode, OutItem, SamplingParams
 
 FALLBACK_FAILOVER = "failover"
 DEFAULT_MAX_RESUMES = 2
@@ -256,7 +255,20 @@ class Router:
         span = key_span(req.tokens, req.stable_len, block_size=self.block_size,
                         max_tokens=self.route_prefix_tokens)
         matched = self.kv.matched(req.ns, req.tokens, self.policy.members | self.disagg.ids)
-        return Routed(req, key, span, matched, self._pick_in_class(key, req, frozenset(), span, matched))
+        choice = self._pick_in_class(key, req, frozenset(), span, matched)
+        # counted at once: the next request routed before this one's stream starts sees its load
+        self.loads.add(choice.worker_id, req.rid, req.cost, self.membership.clock(),
+                       self._predicted_cached(choice.worker_id, key, matched))
+        return Routed(req, key, span, matched, choice)
+
+    def release(self, routed: Routed) -> None:
+        """End a routed request's load accounting if its stream never started (idempotent)."""
+        self._settle(routed.choice.worker_id, routed.req.rid, 0)
+
+    def _predicted_cached(self, wid: str, key: bytes | None, matched: dict[str, int]) -> int:
+        """The prompt tokens the worker reported holding; else those this gateway sent it (not reported)."""
+        reported = matched.get(wid)
+        return reported if reported is not None else self.holders.expected_cached(wid, key)
 
     async def stream(self, routed: Routed | RouteRequest) -> AsyncIterator[OutItem]:
         """Yield the request's chunks from its routed worker (a RouteRequest is routed first); raises
@@ -265,6 +277,7 @@ class Router:
             routed = self.route(routed)
         req, key, span, matched = routed.req, routed.key, routed.span, routed.matched
         first_choice: Choice | None = routed.choice
+        accounted = True  # `route` counted its load
         exclude: frozenset[str] = frozenset()
         failed: WorkerError | None = None
         # tokens the consumer has seen: a resumed attempt carries on after them
@@ -279,7 +292,8 @@ class Router:
                 raise
             first_choice = None
             started = False
-            attempt = self._attempt(choice, req, key, span, matched, streamed)
+            attempt = self._attempt(choice, req, key, span, matched, streamed, accounted)
+            accounted = False
             try:
                 # aclosing: a consumer that stops early closes us, and we close the attempt at once
                 async with contextlib.aclosing(attempt) as chunks:
@@ -312,17 +326,17 @@ class Router:
                     exclude = exclude | {choice.worker_id}
 
     async def _attempt(self, choice: Choice, req: RouteRequest, key: bytes | None, span: int,
-                       matched: dict[str, int], streamed: list[int]) -> AsyncIterator[OutItem]:
+                       matched: dict[str, int], streamed: list[int],
+                       accounted: bool) -> AsyncIterator[OutItem]:
         wid = choice.worker_id
         m = self.membership
         client = m.client(wid)
         loads, holders = self.loads, self.holders
         loop = asyncio.get_running_loop()
         hard_deadline = loop.time() + self._time_left(req)
-        # what the worker reported holding; else what this gateway sent it (learned, in flight, unreported)
-        reported = matched.get(wid)
-        predicted = reported if reported is not None else holders.expected_cached(wid, key)
-        loads.add(wid, req.rid, req.cost, m.clock(), predicted)
+        predicted = self._predicted_cached(wid, key, matched)
+        if not accounted:  # `route` counted the first choice's load
+            loads.add(wid, req.rid, req.cost, m.clock(), predicted)
         # Once this request is prefilled the worker holds its prefix: a request with the same key sent
         # there meanwhile waits for those pages instead of recomputing them (DESIGN.md, worker engine).
         holders.remember(wid, key, span)
@@ -334,7 +348,8 @@ class Router:
         stream = client.generate(req.rid, req.ns, tokens, req.sampling, req.priority, req.deadline,
                                  fkey=req.fkey, weight=req.weight, resumed=len(streamed), prefill=hint,
                                  ttft_deadline=0.0 if streamed else req.ttft_deadline,
-                                 traceparent=_route_span(choice, predicted, len(streamed), hint))
+                                 traceparent=routing_metrics.route_span(choice, predicted, len(streamed),
+                                                                        hint))
         first = True
         cached = 0
         try:
@@ -383,18 +398,3 @@ class Router:
         if req.deadline <= 0:
             return self.max_stream_seconds
         return max(0.0, min(req.deadline - time.time() + DEADLINE_GRACE_S, self.max_stream_seconds))
-
-
-def _route_span(choice: Choice, predicted: int, resumed: int, hint: PrefillHint | None) -> str:
-    """Record the routing decision as a span (a child of the request's) and return its `traceparent` for the
-    worker's spans; "" when tracing is off."""
-    tr = tracer("switchyard.router")
-    if tr is None:
-        return ""
-    span = tr.start_span("route", attributes={
-        "switchyard.worker": choice.worker_id, "switchyard.route.reason": choice.fallback or "home",
-        "switchyard.route.predicted_cached_tokens": predicted, "switchyard.route.resumed_tokens": resumed})
-    if hint is not None:
-        span.set_attribute("switchyard.route.prefill_worker", hint.worker_id)
-    span.end()
-    return traceparent(span)

@@ -175,6 +175,7 @@ class GatewayService:
                 deadline=time.time() + self.config.request_timeout_s, cache_key=p.req.prompt_cache_key,
                 fkey=fairness_key(p.tenant.name, self.router.secret), weight=p.tenant.weight,
                 ttft_deadline=deadlines.worker_deadline(p)))
+            stack.callback(target.router.release, routed)  # after the stream closes: a stream never started
             chunks = target.router.stream(routed)
             stack.push_async_callback(_aclose, chunks)
         except BaseException:
@@ -198,12 +199,14 @@ class GatewayService:
             for i, ids in enumerate(p.prompts):
                 for j in range(p.req.n):
                     index = i * p.req.n + j
-                    chunks = target.router.stream(self._route(target.router, ticket, RouteRequest(
+                    routed = self._route(target.router, ticket, RouteRequest(
                         rid=p.shape.id if index == 0 else f"{p.shape.id}-{index}", ns=p.ns, tokens=ids,
                         cost=len(ids) + p.max_tokens, sampling=self._sampling(p, sibling_seed(p.req.seed, j)),
                         stable_len=p.stable_len if i == 0 else None, priority=p.priority, deadline=deadline,
                         cache_key=p.req.prompt_cache_key, fkey=fkey, weight=p.tenant.weight,
-                        ttft_deadline=deadlines.worker_deadline(p))))
+                        ttft_deadline=deadlines.worker_deadline(p)))
+                    stack.callback(target.router.release, routed)
+                    chunks = target.router.stream(routed)
                     stack.push_async_callback(_aclose, chunks)
                     gens.append(Generation(target.model, p, chunks, AsyncExitStack(), usage, headers,
                                            self.config.first_token_timeout_s, ticket, tenants=self.tenants))

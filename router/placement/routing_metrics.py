@@ -11,6 +11,10 @@ import contextlib
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from common.trace_context import traceparent, tracer
+from router.placement.policy import Choice
+from worker.protocol import PrefillHint
+
 REQUESTS = Counter(
     "switchyard_router_requests",
     "Requests dispatched to each worker (failover re-sends included)", ["worker"]
@@ -90,3 +94,18 @@ def forget_worker(worker_id: str) -> None:
     for metric in _PER_WORKER:
         with contextlib.suppress(KeyError):
             metric.remove(worker_id)
+
+
+def route_span(choice: Choice, predicted: int, resumed: int, hint: PrefillHint | None) -> str:
+    """Record the routing decision as a span (a child of the request's) and return its `traceparent` for the
+    worker's spans; "" when tracing is off."""
+    tr = tracer("switchyard.router")
+    if tr is None:
+        return ""
+    span = tr.start_span("route", attributes={
+        "switchyard.worker": choice.worker_id, "switchyard.route.reason": choice.fallback or "home",
+        "switchyard.route.predicted_cached_tokens": predicted, "switchyard.route.resumed_tokens": resumed})
+    if hint is not None:
+        span.set_attribute("switchyard.route.prefill_worker", hint.worker_id)
+    span.end()
+    return traceparent(span)

@@ -340,3 +340,19 @@ async def test_untraced_request_sends_no_traceparent() -> None:
         await asyncio.wait_for(collect(router, req), 10)
     (sent,) = a.requests
     assert sent.traceparent == ""
+
+
+async def test_requests_routed_before_their_streams_start_spread_by_load() -> None:
+    """`route` counts the load at once: requests routed back to back (their streams not started yet, as the
+    gateway routes at admission) do not all pick the same least-loaded worker."""
+    async with setup("ok", "ok") as (router, _, a, b):
+        routed = [router.route(RouteRequest(rid=f"k{i}", ns=NS, tokens=[7, 8, 9], cost=40,
+                                            sampling=SamplingParams(max_tokens=3))) for i in range(8)]
+        picked = [r.choice.worker_id for r in routed]
+        assert picked.count(a.endpoint) == picked.count(b.endpoint) == 4, picked
+        for r in routed[:4]:  # streamed to the end: released by the stream
+            async with contextlib.aclosing(router.stream(r)) as chunks:
+                assert [t async for c in chunks for t in c.tokens] == [1, 2, 3]
+        for r in routed:  # the rest never started: released here; twice is harmless
+            router.release(r)
+        assert no_inflight(router)
