@@ -6,12 +6,12 @@ one gateway and a private Redis. First the unloaded TTFT p50 (requests one at a 
 largest of 4x the unloaded TTFT p50, 2x the unloaded request's length and `--slo-floor-ms`). Then open-loop
 Poisson at `--overload` x capacity for `--seconds`, twice on the same stack: tenant `on` (its `ttft_slo_ms`
 and every request's `x-switchyard-ttft-slo-ms` are the target) and tenant `off` (no target; attainment is
-computed against the same target). Streaming
-completions of seeded token prompts (`--prompt-min`..`--prompt-max` tokens) and `--max-tokens` each. Per arm:
-admitted, shed (503 ttft_slo_unattainable; other 429/503), errors, `slo_attainment` (admitted requests whose
-client-measured TTFT <= target / admitted), `shed_frac`, TTFT p50/p99 of admitted, and the gateway's
-`switchyard_ttft_slo_total` outcomes. Targets: attainment >= 0.95 with deadlines, 0 errors in either arm;
-exits 1 when one is missed (`--no-targets`: 0).
+computed against the same target). Streaming completions of seeded token prompts
+(`--prompt-min`..`--prompt-max` tokens) and `--max-tokens` each. Per arm: admitted, shed (503
+ttft_slo_unattainable; other 429/503), errors, `slo_attainment` (admitted requests whose client-measured TTFT
+<= target / admitted), how late the latest admitted request was (`missed_late_max_ms`), `shed_frac`, TTFT
+p50/p99 of admitted, and the gateway's `switchyard_ttft_slo_total` outcomes. Targets: attainment >= 0.95 with
+deadlines, 0 errors in either arm; exits 1 when one is missed (`--no-targets`: 0).
 
     .venv/bin/python -m bench.batch_slo --json
 """
@@ -159,6 +159,8 @@ def arm_summary(records: list[dict], slo_ms: float, wall: float) -> dict:
             "error_samples": errors[:3],
             "slo_attainment": round(within / len(admitted), 4) if admitted else None,
             "missed_admitted": len(admitted) - within,
+            "missed_late_max_ms": round(max((t * 1e3 - slo_ms for t in ttft), default=0.0), 1)
+            if within < len(admitted) else 0.0,
             "shed_frac": round((shed_slo + len(shed_other)) / len(records), 4) if records else None,
             "ttft_p50_ms": stats["p50"], "ttft_p99_ms": stats["p99"],
             "admitted_per_s": round(len(admitted) / wall, 3) if wall else None, "wall_s": round(wall, 2)}
