@@ -4,7 +4,6 @@ from, then the worker's continuation (the prompt plus those tokens), under the r
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from typing import Any
@@ -12,7 +11,6 @@ from typing import Any
 from admission import Reservation
 from gateway.flow.generation import Generation, Prepared
 from gateway.openai.bodies import Usage
-from router import RouteRequest, fairness_key
 from worker.protocol import OutItem
 
 FINISHES = {1: "stop", 2: "length"}
@@ -69,12 +67,8 @@ async def start_carried(svc: Any, p: Prepared, reservation: Reservation | None, 
             stack.push_async_callback(lambda: money.settle(hold, True, usage.prompt_tokens,
                                                            usage.cached_tokens, usage.completion_tokens))
         streamed = [t for tokens, _ in logged for t in tokens]
-        route = RouteRequest(
-            rid=f"{p.shape.id}-c{secrets.token_hex(3)}", ns=p.ns, tokens=p.prompt_ids,
-            cost=usage.prompt_tokens + p.max_tokens, sampling=svc._sampling(p), stable_len=p.stable_len,
-            priority=p.priority, deadline=time.time() + svc.config.request_timeout_s,
-            cache_key=p.req.prompt_cache_key, fkey=fairness_key(p.tenant.name, svc.router.secret),
-            weight=p.tenant.weight, streamed=streamed, first_cached=first_cached)
+        route = svc.route_request(p, streamed=streamed, first_cached=first_cached)
+        route.rid = f"{p.shape.id}-c{secrets.token_hex(3)}"  # the lost gateway's may still be on a worker
         chunks = replayed_then_live(route.rid, logged, first_cached, p.max_tokens,
                                     lambda: target.router.stream(route))
         stack.push_async_callback(chunks.aclose)

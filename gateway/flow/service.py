@@ -168,13 +168,8 @@ class GatewayService:
         headers: dict[str, str] = {VERSION_HEADER: target.key}
         try:
             ticket = await self._gate(stack, p, usage, headers)
-            routed = self._route(target.router, ticket, RouteRequest(
-                # the response id is unique; a client-chosen x-request-id need not be
-                rid=p.shape.id, ns=p.ns, tokens=p.prompt_ids, cost=usage.prompt_tokens + p.max_tokens,
-                sampling=self._sampling(p), stable_len=p.stable_len, priority=p.priority,
-                deadline=time.time() + self.config.request_timeout_s, cache_key=p.req.prompt_cache_key,
-                fkey=fairness_key(p.tenant.name, self.router.secret), weight=p.tenant.weight,
-                ttft_deadline=deadlines.worker_deadline(p)))
+            routed = self._route(target.router, ticket,
+                                 self.route_request(p, ttft_deadline=deadlines.worker_deadline(p)))
             stack.callback(target.router.release, routed)  # after the stream closes: a stream never started
             chunks = target.router.stream(routed)
             stack.push_async_callback(_aclose, chunks)
@@ -183,6 +178,15 @@ class GatewayService:
             raise
         return Generation(target.model, p, chunks, stack, usage, headers, self.config.first_token_timeout_s,
                           ticket, tenants=self.tenants)
+
+    def route_request(self, p: Prepared, **extra: Any) -> RouteRequest:
+        """What the router gets for `p`'s single stream (`extra`: more RouteRequest fields)."""
+        # the response id is unique; a client-chosen x-request-id need not be
+        return RouteRequest(
+            rid=p.shape.id, ns=p.ns, tokens=p.prompt_ids, cost=len(p.prompt_ids) + p.max_tokens,
+            sampling=self._sampling(p), stable_len=p.stable_len, priority=p.priority,
+            deadline=time.time() + self.config.request_timeout_s, cache_key=p.req.prompt_cache_key,
+            fkey=fairness_key(p.tenant.name, self.router.secret), weight=p.tenant.weight, **extra)
 
     async def start_group(self, p: Prepared) -> GenerationGroup:
         """Admit once for every choice (prompts once, n x max_tokens each) and open one worker stream per

@@ -127,7 +127,8 @@ class BackgroundRuns:
                     delta = await gen.next()
             status = final_status(finish)
         except StreamTaken:
-            return  # another gateway carries it on, stores how it ends and settles it (`on_close` aborts)
+            gen.hand_over()  # another gateway carries it on, stores how it ends and settles it
+            return  # (`on_close` only aborts)
         except BaseException as exc:  # noqa: BLE001 - each way a run ends is stored
             status, error = self._ended(run, exc)
         finally:
@@ -136,7 +137,7 @@ class BackgroundRuns:
         await self._save_final(gen, status, parts, deadline, finish, error)
 
     async def carry_on(self, gen: Generation, first: Delta | None, trace: RequestTrace,
-                       sink: Callable[[bytes], None], deadline: float) -> None:
+                       sink: Callable[[bytes], object], deadline: float) -> None:
         """Run a background run on here whose gateway was lost (`gateway.streams.carry_on`): its events go to
         `sink`; it is cancellable from any gateway as the runs started here are; its end is stored."""
         p = gen.prepared
@@ -150,6 +151,7 @@ class BackgroundRuns:
             finish = await run_events(gen, first, trace, parts, sink)
             status = final_status(finish)
         except StreamTaken:
+            gen.hand_over()
             return
         except BaseException as exc:  # noqa: BLE001 - each way a run ends is stored
             status, error = self._ended(run, exc)

@@ -5,12 +5,13 @@ streamed response sends (`gateway.responses.response_events`)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.responses.response_events import stream_events
 from gateway.streams.carry_record import carry_record
-from gateway.streams.event_log import RUNS_KEY, EventLogs, StreamTaken, run_member
+from gateway.streams.event_log import RUNS_KEY, EventLogs, run_member
 from gateway.web.api_errors import ApiError
 
 if TYPE_CHECKING:
@@ -47,9 +48,10 @@ async def _stored(body: dict) -> bool:
 
 
 async def run_events(gen: Generation, first: Delta | None, trace: Any, parts: list[str],
-                     sink: Callable[[bytes], None]) -> str | None:
+                     sink: Callable[[bytes], object]) -> str | None:
     """Drive a background run to its end through the stream events, each handed to `sink` (which raises
-    `StreamTaken` when another gateway carries the run on); its text goes into `parts`. Its finish reason;
+    `StreamTaken` when another gateway carries the run on: its caller hands the generation over); its text
+    goes into `parts`. Its finish reason;
     the API error that ended it is raised again."""
     rec = _Recorder(gen, parts)
     rec.record(first)
@@ -72,16 +74,9 @@ async def logged_run(logs: EventLogs, gen: Generation, first: Delta | None, trac
     if record is not None:
         with contextlib.suppress(Exception):  # not listed: no gateway carries it on if this one is lost
             await logs.redis.zadd(RUNS_KEY, {member: deadline})
-
-    def sink(data: bytes) -> None:
-        logs.append(stream, data)
-        if stream.taken:
-            gen.hand_over()  # the gateway that carries it on settles it
-            raise StreamTaken(p.shape.id)
-
     whole = False
     try:
-        finish = await run_events(gen, first, trace, parts, sink)
+        finish = await run_events(gen, first, trace, parts, functools.partial(logs.append_or_stop, stream))
         whole = True
         return finish
     finally:

@@ -151,9 +151,7 @@ class CarryOn:
             if seen == logged.events + 1:
                 log.info("stream %s: its first new event %.0f ms after the claim", record.stream_id,
                          1000 * (time.monotonic() - claimed))
-            self.logs.append(stream, data)
-            if stream.taken:
-                raise StreamTaken(record.stream_id)
+            self.logs.append_or_stop(stream, data)
 
         try:
             prepared = await self._prepare(record)

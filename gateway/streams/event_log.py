@@ -178,6 +178,13 @@ class EventLogs:
                     self._kick.set()
         return seq
 
+    def append_or_stop(self, stream: StreamLog, data: bytes) -> int:
+        """`append`, then raise `StreamTaken` if another gateway carries the stream on now."""
+        seq = self.append(stream, data)
+        if stream.taken:
+            raise StreamTaken(stream.stream_id)
+        return seq
+
     @staticmethod
     def _log_tokens(stream: StreamLog, source: TokenSource) -> None:
         """The tokens consumed since the last event, and the finish once it appears, go with this event."""
