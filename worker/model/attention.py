@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker.kernels import cascade
 from worker.kvcache import quant
 from worker.kvcache.tensors import KVCache
 
@@ -69,6 +70,7 @@ class TorchMeta:
     decode_lens: torch.Tensor | None = None  # [B] int64 (C++ kernel path)
     # tables, q_lens, ctx_lens (C++ path)
     prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    cascades: list[cascade.CascadeGroup] | None = None  # SDPA path: chunks that share a cached prefix
 
 
 class TorchAttention:
@@ -113,10 +115,16 @@ class TorchAttention:
                        torch.tensor(lay.prefill_q, dtype=torch.int64),
                        torch.tensor(lay.prefill_ctx, dtype=torch.int64))
             return TorchMeta(lay.slot_mapping, lay.num_decode, pages, mask, length, [], tables, lens, prefill)
+        starts = _cumsum([lay.num_decode, *lay.prefill_q])[:-1]
+        groups, taken = [], set()
+        if cascade.available(device):
+            groups, taken = cascade.plan(lay.prefill_tables, lay.prefill_q, lay.prefill_ctx, starts, bs)
         chunks = []
-        row = lay.num_decode
         offs = torch.arange(bs)
-        for table, q_len, ctx_len in zip(lay.prefill_tables, lay.prefill_q, lay.prefill_ctx, strict=True):
+        for i, (table, q_len, ctx_len) in enumerate(zip(lay.prefill_tables, lay.prefill_q, lay.prefill_ctx,
+                                                        strict=True)):
+            if i in taken:
+                continue
             ctx_slots = cmask = None
             if ctx_len != q_len:
                 n_pages = -(-ctx_len // bs)
@@ -124,9 +132,9 @@ class TorchAttention:
                 ctx_slots = (pt[:, None] * bs + offs[None, :]).view(-1)[:ctx_len].to(device)
                 past = ctx_len - q_len
                 cmask = (torch.arange(ctx_len)[None, :] <= past + torch.arange(q_len)[:, None]).to(device)
-            chunks.append(_Chunk(row, q_len, ctx_slots, cmask))
-            row += q_len
-        return TorchMeta(lay.slot_mapping, lay.num_decode, pages, mask, length, chunks, tables, lens)
+            chunks.append(_Chunk(starts[i], q_len, ctx_slots, cmask))
+        return TorchMeta(lay.slot_mapping, lay.num_decode, pages, mask, length, chunks, tables, lens,
+                         cascades=groups)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVCache, meta: TorchMeta) -> torch.Tensor:
@@ -151,6 +159,9 @@ class TorchAttention:
         for ch in meta.chunks:
             rows = slice(ch.start, ch.start + ch.q_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kc, vc, ch)
+        for group in meta.cascades or ():
+            out.index_copy_(0, group.rows, cascade.attend(group, q, lambda s: kc.index_select(1, s),
+                                                          lambda s: vc.index_select(1, s), self.scale))
         return out.view(q.shape[0], -1)
 
     def _forward_int8(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache,
@@ -184,6 +195,10 @@ class TorchAttention:
             kh = quant.dequantize_slots(kc, ks, slots, bs, q.dtype)
             vh = quant.dequantize_slots(vc, vs, slots, bs, q.dtype)
             out[rows] = self._sdpa(q[rows], kh, vh, ch.mask)
+        for group in meta.cascades or ():
+            out.index_copy_(0, group.rows, cascade.attend(
+                group, q, lambda s: quant.dequantize_slots(kc, ks, s, bs, q.dtype),
+                lambda s: quant.dequantize_slots(vc, vs, s, bs, q.dtype), self.scale))
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bs: int,
