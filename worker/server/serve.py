@@ -18,6 +18,7 @@ from worker.protocol import ErrorCode, GenRequest, OutItem, RequestError, Sampli
 from worker.server.disagg.decode_side import DecodeSide
 from worker.server.disagg.prefill_links import PrefillLinks
 from worker.server.disagg.prefill_side import PrefillSide
+from worker.server.process import arrivals
 from worker.server.process.drain import DRAIN_EXPIRED_MESSAGE, DRAINING_MESSAGE, HANDOFF_MESSAGE, Drain
 from worker.server.process.inflight import InFlight, InFlightTable
 from worker.server.process.kv_publisher import KvEventPublisher, server_publisher
@@ -142,6 +143,8 @@ class WorkerServer:
                 if engine.has_work():  # only compiles pending: look again soon
                     wait_s = min(wait_s, COMPILE_POLL_S)
                 self._drain_socket(poller, int(wait_s * 1000) + 1)
+                if engine.ready():  # it was idle: a burst shares its first step
+                    arrivals.gather(poller, lambda: self._drain_socket(poller, 0))
             now = time.monotonic()
             if now >= self._next_housekeeping:
                 self._housekeeping(now)
