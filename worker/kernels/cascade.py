@@ -66,24 +66,31 @@ def _common_pages(tables: list[list[int]], limit: int) -> int:
     return n
 
 
-def _slots(table: list[int], begin: int, end: int, bs: int) -> torch.Tensor:
+def page_slots(pages: torch.Tensor, bs: int) -> torch.Tensor:
+    """Every slot of `pages`, page after page."""
+    return (pages[:, None] * bs + torch.arange(bs, device=pages.device)).view(-1)
+
+
+def token_slots(table: list[int], begin: int, end: int, bs: int) -> torch.Tensor:
     """Cache slots of tokens [begin, end) of a sequence with pages `table`."""
-    pages = torch.tensor(table[begin // bs:-(-end // bs)], dtype=torch.int64)
-    slots = (pages[:, None] * bs + torch.arange(bs)[None, :]).view(-1)
-    off = begin - (begin // bs) * bs
-    return slots[off:off + end - begin]
+    first = begin // bs
+    slots = page_slots(torch.tensor(table[first:-(-end // bs)], dtype=torch.int64), bs)
+    return slots[begin - first * bs:end - first * bs]
+
+
+def visible(past: int, q_len: int, begin: int, end: int) -> torch.Tensor:
+    """[q_len, end - begin] bool: the keys [begin, end) each token of a chunk after `past` may attend to."""
+    return torch.arange(begin, end)[None, :] <= past + torch.arange(q_len)[:, None]
 
 
 def _group(chunks: list[tuple[int, int, int, list[int]]], shared: int, bs: int) -> CascadeGroup:
     members = []
     for start, q_len, ctx, table in chunks:
-        past = ctx - q_len
-        keys = torch.arange(shared, ctx)[None, :]
-        allowed = keys <= past + torch.arange(q_len)[:, None]
+        allowed = visible(ctx - q_len, q_len, shared, ctx)
         mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
-        members.append(Member(start, q_len, _slots(table, shared, ctx, bs), mask))
+        members.append(Member(start, q_len, token_slots(table, shared, ctx, bs), mask))
     rows = torch.cat([torch.arange(m.start, m.start + m.q_len) for m in members])
-    return CascadeGroup(_slots(chunks[0][3], 0, shared, bs), rows, members)
+    return CascadeGroup(token_slots(chunks[0][3], 0, shared, bs), rows, members)
 
 
 def attend(group: CascadeGroup, q: torch.Tensor, gather_k: Gather, gather_v: Gather,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,7 @@ class TorchMeta:
     decode_lens: torch.Tensor | None = None  # [B] int64 (C++ kernel path)
     # tables, q_lens, ctx_lens (C++ path)
     prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    cascades: list[cascade.CascadeGroup] | None = None  # SDPA path: chunks that share a cached prefix
+    cascades: list[cascade.CascadeGroup] = field(default_factory=list)  # SDPA path: chunks sharing a prefix
 
 
 class TorchAttention:
@@ -120,18 +120,14 @@ class TorchAttention:
         if cascade.available(device):
             groups, taken = cascade.plan(lay.prefill_tables, lay.prefill_q, lay.prefill_ctx, starts, bs)
         chunks = []
-        offs = torch.arange(bs)
         for i, (table, q_len, ctx_len) in enumerate(zip(lay.prefill_tables, lay.prefill_q, lay.prefill_ctx,
                                                         strict=True)):
             if i in taken:
                 continue
             ctx_slots = cmask = None
             if ctx_len != q_len:
-                n_pages = -(-ctx_len // bs)
-                pt = torch.tensor(table[:n_pages], dtype=torch.int64)
-                ctx_slots = (pt[:, None] * bs + offs[None, :]).view(-1)[:ctx_len].to(device)
-                past = ctx_len - q_len
-                cmask = (torch.arange(ctx_len)[None, :] <= past + torch.arange(q_len)[:, None]).to(device)
+                ctx_slots = cascade.token_slots(table, 0, ctx_len, bs).to(device)
+                cmask = cascade.visible(ctx_len - q_len, q_len, 0, ctx_len).to(device)
             chunks.append(_Chunk(starts[i], q_len, ctx_slots, cmask))
         return TorchMeta(lay.slot_mapping, lay.num_decode, pages, mask, length, chunks, tables, lens,
                          cascades=groups)
@@ -159,7 +155,7 @@ class TorchAttention:
         for ch in meta.chunks:
             rows = slice(ch.start, ch.start + ch.q_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kc, vc, ch)
-        for group in meta.cascades or ():
+        for group in meta.cascades:
             out.index_copy_(0, group.rows, cascade.attend(group, q, lambda s: kc.index_select(1, s),
                                                           lambda s: vc.index_select(1, s), self.scale))
         return out.view(q.shape[0], -1)
@@ -181,7 +177,7 @@ class TorchAttention:
             out[:b] = self.int8.decode(q[:b], kc, vc, ks, vs, meta.decode_tables, meta.decode_lens, bs,
                                        self.scale)
         elif b:
-            slots = _page_slots(meta.decode_pages, bs)
+            slots = cascade.page_slots(meta.decode_pages, bs)
             shape = (self.kvh, b, meta.decode_len, self.hd)
             out[:b] = self._decode_gathered(q[:b],
                                             quant.dequantize_slots(kc, ks, slots, bs, q.dtype).view(shape),
@@ -195,7 +191,7 @@ class TorchAttention:
             kh = quant.dequantize_slots(kc, ks, slots, bs, q.dtype)
             vh = quant.dequantize_slots(vc, vs, slots, bs, q.dtype)
             out[rows] = self._sdpa(q[rows], kh, vh, ch.mask)
-        for group in meta.cascades or ():
+        for group in meta.cascades:
             out.index_copy_(0, group.rows, cascade.attend(
                 group, q, lambda s: quant.dequantize_slots(kc, ks, s, bs, q.dtype),
                 lambda s: quant.dequantize_slots(vc, vs, s, bs, q.dtype), self.scale))
@@ -234,11 +230,6 @@ class TorchAttention:
         o = F.scaled_dot_product_attention(qh, kh[None], vh[None], attn_mask=mask, is_causal=mask is None,
                                            scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1)
-
-
-def _page_slots(pages: torch.Tensor, bs: int) -> torch.Tensor:
-    """Every slot of `pages`, page after page."""
-    return (pages[:, None] * bs + torch.arange(bs, device=pages.device)).view(-1)
 
 
 @dataclass(slots=True)
