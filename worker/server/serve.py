@@ -13,7 +13,7 @@ import zmq
 from common.worker_registry import Registration
 from worker import protocol as proto
 from worker.engine.core import Engine
-from worker.kvcache.events import KvPromises, kv_report
+from worker.kvcache.events import KvPromises
 from worker.protocol import ErrorCode, GenRequest, OutItem, RequestError, SamplingParams
 from worker.server.disagg.decode_side import DecodeSide
 from worker.server.disagg.prefill_links import PrefillLinks
@@ -26,7 +26,7 @@ from worker.server.process.link_auth import LinkAuth
 from worker.server.process.memory import MemoryReport, TrimSchedule
 from worker.server.process.registry import Registrar
 from worker.server.process.server_config import ServerConfig, advertised_endpoint
-from worker.server.process.stats_pulse import StatsPulse
+from worker.server.process.stats_pulse import StatsPulse, stats_frame
 from worker.server.telemetry.worker_metrics import DISAGG_FALLBACKS, WorkerMetrics
 from worker.server.telemetry.worker_spans import RequestSpans
 
@@ -381,16 +381,9 @@ class WorkerServer:
 
     def _stats_frame(self, snapshot: bool = False) -> bytes:
         """Stats with the next batch of block changes; `snapshot`: with every block held (one gateway's)."""
-        s, e = self.engine.stats(), self.engine
         if self._promises is not None:
             self._promises.settle(lambda rid: self.table.get(rid) is not None)
-        kv = kv_report(e.cache, e.config.block_size, e.tokenizer_version, snapshot)
-        return proto.encode_stats(proto.WorkerStats(
-            worker_id=self.worker_id, queue=int(s.num_waiting), running=int(s.num_running),
-            kv_free=int(s.kv_free_tokens), kv_total=int(s.kv_total_tokens), draining=self.drain.active,
-            model=str(e.model_id), version=proto.PROTOCOL_VERSION, kv=kv, role=self.config.role,
-            hit_rate=float(s.prefix_hit_rate), prefill_tps=s.prefill_tps, step_s=s.step_s,
-            prefill_backlog=s.prefill_backlog))
+        return stats_frame(self.engine, self.worker_id, self.drain.active, self.config.role, snapshot)
 
     def _send_stats(self) -> None:
         self._next_stats = time.monotonic() + self.config.stats_interval

@@ -1,4 +1,5 @@
-"""Keeps `stats` frames flowing while the server loop is inside one long engine step.
+"""`stats` frames: what one says of the engine, and a pulse that keeps them flowing while the server loop is
+inside one long engine step.
 
 Gateways count a silent worker as dead; a long CPU prefill chunk must not look like a crash.
 """
@@ -9,6 +10,23 @@ import threading
 import time
 
 import zmq
+
+from worker import protocol as proto
+from worker.engine.core import Engine
+from worker.kvcache.events import kv_report
+
+
+def stats_frame(engine: Engine, worker_id: str, draining: bool, role: str, snapshot: bool) -> bytes:
+    """The engine's load, cache and speed as a `stats` frame, with the next batch of block changes
+    (`snapshot`: every block held, for a gateway that just arrived)."""
+    s = engine.stats()
+    kv = kv_report(engine.cache, engine.config.block_size, engine.tokenizer_version, snapshot)
+    return proto.encode_stats(proto.WorkerStats(
+        worker_id=worker_id, queue=int(s.num_waiting), running=int(s.num_running),
+        kv_free=int(s.kv_free_tokens), kv_total=int(s.kv_total_tokens), draining=draining,
+        model=str(engine.model_id), version=proto.PROTOCOL_VERSION, kv=kv, role=role,
+        hit_rate=float(s.prefix_hit_rate), prefill_tps=s.prefill_tps, step_s=s.step_s,
+        prefill_backlog=s.prefill_backlog))
 
 
 class StatsPulse:
