@@ -11,44 +11,17 @@ import asyncio
 import json
 import multiprocessing as mp
 import re
-import shutil
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from admission.lua.scripts import RESERVE, SETTLE
 from bench.machine import add_no_targets, exit_code
+from config.local_stack.launcher import start_redis_server
 from tenancy import create_tenant, issue_key, revoke_key, sync_client
 
 TENANT = "bench"
 COST = 100  # prompt 40 + max_tokens 60; every request uses all of it (no refund), so the budget is exact
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_redis() -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server not found: install it (make redis-bin) or pass --redis-url")
-    port = _free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("redis-server did not start")
 
 
 def _worker(url: str, key: str, n: int, inflight: int, barrier, queue) -> None:
@@ -179,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     url = args.redis_url
     if url is None:
-        proc, url = _start_redis()
+        proc, url = start_redis_server()
     try:
         result = run(url, args.processes, args.requests, args.inflight, args.budget_tokens)
     finally:

@@ -16,8 +16,9 @@ import statistics
 import redis
 
 from admission.lua.scripts import RESERVE, SETTLE
-from bench.admission import COST, TENANT, _client_calls, _script_commands, _start_redis, spawn_workers
+from bench.admission import COST, TENANT, _client_calls, _script_commands, spawn_workers
 from bench.machine import add_no_targets, cpu_model, emit, machine_fields
+from config.local_stack.launcher import start_redis_server
 from config.local_stack.redis_cluster import RedisClusterProcs
 from tenancy import create_tenant, issue_key, sync_client
 from tenancy.schema import bucket_key, config_key, leases_key
@@ -84,7 +85,7 @@ def one_run(url: str, cluster: RedisClusterProcs | None, procs: int, requests: i
 
 
 def run(rounds: int, procs: int, requests: int, inflight: int, budget_tokens: int) -> dict:
-    single_proc, single_url = _start_redis()
+    single_proc, single_url = start_redis_server()
     cluster = RedisClusterProcs(primaries=3)
     try:
         cluster.start()

@@ -18,8 +18,6 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import shutil
-import subprocess
 import tempfile
 import time
 import urllib.parse
@@ -33,7 +31,7 @@ from admission.money.keys import micro_to_usd
 from admission.money.prices import set_price
 from bench.budgets_load import Load, Prices, admission_latency, usage_cost
 from bench.machine import cpu_model, emit, machine_fields
-from config.local_stack.launcher import GatewayProc, WorkerProc, free_port, wait_for_port
+from config.local_stack.launcher import GatewayProc, WorkerProc, start_redis_server, wait_for_port
 from config.local_stack.redis_cluster import RedisClusterProcs
 from tenancy import create_tenant, issue_key, sync_client
 from tenancy.apikeys import digest
@@ -42,18 +40,6 @@ ORG, PROJECTS, KEYS_PER_PROJECT = "bench", ("alpha", "beta"), 4
 PRICES = Prices(input="37.3", cached="12.1", output="151.7")  # USD per million tokens: fractional micro-USD
 TARGETS = {"overspend_usd": "== 0", "spend_mismatch_usd": "== 0", "per_request_mismatches": "== 0",
            "budget_utilization": ">= 0.95", "admission_p99_overhead_ms": "<= 1.0"}
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server not found: install it (make redis-bin)")
-    port = free_port()
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(workdir)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(port)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def set_up(url: str, budget_usd: str) -> tuple[list[tuple[str, str]], str, str]:
@@ -217,7 +203,7 @@ def figures(url: str, gateways: list[GatewayProc], load: Load, state: dict, budg
 def run_mode(mode: str, worker: WorkerProc, log_dir: Path, args: argparse.Namespace) -> dict:
     proc, cluster = None, None
     if mode == "single":
-        proc, url = start_redis(log_dir)
+        proc, url = start_redis_server()
     else:
         cluster = RedisClusterProcs(primaries=3)
         cluster.start()

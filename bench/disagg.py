@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 import time
@@ -42,24 +41,11 @@ from bench.machine import (
     pinned,
     serving_dtype,
 )
-from config.local_stack.launcher import GatewayProc, WorkerProc, free_port, wait_for_port
+from config.local_stack.launcher import GatewayProc, WorkerProc, free_port, start_redis_server
 
 ROLES = {"colocated": ("both", "both"), "disagg": ("prefill", "decode")}  # the workers on cores 0 and 1
 TARGETS = {"itl_p99_ratio_max": 0.5, "throughput_ratio_min": 0.9, "goodput_ratio_min": 1.3}
 READ_TIMEOUT_S = 300.0
-
-
-def start_redis(log_dir: Path) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server not found")
-    port = free_port()
-    with open(log_dir / "redis.log", "wb") as log:
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly",
-                                 "no", "--loglevel", "warning"], stdout=log, stderr=subprocess.STDOUT)
-    wait_for_port(port, 10.0)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def stop_proc(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -328,7 +314,7 @@ def run(args: argparse.Namespace) -> dict:
     slo = Slo(args.slo_ttft_short, args.slo_ttft_long_base, args.slo_ttft_long_per_token, args.slo_itl_p99)
     log_dir = Path(tempfile.mkdtemp(prefix="sy-disagg-bench-"))
     started = time.monotonic()
-    redis, url = start_redis(log_dir)
+    redis, url = start_redis_server(log_dir / "redis.log")
     try:
         from tenancy import tenant_with_new_key
 

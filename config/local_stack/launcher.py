@@ -68,6 +68,24 @@ def free_port() -> int:
     raise RuntimeError("no fresh loopback port after 64 tries")
 
 
+def redis_argv(binary: str, port: int) -> list[str]:
+    """A private redis-server on loopback that keeps nothing on disk."""
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--daemonize", "no", "--loglevel", "warning"]
+
+
+def start_redis_server(log_path: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """A private redis-server (`redis_argv`) on a fresh port, listening, and its URL (for benchmarks)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server not found: install it (make redis-bin)")
+    port = free_port()
+    with open(log_path or os.devnull, "ab") as log:
+        proc = subprocess.Popen(redis_argv(binary, port), stdout=log, stderr=subprocess.STDOUT)
+    wait_for_port(port, 10.0)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
 def wait_for_port(port: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -143,8 +161,7 @@ class Stack:
             raise RuntimeError("redis-server not found: install it (make run does) or set "
                                "SWITCHYARD_REDIS_URL")
         port = free_port()
-        self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"])
+        self._spawn("redis", redis_argv(binary, port))
         wait_for_port(port, 10.0)
         self.redis_url = f"redis://127.0.0.1:{port}/0"
 
