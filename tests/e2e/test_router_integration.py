@@ -32,6 +32,12 @@ def requests_to(worker_id: str) -> float:
     return REGISTRY.get_sample_value("switchyard_router_requests_total", {"worker": worker_id}) or 0.0
 
 
+def taken_by(membership: Membership, worker_id: str) -> int:
+    member = membership.member(worker_id)
+    stats = member.stats if member is not None else None
+    return stats.running + stats.queue if stats is not None else 0
+
+
 def make_request(rid: str, prefix: int, max_tokens: int = 24) -> RouteRequest:
     tokens = [1000 + 37 * prefix + i for i in range(64)] + [20000 + hash(rid) % 5000, 7, 8]
     return RouteRequest(rid=rid, ns=NS, tokens=tokens, cost=len(tokens) + max_tokens,
@@ -153,7 +159,8 @@ async def test_draining_worker_gets_no_new_requests(tmp_path: Path, redis_url: s
         # keep the drainer busy so that it stays up (draining) for a while
         busy = [asyncio.create_task(run_one(router, make_request(f"busy-{p}", p, max_tokens=160)))
                 for p in mine]
-        await membership.wait_until(lambda m: router.loads.inflight_count(drainer) >= 1, timeout=30)
+        # running there, not just sent: a drain that finds nothing running ends at once
+        await membership.wait_until(lambda m: taken_by(m, drainer) >= 1, timeout=30)
         procs[drainer].signal(signal.SIGTERM)
         # its next stats say so, after the step it is in: three workers share 2 vCPUs here (10 s ran out once)
         await membership.wait_until(lambda m: m.status(drainer) == "draining", timeout=30)

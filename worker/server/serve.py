@@ -151,6 +151,8 @@ class WorkerServer:
                 if self.drain.active and len(self.table) and self.drain.handoff_due(now):
                     self._end_all(ErrorCode.DRAINING, HANDOFF_MESSAGE, retryable=True)  # resumed elsewhere
                     return
+                if self.drain.active and len(self.table) == 0:
+                    self._drain_socket(poller, 0)  # frames sent before the drain get its refusal, not silence
                 if self.drain.active and (len(self.table) == 0 or self.drain.expired(now)):
                     self._end_all(ErrorCode.CAPACITY, DRAIN_EXPIRED_MESSAGE, retryable=True)
                     return
