@@ -48,14 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--device", help="auto, cpu, cuda or cuda:N")
     a("--quantization", choices=["none", "int8", "int4", "w8a8", "fp8", "auto"],
       help="weight quantization; w8a8 also quantizes prefill activations; fp8 needs CUDA compute capability "
-           "8.9+ (auto: the fastest mode passing the quality gate here; see README)")
+           "8.9+ (auto: none, since every 8-bit mode changes greedy answers; w8a8 with --kv-dtype int8 is "
+           "the CPU speed profile: docs/cpu-performance.md)")
     a("--attention", choices=["auto", "triton", "flash_attn", "torch", "torch_reference"],
       help="attention backend (auto: flash_attn on CUDA where installed and the page size fits, else triton "
            "on CUDA; torch on CPU)")
     a("--kv-dtype", choices=["auto", "model", "int8", "fp8"],
       help="KV cache pages: model (the model's dtype), int8 (8-bit with per page and head scales: ~2x the "
-           "tokens per byte; CPU) or auto (default: int8 on CPU with the C++ kernels, else model); fp8 is "
-           "refused")
+           "tokens per byte) or auto (default: model); fp8 is refused")
     a("--kv-host-bytes", type=int,
       help="KV tier in host RAM for pages the prefix cache evicts (default: 1/8 of available memory; 0: off)")
     a("--kv-disk-dir", help="KV tier on disk under this directory (default: none)")

@@ -56,7 +56,7 @@ class WorkerSettings(BaseModel):
     quantization: Literal["none", "int8", "int4", "w8a8", "fp8", "auto"] = "auto"
     # attention backend (worker.model.backends.choose_backend); None keeps the engine's default (auto)
     attention: Literal["auto", "triton", "flash_attn", "torch", "torch_reference"] | None = None
-    # KV cache pages (worker.model.kv_dtype; auto: int8 on CPU with the C++ kernels, else the model dtype);
+    # KV cache pages (worker.model.kv_dtype; auto: the model dtype, int8 is asked for);
     # fp8 is refused at startup with the reason
     kv_dtype: Literal["auto", "model", "int8", "fp8"] = "auto"
     # KV tiers below the prefix cache (worker.kvcache.tiers); None keeps the engine's default (host RAM: auto)

@@ -47,8 +47,8 @@ class EngineConfig:
     quantization: str = "none"
     default_cpu_kv_bytes: int = 1 << 30
     # KV pages: "model" (the model's dtype) | "int8" (8-bit pages with per page and kv head scales, CPU with
-    # the torch backend; about 2x the tokens per byte) | "auto" (worker.model.kv_dtype.resolve_kv_dtype's
-    # rule)
+    # the torch backend; about 2x the tokens per byte) | "auto" (the model's dtype:
+    # worker.model.kv_dtype.resolve_kv_dtype says why)
     kv_dtype: str = "model"
     # KV tiers below the radix cache (worker.kvcache.tiers, docs/engine.md "KV tiers"): evicted pages kept in
     # host RAM, up to kv_host_bytes (None: auto, 1/8 of the memory available at start, see

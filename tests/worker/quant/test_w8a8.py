@@ -106,12 +106,13 @@ def test_avx2_kernel_is_bit_identical_to_int_mm(dtype, n, k):
         ext.w8a8_avx2_wide_rows(default)
 
 
-def test_auto_is_w8a8_on_avx2_without_int8_dot(monkeypatch):
-    """AVX2-only CPUs (Zen 3): auto picks w8a8 (the AVX2 kernel), and its weights build with that kernel."""
-    monkeypatch.setattr(quant, "has_int8_dot", lambda: False)
+def test_w8a8_on_avx2_without_int8_dot_builds_with_the_avx2_kernel(monkeypatch):
+    """AVX2-only CPUs (Zen 3): an asked w8a8 stays w8a8 (`auto` is none: bench/greedy_agreement.py), and its
+    weights build with the AVX2 kernel."""
     monkeypatch.setattr(smooth, "has_int8_dot", lambda: False)
     monkeypatch.setattr(smooth, "small_available", lambda: False)
-    assert quant.resolve_mode("auto", torch.device("cpu")) == ("w8a8" if smooth.avx2_available() else "int8")
+    assert quant.resolve_mode("auto", torch.device("cpu")) == "none"
+    assert quant.resolve_mode("w8a8", torch.device("cpu")) == "w8a8"
     lin = quant.QuantLinear(torch.randn(96, 64) * 0.05, "w8a8", act_max=torch.rand(64) + 0.5)
     cal.calibrate(lin)
     assert lin.w8a8.small_kind == ("avx2" if smooth.avx2_available() else "")
