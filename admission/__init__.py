@@ -18,7 +18,7 @@ from admission.headers import format_duration, rate_limit_headers, retry_headers
 from admission.hold import BudgetGuard
 from admission.local_limits import LocalLimiter
 from admission.metering import DayUsage, read_usage
-from admission.money import BudgetExceeded, MoneyHold, MoneyPath, Price
+from admission.money import BudgetExceeded, LevelRateLimited, MoneyHold, MoneyPath, Price
 from admission.money.admin_keys import admin_key_key, admin_key_shape_ok, parse_admin_key
 from admission.money.keys import (
     DEFAULT_ORG,
@@ -62,6 +62,7 @@ __all__ = [
     "BudgetError",
     "BudgetExceeded",
     "BudgetGuard",
+    "LevelRateLimited",
     "CapacityGate",
     "CapacityNeverFits",
     "CapacityTicket",

@@ -1,11 +1,14 @@
--- Atomically hold a request's maximum cost (integer micro-dollars) at every level on its path.
+-- Atomically hold a request's maximum cost (integer micro-dollars) and its tokens at every level on its path.
 -- All keys share one organization's hash tag {o:<org>}.
 -- KEYS[1] holds zset (hold record name -> expiry ms), KEYS[2] this hold's record hash,
---   then per level i: KEYS[1+2i] config hash, KEYS[2+2i] balance hash {p, spent, held}
--- ARGV: cost, hold_ttl_ms, n_levels, then per level: label, config field prefix ('' or 'user_')
--- Returns {0, level, budget, remaining after this hold, reset_s} admitted (the narrowest level with a budget;
--- level '' when none has one), or {1 (denied) | 2 (can never fit), level, budget, spent+held, reset_s}.
--- Nothing is written unless every level admits. Clock: Redis TIME; periods are calendar UTC days/months.
+--   then per level i: KEYS[1+2i] config hash, KEYS[2+2i] balance hash {p, spent, held, tok, req, ts, active}
+-- ARGV: cost, hold_ttl_ms, n_levels, tokens (prompt + max_tokens), then per level: label, config field prefix
+--   ('' or 'user_'). A level's config may hold <prefix>budget_micro, period, tpm, rpm, max_concurrent.
+-- Returns {0, level, budget, remaining after this hold, reset_s, '', 0} admitted (the narrowest level with a
+-- budget; level '' when none has one), or {1 (denied) | 2 (can never fit), level, limit, used, reset_s, kind,
+-- retry_ms}: kind 'budget' (limit/used in micro-dollars), 'tpm', 'rpm' or 'concurrency'; of the failing rate
+-- limits, the one that frees up last is reported. Nothing is written unless every level admits.
+-- Clock: Redis TIME; budget periods are calendar UTC days/months; rate limits refill continuously over 60 s.
 local function floor(x) return math.floor(x) end
 
 local function civil(days)  -- days since 1970-01-01 -> year, month
@@ -43,47 +46,93 @@ local function period(kind)  -- period id and its end (epoch seconds)
   return 'm' .. (y * 12 + m), days_from_civil(ny, nm) * 86400
 end
 
--- Holds of gateways that never settled (crashed) give their amount back once their lease ends.
+-- Holds of gateways that never settled (crashed) give their amount and their concurrency back once their lease
+-- ends.
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms, 'LIMIT', 0, 16)
 for _, rec in ipairs(expired) do
-  local h = redis.call('HMGET', rec, 'amt', 'bals', 'state')
+  local h = redis.call('HMGET', rec, 'amt', 'bals', 'state', 'tok')
   if h[3] == 'open' then
-    for bal in string.gmatch(h[2] or '', '%S+') do redis.call('HINCRBY', bal, 'held', -tonumber(h[1])) end
+    for bal in string.gmatch(h[2] or '', '%S+') do
+      redis.call('HINCRBY', bal, 'held', 0 - tonumber(h[1]))
+      if h[4] then redis.call('HINCRBY', bal, 'active', -1) end
+    end
     redis.call('HSET', rec, 'state', 'expired')
   end
   redis.call('ZREM', KEYS[1], rec)
 end
 
+local WINDOW_US = 60000000
+local now_us = now_s * 1000000 + tonumber(t[2])
 local cost = tonumber(ARGV[1])
 local ttl_ms = tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
-local pids, bals = {}, {}
-local narrow = {0, '', 0, 0, 0}
+local tokens = tonumber(ARGV[4])
+
+local function limit(v)  -- a config field as a non-negative integer limit (0: none)
+  local x = tonumber(v)
+  if x == nil or x ~= x or x < 0 or x == math.huge then return 0 end
+  return floor(x)
+end
+
+local function refill(level, cap, ts)  -- a bucket's level now (full when it was never used)
+  if level == nil then return cap end
+  return math.min(cap, level + math.max(0, now_us - ts) * cap / WINDOW_US)
+end
+
+local pids, bals, buckets = {}, {}, {}
+local narrow = {0, '', 0, 0, 0, '', 0}
+local deny = nil
 for i = 1, n do
-  local label, prefix = ARGV[2 + 2 * i], ARGV[3 + 2 * i]
-  local cfg = redis.call('HMGET', KEYS[1 + 2 * i], prefix .. 'budget_micro', prefix .. 'period')
+  local label, prefix = ARGV[3 + 2 * i], ARGV[4 + 2 * i]
+  local cfg = redis.call('HMGET', KEYS[1 + 2 * i], prefix .. 'budget_micro', prefix .. 'period',
+                         prefix .. 'tpm', prefix .. 'rpm', prefix .. 'max_concurrent')
   local budget = tonumber(cfg[1]) or 0
   local pid, reset_s = period(cfg[2] == 'day' and 'day' or 'month')
-  local b = redis.call('HMGET', KEYS[2 + 2 * i], 'p', 'spent', 'held')
+  local b = redis.call('HMGET', KEYS[2 + 2 * i], 'p', 'spent', 'held', 'tok', 'req', 'ts', 'active')
   local spent = (b[1] == pid) and (tonumber(b[2]) or 0) or 0
   local held = tonumber(b[3]) or 0
   if budget > 0 then
-    if cost > budget then return {2, label, budget, spent + held, reset_s} end
-    if spent + held + cost > budget then return {1, label, budget, spent + held, reset_s} end
-    narrow = {0, label, budget, budget - spent - held - cost, reset_s}
+    if cost > budget then return {2, label, budget, spent + held, reset_s, 'budget', 0} end
+    if spent + held + cost > budget then return {1, label, budget, spent + held, reset_s, 'budget', 0} end
+    narrow = {0, label, budget, budget - spent - held - cost, reset_s, '', 0}
   end
+  local tpm, rpm, mc = limit(cfg[3]), limit(cfg[4]), limit(cfg[5])
+  local ts = tonumber(b[6]) or now_us
+  local tok = tpm > 0 and refill(tonumber(b[4]), tpm, ts) or nil
+  local req = rpm > 0 and refill(tonumber(b[5]), rpm, ts) or nil
+  if tpm > 0 and tokens > tpm then return {2, label, tpm, 0, reset_s, 'tpm', 0} end
+  local function fail(kind, lim, used, wait)
+    if deny == nil or wait > deny[7] then deny = {1, label, lim, used, reset_s, kind, wait} end
+  end
+  if tok ~= nil and tok < tokens then
+    fail('tpm', tpm, math.ceil(tpm - tok), math.ceil((tokens - tok) * WINDOW_US / tpm / 1000) + 1)
+  end
+  if req ~= nil and req < 1 then
+    fail('rpm', rpm, math.ceil(rpm - req), math.ceil((1 - req) * WINDOW_US / rpm / 1000) + 1)
+  end
+  local active = tonumber(b[7]) or 0
+  if mc > 0 and active >= mc then fail('concurrency', mc, active, 1000) end  -- frees when a request ends
   pids[i] = pid
   bals[i] = KEYS[2 + 2 * i]
+  buckets[i] = {tok, req}
 end
+if deny ~= nil then return deny end
 
 for i = 1, n do
   local bal = bals[i]
   if redis.call('HGET', bal, 'p') ~= pids[i] then redis.call('HSET', bal, 'p', pids[i], 'spent', 0) end
   redis.call('HINCRBY', bal, 'held', cost)
+  redis.call('HINCRBY', bal, 'active', 1)
+  local tok, req = buckets[i][1], buckets[i][2]
+  if tok ~= nil or req ~= nil then
+    redis.call('HSET', bal, 'ts', now_us)
+    if tok ~= nil then redis.call('HSET', bal, 'tok', tostring(tok - tokens)) end
+    if req ~= nil then redis.call('HSET', bal, 'req', tostring(req - 1)) end
+  end
   redis.call('EXPIRE', bal, 40 * 86400)
 end
-redis.call('HSET', KEYS[2], 'amt', cost, 'bals', table.concat(bals, ' '), 'pids', table.concat(pids, ' '),
-           'state', 'open')
+redis.call('HSET', KEYS[2], 'amt', cost, 'tok', tokens, 'bals', table.concat(bals, ' '),
+           'pids', table.concat(pids, ' '), 'state', 'open')
 redis.call('PEXPIRE', KEYS[2], ttl_ms + 86400000)
 redis.call('ZADD', KEYS[1], now_ms + ttl_ms, KEYS[2])
 return narrow

@@ -45,3 +45,52 @@ class BudgetExceeded(Exception):
     @property
     def status(self) -> int:
         return 429
+
+
+class LevelRateLimited(Exception):
+    """A level's `tpm`, `rpm` or `max_concurrent` refuses the request: 429 `rate_limit_exceeded` with
+    `retry-after`, or 400 when the request alone needs more tokens than the level's tpm (`never_fits`)."""
+
+    def __init__(self, level: str, kind: str, limit: int, used: int, requested: int, retry_ms: int,
+                 never_fits: bool) -> None:
+        self.level = level
+        self.kind = kind  # "tpm", "rpm" or "concurrency"
+        self.limit = limit
+        self.used = used
+        self.requested = requested
+        self.retry_ms = retry_ms
+        self.never_fits = never_fits
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        if self.never_fits:
+            return (f"This request needs {self.requested} tokens (prompt + max_tokens), more than the "
+                    f"{self.level} tokens-per-minute limit of {self.limit}, so it can never be admitted. "
+                    "Reduce max_tokens or the prompt.")
+        what = {"tpm": "tokens per minute", "rpm": "requests per minute",
+                "concurrency": "concurrent requests"}[self.kind]
+        return (f"Rate limit reached for {self.level} {what}: limit {self.limit}, used {self.used}, "
+                f"requested {self.requested}. Please try again in {self.retry_ms / 1000:.3g}s.")
+
+    def headers(self) -> dict[str, str]:
+        """The refusing level, and `retry-after` (seconds, ceil) and `retry-after-ms` where waiting helps."""
+        if self.never_fits:
+            return {"x-ratelimit-level": self.level}
+        ms = max(0, self.retry_ms)
+        return {"x-ratelimit-level": self.level, "retry-after": str(max(1, -(-ms // 1000))),
+                "retry-after-ms": str(ms)}
+
+    @property
+    def error_type(self) -> str:
+        """OpenAI's error type, as the flat tenant limits answer it."""
+        if self.never_fits:
+            return "invalid_request_error"
+        return "tokens" if self.kind == "tpm" else "requests"
+
+    @property
+    def code(self) -> str:
+        return "request_too_large" if self.never_fits else "rate_limit_exceeded"
+
+    @property
+    def status(self) -> int:
+        return 400 if self.never_fits else 429

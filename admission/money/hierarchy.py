@@ -16,6 +16,7 @@ from admission.money.keys import (
     PROJECT_ORG_KEY,
     balance_key,
     config_key,
+    model_ident,
     spend_key,
     usd_to_micro,
     user_ident,
@@ -60,21 +61,53 @@ def project_org(r: redis.Redis, project: str) -> str:
 
 
 def set_budget(r: redis.Redis, org: str, level: str, ident: str, usd: str, period: str = "month",
-               *, user_default: bool = False) -> BudgetSetting:
-    """Set a level's budget in USD per `period`; `user_default` sets a project's limit for each end user."""
-    if level not in LEVELS or level == "user":
-        raise ValueError(f"level must be one of organization, project, key, not {level!r}")
+               *, user_default: bool = False, model: str | None = None) -> BudgetSetting:
+    """Set a level's budget in USD per `period`; `user_default` sets a project's limit for each end user,
+    `model` an organization's or project's budget for that model alone."""
     if period not in PERIODS:
         raise ValueError(f"period must be day or month, not {period!r}")
-    if level == "organization" and ident != org:
-        raise ValueError(f"an organization's budget is its own: ident {ident!r} is not {org!r}")
-    if user_default and level != "project":
-        raise ValueError("a per-user default budget belongs to a project")
     micro = usd_to_micro(usd, "budget")
-    prefix = "user_" if user_default else ""
-    r.hset(config_key(validate_org(org), level, ident),
-           mapping={prefix + "budget_micro": micro, prefix + "period": period})
+    cfg, prefix = _config(org, level, ident, user_default, model)
+    r.hset(cfg, mapping={prefix + "budget_micro": micro, prefix + "period": period})
     return BudgetSetting(micro, period)
+
+
+def set_limits(r: redis.Redis, org: str, level: str, ident: str, *, tpm: int | None = None,
+               rpm: int | None = None, max_concurrent: int | None = None, user_default: bool = False,
+               model: str | None = None) -> dict[str, int]:
+    """Set a level's token and request rates and concurrency (0: none; None: unchanged); return them all.
+    A project's own rates are its tenant record's (`switchyard tenants`): here a project takes them only per
+    end user (`user_default`) or per model."""
+    if level == "project" and not user_default and model is None:
+        raise ValueError("a project's tpm, rpm and max_concurrent are its tenant record's "
+                         "(switchyard tenants set); here give a model or set them per user")
+    cfg, prefix = _config(org, level, ident, user_default, model)
+    fields = {name: value for name, value in (("tpm", tpm), ("rpm", rpm), ("max_concurrent", max_concurrent))
+              if value is not None}
+    for name, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+    if fields:
+        r.hset(cfg, mapping={prefix + k: v for k, v in fields.items()})
+    raw = r.hmget(cfg, *(prefix + k for k in ("tpm", "rpm", "max_concurrent")))
+    return {k: int(v or 0) for k, v in zip(("tpm", "rpm", "max_concurrent"), raw, strict=True)}
+
+
+def _config(org: str, level: str, ident: str, user_default: bool, model: str | None) -> tuple[str, str]:
+    """(config hash, field prefix) of a level's limits, checked."""
+    if level not in LEVELS or level == "user":
+        raise ValueError(f"level must be one of organization, project, key, not {level!r}")
+    if level == "organization" and ident != org:
+        raise ValueError(f"an organization's limits are its own: ident {ident!r} is not {org!r}")
+    if user_default and level != "project":
+        raise ValueError("per-user default limits belong to a project")
+    if model is not None and (level == "key" or user_default):
+        raise ValueError("per-model limits belong to an organization or a project")
+    org = validate_org(org)
+    if model is not None:
+        scope = "org_model" if level == "organization" else "project_model"
+        return config_key(org, scope, model_ident(ident, model)), ""
+    return config_key(org, level, ident), "user_" if user_default else ""
 
 
 def copy_key_budget(r: redis.Redis, project: str, old_digest: str, new_digest: str) -> bool:

@@ -15,7 +15,8 @@ PRICES_KEY = "sy:prices"            # hash "<model>:input|cached|output" -> USD 
 PROJECT_ORG_KEY = "sy:project_org"  # hash project (today's tenant) -> organization
 ORGS_SET = "sy:orgs"
 SPEND_TTL_S = 400 * 86_400          # the per-day spend hashes are kept this long
-_PLAIN_USER = re.compile(r"^[A-Za-z0-9_.@+:=-]{1,64}$")  # other `user` ids are keyed by their SHA-256
+_PLAIN_USER = re.compile(r"^[A-Za-z0-9_.@+:=-]{1,64}$")  # other `user` ids go by their SHA-256
+_PLAIN_MODEL = re.compile(r"^[A-Za-z0-9_.@+:=/-]{1,128}$")  # and other model names
 
 
 def org_tag(org: str) -> str:
@@ -48,9 +49,17 @@ def spend_key(org: str, day: str) -> str:
 def user_ident(project: str, user: str) -> str:
     """The end user's id inside its project; an id longer than 64 characters or with other characters than
     letters, digits and `_.@+:=-` goes by its digest (key names stay short and free of spaces)."""
-    if not _PLAIN_USER.match(user):
-        user = "sha256:" + hashlib.sha256(user.encode()).hexdigest()
-    return f"{project}/{user}"
+    return f"{project}/{_plain(user, _PLAIN_USER)}"
+
+
+def _plain(name: str, plain: re.Pattern[str]) -> str:
+    return name if plain.match(name) else "sha256:" + hashlib.sha256(name.encode()).hexdigest()
+
+
+def model_ident(owner: str, model: str) -> str:
+    """An organization's or project's limits for one model (config and balance under level `org_model` or
+    `project_model`)."""
+    return f"{owner}/{_plain(model, _PLAIN_MODEL)}"
 
 
 def validate_org(name: str) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import redis.asyncio as aredis
 
 from admission.lua.scripts import LuaScript
-from admission.money.errors import BudgetExceeded
+from admission.money.errors import BudgetExceeded, LevelRateLimited
 from admission.money.keys import (
     SPEND_TTL_S,
     balance_key,
@@ -17,6 +17,7 @@ from admission.money.keys import (
     hold_key,
     holds_key,
     micro_to_usd,
+    model_ident,
     spend_key,
     user_ident,
 )
@@ -38,10 +39,16 @@ class MoneyPath:
     user: str | None = None
 
     def levels(self) -> list[tuple[str, str, str, str]]:
-        """(label, config key, balance key, config field prefix) per level, widest first."""
-        o, p = self.org, self.project
+        """(label, config key, balance key, config field prefix) per level, widest first; the organization
+        and the project also have a level for the request's model alone."""
+        o, p, m = self.org, self.project, self.model
+        om, pm = model_ident(o, m), model_ident(p, m)
         out = [("organization", config_key(o, "organization", o), balance_key(o, "organization", o), ""),
+               (f"organization (model {m})", config_key(o, "org_model", om),
+                balance_key(o, "org_model", om), ""),
                ("project", config_key(o, "project", p), balance_key(o, "project", p), ""),
+               (f"project (model {m})", config_key(o, "project_model", pm),
+                balance_key(o, "project_model", pm), ""),
                ("key", config_key(o, "key", self.key_digest), balance_key(o, "key", self.key_digest), "")]
         if self.user:
             uid = user_ident(p, self.user)
@@ -72,6 +79,7 @@ class MoneyHold:
     narrowest: str = ""        # the narrowest level with a budget ("" if none has one)
     remaining_micro: int = 0   # its budget left after this hold
     reset_at: int = 0          # when its period ends (epoch seconds)
+    tokens: int = 0            # prompt + max_tokens held at the levels' tpm buckets
 
     def headers(self) -> dict[str, str]:
         """The narrowest budgeted level's remaining money, for the response."""
@@ -91,19 +99,26 @@ class MoneyLedger:
         self.hold_ttl_ms = int(hold_ttl_s * 1000)
 
     async def reserve(self, path: MoneyPath, prompt_tokens: int, max_tokens: int) -> MoneyHold:
-        """Hold the request's maximum cost at every level, or raise `BudgetExceeded` naming the level."""
+        """Hold the request's maximum cost and tokens at every level, or raise `BudgetExceeded` (a dollar
+        budget) or `LevelRateLimited` (a tpm, rpm or max_concurrent) naming the level."""
         price = await self.prices.get(path.model)
         cost = price.max_cost(prompt_tokens, max_tokens)
-        hold = MoneyHold(path, secrets.token_hex(12), price, cost)
+        tokens = prompt_tokens + max_tokens
+        hold = MoneyHold(path, secrets.token_hex(12), price, cost, tokens=tokens)
         levels = path.levels()
         keys = [holds_key(path.org), hold_key(path.org, hold.hold_id)]
-        args: list[object] = [cost, self.hold_ttl_ms, len(levels)]
+        args: list[object] = [cost, self.hold_ttl_ms, len(levels), tokens]
         for label, cfg, bal, prefix in levels:
             keys += [cfg, bal]
             args += [label, prefix]
-        status, level, budget, amount, reset_s = await MONEY_RESERVE(self.redis, keys, args)
+        status, level, limit, amount, reset_s, kind, retry_ms = await MONEY_RESERVE(self.redis, keys, args)
+        kind = _text(kind)
+        if int(status) != ADMITTED and kind != "budget":
+            requested = tokens if kind == "tpm" else 1
+            raise LevelRateLimited(_text(level), kind, int(limit), int(amount), requested, int(retry_ms),
+                                   never_fits=int(status) == NEVER_FITS)
         if int(status) != ADMITTED:
-            raise BudgetExceeded(_text(level), int(budget), int(amount), cost, int(reset_s),
+            raise BudgetExceeded(_text(level), int(limit), int(amount), cost, int(reset_s),
                                  never_fits=int(status) == NEVER_FITS)
         hold.narrowest, hold.remaining_micro, hold.reset_at = _text(level), int(amount), int(reset_s)
         return hold
@@ -119,7 +134,8 @@ class MoneyLedger:
         keys = [holds_key(org), hold_key(org, hold.hold_id), spend_key(org, day)]
         served = input_tokens or output_tokens
         dims = hold.path.dimensions() if served else []
-        args = [cost, SPEND_TTL_S, input_tokens, min(cached_tokens, input_tokens), output_tokens, *dims]
+        args = [cost, SPEND_TTL_S, input_tokens, min(cached_tokens, input_tokens), output_tokens,
+                input_tokens + output_tokens, *dims]
         done = int(await MONEY_SETTLE(self.redis, keys, args)) == 1
         hold.settled, hold.cost_micro = True, cost
         return done

@@ -12,7 +12,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from admission import Admission, AdmissionTicket, BudgetExceeded, MoneyGate, error_response
+from admission import Admission, AdmissionTicket, BudgetExceeded, LevelRateLimited, MoneyGate, error_response
 from common.priorities import Priority
 from gateway.flow import deadlines
 from gateway.flow.choices import GenerationGroup
@@ -280,6 +280,11 @@ class GatewayService:
             ticket.unserved()  # the token reservation is refunded in full
             gateway_metrics.current().count_shed("insufficient_quota")
             raise ApiError(429, exc.message(), "insufficient_quota", code="insufficient_quota",
+                           headers=exc.headers()) from None
+        except LevelRateLimited as exc:
+            ticket.unserved()
+            gateway_metrics.current().count_shed(exc.code)
+            raise ApiError(exc.status, exc.message(), exc.error_type, code=exc.code,
                            headers=exc.headers()) from None
         except QuotaServiceUnavailable:
             ticket.unserved()

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from admission.money.hierarchy import assign_project, read_balance, read_spend, set_budget
+from admission.money.hierarchy import assign_project, read_balance, read_spend, set_budget, set_limits
 from admission.money.prices import set_price
+from tenancy import key_digest
 from tenancy.redis_client import sync_client
 from tests.admission_stack import AdmissionStack
 
@@ -80,4 +81,33 @@ def test_cancelled_stream_pays_for_the_tokens_it_got_and_frees_its_hold(stack):
     (day,) = read_spend(r, "beta", 1).values()
     assert bal["held_micro"] == 0 and 0 < bal["spent_micro"] < 400_000
     assert bal["spent_micro"] == day["org|cost_micro"] == day["org|output_tokens"] * 1000
+    r.close()
+
+
+def test_key_rpm_and_a_project_model_budget_refuse_naming_their_level(stack):
+    r = sync_client(stack.redis.url)
+    key = stack.create_tenant("limited", tpm=0, rpm=0, max_concurrent=0)
+    assign_project(r, "limited", "gamma")
+    set_price(r, "*", "0", None, "1000")
+    set_limits(r, "gamma", "key", key_digest(key), rpm=1)
+    time.sleep(1.1)
+    client = openai.OpenAI(api_key=key, base_url=stack.gateways[0].base_url + "/v1", max_retries=0,
+                           timeout=30)
+    body = {"model": "default", "prompt": "Hello", "max_tokens": 2, "extra_body": {"ignore_eos": True}}
+    first = client.completions.create(**body)
+    with pytest.raises(openai.RateLimitError) as exc:
+        client.completions.create(**body)
+    err = exc.value
+    assert err.code == "rate_limit_exceeded" and err.type == "requests"
+    assert "key requests per minute: limit 1" in err.message
+    assert err.response.headers["x-ratelimit-level"] == "key"
+    assert int(err.response.headers["retry-after"]) >= 1
+    set_limits(r, "gamma", "key", key_digest(key), rpm=0)
+    set_budget(r, "gamma", "project", "limited", "0.001", "day", model=first.model)  # a day's period: from 0
+    with pytest.raises(openai.RateLimitError) as exc:
+        client.completions.create(**body)
+    assert exc.value.code == "insufficient_quota"
+    assert f"project (model {first.model}) budget of $0.001000" in exc.value.message
+    assert client.completions.create(**{**body, "max_tokens": 1}).usage.completion_tokens == 1
+    assert read_balance(r, "gamma", "key", key_digest(key))["held_micro"] == 0
     r.close()
