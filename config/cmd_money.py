@@ -1,4 +1,5 @@
-"""`switchyard money prices|budget|assign|migrate|spend` (and the admin verbs): prices, budgets, spend."""
+"""`switchyard money prices|budget|limits|assign|migrate|spend` (and the admin verbs): prices, budgets, rate
+limits of the levels, spend."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import redis
 
-from admission.money.hierarchy import assign_project, migrate_projects, read_spend, set_budget
+from admission.money.hierarchy import assign_project, migrate_projects, read_spend, set_budget, set_limits
 from admission.money.keys import DEFAULT_ORG, PERIODS, micro_to_usd
 from admission.money.prices import list_prices, set_price
 from config import cmd_money_admin
@@ -28,6 +29,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--period", choices=PERIODS, default="month")
     b.add_argument("--org", default=DEFAULT_ORG,
                    help=f"the project's or key's organization (default {DEFAULT_ORG!r})")
+    b.add_argument("--model", help="the organization's or project's budget for this model alone")
+    lim = sub.add_parser("limits",
+                         help="set a level's tokens and requests per minute and concurrency (0 = none)")
+    lim.add_argument("level", choices=("organization", "project", "key", "user"))
+    lim.add_argument("ident", help="organization or project name, or key digest; for `user`, the project")
+    lim.add_argument("--tpm", type=int, help="tokens (prompt + max_tokens) per minute")
+    lim.add_argument("--rpm", type=int, help="requests per minute")
+    lim.add_argument("--max-concurrent", type=int, help="requests in flight")
+    lim.add_argument("--org", default=DEFAULT_ORG, help="the project's or key's organization")
+    lim.add_argument("--model", help="the organization's or project's limits for this model alone (a "
+                     "project's own limits are its tenant record's: switchyard tenants)")
     a = sub.add_parser("assign", help="put a project (tenant) into an organization")
     a.add_argument("project")
     a.add_argument("org")
@@ -37,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--days", type=int, default=7)
     s.add_argument("--by", default="org",
                    help="dimension: org, project, key, model, user or p (all combined); default org")
-    for sp in (p, b, a, s, sub.choices["migrate"], *cmd_money_admin.add_arguments(sub)):
+    for sp in (p, b, lim, a, s, sub.choices["migrate"], *cmd_money_admin.add_arguments(sub)):
         add_redis_argument(sp)
         sp.add_argument("--json", action="store_true", help="print JSON on one line")
 
@@ -55,9 +67,17 @@ def _budget(r: redis.Redis, args: argparse.Namespace) -> object:
     level, user_default = ("project", True) if args.level == "user" else (args.level, False)
     org = args.ident if level == "organization" else args.org
     ident = args.ident
-    s = set_budget(r, org, level, ident, args.usd, args.period, user_default=user_default)
-    return {"org": org, "level": args.level, "ident": ident, "budget_usd": micro_to_usd(s.budget_micro),
-            "period": s.period}
+    s = set_budget(r, org, level, ident, args.usd, args.period, user_default=user_default, model=args.model)
+    return {"org": org, "level": args.level, "ident": ident, "model": args.model,
+            "budget_usd": micro_to_usd(s.budget_micro), "period": s.period}
+
+
+def _limits(r: redis.Redis, args: argparse.Namespace) -> object:
+    level, user_default = ("project", True) if args.level == "user" else (args.level, False)
+    org = args.ident if level == "organization" else args.org
+    limits = set_limits(r, org, level, args.ident, tpm=args.tpm, rpm=args.rpm,
+                        max_concurrent=args.max_concurrent, user_default=user_default, model=args.model)
+    return {"org": org, "level": args.level, "ident": args.ident, "model": args.model, **limits}
 
 
 def _spend(r: redis.Redis, args: argparse.Namespace) -> object:
@@ -86,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
             result = _prices(r, args)
         elif args.verb == "budget":
             result = _budget(r, args)
+        elif args.verb == "limits":
+            result = _limits(r, args)
         elif args.verb == "assign":
             assign_project(r, args.project, args.org)
             result = {"project": args.project, "org": args.org}

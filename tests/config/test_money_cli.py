@@ -52,3 +52,18 @@ def test_money_cli_round_trip(capsys, redis_url):
     assert rows == {"user:search/u1": {"cost_usd": "0.000210", "requests": 1, "input_tokens": 1000,
                                        "cached_tokens": 0, "output_tokens": 100}}
     r.close()
+
+
+def test_money_cli_sets_level_and_model_limits(capsys, redis_url):
+    got = cli(capsys, redis_url, "limits", "key", "k" * 64, "--rpm", "30", "--max-concurrent", "4",
+              "--org", "acme")
+    assert got == {"org": "acme", "level": "key", "ident": "k" * 64, "model": None, "tpm": 0, "rpm": 30,
+                   "max_concurrent": 4}
+    got = cli(capsys, redis_url, "limits", "project", "search", "--tpm", "9000", "--model", "tiny",
+              "--org", "acme")
+    assert (got["model"], got["tpm"]) == ("tiny", 9000)
+    assert cli(capsys, redis_url, "limits", "user", "search", "--rpm", "5", "--org", "acme")["rpm"] == 5
+    got = cli(capsys, redis_url, "budget", "organization", "acme", "--usd", "2", "--model", "tiny")
+    assert (got["model"], got["budget_usd"]) == ("tiny", "2.000000")
+    assert main(["money", "limits", "project", "search", "--tpm", "5", "--redis-url", redis_url]) == 1
+    assert "tenant record" in capsys.readouterr().err
