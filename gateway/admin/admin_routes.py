@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.admin import project_admin, project_keys
+from gateway.admin import project_admin, project_keys, project_rate_limits
 from gateway.admin.admin_query import bool_param, list_object, parse_usage_query, split_params
 from gateway.admin.admin_scope import AdminScope, authenticate, scope_orgs, store_unavailable
 from gateway.admin.usage_buckets import build_page, read_ledger
@@ -97,6 +97,24 @@ async def _api_key(request: Request, client: aredis.Redis, scope: AdminScope) ->
     return await project_keys.get_key(client, scope, *ids)
 
 
+async def _rate_limits(request: Request, client: aredis.Redis, scope: AdminScope) -> dict:
+    one, _ = split_params(request.query_params.multi_items(), ("limit", "after"))
+    project_id, listing = request.path_params["project_id"], request.app.state.service.pools.listing
+    found = await project_rate_limits.list_rate_limits(client, scope, project_id, listing)
+    return list_object(found, one)
+
+
+async def _rate_limit(request: Request, client: aredis.Redis, scope: AdminScope) -> dict:
+    _no_params(request)
+    config = request.app.state.config
+    body, _ = await read_json(request, config.max_body_bytes, config.body_timeout_s)
+    if not isinstance(body, dict):
+        raise invalid("The body must be a JSON object.")
+    ids = request.path_params["project_id"], request.path_params["rate_limit_id"]
+    return await project_rate_limits.update_rate_limit(client, scope, *ids, body,
+                                                       request.app.state.service.pools.listing)
+
+
 async def _usage(request: Request, client: aredis.Redis, scope: AdminScope, kind: str) -> dict:
     query = parse_usage_query(request.query_params.multi_items(), kind)
     return build_page(query, await read_ledger(client, await scope_orgs(client, scope), query))
@@ -109,6 +127,9 @@ ROUTES = [
     Route(ADMIN_PREFIX + "projects/{project_id}/api_keys", admin_route(_api_keys), methods=["GET"]),
     Route(ADMIN_PREFIX + "projects/{project_id}/api_keys/{api_key_id}", admin_route(_api_key),
           methods=["GET", "DELETE"]),
+    Route(ADMIN_PREFIX + "projects/{project_id}/rate_limits", admin_route(_rate_limits), methods=["GET"]),
+    Route(ADMIN_PREFIX + "projects/{project_id}/rate_limits/{rate_limit_id}", admin_route(_rate_limit),
+          methods=["POST"]),
     Route(ADMIN_PREFIX + "usage/completions",
           admin_route(functools.partial(_usage, kind="completions")), methods=["GET"]),
     Route(ADMIN_PREFIX + "costs", admin_route(functools.partial(_usage, kind="costs")), methods=["GET"]),

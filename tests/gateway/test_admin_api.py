@@ -16,7 +16,7 @@ import openai
 import pytest
 import uvicorn
 
-from admission.money import MoneyLedger, MoneyPath, PriceBook
+from admission.money import LevelRateLimited, MoneyLedger, MoneyPath, PriceBook
 from admission.money.admin_keys import admin_key_key
 from admission.money.hierarchy import assign_project, read_spend
 from admission.money.keys import PROJECT_ORG_KEY, spend_key
@@ -42,7 +42,9 @@ def gateway(redis_url: str) -> Iterator[str]:
     async def make_service() -> SimpleNamespace:
         async def close() -> None:
             return None
-        return SimpleNamespace(tenants=TenantDirectory(client), close=close)
+        served = ("m1", "m2")  # what `pools.listing` gives: the models a tenant may use
+        pools = SimpleNamespace(listing=lambda tenant: [m for m in served if tenant.allows_model(m)])
+        return SimpleNamespace(tenants=TenantDirectory(client), pools=pools, close=close)
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(UnknownKeyGate(create_app(make_service, redis=client)),
@@ -251,3 +253,39 @@ def test_cli_verbs_answer_as_the_routes_do(capsys, r, redis_url, gateway, world)
 
 def got_end(page: dict) -> int:
     return page["data"][-1]["end_time"]
+
+
+def test_project_rate_limits_per_model_through_the_sdk(capsys, r, redis_url, gateway, world):
+    limits = sdk(gateway, admin_key(capsys, redis_url, "acme")).admin.organization.projects.rate_limits
+    listed = limits.list_rate_limits("shop")
+    assert [x.id for x in listed] == ["rl-m1", "rl-m2"] and listed.data[0].object == "project.rate_limit"
+    assert (listed.data[0].max_tokens_per_1_minute, listed.data[0].max_requests_per_1_minute) == (0, 0)
+    got = limits.update_rate_limit("rl-m1", project_id="shop", max_tokens_per_1_minute=900,
+                                   max_requests_per_1_minute=2)
+    assert (got.id, got.model) == ("rl-m1", "m1")
+    assert (got.max_tokens_per_1_minute, got.max_requests_per_1_minute) == (900, 2)
+    assert limits.list_rate_limits("shop").data[1].max_requests_per_1_minute == 0  # m2 untouched
+
+    async def requests() -> list[str]:
+        client = async_client(redis_url)
+        ledger, out = MoneyLedger(client, PriceBook(client)), []
+        for model in ("m1", "m1", "m1", "m2"):
+            try:
+                await ledger.refund(await ledger.reserve(MoneyPath("acme", "shop", "k" * 64, model), 1, 1))
+                out.append("ok")
+            except LevelRateLimited as exc:
+                out.append(exc.level)
+        await client.aclose()
+        return out
+
+    assert asyncio.run(requests()) == ["ok", "ok", "project (model m1)", "ok"]  # applied at once
+    with pytest.raises(openai.BadRequestError) as exc:
+        limits.update_rate_limit("rl-m1", project_id="shop", max_images_per_1_minute=5)
+    assert exc.value.param == "max_images_per_1_minute" and exc.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as exc:
+        limits.update_rate_limit("rl-m1", project_id="shop", max_tokens_per_1_minute=-1)
+    assert exc.value.param == "max_tokens_per_1_minute"
+    with pytest.raises(openai.NotFoundError):
+        limits.update_rate_limit("rl-m9", project_id="shop", max_tokens_per_1_minute=1)
+    with pytest.raises(openai.NotFoundError):
+        limits.list_rate_limits("far")                                  # beta's project
