@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from admission.money.admin_keys import create_admin_key
-from admission.money.hierarchy import assign_project, read_balance, read_spend, set_budget
+from admission.money.hierarchy import assign_project, read_balance, read_spend, set_budget, set_limits
 from admission.money.keys import micro_to_usd
 from admission.money.prices import set_price
 from bench.budgets_load import Load, Prices, admission_latency, usage_cost
@@ -49,14 +49,18 @@ def set_up(url: str, budget_usd: str) -> tuple[list[tuple[str, str]], str, str]:
     set_price(r, "*", PRICES.input, PRICES.cached, PRICES.output)
     keys = []
     set_budget(r, ORG, "organization", ORG, budget_usd, "day")
+    # rates and concurrency that never bind, so that every branch of the hold script runs
+    set_limits(r, ORG, "organization", ORG, tpm=10**9, max_concurrent=10**6)
     for project in PROJECTS:
         create_tenant(r, project, tpm=0, rpm=0, max_concurrent=0)
         assign_project(r, project, ORG)
         set_budget(r, ORG, "project", project, budget_usd, "day")
         set_budget(r, ORG, "project", project, "5", "day", user_default=True)
+        set_limits(r, ORG, "project", project, tpm=10**9, rpm=10**6, user_default=True)
         for _ in range(KEYS_PER_PROJECT):
             key = issue_key(r, project)
             set_budget(r, ORG, "key", digest(key), budget_usd, "month")
+            set_limits(r, ORG, "key", digest(key), rpm=10**6, max_concurrent=10**6)
             keys.append((project, key))
     lat_org, lat_project = "latency", "lat"
     create_tenant(r, lat_project, tpm=0, rpm=0, max_concurrent=0)
@@ -66,6 +70,9 @@ def set_up(url: str, budget_usd: str) -> tuple[list[tuple[str, str]], str, str]:
     set_budget(r, lat_org, "project", lat_project, "100000", "day")
     set_budget(r, lat_org, "project", lat_project, "1000", "day", user_default=True)
     set_budget(r, lat_org, "key", digest(lat_key), "100000", "day")
+    set_limits(r, lat_org, "organization", lat_org, tpm=10**9, max_concurrent=10**6)
+    set_limits(r, lat_org, "key", digest(lat_key), rpm=10**6, max_concurrent=10**6)
+    set_limits(r, lat_org, "project", lat_project, tpm=10**9, rpm=10**6, user_default=True)
     create_tenant(r, "warmup", tpm=0, rpm=0, max_concurrent=0)  # organization `default`: no budget
     r.close()
     return keys, lat_key, lat_project

@@ -3,12 +3,15 @@
 -- KEYS[1] holds zset (hold record name -> expiry ms), KEYS[2] this hold's record hash,
 --   then per level i: KEYS[1+2i] config hash, KEYS[2+2i] balance hash {p, spent, held, tok, req, ts, active}
 -- ARGV: cost, hold_ttl_ms, n_levels, tokens (prompt + max_tokens), then per level: label, config field prefix
---   ('' or 'user_'). A level's config may hold <prefix>budget_micro, period, tpm, rpm, max_concurrent.
+--   ('' or 'user_'), optional ('1': a level without any config is skipped, its balance untouched; '0').
+--   A level's config may hold <prefix>budget_micro, period, tpm, rpm, max_concurrent.
 -- Returns {0, level, budget, remaining after this hold, reset_s, '', 0} admitted (the narrowest level with a
 -- budget; level '' when none has one), or {1 (denied) | 2 (can never fit), level, limit, used, reset_s, kind,
--- retry_ms}: kind 'budget' (limit/used in micro-dollars), 'tpm', 'rpm' or 'concurrency'; of the failing rate
--- limits, the one that frees up last is reported. Nothing is written unless every level admits.
--- Clock: Redis TIME; budget periods are calendar UTC days/months; rate limits refill continuously over 60 s.
+-- retry_ms}: kind 'budget' or 'rolling' (a rolling window's budget; limit/used in micro-dollars), 'tpm', 'rpm'
+-- or 'concurrency'; of the failing rate limits, the one that frees up last is reported. Nothing is written
+-- unless every level admits (but for dropping buckets that left a rolling window).
+-- Clock: Redis TIME; budget periods are calendar UTC days/months or rolling windows (24h in hourly buckets,
+-- 30d in daily ones); rate limits refill continuously over 60 s.
 local function floor(x) return math.floor(x) end
 
 local function civil(days)  -- days since 1970-01-01 -> year, month
@@ -38,7 +41,12 @@ local now_s = tonumber(t[1])
 local now_ms = now_s * 1000 + floor(tonumber(t[2]) / 1000)
 local today = floor(now_s / 86400)
 
-local function period(kind)  -- period id and its end (epoch seconds)
+-- Rolling windows: spend in buckets (balance fields r:<bucket index>), summed over the window's last buckets.
+local ROLLING = {['24h'] = {3600, 24}, ['30d'] = {86400, 30}}
+
+local function period(kind)  -- period id and its end (epoch seconds); a rolling window's id is R<bucket s>
+  local w = ROLLING[kind]
+  if w then return 'R' .. w[1], (floor(now_s / w[1]) + 1) * w[1] end
   if kind == 'day' then return 'd' .. today, (today + 1) * 86400 end
   local y, m = civil(today)
   local ny, nm = y, m + 1
@@ -79,48 +87,65 @@ local function refill(level, cap, ts)  -- a bucket's level now (full when it was
   return math.min(cap, level + math.max(0, now_us - ts) * cap / WINDOW_US)
 end
 
+local function rolling_spent(bal, size, count)  -- the window's spend; buckets that left it are deleted
+  local last = floor(now_s / size)
+  local fields, old = {}, {}
+  for j = 0, count - 1 do fields[#fields + 1] = 'r:' .. (last - j) end
+  for j = count, count + 23 do old[#old + 1] = 'r:' .. (last - j) end
+  redis.call('HDEL', bal, unpack(old))
+  local sum = 0
+  for _, v in ipairs(redis.call('HMGET', bal, unpack(fields))) do sum = sum + (tonumber(v) or 0) end
+  return sum
+end
+
 local pids, bals, buckets = {}, {}, {}
 local narrow = {0, '', 0, 0, 0, '', 0}
 local deny = nil
 for i = 1, n do
-  local label, prefix = ARGV[3 + 2 * i], ARGV[4 + 2 * i]
+  local label, prefix = ARGV[2 + 3 * i], ARGV[3 + 3 * i]
   local cfg = redis.call('HMGET', KEYS[1 + 2 * i], prefix .. 'budget_micro', prefix .. 'period',
                          prefix .. 'tpm', prefix .. 'rpm', prefix .. 'max_concurrent')
-  local budget = tonumber(cfg[1]) or 0
-  local pid, reset_s = period(cfg[2] == 'day' and 'day' or 'month')
-  local b = redis.call('HMGET', KEYS[2 + 2 * i], 'p', 'spent', 'held', 'tok', 'req', 'ts', 'active')
-  local spent = (b[1] == pid) and (tonumber(b[2]) or 0) or 0
-  local held = tonumber(b[3]) or 0
-  if budget > 0 then
-    if cost > budget then return {2, label, budget, spent + held, reset_s, 'budget', 0} end
-    if spent + held + cost > budget then return {1, label, budget, spent + held, reset_s, 'budget', 0} end
-    narrow = {0, label, budget, budget - spent - held - cost, reset_s, '', 0}
+  if ARGV[4 + 3 * i] ~= '1' or cfg[1] or cfg[2] or cfg[3] or cfg[4] or cfg[5] then
+    local budget = tonumber(cfg[1]) or 0
+    local pid, reset_s = period((cfg[2] == 'day' or ROLLING[cfg[2]]) and cfg[2] or 'month')
+    local b = redis.call('HMGET', KEYS[2 + 2 * i], 'p', 'spent', 'held', 'tok', 'req', 'ts', 'active')
+    local spent = (b[1] == pid) and (tonumber(b[2]) or 0) or 0
+    local w = ROLLING[cfg[2]]
+    if w and budget > 0 then spent = rolling_spent(KEYS[2 + 2 * i], w[1], w[2]) end
+    local held = tonumber(b[3]) or 0
+    if budget > 0 then
+      local kind = w and 'rolling' or 'budget'
+      if cost > budget then return {2, label, budget, spent + held, reset_s, kind, 0} end
+      if spent + held + cost > budget then return {1, label, budget, spent + held, reset_s, kind, 0} end
+      narrow = {0, label, budget, budget - spent - held - cost, reset_s, '', 0}
+    end
+    local tpm, rpm, mc = limit(cfg[3]), limit(cfg[4]), limit(cfg[5])
+    local ts = tonumber(b[6]) or now_us
+    local tok = tpm > 0 and refill(tonumber(b[4]), tpm, ts) or nil
+    local req = rpm > 0 and refill(tonumber(b[5]), rpm, ts) or nil
+    if tpm > 0 and tokens > tpm then return {2, label, tpm, 0, reset_s, 'tpm', 0} end
+    local function fail(kind, lim, used, wait)
+      if deny == nil or wait > deny[7] then deny = {1, label, lim, used, reset_s, kind, wait} end
+    end
+    if tok ~= nil and tok < tokens then
+      fail('tpm', tpm, math.ceil(tpm - tok), math.ceil((tokens - tok) * WINDOW_US / tpm / 1000) + 1)
+    end
+    if req ~= nil and req < 1 then
+      fail('rpm', rpm, math.ceil(rpm - req), math.ceil((1 - req) * WINDOW_US / rpm / 1000) + 1)
+    end
+    local active = tonumber(b[7]) or 0
+    if mc > 0 and active >= mc then fail('concurrency', mc, active, 1000) end  -- frees when a request ends
+    pids[#pids + 1] = pid
+    bals[#bals + 1] = KEYS[2 + 2 * i]
+    buckets[#buckets + 1] = {tok, req}
   end
-  local tpm, rpm, mc = limit(cfg[3]), limit(cfg[4]), limit(cfg[5])
-  local ts = tonumber(b[6]) or now_us
-  local tok = tpm > 0 and refill(tonumber(b[4]), tpm, ts) or nil
-  local req = rpm > 0 and refill(tonumber(b[5]), rpm, ts) or nil
-  if tpm > 0 and tokens > tpm then return {2, label, tpm, 0, reset_s, 'tpm', 0} end
-  local function fail(kind, lim, used, wait)
-    if deny == nil or wait > deny[7] then deny = {1, label, lim, used, reset_s, kind, wait} end
-  end
-  if tok ~= nil and tok < tokens then
-    fail('tpm', tpm, math.ceil(tpm - tok), math.ceil((tokens - tok) * WINDOW_US / tpm / 1000) + 1)
-  end
-  if req ~= nil and req < 1 then
-    fail('rpm', rpm, math.ceil(rpm - req), math.ceil((1 - req) * WINDOW_US / rpm / 1000) + 1)
-  end
-  local active = tonumber(b[7]) or 0
-  if mc > 0 and active >= mc then fail('concurrency', mc, active, 1000) end  -- frees when a request ends
-  pids[i] = pid
-  bals[i] = KEYS[2 + 2 * i]
-  buckets[i] = {tok, req}
 end
 if deny ~= nil then return deny end
 
-for i = 1, n do
+for i = 1, #bals do
   local bal = bals[i]
   if redis.call('HGET', bal, 'p') ~= pids[i] then redis.call('HSET', bal, 'p', pids[i], 'spent', 0) end
+  -- (a rolling window keeps its buckets when the period changes: they are its history)
   redis.call('HINCRBY', bal, 'held', cost)
   redis.call('HINCRBY', bal, 'active', 1)
   local tok, req = buckets[i][1], buckets[i][2]

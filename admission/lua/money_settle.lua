@@ -21,8 +21,16 @@ for bal in string.gmatch(h[2] or '', '%S+') do
   if unused > 0 and redis.call('HEXISTS', bal, 'tok') == 1 then
     redis.call('HINCRBYFLOAT', bal, 'tok', unused)
   end
-  -- A hold reserved in a period that has ended since is not charged to the new period's budget.
-  if redis.call('HGET', bal, 'p') == pids[i] then redis.call('HINCRBY', bal, 'spent', cost) end
+  -- A hold reserved in a period that has ended since is not charged to the new period's budget. A rolling
+  -- window's (period R<bucket seconds>) spend goes to the bucket of now.
+  local pid = pids[i] or ''
+  if string.sub(pid, 1, 1) == 'R' then
+    local now = tonumber(redis.call('TIME')[1])
+    local size = tonumber(string.sub(pid, 2))
+    redis.call('HINCRBY', bal, 'r:' .. math.floor(now / size), cost)
+  elseif redis.call('HGET', bal, 'p') == pids[i] then
+    redis.call('HINCRBY', bal, 'spent', cost)
+  end
 end
 redis.call('ZREM', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[2], 'state', 'done', 'cost', cost)

@@ -11,13 +11,14 @@ class BudgetExceeded(Exception):
     """429 `insufficient_quota`: a level's dollar budget cannot hold this request's maximum cost."""
 
     def __init__(self, level: str, budget_micro: int, used_micro: int, cost_micro: int, reset_at: int,
-                 never_fits: bool) -> None:
+                 never_fits: bool, rolling: bool = False) -> None:
         self.level = level
         self.budget_micro = budget_micro
         self.used_micro = used_micro
         self.cost_micro = cost_micro
         self.reset_at = reset_at  # epoch seconds when the budget's period ends
         self.never_fits = never_fits
+        self.rolling = rolling  # a rolling window's budget: `reset_at` is when its oldest bucket leaves it
         super().__init__(self.message())
 
     def message(self) -> str:
@@ -27,6 +28,8 @@ class BudgetExceeded(Exception):
         reset = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.reset_at))
         if self.never_fits:
             return head + " Reduce max_tokens or the prompt; it exceeds the whole budget."
+        if self.rolling:
+            return head + f" The budget is a rolling window; its oldest spend starts leaving it at {reset}."
         return head + f" The budget resets at {reset}."
 
     def headers(self, now: float | None = None) -> dict[str, str]:

@@ -26,6 +26,7 @@ from admission.money.live_hash import LiveHash
 from tenancy.schema import TENANTS_SET
 
 DIRECTORY_REFRESH_S = 1.0
+ROLLING_BUCKETS = {3600: 24, 86_400: 30}  # a rolling window's bucket seconds -> buckets (money_reserve.lua)
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,7 +66,7 @@ def set_budget(r: redis.Redis, org: str, level: str, ident: str, usd: str, perio
     """Set a level's budget in USD per `period`; `user_default` sets a project's limit for each end user,
     `model` an organization's or project's budget for that model alone."""
     if period not in PERIODS:
-        raise ValueError(f"period must be day or month, not {period!r}")
+        raise ValueError(f"period must be day, month, 24h or 30d, not {period!r}")
     micro = usd_to_micro(usd, "budget")
     cfg, prefix = _config(org, level, ident, user_default, model)
     r.hset(cfg, mapping={prefix + "budget_micro": micro, prefix + "period": period})
@@ -121,10 +122,17 @@ def copy_key_budget(r: redis.Redis, project: str, old_digest: str, new_digest: s
 
 
 def read_balance(r: redis.Redis, org: str, level: str, ident: str, project: str = "") -> dict[str, int]:
-    """A level's settled spend and in-flight holds of its current period (as last written)."""
+    """A level's settled spend and in-flight holds of its current period (as last written); for a rolling
+    window, the spend of its buckets now in it."""
     if level == "user":
         ident = user_ident(project, ident)
-    spent, held = r.hmget(balance_key(org, level, ident), "spent", "held")
+    key = balance_key(org, level, ident)
+    period, spent, held = (_text(v) for v in r.hmget(key, "p", "spent", "held"))
+    if period and period.startswith("R"):
+        size = int(period[1:])
+        last = int(time.time()) // size
+        buckets = r.hmget(key, [f"r:{last - j}" for j in range(ROLLING_BUCKETS[size])])
+        spent = str(sum(int(v or 0) for v in buckets))
     return {"spent_micro": int(spent or 0), "held_micro": int(held or 0)}
 
 

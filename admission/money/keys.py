@@ -10,7 +10,7 @@ from tenancy.schema import validate_name
 
 DEFAULT_ORG = "default"
 LEVELS = ("organization", "project", "key", "user")
-PERIODS = ("day", "month")
+PERIODS = ("day", "month", "24h", "30d")  # calendar UTC day or month; rolling 24 hours or 30 days
 PRICES_KEY = "sy:prices"            # hash "<model>:input|cached|output" -> USD per million tokens
 PROJECT_ORG_KEY = "sy:project_org"  # hash project (today's tenant) -> organization
 ORGS_SET = "sy:orgs"
@@ -54,6 +54,11 @@ def user_ident(project: str, user: str) -> str:
 
 def _plain(name: str, plain: re.Pattern[str]) -> str:
     return name if plain.match(name) else "sha256:" + hashlib.sha256(name.encode()).hexdigest()
+
+
+def model_family(model: str) -> str:
+    """The name whose per-model limits a model obeys: every version `name@v` of a model shares `name`'s."""
+    return model.split("@", 1)[0]
 
 
 def model_ident(owner: str, model: str) -> str:

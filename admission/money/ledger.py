@@ -17,6 +17,7 @@ from admission.money.keys import (
     hold_key,
     holds_key,
     micro_to_usd,
+    model_family,
     model_ident,
     spend_key,
     user_ident,
@@ -29,6 +30,18 @@ ADMITTED, DENIED, NEVER_FITS = 0, 1, 2
 
 
 @dataclass(slots=True, frozen=True)
+class Level:
+    """One level of a request's path: its label in refusals, config and balance hashes, config field prefix;
+    an `optional` level (a model's) is passed over while its config is empty."""
+
+    label: str
+    config: str
+    balance: str
+    prefix: str = ""
+    optional: bool = False
+
+
+@dataclass(slots=True, frozen=True)
 class MoneyPath:
     """Where a request's money goes: its organization, project (today's tenant), key digest, model, user."""
 
@@ -38,21 +51,21 @@ class MoneyPath:
     model: str
     user: str | None = None
 
-    def levels(self) -> list[tuple[str, str, str, str]]:
-        """(label, config key, balance key, config field prefix) per level, widest first; the organization
-        and the project also have a level for the request's model alone."""
-        o, p, m = self.org, self.project, self.model
-        om, pm = model_ident(o, m), model_ident(p, m)
-        out = [("organization", config_key(o, "organization", o), balance_key(o, "organization", o), ""),
-               (f"organization (model {m})", config_key(o, "org_model", om),
-                balance_key(o, "org_model", om), ""),
-               ("project", config_key(o, "project", p), balance_key(o, "project", p), ""),
-               (f"project (model {m})", config_key(o, "project_model", pm),
-                balance_key(o, "project_model", pm), ""),
-               ("key", config_key(o, "key", self.key_digest), balance_key(o, "key", self.key_digest), "")]
+    def levels(self) -> list[Level]:
+        """The path's levels, widest first; the organization and the project also have a level for the
+        request's model family (`name` of `name@version`)."""
+        o, p, m = self.org, self.project, model_family(self.model)
+        om, pm, k = model_ident(o, m), model_ident(p, m), self.key_digest
+        out = [Level("organization", config_key(o, "organization", o), balance_key(o, "organization", o)),
+               Level(f"organization (model {m})", config_key(o, "org_model", om),
+                     balance_key(o, "org_model", om), optional=True),
+               Level("project", config_key(o, "project", p), balance_key(o, "project", p)),
+               Level(f"project (model {m})", config_key(o, "project_model", pm),
+                     balance_key(o, "project_model", pm), optional=True),
+               Level("key", config_key(o, "key", k), balance_key(o, "key", k))]
         if self.user:
             uid = user_ident(p, self.user)
-            out.append(("user", config_key(o, "project", p), balance_key(o, "user", uid), "user_"))
+            out.append(Level("user", config_key(o, "project", p), balance_key(o, "user", uid), "user_"))
         return out
 
     def dimensions(self) -> list[str]:
@@ -108,18 +121,18 @@ class MoneyLedger:
         levels = path.levels()
         keys = [holds_key(path.org), hold_key(path.org, hold.hold_id)]
         args: list[object] = [cost, self.hold_ttl_ms, len(levels), tokens]
-        for label, cfg, bal, prefix in levels:
-            keys += [cfg, bal]
-            args += [label, prefix]
+        for level in levels:
+            keys += [level.config, level.balance]
+            args += [level.label, level.prefix, "1" if level.optional else "0"]
         status, level, limit, amount, reset_s, kind, retry_ms = await MONEY_RESERVE(self.redis, keys, args)
         kind = _text(kind)
-        if int(status) != ADMITTED and kind != "budget":
+        if int(status) != ADMITTED and kind not in ("budget", "rolling"):
             requested = tokens if kind == "tpm" else 1
             raise LevelRateLimited(_text(level), kind, int(limit), int(amount), requested, int(retry_ms),
                                    never_fits=int(status) == NEVER_FITS)
         if int(status) != ADMITTED:
             raise BudgetExceeded(_text(level), int(limit), int(amount), cost, int(reset_s),
-                                 never_fits=int(status) == NEVER_FITS)
+                                 never_fits=int(status) == NEVER_FITS, rolling=kind == "rolling")
         hold.narrowest, hold.remaining_micro, hold.reset_at = _text(level), int(amount), int(reset_s)
         return hold
 

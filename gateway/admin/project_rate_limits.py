@@ -7,7 +7,7 @@ from collections.abc import Callable
 import redis.asyncio as aredis
 
 from admission import DEFAULT_ORG, PROJECT_ORG_KEY
-from admission.money.keys import config_key, model_ident
+from admission.money.keys import config_key, model_family, model_ident
 from gateway.admin.admin_scope import AdminScope
 from gateway.admin.project_admin import project_fields
 from gateway.web.api_errors import ApiError, invalid
@@ -42,9 +42,9 @@ async def _object(client: aredis.Redis, project_id: str, model: str) -> dict:
 
 async def list_rate_limits(client: aredis.Redis, scope: AdminScope, project_id: str,
                            listing: Listing) -> list[dict]:
-    """One object per model the project may use, by model id."""
+    """One object per model family the project may use (versions `name@v` share `name`), by name."""
     fields = await project_fields(client, scope, project_id)
-    models = listing(parse_tenant(project_id, fields))
+    models = {model_family(m) for m in listing(parse_tenant(project_id, fields))}
     return [await _object(client, project_id, m) for m in sorted(models)]
 
 
@@ -53,7 +53,7 @@ async def update_rate_limit(client: aredis.Redis, scope: AdminScope, project_id:
     """Set the model's `max_requests_per_1_minute` / `max_tokens_per_1_minute` (0: none); applied at once."""
     fields = await project_fields(client, scope, project_id)
     model = rate_limit_id.removeprefix(ID_PREFIX)
-    models = listing(parse_tenant(project_id, fields))
+    models = {model_family(m) for m in listing(parse_tenant(project_id, fields))}
     if not rate_limit_id.startswith(ID_PREFIX) or model not in models:
         raise ApiError(404, f"No rate limit with id '{rate_limit_id[:80]}' found for project "
                        f"'{project_id[:80]}'.", param="rate_limit_id", code="not_found")

@@ -165,8 +165,8 @@ def test_migration_is_idempotent_and_keeps_assignments(r):
 def test_one_admission_keys_share_one_slot():
     user = MoneyPath("acme", "search", "d" * 64, "tiny", "u" * 300)
     keys = [holds_key("acme"), hold_key("acme", "x"), spend_key("acme", "20261129")]
-    keys += [k for _, cfg, bal, _ in user.levels() for k in (cfg, bal)]
+    keys += [k for level in user.levels() for k in (level.config, level.balance)]
     assert len({key_slot(k.encode()) for k in keys}) == 1
     assert all(len(k) < 200 for k in keys)                   # a long `user` id goes by its digest
-    spaced = MoneyPath("acme", "search", "d" * 64, "tiny", "John Doe").levels()[-1][2]
+    spaced = MoneyPath("acme", "search", "d" * 64, "tiny", "John Doe").levels()[-1].balance
     assert " " not in spaced and spaced.endswith("search/sha256:" + hashlib.sha256(b"John Doe").hexdigest())

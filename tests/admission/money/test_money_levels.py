@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from admission.money import BudgetExceeded, LevelRateLimited, MoneyLedger, MoneyPath, PriceBook
 from admission.money.hierarchy import read_balance, set_budget, set_limits
+from admission.money.keys import balance_key
 from tenancy.redis_client import async_client
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,3 +116,32 @@ def test_limits_are_checked_where_they_are_set(r):
     assert set_limits(r, "acme", "project", "search", rpm=5, model="tiny")["rpm"] == 5
     assert set_limits(r, "acme", "project", "search", tpm=7, model="tiny") == {"tpm": 7, "rpm": 5,
                                                                                 "max_concurrent": 0}
+
+
+async def test_rolling_24h_budget_counts_the_last_24_hourly_buckets(r, ledgers):
+    from admission.money.prices import set_price
+
+    set_price(r, "*", "0", None, "1000")                    # 1000 µ$ per output token
+    set_budget(r, "acme", "key", KEY, "0.005", "24h")
+    await ledgers[0].settle(await ledgers[0].reserve(PATH, 0, 3), 0, 0, 3)
+    bal, hour = balance_key("acme", "key", KEY), int(time.time()) // 3600
+    r.hset(bal, f"r:{hour - 23}", 1000)                     # spent 23 hours ago: still in the window
+    with pytest.raises(BudgetExceeded) as exc:
+        await ledgers[1].reserve(PATH, 0, 2)                # 3000 + 1000 + 2000 > 5000
+    assert exc.value.level == "key" and exc.value.rolling and "rolling window" in exc.value.message()
+    assert exc.value.reset_at == (hour + 1) * 3600 and "retry-after" in exc.value.headers()
+    assert read_balance(r, "acme", "key", KEY)["spent_micro"] == 4000
+    r.hdel(bal, f"r:{hour - 23}")
+    r.hset(bal, f"r:{hour - 25}", 1000)                     # 25 hours ago: out of it, and dropped
+    await ledgers[1].refund(await ledgers[1].reserve(PATH, 0, 2))
+    assert not r.hexists(bal, f"r:{hour - 25}")
+    with pytest.raises(ValueError, match="24h or 30d"):
+        set_budget(r, "acme", "key", KEY, "1", "week")
+
+
+async def test_versions_of_a_model_share_its_family_limits(r, ledgers):
+    set_limits(r, "acme", "project", "search", rpm=1, model="tiny")
+    await ledgers[0].refund(await ledgers[0].reserve(MoneyPath("acme", "search", KEY, "tiny@v1"), 1, 1))
+    with pytest.raises(LevelRateLimited) as exc:
+        await ledgers[0].reserve(MoneyPath("acme", "search", KEY, "tiny@v2"), 1, 1)
+    assert exc.value.level == "project (model tiny)"
