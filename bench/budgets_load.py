@@ -142,7 +142,8 @@ async def admission_latency(url: str, api_key: str, project: str, samples: int) 
     """p50/p99 (ms) of one request's admission calls against `url`, the two paths alternating sample by
     sample: flat = authenticate + token reserve + token settle (the tenant path without `money_budgets`);
     four-level = the same plus the money hold and settle of the organization -> project -> key -> user path,
-    each through the gateway's own objects (`TenantDirectory`, `Budget`, `MoneyGate`). The samples fall into
+    each beside its token call as the gateway runs them, through the gateway's own objects
+    (`TenantDirectory`, `Budget`, `MoneyGate`). The samples fall into
     BLOCKS consecutive blocks; a path's p99 is the median of its blocks' p99s and the overhead the median of
     the blocks' differences, so one burst of a shared machine's noise does not decide the figure."""
     from admission import Budget
@@ -161,14 +162,13 @@ async def admission_latency(url: str, api_key: str, project: str, samples: int) 
         res.record(completion_tokens=16)
         await budget.settle(res)
 
-    async def four(i: int) -> None:
+    async def four(i: int) -> None:  # as the gateway does it (gateway/flow/money_step.py): side by side
         tenant = await directory.authenticate(api_key)
         assert tenant is not None
-        res = await budget.reserve(tenant, 20, 16)
-        hold = await money.hold(project, key_digest, "default", f"lat-{i % 64}", 20, 16)
+        res, hold = await asyncio.gather(budget.reserve(tenant, 20, 16),
+                                         money.hold(project, key_digest, "default", f"lat-{i % 64}", 20, 16))
         res.record(completion_tokens=16)
-        await money.settle(hold, True, 20, 0, 16)
-        await budget.settle(res)
+        await asyncio.gather(money.settle(hold, True, 20, 0, 16), budget.settle(res))
 
     times: dict[str, list[list[float]]] = {"flat": [[] for _ in range(BLOCKS)],
                                            "four_level": [[] for _ in range(BLOCKS)]}

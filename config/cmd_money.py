@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--input", help="USD per million input tokens")
     p.add_argument("--cached", help="USD per million cached input tokens (default: the input price)")
     p.add_argument("--output", help="USD per million output tokens")
-    b = sub.add_parser("budget", help="set a level's dollar budget per day or month (0 = unlimited)")
+    b = sub.add_parser("budget", help="set a level's dollar budget per calendar day or month, or rolling 24h "
+                                      "or 30d (0 = unlimited)")
     b.add_argument("level", choices=("organization", "project", "key", "user"))
     b.add_argument("ident", help="organization or project name, or key digest; for `user`, the project")
     b.add_argument("--usd", required=True, help="budget in USD per period")

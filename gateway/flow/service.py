@@ -12,11 +12,12 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from admission import Admission, AdmissionTicket, BudgetExceeded, LevelRateLimited, MoneyGate, error_response
+from admission import Admission, AdmissionTicket, MoneyGate, error_response
 from common.priorities import Priority
 from gateway.flow import deadlines
 from gateway.flow.choices import GenerationGroup
 from gateway.flow.generation import Generation, Prepared
+from gateway.flow.money_step import MoneyStep
 from gateway.flow.served_model import ServedModel
 from gateway.flow.versions import VERSION_HEADER, ModelPools, SinglePool, Target, sticky_prefix
 from gateway.openai import responses_shape
@@ -248,9 +249,16 @@ class GatewayService:
     async def _admit(self, stack: AsyncExitStack, p: Prepared, usage: Usage,
                      max_tokens: int | None = None) -> AdmissionTicket:
         assert self.admission is not None
+        max_tokens = p.max_tokens if max_tokens is None else max_tokens
+        step = None
+        if self.money is not None:  # held beside the token admission, settled beside it (money_step)
+            model = self._target(p).response_model or p.req.model
+            step = MoneyStep(self.money, p.tenant.name, p.key_digest, model, p.req.user, usage.prompt_tokens,
+                             max_tokens)
+            stack.push_async_callback(step.settled)
         try:
             ticket = await stack.enter_async_context(self.admission.admit(
-                p.tenant, usage.prompt_tokens, p.max_tokens if max_tokens is None else max_tokens, p.priority,
+                p.tenant, usage.prompt_tokens, max_tokens, p.priority,
                 capacity=self._target(p).capacity, slo=deadlines.slo_target(p)))
         except Exception as exc:
             spec = error_response(exc)
@@ -262,38 +270,10 @@ class GatewayService:
         # Runs before the admission context exits (LIFO), so settle sees the real usage.
         stack.callback(lambda: ticket.record_usage(usage.prompt_tokens, usage.completion_tokens,
                                                    usage.cached_tokens))
-        if self.money is not None:
-            await self._hold_money(stack, p, usage, ticket,
-                                   p.max_tokens if max_tokens is None else max_tokens)
+        if step is not None:
+            hold = p.money_hold = await step.join(ticket)
+            stack.callback(step.start_settle, hold, ticket, usage)
         return ticket
-
-    async def _hold_money(self, stack: AsyncExitStack, p: Prepared, usage: Usage, ticket: AdmissionTicket,
-                          max_tokens: int) -> None:
-        """Hold the maximum cost on every level of the request's path; settle the exact cost when it ends."""
-        assert self.money is not None
-        money = self.money
-        try:
-            model = self._target(p).response_model or p.req.model
-            hold = await money.hold(p.tenant.name, p.key_digest, model, p.req.user, usage.prompt_tokens,
-                                    max_tokens)
-        except BudgetExceeded as exc:
-            ticket.unserved()  # the token reservation is refunded in full
-            gateway_metrics.current().count_shed("insufficient_quota")
-            raise ApiError(429, exc.message(), "insufficient_quota", code="insufficient_quota",
-                           headers=exc.headers()) from None
-        except LevelRateLimited as exc:
-            ticket.unserved()
-            gateway_metrics.current().count_shed(exc.code)
-            raise ApiError(exc.status, exc.message(), exc.error_type, code=exc.code,
-                           headers=exc.headers()) from None
-        except QuotaServiceUnavailable:
-            ticket.unserved()
-            gateway_metrics.current().count_shed("quota_service_unavailable")
-            raise api_errors.quota_unavailable() from None
-        ticket.headers.update(hold.headers())
-        p.money_hold = hold
-        stack.push_async_callback(lambda: money.settle(hold, ticket.reservation.served, usage.prompt_tokens,
-                                                       usage.cached_tokens, usage.completion_tokens))
 
 
 def sibling_seed(seed: int | None, j: int) -> int | None:
