@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--input", help="USD per million input tokens")
     p.add_argument("--cached", help="USD per million cached input tokens (default: the input price)")
     p.add_argument("--output", help="USD per million output tokens")
+    p.add_argument("--batch", help="the fraction of these prices a Batch API request pays, 0-1 (default: "
+                                   "1, no discount; OpenAI's is 0.5)")
     b = sub.add_parser("budget", help="set a level's dollar budget per calendar day or month, or rolling 24h "
                                       "or 30d (0 = unlimited)")
     b.add_argument("level", choices=("organization", "project", "key", "user"))
@@ -60,7 +62,7 @@ def _prices(r: redis.Redis, args: argparse.Namespace) -> object:
         return list_prices(r)
     if args.input is None or args.output is None:
         raise ValueError("setting a price needs --input and --output")
-    set_price(r, args.model, args.input, args.cached, args.output)
+    set_price(r, args.model, args.input, args.cached, args.output, args.batch)
     return {args.model: list_prices(r)[args.model]}
 
 

@@ -93,6 +93,7 @@ class MoneyHold:
     remaining_micro: int = 0   # its budget left after this hold
     reset_at: int = 0          # when its period ends (epoch seconds)
     tokens: int = 0            # prompt + max_tokens held at the levels' tpm buckets
+    batch: bool = False        # a Batch API request: it pays the price's batch fraction
 
     def headers(self) -> dict[str, str]:
         """The narrowest budgeted level's remaining money, for the response."""
@@ -111,13 +112,14 @@ class MoneyLedger:
         self.prices = prices
         self.hold_ttl_ms = int(hold_ttl_s * 1000)
 
-    async def reserve(self, path: MoneyPath, prompt_tokens: int, max_tokens: int) -> MoneyHold:
+    async def reserve(self, path: MoneyPath, prompt_tokens: int, max_tokens: int,
+                      batch: bool = False) -> MoneyHold:
         """Hold the request's maximum cost and tokens at every level, or raise `BudgetExceeded` (a dollar
         budget) or `LevelRateLimited` (a tpm, rpm or max_concurrent) naming the level."""
         price = await self.prices.get(path.model)
-        cost = price.max_cost(prompt_tokens, max_tokens)
+        cost = price.max_cost(prompt_tokens, max_tokens, batch)
         tokens = prompt_tokens + max_tokens
-        hold = MoneyHold(path, secrets.token_hex(12), price, cost, tokens=tokens)
+        hold = MoneyHold(path, secrets.token_hex(12), price, cost, tokens=tokens, batch=batch)
         levels = path.levels()
         keys = [holds_key(path.org), hold_key(path.org, hold.hold_id)]
         args: list[object] = [cost, self.hold_ttl_ms, len(levels), tokens]
@@ -141,7 +143,7 @@ class MoneyLedger:
         """Charge the exact cost of the tokens served (0 for none: a full refund); True the first time."""
         if hold.settled:
             return False
-        cost = hold.price.cost(input_tokens, cached_tokens, output_tokens)
+        cost = hold.price.cost(input_tokens, cached_tokens, output_tokens, hold.batch)
         day = time.strftime("%Y%m%d", time.gmtime())
         org = hold.path.org
         keys = [holds_key(org), hold_key(org, hold.hold_id), spend_key(org, day)]

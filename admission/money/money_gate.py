@@ -26,11 +26,12 @@ class MoneyGate:
         self.ledger = MoneyLedger(client, PriceBook(client), hold_ttl_s)
 
     async def hold(self, project: str, key_digest: str, model: str, user: str | None, prompt_tokens: int,
-                   max_tokens: int) -> MoneyHold:
-        """Hold the maximum cost on every level, or raise `BudgetExceeded` (or `QuotaServiceUnavailable`)."""
+                   max_tokens: int, batch: bool = False) -> MoneyHold:
+        """Hold the maximum cost on every level, or raise `BudgetExceeded`, `LevelRateLimited` (or
+        `QuotaServiceUnavailable`); `batch`: a Batch API request, at the batch fraction of the prices."""
         org = await self.orgs.org_of(project)
         path = MoneyPath(org, project, key_digest, model, user or None)
-        return await self.ledger.reserve(path, prompt_tokens, max_tokens)
+        return await self.ledger.reserve(path, prompt_tokens, max_tokens, batch)
 
     async def settle(self, hold: MoneyHold, served: bool, prompt_tokens: int, cached_tokens: int,
                      completion_tokens: int) -> None:

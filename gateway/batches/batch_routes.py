@@ -49,6 +49,7 @@ def parse_line(endpoint: str, body: Any) -> GenerationRequest:
     if req.background:
         raise api_errors.invalid("A batch request cannot run in the background.", param="background")
     req.priority = Priority.BATCH
+    req.batch_line = True
     return req
 
 

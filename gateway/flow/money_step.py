@@ -18,10 +18,10 @@ class MoneyStep:
     gives it back when they are not; `start_settle` (request over) and `settled` bracket the token settle."""
 
     def __init__(self, money: MoneyGate, project: str, key_digest: str, model: str, user: str | None,
-                 prompt_tokens: int, max_tokens: int) -> None:
+                 prompt_tokens: int, max_tokens: int, batch: bool) -> None:
         self.money = money
         self._hold = asyncio.ensure_future(money.hold(project, key_digest, model, user, prompt_tokens,
-                                                      max_tokens))
+                                                      max_tokens, batch))
         self._settle: asyncio.Future | None = None
 
     async def cancel(self) -> None:

@@ -254,7 +254,7 @@ class GatewayService:
         if self.money is not None:  # held beside the token admission, settled beside it (money_step)
             model = self._target(p).response_model or p.req.model
             step = MoneyStep(self.money, p.tenant.name, p.key_digest, model, p.req.user, usage.prompt_tokens,
-                             max_tokens)
+                             max_tokens, batch=p.req.batch_line)
             stack.push_async_callback(step.settled)
         try:
             ticket = await stack.enter_async_context(self.admission.admit(

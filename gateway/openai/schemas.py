@@ -75,6 +75,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # token ids checked against the vocabulary by the model
     ignore_eos: bool = False
     priority: Priority | None = None
+    batch_line: bool = False  # a Batch API line (never from a body): priced at the model's batch fraction
     grammar: GrammarSpec | None = None  # from `response_format`: the output is constrained to it
     speculative: bool = True  # extension: false opts out of n-gram speculative decoding (same output)
     # "in_memory" (KV tiers in RAM only) | "24h" (may go to disk) | "": default

@@ -31,7 +31,12 @@ def test_money_cli_round_trip(capsys, redis_url):
     assert cli(capsys, redis_url, "migrate") == {"moved": []}
     assert cli(capsys, redis_url, "assign", "search", "acme") == {"project": "search", "org": "acme"}
     assert cli(capsys, redis_url, "prices", "tiny", "--input", "0.15", "--output", "0.6") == {
-        "tiny": {"input": "0.150000", "cached": "0.150000", "output": "0.600000"}}
+        "tiny": {"input": "0.150000", "cached": "0.150000", "output": "0.600000", "batch": "1.000000"}}
+    got = cli(capsys, redis_url, "prices", "tiny", "--input", "0.15", "--output", "0.6", "--batch", "0.5")
+    assert got["tiny"]["batch"] == "0.500000"
+    assert main(["money", "prices", "tiny", "--input", "1", "--output", "1", "--batch", "1.5",
+                 "--redis-url", redis_url]) == 1
+    assert "between 0 and 1" in capsys.readouterr().err
     got = cli(capsys, redis_url, "budget", "organization", "acme", "--usd", "12.5", "--period", "day")
     assert got["budget_usd"] == "12.500000" and got["org"] == "acme"
     cli(capsys, redis_url, "budget", "user", "search", "--usd", "1", "--org", "acme")

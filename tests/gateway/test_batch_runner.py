@@ -7,11 +7,16 @@ import asyncio
 import json
 import time
 
+import pytest
 import redis.asyncio as aredis
 
+from common.priorities import Priority
+from gateway.batches.batch_routes import parse_line
 from gateway.batches.batch_runner import BatchRunner, RunnerConfig
 from gateway.batches.batch_store import Batch, BatchStore
 from gateway.files.file_store import DirectoryFileStore
+from gateway.openai.schemas import parse_chat
+from gateway.web.api_errors import ApiError
 
 
 def test_abandoned_line_is_reclaimed_and_answered_once(redis_url, tmp_path):
@@ -130,3 +135,13 @@ async def _idle(redis_url: str, tmp_path) -> None:
     await asyncio.sleep(2.0)
     await runner.stop()
     await client.aclose()
+
+
+def test_a_batch_line_is_priced_as_batch_work_and_a_body_cannot_claim_it():
+    line = parse_line("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert line.batch_line and line.priority is Priority.BATCH
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "priority": "batch"}
+    assert not parse_chat(body).batch_line               # a lower priority asked for: no batch price
+    with pytest.raises(ApiError) as exc:
+        parse_chat({**body, "batch_line": True})
+    assert exc.value.status == 400 and exc.value.param == "batch_line"

@@ -46,6 +46,26 @@ def test_price_cost_is_exact_integer_arithmetic():
     assert Price(10, 20, 0).max_cost(10**6, 0) == 20  # cached dearer than input: the hold still covers it
 
 
+async def test_batch_lines_pay_the_batch_fraction_exactly(r, ledgers):
+    p = Price(input=150_000, cached=75_000, output=600_000, batch_ppm=500_000)
+    total = 600 * 150_000 + 400 * 75_000 + 101 * 600_000
+    assert p.cost(1000, 400, 101, batch=True) == -(-total // 2_000_000)
+    assert p.cost(1, 0, 0, batch=True) == 1 and p.max_cost(10, 10, batch=True) == 4  # 3.75 µ$: up once
+    set_price(r, "tiny", "1", None, "10", batch="0.5")
+    hold = await ledgers[0].reserve(PATH, 100, 90, batch=True)  # (100 + 900) / 2
+    assert hold.reserved_micro == 500 and hold.batch
+    await ledgers[0].settle(hold, 100, 0, 10)
+    assert hold.cost_micro == 100                            # (100 + 100) / 2
+    set_price(r, "tiny", "1", None, "10")                    # the fraction stays until it is set again
+    await asyncio.sleep(1.05)
+    assert (await ledgers[1].prices.get("tiny")).batch_ppm == 500_000
+    full = await ledgers[1].reserve(PATH, 100, 90)           # an interactive request pays in full
+    assert full.reserved_micro == 1000 and not full.batch
+    await ledgers[1].refund(full)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        set_price(r, "tiny", "1", None, "10", batch="2")
+
+
 async def test_concurrent_reserves_never_overspend(r, ledgers):
     set_price(r, "tiny", "1", "0.5", "10")            # max cost of 100 + 90 tokens: 100 + 900 = 1000 µ$
     set_budget(r, "acme", "organization", "acme", "0.05")  # 50 holds of the maximum fit
