@@ -108,7 +108,7 @@ for i = 1, n do
   if ARGV[4 + 3 * i] ~= '1' or cfg[1] or cfg[2] or cfg[3] or cfg[4] or cfg[5] then
     local budget = tonumber(cfg[1]) or 0
     local pid, reset_s = period((cfg[2] == 'day' or ROLLING[cfg[2]]) and cfg[2] or 'month')
-    local b = redis.call('HMGET', KEYS[2 + 2 * i], 'p', 'spent', 'held', 'tok', 'req', 'ts', 'active')
+    local b = redis.call('HMGET', KEYS[2 + 2 * i], 'p', 'spent', 'held', 'tok', 'req', 'ts', 'active', 'x')
     local spent = (b[1] == pid) and (tonumber(b[2]) or 0) or 0
     local w = ROLLING[cfg[2]]
     if w and budget > 0 then spent = rolling_spent(KEYS[2 + 2 * i], w[1], w[2]) end
@@ -137,24 +137,26 @@ for i = 1, n do
     if mc > 0 and active >= mc then fail('concurrency', mc, active, 1000) end  -- frees when a request ends
     pids[#pids + 1] = pid
     bals[#bals + 1] = KEYS[2 + 2 * i]
-    buckets[#buckets + 1] = {tok, req}
+    buckets[#buckets + 1] = {tok, req, b[1], b[8]}
   end
 end
 if deny ~= nil then return deny end
 
 for i = 1, #bals do
-  local bal = bals[i]
-  if redis.call('HGET', bal, 'p') ~= pids[i] then redis.call('HSET', bal, 'p', pids[i], 'spent', 0) end
-  -- (a rolling window keeps its buckets when the period changes: they are its history)
+  local bal, st = bals[i], buckets[i]
+  local sets = {}
+  local function set(f, v) sets[#sets + 1] = f; sets[#sets + 1] = v end
+  -- a new period starts from 0 (a rolling window keeps its buckets: they are its history)
+  if st[3] ~= pids[i] then set('p', pids[i]); set('spent', 0) end
+  if st[1] ~= nil or st[2] ~= nil then set('ts', now_us) end
+  if st[1] ~= nil then set('tok', tostring(st[1] - tokens)) end
+  if st[2] ~= nil then set('req', tostring(st[2] - 1)) end
+  local renew = st[4] ~= tostring(today)  -- the balance lives 40 days past its last hold (renewed daily)
+  if renew then set('x', today) end
+  if #sets > 0 then redis.call('HSET', bal, unpack(sets)) end
   redis.call('HINCRBY', bal, 'held', cost)
   redis.call('HINCRBY', bal, 'active', 1)
-  local tok, req = buckets[i][1], buckets[i][2]
-  if tok ~= nil or req ~= nil then
-    redis.call('HSET', bal, 'ts', now_us)
-    if tok ~= nil then redis.call('HSET', bal, 'tok', tostring(tok - tokens)) end
-    if req ~= nil then redis.call('HSET', bal, 'req', tostring(req - 1)) end
-  end
-  redis.call('EXPIRE', bal, 40 * 86400)
+  if renew then redis.call('EXPIRE', bal, 40 * 86400) end
 end
 redis.call('HSET', KEYS[2], 'amt', cost, 'tok', tokens, 'bals', table.concat(bals, ' '),
            'pids', table.concat(pids, ' '), 'state', 'open')

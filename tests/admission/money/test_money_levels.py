@@ -145,3 +145,12 @@ async def test_versions_of_a_model_share_its_family_limits(r, ledgers):
     with pytest.raises(LevelRateLimited) as exc:
         await ledgers[0].reserve(MoneyPath("acme", "search", KEY, "tiny@v2"), 1, 1)
     assert exc.value.level == "project (model tiny)"
+
+
+async def test_every_balance_a_hold_touches_expires(r, ledgers):
+    set_limits(r, "acme", "key", KEY, rpm=100)
+    user = MoneyPath("acme", "search", KEY, "tiny", "end-user-9")
+    for _ in range(2):  # the second hold of the day does not renew, the first did
+        await ledgers[0].settle(await ledgers[0].reserve(user, 1, 1), 1, 0, 1)
+    balances = [level.balance for level in user.levels() if not level.optional]
+    assert all(0 < r.ttl(b) <= 40 * 86_400 for b in balances), [r.ttl(b) for b in balances]
