@@ -169,6 +169,35 @@ def test_interactive_admitted_before_batch(tiny):
     assert finished["i"] < finished["b"]
 
 
+@pytest.mark.parametrize("slots,pages", [(2, 512), (8, 14)])  # out of slots; out of pages
+def test_interactive_arrival_preempts_batch_work_which_resumes_unchanged(tiny, slots, pages):
+    rng = random.Random(5)
+    batch = {f"b{i}": rand_prompt(rng, 60) for i in range(2)}
+    alone = make_engine(tiny)
+    for rid, p in batch.items():
+        alone.add_request(rid, p, greedy(60), priority=Priority.BATCH)
+    expected, _ = drain(alone)
+    eng = make_engine(tiny, pages=pages, max_num_seqs=slots)
+    for rid, p in batch.items():
+        eng.add_request(rid, p, greedy(60), priority=Priority.BATCH)
+    got: dict[str, list[int]] = {}
+    for _ in range(6):  # both batch requests decoding
+        for out in eng.step():
+            got.setdefault(out.rid, []).extend(out.new_tokens)
+    assert all(eng._seqs[r].in_decode for r in batch)
+    eng.add_request("i", rand_prompt(rng, 100), greedy(4), priority=Priority.INTERACTIVE)
+    before = eng.stats().preemptions
+    for out in eng.step():  # the interactive request is admitted at once
+        got.setdefault(out.rid, []).extend(out.new_tokens)
+    assert eng._seqs["i"].num_computed > 0 and eng.stats().preemptions > before
+    tokens, finished = drain(eng)
+    for rid, toks in tokens.items():
+        got.setdefault(rid, []).extend(toks)
+    assert {r: got[r] for r in batch} == expected  # the preempted batch work resumed, same greedy tokens
+    assert len(got["i"]) == 4 and finished["i"] < min(finished[r] for r in batch)
+    assert pages_idle(eng)
+
+
 @pytest.mark.parametrize("tokens,params,param", [
     ([], greedy(4), "prompt"),
     ([5, 10**7], greedy(4), "prompt"),

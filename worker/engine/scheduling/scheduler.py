@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 
+from common.priorities import Priority
 from worker.config import EngineConfig
 from worker.engine.records.sequence import ScheduledBatch, SeqStatus, Sequence
 from worker.engine.scheduling.fairness import FairShare
@@ -22,6 +23,7 @@ from worker.kvcache.radix_cache import RadixCache
 # service); the slot-share rule of FairShare.slot_victim already rules out thrash, so a just-lifted key may
 # preempt at once
 FAIR_PREEMPT_GAP = 0.0
+CLASS_PREEMPT_MAX = 8  # batch-class sequences preempted for one waiting interactive request in one step
 
 
 def pages_for(tokens: int, block_size: int) -> int:
@@ -85,6 +87,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
+        self._class_preempt(out)
         self._fair_preempt(out)
         if not self._light_alone(out):
             budget = self._schedule_decodes(out, self.config.max_num_batched_tokens)
@@ -181,6 +184,28 @@ class Scheduler:
             out.prefills.append((seq, chunk))
             budget -= chunk
         return budget
+
+    def _class_preempt(self, out: ScheduledBatch) -> None:
+        """Batch work runs only in room interactive work leaves: while the first waiting request is
+        interactive and finds no slot or no pages, preempt the newest batch-class sequences (their pages go to
+        the radix cache, and below it to the KV tiers; they resume from there once room is back)."""
+        if not self.waiting or self.waiting[0].priority != Priority.INTERACTIVE:
+            return
+        head = self.waiting[0]
+        for _ in range(CLASS_PREEMPT_MAX):
+            victim = self.running[-1] if self.running else None  # running is sorted: batch last
+            if victim is None or victim.priority != Priority.BATCH or self._fits(head):
+                return
+            self._preempt(victim, out)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """A slot is free and seq's uncached pages are free or evictable, above the watermark."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        cached = cached_len(self.cache, seq) // self.bs if self.cache is not None else 0
+        need = pages_for(len(seq.tokens), self.bs) - cached + self.watermark
+        evictable = self.cache.evictable_pages if self.cache is not None else 0
+        return self.pool.num_free + evictable >= need
 
     # ---- fair share of slots (VTC with several active keys; no-ops otherwise) ----
 
