@@ -198,6 +198,22 @@ def test_interactive_arrival_preempts_batch_work_which_resumes_unchanged(tiny, s
     assert pages_idle(eng)
 
 
+def test_batch_decodes_sit_out_the_step_of_an_interactive_prefill(tiny):
+    rng = random.Random(6)
+    eng = make_engine(tiny)
+    for i in range(3):
+        eng.add_request(f"b{i}", rand_prompt(rng, 20), greedy(40), priority=Priority.BATCH)
+    while not all(eng._seqs[f"b{i}"].in_decode for i in range(3)):
+        eng.step()
+    eng.add_request("i", rand_prompt(rng, 30), greedy(3), priority=Priority.INTERACTIVE)
+    outs = {o.rid: o for o in eng.step()}  # the interactive prefill's step: no batch token in it
+    assert outs["i"].new_tokens and not any(outs[f"b{i}"].new_tokens for i in range(3) if f"b{i}" in outs)
+    outs = {o.rid: o for o in eng.step()}  # then everyone decodes again
+    assert all(len(outs[f"b{i}"].new_tokens) == 1 for i in range(3))
+    tokens, _ = drain(eng)
+    assert pages_idle(eng)
+
+
 @pytest.mark.parametrize("tokens,params,param", [
     ([], greedy(4), "prompt"),
     ([5, 10**7], greedy(4), "prompt"),

@@ -12,6 +12,7 @@ import bisect
 from common.priorities import Priority
 from worker.config import EngineConfig
 from worker.engine.records.sequence import ScheduledBatch, SeqStatus, Sequence
+from worker.engine.scheduling import batch_class
 from worker.engine.scheduling.fairness import FairShare
 from worker.engine.scheduling.restore import Restorer
 from worker.engine.scheduling.speculative import DraftPlanner
@@ -23,7 +24,6 @@ from worker.kvcache.radix_cache import RadixCache
 # service); the slot-share rule of FairShare.slot_victim already rules out thrash, so a just-lifted key may
 # preempt at once
 FAIR_PREEMPT_GAP = 0.0
-CLASS_PREEMPT_MAX = 8  # batch-class sequences preempted for one waiting interactive request in one step
 
 
 def pages_for(tokens: int, block_size: int) -> int:
@@ -87,7 +87,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
-        self._class_preempt(out)
+        batch_class.preempt_for_interactive(self, out)
         self._fair_preempt(out)
         if not self._light_alone(out):
             budget = self._schedule_decodes(out, self.config.max_num_batched_tokens)
@@ -106,10 +106,13 @@ class Scheduler:
         return out
 
     def _schedule_decodes(self, out: ScheduledBatch, budget: int) -> int:
+        """Every running decode gets a token, but batch-class ones sit out a step that carries an
+        interactive prefill (a first token waits for no batch work)."""
         i = 0
+        pause_batch = batch_class.interactive_prefill_due(self.waiting, self.running)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if not seq.in_decode:
+            if not seq.in_decode or (pause_batch and seq.priority == Priority.BATCH):
                 i += 1
                 continue
             if not self._ensure_decode_page(seq, i, out):
@@ -125,7 +128,7 @@ class Scheduler:
             return True
         while not self._free_a_page():
             victim = self._victim(i)
-            self._preempt(victim, out)
+            self.preempt(victim, out)
             if victim is seq:
                 return False
         seq.pages.extend(self.pool.allocate(1))
@@ -185,28 +188,6 @@ class Scheduler:
             budget -= chunk
         return budget
 
-    def _class_preempt(self, out: ScheduledBatch) -> None:
-        """Batch work runs only in room interactive work leaves: while the first waiting request is
-        interactive and finds no slot or no pages, preempt the newest batch-class sequences (their pages go to
-        the radix cache, and below it to the KV tiers; they resume from there once room is back)."""
-        if not self.waiting or self.waiting[0].priority != Priority.INTERACTIVE:
-            return
-        head = self.waiting[0]
-        for _ in range(CLASS_PREEMPT_MAX):
-            victim = self.running[-1] if self.running else None  # running is sorted: batch last
-            if victim is None or victim.priority != Priority.BATCH or self._fits(head):
-                return
-            self._preempt(victim, out)
-
-    def _fits(self, seq: Sequence) -> bool:
-        """A slot is free and seq's uncached pages are free or evictable, above the watermark."""
-        if len(self.running) >= self.config.max_num_seqs:
-            return False
-        cached = cached_len(self.cache, seq) // self.bs if self.cache is not None else 0
-        need = pages_for(len(seq.tokens), self.bs) - cached + self.watermark
-        evictable = self.cache.evictable_pages if self.cache is not None else 0
-        return self.pool.num_free + evictable >= need
-
     # ---- fair share of slots (VTC with several active keys; no-ops otherwise) ----
 
     def _fair_preempt(self, out: ScheduledBatch) -> None:
@@ -224,7 +205,7 @@ class Scheduler:
             return
         victim = next((s for s in reversed(running) if s.fkey == key and s.priority >= head.priority), None)
         if victim is not None:
-            self._preempt(victim, out)
+            self.preempt(victim, out)
 
     def _running_per_key(self) -> dict[bytes, int]:
         counts: dict[bytes, int] = {}
@@ -343,7 +324,7 @@ class Scheduler:
             cache.unlock(seq.prefix_handle)
         seq.prefix_handle = m.handle
 
-    def _preempt(self, seq: Sequence, out: ScheduledBatch) -> None:
+    def preempt(self, seq: Sequence, out: ScheduledBatch) -> None:
         self.running.remove(seq)
         self._release_pages(seq, keep=True)
         seq.num_computed = 0
