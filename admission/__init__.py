@@ -24,10 +24,13 @@ from admission.money.keys import (
     DEFAULT_ORG,
     ORGS_SET,
     PROJECT_ORG_KEY,
+    model_family,
+    model_ident,
     spend_key,
     user_ident,
     validate_org,
 )
+from admission.money.keys import config_key as level_config_key
 from admission.money.money_gate import MoneyGate
 from admission.results import (
     ADMITTED,
@@ -52,6 +55,9 @@ __all__ = [
     "parse_admin_key",
     "spend_key",
     "user_ident",
+    "level_config_key",
+    "model_family",
+    "model_ident",
     "validate_org",
     "ADMITTED",
     "DENIED",

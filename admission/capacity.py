@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from admission.fair_waiters import FairWaiters, Waiter
-from admission.ttft_predict import TtftTarget, WorkerLoad, excess_retry_s, predict_ttft_s
+from admission.ttft_predict import TtftTarget, WorkerLoad, excess_retry_s, predict_ttft_s, service_s
 from common.priorities import Priority
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
@@ -145,8 +145,10 @@ class CapacityGate:
         waiters.push(waiter)
         if waiters.fair:
             self.notify()  # the newcomer may be the fairest head
-        wait_s = self.admission_wait_s if slo is None else \
-            min(self.admission_wait_s, max(0.0, slo.deadline - self._clock()))
+        # with a target, it waits only while admission could still meet it: until its deadline less the
+        # service time a worker would then take (admitted later, its first token would come too late)
+        wait_s = self.admission_wait_s if slo is None else min(self.admission_wait_s, max(
+            0.0, slo.deadline - self._clock() - self.service_s(prefill, priority, views)))
         try:
             await asyncio.wait({waiter.future}, timeout=wait_s)
         except asyncio.CancelledError:
@@ -159,7 +161,8 @@ class CapacityGate:
         # lowest counter, so it cannot hold the head again and again at no cost
         self._waiters.charge(key, cost)
         if slo is not None and wait_s < self.admission_wait_s:  # its deadline passed while it waited
-            raise self._unattainable(slo, priority, self.retry_after_s(cost, priority), "it waited past it")
+            raise self._unattainable(slo, priority, self.retry_after_s(cost, priority),
+                                     "admitted any later, it would miss it")
         raise self._overloaded(cost, priority, f"no capacity within {self.admission_wait_s * 1000:.0f} ms")
 
     def release(self, ticket: CapacityTicket) -> None:
@@ -235,6 +238,15 @@ class CapacityGate:
         loads = [WorkerLoad(v.prefill_backlog + self._pending_prefill(v), v.prefill_tps, v.step_s, fit)
                  for v, fit in zip(views, fits, strict=True)]
         return predict_ttft_s(loads, prefill, self._ahead(priority, prefill=True), wait)
+
+    def service_s(self, prefill: int, priority: Priority, views: list[WorkerCapacity]) -> float:
+        """Seconds from admission to the first token on the quickest worker with room (any, when none has):
+        its backlog and this prompt at its prefill rate, then a step."""
+        if not views:
+            return 0.0
+        fits = [v for v in views if self._headroom(v, priority) > 0] or views
+        return min(service_s(WorkerLoad(v.prefill_backlog + self._pending_prefill(v), v.prefill_tps, v.step_s,
+                                        True), prefill) for v in fits)
 
     def drain_rate(self) -> float:
         """KV tokens per second released recently (0.0 when nothing was released in the window)."""

@@ -6,13 +6,11 @@ from collections.abc import Callable
 
 import redis.asyncio as aredis
 
-from admission import DEFAULT_ORG, PROJECT_ORG_KEY
-from admission.money.keys import config_key, model_family, model_ident
+from admission import DEFAULT_ORG, PROJECT_ORG_KEY, level_config_key, model_family, model_ident
 from gateway.admin.admin_scope import AdminScope
 from gateway.admin.project_admin import project_fields
 from gateway.web.api_errors import ApiError, invalid
-from tenancy import Tenant
-from tenancy.schema import parse_tenant
+from tenancy import Tenant, parse_tenant
 
 Listing = Callable[[Tenant], list[str]]  # the gateway's `pools.listing`: the models a tenant may use
 ID_PREFIX = "rl-"
@@ -29,7 +27,7 @@ def _text(v: str | bytes | None) -> str:
 
 async def _config(client: aredis.Redis, project_id: str, model: str) -> str:
     org = _text(await client.hget(PROJECT_ORG_KEY, project_id)) or DEFAULT_ORG
-    return config_key(org, "project_model", model_ident(project_id, model))
+    return level_config_key(org, "project_model", model_ident(project_id, model))
 
 
 async def _object(client: aredis.Redis, project_id: str, model: str) -> dict:

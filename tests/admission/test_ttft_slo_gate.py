@@ -86,6 +86,21 @@ async def test_a_waiter_is_shed_at_its_deadline_not_after_the_bounded_wait():
         await gate.acquire(500, INTERACTIVE, "b", slo=target(800))
     waited = time.monotonic() - start
     assert 0.7 <= waited < 2.0, waited  # its deadline, far before admission_wait_ms
-    assert "waited past it" in str(exc.value)
+    assert "admitted any later, it would miss it" in str(exc.value)
     assert gate.waiting[INTERACTIVE] == 0
+    gate.release(filler)
+
+
+async def test_a_waiter_gives_up_when_the_workers_service_time_no_longer_fits_before_its_deadline():
+    views = [view(1000, step_s=0.4)]
+    gate = CapacityGate(lambda: views, admission_wait_ms=5000, interactive_reserve=0.0)
+    gate.release(await gate.acquire(900, INTERACTIVE, "a"))  # a fast drain rate: a short predicted wait
+    views[0] = view(100, step_s=0.4)
+    filler = await gate.acquire(100, INTERACTIVE, "a")
+    views[0] = view(0, step_s=0.4)
+    start = time.monotonic()
+    with pytest.raises(TtftUnattainable):
+        await gate.acquire(300, INTERACTIVE, "b", slo=target(1200))
+    waited = time.monotonic() - start
+    assert 0.6 <= waited < 1.0, waited  # 1.2 s less the 0.4 s step: admitted after, its token would be late
     gate.release(filler)

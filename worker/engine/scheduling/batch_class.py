@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from common.priorities import Priority
+from worker.config import EngineConfig
 from worker.engine.records.sequence import ScheduledBatch, Sequence
 from worker.engine.scheduling.waiting_order import cached_len
+from worker.kvcache.page_pool import PagePool
+from worker.kvcache.radix_cache import RadixCache
 
-if TYPE_CHECKING:
-    from worker.engine.scheduling.scheduler import Scheduler
+
+class Scheduler(Protocol):
+    """What these rules use of `worker.engine.scheduling.scheduler.Scheduler`."""
+
+    config: EngineConfig
+    pool: PagePool
+    cache: RadixCache | None
+    bs: int
+    watermark: int
+    waiting: list[Sequence]
+    running: list[Sequence]
+
+    def preempt(self, seq: Sequence, out: ScheduledBatch) -> None: ...
 
 PREEMPT_MAX = 8  # batch-class sequences preempted for one waiting interactive request in one step
 
