@@ -154,3 +154,24 @@ async def test_every_balance_a_hold_touches_expires(r, ledgers):
         await ledgers[0].settle(await ledgers[0].reserve(user, 1, 1), 1, 0, 1)
     balances = [level.balance for level in user.levels() if not level.optional]
     assert all(0 < r.ttl(b) <= 40 * 86_400 for b in balances), [r.ttl(b) for b in balances]
+
+
+async def test_live_hash_reads_ahead_in_the_background_and_is_never_older_than_its_interval(r, redis_url):
+    from admission.money.live_hash import LiveHash
+
+    client = async_client(redis_url)
+    try:
+        parse = lambda raw: {k.decode(): v.decode() for k, v in raw.items()}  # noqa: E731
+        live = LiveHash(client, "live-test", parse, 0.4)
+        r.hset("live-test", "a", "1")
+        assert await live.value() == {"a": "1"}                  # the first read is inline
+        r.hset("live-test", "a", "2")
+        await asyncio.sleep(0.25)                                 # past half the interval
+        assert await live.value() == {"a": "1"}                  # served at once; a read starts behind it
+        await asyncio.sleep(0.05)
+        assert await live.value() == {"a": "2"}                  # the read ahead landed
+        r.hset("live-test", "a", "3")
+        await asyncio.sleep(0.45)                                 # past the whole interval: read inline
+        assert await live.value() == {"a": "3"}
+    finally:
+        await client.aclose()
