@@ -28,8 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.batch_slo import UNLIMITED, capacity, open_loop, prompts
-from bench.machine import add_no_targets, cpu_model, emit, machine_fields
+from bench.batch_slo import UNLIMITED, add_load_arguments, capacity, open_loop, prompts
+from bench.machine import cpu_model, emit, machine_fields
 from config.loadtest.report import latency_stats_ms
 from config.local_stack.launcher import Stack, StackConfig, free_port
 
@@ -141,17 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lines", type=int, default=2000)
     ap.add_argument("--batch-alone-s", type=float, default=10.0, help="the batch alone: engine capacity")
     ap.add_argument("--batch-concurrency", type=int, default=16, help="batch lines the gateway runs at once")
-    ap.add_argument("--prompt-min", type=int, default=16)
-    ap.add_argument("--prompt-max", type=int, default=48)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--calib-conc", type=int, default=16, help="closed-loop concurrency of the capacity run")
-    ap.add_argument("--calib-s", type=float, default=10.0)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--json", action="store_true", help="print only the JSON line")
-    add_no_targets(ap)
+    add_load_arguments(ap, calib_s=10.0)
     args = ap.parse_args(argv)
     return emit(run(args), args.json, not args.no_targets)
 

@@ -237,6 +237,21 @@ def run(args: argparse.Namespace) -> dict:
             "arms": arms, "target_slo_attainment": TARGET_ATTAINMENT, "met": met}
 
 
+def add_load_arguments(ap: argparse.ArgumentParser, calib_s: float) -> None:
+    """The request shape, worker, capacity run and output flags this bench shares with bench/batch_fill.py."""
+    ap.add_argument("--prompt-min", type=int, default=16)
+    ap.add_argument("--prompt-max", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calib-conc", type=int, default=16, help="closed-loop concurrency of the capacity run")
+    ap.add_argument("--calib-s", type=float, default=calib_s)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    add_no_targets(ap)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -245,23 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ms", type=int, default=0,
                     help="TTFT target (0: the largest of 4x the unloaded TTFT p50, 2x the unloaded request)")
     ap.add_argument("--slo-floor-ms", type=int, default=100, help="least automatic target")
-    ap.add_argument("--prompt-min", type=int, default=16)
-    ap.add_argument("--prompt-max", type=int, default=48)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--kv-tokens", type=int, default=768,
                     help="worker KV cache in tokens, small so the gateway queues (0: the worker's default)")
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--admission-wait-ms", type=int, default=30_000,
                     help="the gateway's capacity-queue wait (long: without deadlines requests wait)")
-    ap.add_argument("--calib-conc", type=int, default=16, help="closed-loop concurrency of the capacity run")
-    ap.add_argument("--calib-s", type=float, default=5.0)
     ap.add_argument("--unloaded-n", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--json", action="store_true", help="print only the JSON line")
-    add_no_targets(ap)
+    add_load_arguments(ap, calib_s=5.0)
     args = ap.parse_args(argv)
     return emit(run(args), args.json, not args.no_targets)
 
