@@ -10,6 +10,7 @@ in output tokens per second: the larger of this and the closed loop's), then bes
 load. The batch's output tokens come from its request counts (every line and request ignores EOS, so each
 makes exactly `--max-tokens`). `interactive_ttft_p99_ratio` = TTFT p99 with the batch / alone;
 `batch_idle_fill` = batch output tokens per second / (capacity - the interactive output tokens per second).
+`--pin` (two CPUs or more) runs the worker alone on one and everything else on another.
 Targets: ratio <= 1.1 and fill >= 0.8; exits 1 on a miss (`--no-targets`: 0). The batch is cancelled at the
 end.
 
@@ -47,6 +48,23 @@ def start_stack(args: argparse.Namespace, log_dir: Path) -> Stack:
                               gateway_args=["--config", str(config), "--log-level", "WARNING"]))
     stack.start()
     return stack
+
+
+def pin(stack: Stack) -> dict[str, int] | None:
+    """The worker alone on the first CPU, the gateway, Redis and this load generator on the second (every
+    thread of each process), so that the clients' cost is not taken from the engine; None on one CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    where = {"worker": cpus[0], "gateway": cpus[1], "redis": cpus[1]}
+    for name, cpu in where.items():
+        proc = stack.procs.get(name)
+        if proc is None:
+            continue
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            os.sched_setaffinity(int(tid), {cpu})
+    os.sched_setaffinity(0, {cpus[1]})
+    return where
 
 
 def submit_batch(http: httpx.Client, key: str, args: argparse.Namespace) -> str:
@@ -95,6 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     stack = start_stack(args, log_dir)
     try:
         url = stack.base_url
+        pinned = pin(stack) if args.pin else None
         key = stack.create_tenant("inter", **UNLIMITED)
         batch_key = stack.create_tenant("offline", **UNLIMITED)
         cap_rps = asyncio.run(capacity(url, key, args))
@@ -126,6 +145,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"bench": "batch_fill", "cpu": cpu_model(), **machine_fields(load_before),
             "model": args.model, "max_num_seqs": args.max_num_seqs,
             "batch_concurrency": args.batch_concurrency, "batch_alone_out_tok_s": round(alone_tok_s, 2),
+            "pinned": pinned,
             "prompt_tokens": [args.prompt_min, args.prompt_max], "max_tokens": args.max_tokens,
             "capacity_out_tok_s": round(cap_tok_s, 2), "load": args.load, "rate_rps": round(rate, 3),
             "lines": args.lines, "batch_lines_in_window": after["completed"] - before["completed"],
@@ -141,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lines", type=int, default=2000)
     ap.add_argument("--batch-alone-s", type=float, default=10.0, help="the batch alone: engine capacity")
     ap.add_argument("--batch-concurrency", type=int, default=16, help="batch lines the gateway runs at once")
+    ap.add_argument("--pin", action="store_true",
+                    help="the worker on a CPU of its own; the gateway, Redis and the load on another")
     add_load_arguments(ap, calib_s=10.0)
     args = ap.parse_args(argv)
     return emit(run(args), args.json, not args.no_targets)
