@@ -187,6 +187,7 @@ def build_app(settings: Settings):
                                               trust_client_trace=gw.trust_client_trace,
                                               files_dir=files_dir(gw.files_dir),
                                               batch_concurrency=gw.batch_concurrency,
+                                              batch_claim_idle_s=gw.batch_claim_idle_s,
                                               event_logs=EventLogs(redis) if gw.stream_resume else None,
                                               stream_detach_grace_s=gw.stream_detach_grace),
                       on_close=close, response_store=ResponseStore(redis), redis=redis)

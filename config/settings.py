@@ -155,6 +155,8 @@ class GatewaySettings(BaseModel):
     # empty: ~/.cache/switchyard/files, "off": no /v1/files
     files_dir: str = ""
     batch_concurrency: int = Field(4, ge=1, le=256)  # batch lines one gateway runs at once (docs/batches.md)
+    # a batch line claimed this long ago and not answered is taken over by another gateway (a dead claimer's)
+    batch_claim_idle_s: float = Field(60.0, ge=1.0, le=3600.0)
     # resumable streams (gateway.streams): SSE event ids, a Redis event log per stream, replay on any replica
     stream_resume: bool = True
     # a stream whose client left runs on this long for a reconnect (0: a client that leaves ends its stream)

@@ -74,6 +74,7 @@ class AppConfig:
     trust_client_trace: bool = False  # a client's traceparent parents the request span (else: a link only)
     files_dir: str | None = None  # the Files API's directory (gateway.files); None: /v1/files answers 404
     batch_concurrency: int = 4  # batch lines this gateway runs at once (gateway.batches)
+    batch_claim_idle_s: float = 60.0  # a line claimed this long and not answered is taken over elsewhere
     event_logs: Any = None  # gateway.streams.event_log.EventLogs: event ids, resumable streams; None: off
     stream_detach_grace_s: float = 0.0  # a stream whose client left runs on this long for a reconnect
     carry_on: bool = True  # with event logs: a lost gateway's single streams are carried on by a reconnect

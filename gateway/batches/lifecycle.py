@@ -20,7 +20,8 @@ def start_batches(app: Starlette) -> None:
     store = BatchStore(app.state.redis)
     app.state.batches = store
     runner = BatchRunner(store, app.state.files, functools.partial(service_execute, svc),
-                         RunnerConfig(concurrency=app.state.config.batch_concurrency))
+                         RunnerConfig(concurrency=app.state.config.batch_concurrency,
+                                      claim_idle_s=app.state.config.batch_claim_idle_s))
     runner.start()
     app.state.batch_runner = runner
 
