@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)  # a worker, a gateway and a Redis of its own: about 25 s
+# a worker, a gateway and a Redis of its own (about 16-25 s): a multi-process run, `make test-heavy`
+pytestmark = [pytest.mark.timeout(120), pytest.mark.heavy]
 REPO = Path(__file__).resolve().parents[2]
 ARM_FIELDS = ("requests", "admitted", "shed_slo", "shed_other", "errors", "slo_attainment", "shed_frac",
               "ttft_p50_ms", "ttft_p99_ms", "gateway_slo_counts")

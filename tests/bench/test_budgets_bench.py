@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(240)  # a worker, a gateway and a Redis of its own: about 6 s
+# a worker, gateways and Redis servers of its own (about 12 s): a multi-process run, `make test-heavy`
+pytestmark = [pytest.mark.timeout(240), pytest.mark.heavy]
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = ("overspend_usd", "budget_utilization", "spend_mismatch_usd", "per_request_mismatches",
           "admission_p99_overhead_ms", "final_utilization", "held_after_usd", "requests")
