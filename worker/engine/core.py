@@ -21,9 +21,9 @@ from worker.engine.runner import ModelRunner, StepResult
 from worker.engine.scheduling.fairness import check_fair_params
 from worker.engine.scheduling.grammar_wait import CompileWait, ready_state, replay_output
 from worker.engine.scheduling.restore import make_restorer
-from worker.engine.scheduling.scheduler import Scheduler, pages_for
+from worker.engine.scheduling.scheduler import Scheduler
 from worker.engine.scheduling.speculative import speculation_allowed
-from worker.kvcache.page_pool import PagePool
+from worker.kvcache.page_pool import PagePool, pages_for
 from worker.kvcache.radix_cache import RadixCache
 from worker.kvcache.tensors import num_pages_for
 from worker.kvcache.tiers.pages import PageCodec, fingerprint

@@ -8,6 +8,11 @@ from __future__ import annotations
 from collections import deque
 
 
+def pages_for(tokens: int, block_size: int) -> int:
+    """Pages that hold `tokens` tokens at `block_size` a page."""
+    return -(-tokens // block_size)
+
+
 class OutOfPages(RuntimeError):
     """Raised when an allocation asks for more pages than are free."""
 

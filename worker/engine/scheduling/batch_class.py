@@ -8,7 +8,7 @@ from common.priorities import Priority
 from worker.config import EngineConfig
 from worker.engine.records.sequence import ScheduledBatch, Sequence
 from worker.engine.scheduling.waiting_order import cached_len
-from worker.kvcache.page_pool import PagePool
+from worker.kvcache.page_pool import PagePool, pages_for
 from worker.kvcache.radix_cache import RadixCache
 
 
@@ -58,5 +58,5 @@ def _fits(sched: Scheduler, seq: Sequence) -> bool:
         return False
     cache = sched.cache
     cached = cached_len(cache, seq) // sched.bs if cache is not None else 0
-    need = -(-len(seq.tokens) // sched.bs) - cached + sched.watermark
+    need = pages_for(len(seq.tokens), sched.bs) - cached + sched.watermark
     return sched.pool.num_free + (cache.evictable_pages if cache is not None else 0) >= need

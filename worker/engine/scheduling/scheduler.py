@@ -17,17 +17,13 @@ from worker.engine.scheduling.fairness import FairShare
 from worker.engine.scheduling.restore import Restorer
 from worker.engine.scheduling.speculative import DraftPlanner
 from worker.engine.scheduling.waiting_order import cache_aware_index, cached_len, deadline_index, fair_head
-from worker.kvcache.page_pool import PagePool
+from worker.kvcache.page_pool import PagePool, pages_for
 from worker.kvcache.radix_cache import RadixCache
 
 # fair-share preemption: the victim key's counter must be at least the waiting key's + this (tokens of
 # service); the slot-share rule of FairShare.slot_victim already rules out thrash, so a just-lifted key may
 # preempt at once
 FAIR_PREEMPT_GAP = 0.0
-
-
-def pages_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 class Scheduler:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from worker.config import EngineConfig
 from worker.engine.records.sequence import ScheduledBatch, Sequence
 from worker.engine.scheduling.fairness import FairShare
-from worker.kvcache.page_pool import PagePool
+from worker.kvcache.page_pool import PagePool, pages_for
 from worker.protocol import SamplingParams
 
 
@@ -19,10 +19,6 @@ def speculation_allowed(p: SamplingParams) -> bool:
     `min_tokens` is checked per step (drafts start once the ban is over)."""
     return (p.speculative and p.grammar is None and not p.penalized and not p.logit_bias
             and not p.logprobs and not p.top_logprobs)
-
-
-def _pages_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 class DraftPlanner:
@@ -62,7 +58,7 @@ class DraftPlanner:
         drafts = seq.ngram.propose(seq.tokens, min(k, room)) if room > 0 else None
         if not drafts:
             return None
-        extra = _pages_for(seq.num_computed + 1 + len(drafts), self.bs) - len(seq.pages)
+        extra = pages_for(seq.num_computed + 1 + len(drafts), self.bs) - len(seq.pages)
         if extra > 0:
             seq.pages.extend(self.pool.allocate(extra))
         return drafts
@@ -72,7 +68,7 @@ class DraftPlanner:
         seq.ngram.record(accepted)
         if accepted:
             self.fair.charge(seq.fkey, decode=accepted)
-        keep = _pages_for(seq.num_computed, self.bs)
+        keep = pages_for(seq.num_computed, self.bs)
         if len(seq.pages) > keep:
             self.pool.release(seq.pages[keep:])
             del seq.pages[keep:]
