@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from admission.fair_waiters import FairWaiters, Waiter
-from admission.ttft_predict import TtftTarget, WorkerLoad, excess_retry_s, predict_ttft_s, service_s
+from admission.ttft_predict import TtftTarget, WorkerLoad, excess_retry_s, predict_ttft_s, quickest_service_s
 from common.priorities import Priority
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
@@ -235,18 +235,20 @@ class CapacityGate:
             wait = 0.0
         else:
             wait = deficit / rate if rate > 0 else self.fallback_retry_s
-        loads = [WorkerLoad(v.prefill_backlog + self._pending_prefill(v), v.prefill_tps, v.step_s, fit)
-                 for v, fit in zip(views, fits, strict=True)]
-        return predict_ttft_s(loads, prefill, self._ahead(priority, prefill=True), wait)
+        return predict_ttft_s(self._loads(views, fits), prefill, self._ahead(priority, prefill=True), wait)
 
     def service_s(self, prefill: int, priority: Priority, views: list[WorkerCapacity]) -> float:
         """Seconds from admission to the first token on the quickest worker with room (any, when none has):
         its backlog and this prompt at its prefill rate, then a step."""
         if not views:
             return 0.0
-        fits = [v for v in views if self._headroom(v, priority) > 0] or views
-        return min(service_s(WorkerLoad(v.prefill_backlog + self._pending_prefill(v), v.prefill_tps, v.step_s,
-                                        True), prefill) for v in fits)
+        with_room = [self._headroom(v, priority) > 0 for v in views]
+        return quickest_service_s(self._loads(views, with_room), prefill)
+
+    def _loads(self, views: list[WorkerCapacity], fits: list[bool]) -> list[WorkerLoad]:
+        """What each worker has ahead of a newcomer (its reported backlog plus prompts admitted since)."""
+        return [WorkerLoad(v.prefill_backlog + self._pending_prefill(v), v.prefill_tps, v.step_s, fit)
+                for v, fit in zip(views, fits, strict=True)]
 
     def drain_rate(self) -> float:
         """KV tokens per second released recently (0.0 when nothing was released in the window)."""

@@ -38,10 +38,15 @@ def predict_ttft_s(loads: Sequence[WorkerLoad], prefill: int, ahead_prefill: int
     quickest worker that has room (any worker when none has)."""
     if not loads:
         return wait_s
-    candidates = [w for w in loads if w.fits] or list(loads)
     rate = sum(w.prefill_tps for w in loads)
     ahead_s = ahead_prefill / rate if rate > 0 else 0.0
-    return wait_s + ahead_s + min(service_s(w, prefill) for w in candidates)
+    return wait_s + ahead_s + quickest_service_s(loads, prefill)
+
+
+def quickest_service_s(loads: Sequence[WorkerLoad], prefill: int) -> float:
+    """`service_s` on the quickest worker that has room (any worker when none has)."""
+    candidates = [w for w in loads if w.fits] or list(loads)
+    return min(service_s(w, prefill) for w in candidates)
 
 
 def excess_retry_s(predicted_s: float, left_s: float, low: float, high: float) -> float:
