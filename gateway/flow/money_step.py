@@ -14,8 +14,9 @@ from tenancy import QuotaServiceUnavailable
 
 
 class MoneyStep:
-    """`start` holds the maximum cost at once; `join` waits for it once the tokens are admitted; `cancel`
-    gives it back when they are not; `start_settle` (request over) and `settled` bracket the token settle."""
+    """Made as the token admission starts, it holds the maximum cost at once; `join` waits for the hold once
+    the tokens are admitted; `cancel` gives it back when they are not; `start_settle` (request over) and
+    `settled` bracket the token settle."""
 
     def __init__(self, money: MoneyGate, project: str, key_digest: str, model: str, user: str | None,
                  prompt_tokens: int, max_tokens: int, batch: bool) -> None:
