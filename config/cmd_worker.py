@@ -23,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--config", help="TOML settings file (top-level keys and a [worker] table)")
     a("--model", help="'default', 'tiny-random', a .gguf file or a local HF folder")
+    a("--engine", choices=["switchyard", "vllm"],
+      help="the engine behind the worker protocol: switchyard (default) or vllm (vLLM's engine in process, "
+           "for an HF folder: pip install switchyard[vllm]; docs/vllm-engine.md)")
+    a("--engine-args", help="--engine vllm: vLLM's own engine flags as one string, e.g. "
+                            "'--tensor-parallel-size 2 --max-model-len 8192'")
     a("--bind", help="ZeroMQ endpoint to bind, e.g. tcp://127.0.0.1:5555")
     a("--advertise", help="endpoint gateways should connect to (default: the bound one)")
     a("--worker-id", help="registry id (default: <hostname>-<port>)")
@@ -131,8 +136,6 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(ws.num_threads)
-    from worker.engine.core import Engine
-    from worker.model.loader import load_any
     from worker.server.serve import ServerConfig, WorkerServer
 
     server_cfg = ServerConfig(bind=ws.bind, advertise=ws.advertise, worker_id=ws.worker_id,
@@ -144,10 +147,11 @@ def run(args: argparse.Namespace) -> int:
                               disagg_stall_s=ws.disagg_stall_s, disagg_lease_s=ws.disagg_lease_s,
                               kv_events_endpoint=ws.kv_events_endpoint, kv_events_replay=ws.kv_events_replay,
                               kv_events_topic=ws.kv_events_topic, kv_events_plain=ws.kv_events_plain)
-    loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,
-                      device=None if ws.device == "auto" else ws.device, quantization=ws.quantization)
-    loaded.version = ws.model_version or ""  # the tier fingerprint names it (`LoadedModel.weights_id`)
-    engine = Engine(loaded, engine_config(ws))
+    try:
+        engine = _build_engine(ws)
+    except ValueError as exc:  # a vLLM-engine worker configured with what vLLM cannot do (VllmStartError)
+        print(f"switchyard worker: {exc}", file=sys.stderr)
+        return 2
     if ws.metrics_port:
         from worker.server.telemetry.worker_metrics import start_metrics_server
 
@@ -157,3 +161,18 @@ def run(args: argparse.Namespace) -> int:
     # process exits in 0.5 s instead of 1.7.
     gc.freeze()
     return WorkerServer(engine, server_cfg).run()
+
+
+def _build_engine(ws: WorkerSettings) -> Any:
+    """Switchyard's engine on the loaded model, or (`--engine vllm`) vLLM's behind the same interface."""
+    if ws.engine == "vllm":
+        from worker.vllm_engine.launch import build_engine
+
+        return build_engine(ws)
+    from worker.engine.core import Engine
+    from worker.model.loader import load_any
+
+    loaded = load_any(ws.model, dtype=None if ws.dtype == "auto" else ws.dtype,
+                      device=None if ws.device == "auto" else ws.device, quantization=ws.quantization)
+    loaded.version = ws.model_version or ""  # the tier fingerprint names it (`LoadedModel.weights_id`)
+    return Engine(loaded, engine_config(ws))

@@ -21,6 +21,9 @@ class WorkerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "default"  # "default", "tiny-random" or a local HF folder / GGUF path
+    # the engine behind the worker protocol: Switchyard's own, or vLLM's (an HF folder; docs/vllm-engine.md)
+    engine: Literal["switchyard", "vllm"] = "switchyard"
+    engine_args: str = Field("", max_length=8192)  # vLLM's own engine flags, one shell-quoted string
     bind: str = "tcp://127.0.0.1:5555"
     advertise: str | None = None  # endpoint gateways connect to; default: the bound one
     worker_id: str | None = None  # default: <hostname>-<port>

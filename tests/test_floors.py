@@ -14,7 +14,7 @@ from tests.test_layering import ROOT, Source, _repo_is_module, _strongly_connect
 PACKAGE_FLOORS = ("common", "worker", "tenancy", "admission", "router", "gateway", "config", "bench", "tests")
 FOLDER_FLOORS = {  # each package's folders, lowest first (a package's own modules are named by the package)
     "worker": ("worker", "worker.protocol", "worker.text", "worker.kvcache", "worker.kernels", "worker.quant",
-               "worker.model", "worker.sample", "worker.engine", "worker.server"),
+               "worker.model", "worker.sample", "worker.engine", "worker.vllm_engine", "worker.server"),
     "worker.engine": ("worker.engine.records", "worker.engine.scheduling", "worker.engine"),
     "worker.server": ("worker.server.process", "worker.server.telemetry", "worker.server.disagg",
                       "worker.server"),

@@ -138,9 +138,16 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
 
 def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar (JSON-schema or Lark form) that `spec` stands for."""
+    if spec.kind != "tool_call":
+        return llguidance.LLMatcher.grammar_from_json_schema(json.loads(spec.body), defaults=JSON_OPTIONS)
+    return llguidance.LLMatcher.grammar_from_lark(lark_text(spec))
+
+
+def lark_text(spec: GrammarSpec) -> str:
+    """`spec` as llguidance Lark text (JSON schemas inline through `%json`, with the same output layout)."""
     body = json.loads(spec.body)
     if spec.kind != "tool_call":
-        return llguidance.LLMatcher.grammar_from_json_schema(body, defaults=JSON_OPTIONS)
+        return f"start: %json {canonical_json({**body, 'x-guidance': JSON_OPTIONS})}\n"
     schema = {**call_schema(body["tools"]), "x-guidance": JSON_OPTIONS}
     call = f"%json {canonical_json(schema)}"
     if body["style"] == "hermes":
@@ -149,7 +156,7 @@ def grammar_text(spec: GrammarSpec) -> str:
     # `auto`: free text, unless it opens with a tool-call tag (then it must be well-formed calls)
     head = "start: TEXT | calls\nTEXT: /(.|\\n)*/ & ~/\\s*<tool_call>(.|\\n)*/\n" if body.get("auto") \
         else "start: calls\n"
-    return llguidance.LLMatcher.grammar_from_lark(f"{head}{start}\ncall: {call}\n")
+    return f"{head}{start}\ncall: {call}\n"
 
 
 def _checked_schema(schema: object, param: str) -> str:

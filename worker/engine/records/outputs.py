@@ -78,11 +78,12 @@ class StepCosts:
     def stepped(self, batch: ScheduledBatch, seconds: float) -> None:
         if seconds <= 0:
             return
-        self.step_s = _mix(self.step_s, seconds)
+        self.step_s = smooth(self.step_s, seconds)
         prefilled = sum(n for _, n in batch.prefills)
         if prefilled:
-            self.prefill_tps = _mix(self.prefill_tps, prefilled / seconds)
+            self.prefill_tps = smooth(self.prefill_tps, prefilled / seconds)
 
 
-def _mix(old: float, new: float) -> float:
+def smooth(old: float, new: float) -> float:
+    """The moving average's next value (its first sample is taken as is)."""
     return new if old <= 0 else old + COST_SMOOTHING * (new - old)

@@ -60,7 +60,8 @@ class DecodeSide:
         self.fingerprint = fingerprint
         self.stall_s = stall_s
         self.lease_s = lease_s
-        self.codec = engine.exports.codec
+        # None (an engine without page exports: vLLM's): `start` says no_cache before it is needed
+        self.codec = engine.exports.codec if engine.exports is not None else None
         self.bs = engine.config.block_size
         self.leases: dict[str, Lease] = {}  # by xid
         self.by_rid: dict[str, str] = {}  # engine rid -> xid

@@ -42,7 +42,8 @@ class PrefillSide:
         self.send_parts = send_parts
         self.role = role
         self.fingerprint = fingerprint
-        self.page_bytes = engine.exports.codec.page_bytes
+        # an engine without page exports (vLLM's) prefills for nobody: `_refusal` sees its cache is None
+        self.page_bytes = engine.exports.codec.page_bytes if engine.exports is not None else 0
         self.jobs: dict[str, Job] = {}  # engine rid -> job
 
     def _refusal(self, req: PrefillRequest, draining: bool) -> tuple[str, str] | None:

@@ -169,6 +169,8 @@ class WorkerMetrics:
 
     def _mark_scheduled(self, started: float) -> None:
         # Only while some request has not been scheduled yet: O(waiting), not per token.
+        if self.engine.scheduler is None:
+            return  # an engine without Switchyard's scheduler (vLLM's): queue time ends at the first token
         waiting = {seq.rid for seq in self.engine.scheduler.waiting}
         for rid, p in self._pending.items():
             if p.prefill_at == 0.0 and rid not in waiting:
@@ -236,6 +238,8 @@ class WorkerMetrics:
     def _refresh_fair(self) -> None:
         """Per label, advance the service counter by the growth of its keys' total (forgotten keys: no
         advance)."""
+        if self.engine.scheduler is None:
+            return
         fair = self.engine.scheduler.fair
         FAIR_KEYS.set(len(fair))
         totals: dict[str, float] = {}

@@ -1,0 +1,184 @@
+"""`VllmEngine`: the engine surface `WorkerServer` drives (add, step, abort, stats), over vLLM's `LLMEngine`.
+
+It streams each request's new tokens per step (vLLM's DELTA outputs), keeps tenants' caches apart with vLLM's
+`cache_salt`, and reports load from the engine's own counters. What it has not (Switchyard's radix cache, KV
+tiers, page exports, fair scheduler) is None, so the server's features built on them stay off.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from worker.engine.records.outputs import EngineStats, StepOutput
+from worker.protocol import RequestError, SamplingParams, bad_request
+from worker.text.tokenizer import Tokenizer
+from worker.vllm_engine.load_report import EngineCounters, SmoothedCosts
+from worker.vllm_engine.sampling import vllm_sampling_kwargs
+
+PRIORITY_POLICY = "priority"
+
+
+@dataclass(slots=True)
+class EngineView:
+    """The engine settings the server and its metrics read (Switchyard's `EngineConfig` has them too)."""
+
+    block_size: int
+    max_num_seqs: int
+
+
+@dataclass(slots=True)
+class _Live:
+    prompt_len: int  # tokens vLLM prefills (the resumed tokens included)
+    logprobs: bool
+    top_k: int
+    started: bool = False  # some output came back: it left the waiting queue
+
+
+class VllmEngine:
+    """Switchyard's engine interface over an in-process vLLM `LLMEngine` (v1)."""
+
+    cache = None  # no Switchyard radix cache: no block reports in stats, no disaggregation, no KV promises
+    pool = None
+    exports = None
+    scheduler = None
+
+    def __init__(self, llm: Any, tokenizer: Tokenizer) -> None:
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        from vllm.sampling_params import SamplingParams as VllmSampling
+
+        self.llm = llm
+        self._vllm_sampling, self._structured = VllmSampling, StructuredOutputsParams
+        self._delta = RequestOutputKind.DELTA
+        vcfg = llm.vllm_config
+        self.model_id = tokenizer.model_id
+        self.tokenizer_version = tokenizer.version
+        self.vocab_size = int(vcfg.model_config.get_vocab_size())
+        self.max_context = int(vcfg.model_config.max_model_len)
+        self.config = EngineView(int(vcfg.cache_config.block_size), int(vcfg.scheduler_config.max_num_seqs))
+        self.kv_dtype = str(vcfg.cache_config.cache_dtype)
+        self.kv_fingerprint = b""  # no page transfers: a prefill peer never matches
+        self.eos_ids = frozenset(i for i in (tokenizer.eos_token_id,) if i is not None)
+        self._priorities = vcfg.scheduler_config.policy == PRIORITY_POLICY
+        self._live: dict[str, _Live] = {}
+        self._aborted: list[str] = []
+        self._counters = EngineCounters(llm, self.config.block_size,
+                                        int(vcfg.cache_config.num_gpu_blocks or 0))
+        self._costs = SmoothedCosts()
+
+    # ---- requests ----
+
+    def add_request(self, rid: str, token_ids: list[int], sampling: SamplingParams, priority: int = 0,
+                    namespace: bytes | str = b"", fkey: bytes = b"", weight: float = 1.0, resumed: int = 0,
+                    ttft: float = 0.0) -> None:
+        """Queue a request in vLLM; RequestError (400 with `param`) for what it cannot run as asked.
+        `fkey`, `weight` and `ttft` are accepted and unused: vLLM schedules by priority, then arrival."""
+        if rid in self._live:
+            raise bad_request("duplicate request id", "rid")
+        self._check(token_ids, sampling, priority, resumed)
+        kw = vllm_sampling_kwargs(sampling, self.vocab_size, resumed)
+        grammar = kw.pop("grammar", None)
+        if grammar is not None:
+            kw["structured_outputs"] = self._structured(grammar=grammar)
+        try:
+            params = self._vllm_sampling(output_kind=self._delta, **kw)
+        except ValueError as exc:  # what vLLM's own checks refuse
+            raise bad_request(f"vLLM refused the sampling parameters: {exc}", "sampling") from None
+        prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+        if namespace:  # tenants never share cached blocks (vLLM's salt is text: the namespace's hex)
+            prompt["cache_salt"] = namespace.hex() if isinstance(namespace, bytes) else str(namespace)
+        self.llm.add_request(rid, prompt, params, priority=int(priority) if self._priorities else 0)
+        self._live[rid] = _Live(len(token_ids), sampling.logprobs, sampling.top_logprobs)
+
+    def _check(self, token_ids: list[int], sampling: SamplingParams, priority: int, resumed: int) -> None:
+        if not token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+        if not 0 <= resumed < len(token_ids) or resumed >= sampling.max_tokens:
+            raise bad_request("resumed must count fewer tokens than the prompt and max_tokens", "resumed")
+        total = len(token_ids) - resumed + sampling.max_tokens
+        if total > self.max_context:
+            raise bad_request(f"prompt plus max_tokens ({total}) exceeds the model context of "
+                              f"{self.max_context} tokens", "max_tokens")
+        if priority not in (0, 1):
+            raise bad_request("priority must be 0 (interactive) or 1 (batch)", "priority")
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request; its `abort` output comes with the next step. False: not running here."""
+        if self._live.pop(rid, None) is None:
+            return False
+        self.llm.abort_request([rid])
+        self._aborted.append(rid)
+        return True
+
+    def is_running(self, rid: str) -> bool:
+        return rid in self._live
+
+    def ready(self) -> bool:
+        return bool(self._aborted) or bool(self._live)
+
+    def has_work(self) -> bool:
+        return self.ready()
+
+    def prepare_grammars(self) -> None:
+        """Nothing to warm: vLLM compiles grammars in its own engine process."""
+
+    # ---- stepping ----
+
+    def step(self) -> list[StepOutput]:
+        """One vLLM step's outputs as Switchyard's (aborts since the last step first)."""
+        outputs = [StepOutput(rid, [], "abort", 0, None) for rid in self._aborted]
+        self._aborted.clear()
+        if not self._live:
+            return outputs
+        started = time.perf_counter()
+        results = self.llm.step()
+        prefilled = 0
+        for res in results:
+            live = self._live.get(res.request_id)
+            if live is None:
+                continue  # aborted here while vLLM was computing it
+            if not live.started:
+                live.started = True
+                prefilled += live.prompt_len - int(res.num_cached_tokens or 0)
+            out = self._output(res, live)
+            if out.finish_reason is not None:
+                del self._live[res.request_id]
+            outputs.append(out)
+        self._costs.stepped(time.perf_counter() - started, prefilled)
+        return outputs
+
+    def _output(self, res: Any, live: _Live) -> StepOutput:
+        comp = res.outputs[0]
+        tokens = list(comp.token_ids)
+        reason = comp.finish_reason
+        entries = list(comp.logprobs or ()) if (live.logprobs or live.top_k) else []
+        if reason == "stop" and tokens and (isinstance(comp.stop_reason, int) or tokens[-1] in self.eos_ids):
+            tokens.pop()  # Switchyard's outputs never carry the stop token that ended them
+            entries = entries[:len(tokens)]
+        if reason not in (None, "stop", "length", "abort"):
+            error = RequestError("internal", f"vLLM ended the request: {reason}", retryable=True)
+            return StepOutput(res.request_id, [], "error", 0, None, error=error)
+        out = StepOutput(res.request_id, tokens, reason, int(res.num_cached_tokens or 0), None)
+        if live.logprobs:
+            out.logprobs = [float(e[t].logprob) for e, t in zip(entries, tokens, strict=True)]
+        if live.top_k:
+            tops = [sorted((v.rank, tid, v.logprob) for tid, v in e.items() if v.rank <= live.top_k)
+                    for e in entries]
+            out.top_ids = [[tid for _, tid, _ in top] for top in tops]
+            out.top_logprobs = [[float(lp) for _, _, lp in top] for top in tops]
+        return out
+
+    # ---- load ----
+
+    def stats(self) -> EngineStats:
+        waiting = [live for live in self._live.values() if not live.started]
+        return self._counters.stats(num_waiting=len(waiting), num_running=len(self._live) - len(waiting),
+                                    costs=self._costs,
+                                    backlog=sum(live.prompt_len for live in waiting))
+
+    def close(self) -> None:
+        """Stop vLLM's engine process (and its workers)."""
+        core = getattr(self.llm, "engine_core", None)
+        if core is not None:
+            core.shutdown()
