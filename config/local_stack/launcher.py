@@ -209,15 +209,19 @@ class WorkerProc:
 
     def __init__(self, log_dir: Path, *, model: str = "tiny-random", extra: list[str] | None = None,
                  redis_url: str | None = None, worker_id: str | None = None, threads: int = 1,
-                 port: int | None = None) -> None:
+                 port: int | None = None, vllm_args: str | None = None) -> None:
         self.port = port or free_port()  # a restarted worker may take its old port back
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"worker-{self.port}.log"
         # tests and benchmarks: unquantized weights and model-dtype KV unless `extra` says otherwise (a later
         # flag wins), so outputs compare across workers and with in-process engines
+        # `vllm_args`: a vLLM-engine worker with these engine flags (its threads and memory are vLLM's)
+        engine = ["--num-threads", str(threads), "--kv-cache-bytes", str(64 << 20), "--quantization", "none",
+                  "--kv-dtype", "model"]
+        if vllm_args is not None:
+            engine = ["--engine", "vllm", "--engine-args", vllm_args]
         cmd = [sys.executable, "-m", "config.cli", "worker", "--model", model, "--bind", self.endpoint,
-               "--num-threads", str(threads), "--kv-cache-bytes", str(64 << 20), "--quantization", "none",
-               "--kv-dtype", "model", *(extra or [])]
+               *engine, *(extra or [])]
         if redis_url:
             cmd += ["--redis-url", redis_url]
         if worker_id:

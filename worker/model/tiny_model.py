@@ -22,7 +22,7 @@ def tiny_config(vocab_size: int, eos_token_id: int | None, bos_token_id: int | N
                        eos_token_id=eos_token_id, bos_token_id=bos_token_id)
 
 
-def _random_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def random_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
 
@@ -64,7 +64,7 @@ def random_model(cfg: ModelConfig, *, dtype: str | torch.dtype | None = "float32
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     if not on_device:
-        model = build_model(cfg, _random_tensors(cfg, seed), dt, dev)
+        model = build_model(cfg, random_tensors(cfg, seed), dt, dev)
     else:
         model = _build_on_device(cfg, dt, dev, seed)
     spec = TINY_SPEC if cfg.hidden_size == 64 else f"random-{cfg.num_layers}x{cfg.hidden_size}"

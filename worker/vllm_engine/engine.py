@@ -7,6 +7,7 @@ tiers, page exports, fair scheduler) is None, so the server's features built on 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,8 @@ from worker.protocol import RequestError, SamplingParams, bad_request
 from worker.text.tokenizer import Tokenizer
 from worker.vllm_engine.load_report import EngineCounters, SmoothedCosts
 from worker.vllm_engine.sampling import vllm_sampling_kwargs
+
+log = logging.getLogger(__name__)
 
 PRIORITY_POLICY = "priority"
 
@@ -66,6 +69,12 @@ class VllmEngine:
         self._counters = EngineCounters(llm, self.config.block_size,
                                         int(vcfg.cache_config.num_gpu_blocks or 0))
         self._costs = SmoothedCosts()
+        par = vcfg.parallel_config
+        log.info("vLLM engine: tensor_parallel_size=%d pipeline_parallel_size=%d dtype=%s kv_cache_dtype=%s "
+                 "%d KV blocks of %d tokens, max_model_len=%d", par.tensor_parallel_size,
+                 par.pipeline_parallel_size, vcfg.model_config.dtype, self.kv_dtype,
+                 self._counters.kv_total_tokens // self.config.block_size, self.config.block_size,
+                 self.max_context)
 
     # ---- requests ----
 
@@ -131,6 +140,8 @@ class VllmEngine:
         self._aborted.clear()
         if not self._live:
             return outputs
+        if not self.llm.has_unfinished_requests():  # its step would wait for outputs that never come
+            return outputs + self._lost()
         started = time.perf_counter()
         results = self.llm.step()
         prefilled = 0
@@ -147,6 +158,14 @@ class VllmEngine:
             outputs.append(out)
         self._costs.stepped(time.perf_counter() - started, prefilled)
         return outputs
+
+    def _lost(self) -> list[StepOutput]:
+        """End the requests vLLM no longer holds (not expected: each ends with an output) with a retryable
+        error, so that their gateways resume them rather than wait."""
+        error = RequestError("internal", "the vLLM engine dropped the request", retryable=True)
+        lost = [StepOutput(rid, [], "error", 0, None, error=error) for rid in self._live]
+        self._live.clear()
+        return lost
 
     def _output(self, res: Any, live: _Live) -> StepOutput:
         comp = res.outputs[0]

@@ -15,7 +15,7 @@ from torch import nn
 
 from worker.model.build import build_model
 from worker.model.llama import LlamaModel
-from worker.model.tiny_model import TINY_SEED, _random_tensors, tiny_config
+from worker.model.tiny_model import TINY_SEED, random_tensors, tiny_config
 from worker.quant import fp8
 from worker.quant import weights as quant
 
@@ -126,7 +126,7 @@ def test_resolve_mode_fp8_needs_ada_or_hopper(monkeypatch):
 
 def _tiny(dtype: torch.dtype, device: str) -> LlamaModel:
     cfg = tiny_config(VOCAB, None, None)
-    return build_model(cfg, _random_tensors(cfg, TINY_SEED), dtype, torch.device(device))
+    return build_model(cfg, random_tensors(cfg, TINY_SEED), dtype, torch.device(device))
 
 
 @torch.inference_mode()

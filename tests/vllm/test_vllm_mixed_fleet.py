@@ -1,0 +1,117 @@
+"""One gateway over a Switchyard worker and a vLLM-engine worker run tensor-parallel over 2 ranks (one core
+each), both on the same seeded fp32 weights: vLLM's parallelism flags pass through, both engines give the same
+greedy tokens, and streams cut by a SIGKILLed Switchyard worker finish whole on the vLLM-engine worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from config.local_stack.launcher import GatewayProc, WorkerProc
+from tests.faults.client import metric
+from tests.faults.test_resume import _assert_whole, _stream
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+STREAMS, MAX_TOKENS = 6, 300
+
+
+class Fleet:
+    def __init__(self, log_dir: Path, model: Path, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self.switchyard = WorkerProc(log_dir, model=str(model), extra=["--dtype", "float32"])
+        self.vllm = WorkerProc(log_dir, model=str(model), extra=["--dtype", "float32"],
+                               vllm_args="--tensor-parallel-size 2 --max-model-len 2048")
+        config = log_dir / "gateway.toml"
+        endpoints = ", ".join(f'"{w.endpoint}"' for w in (self.switchyard, self.vllm))
+        config.write_text("[gateway]\nworker_timeout = 30.0\nstream_detach_grace = 0.0\n"
+                          f"workers = [{endpoints}]\n")
+        self.gateway = GatewayProc.spawn(log_dir, ["--config", str(config), "--redis-url", redis_url,
+                                                   "--model", str(model)])
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.gateway.ready() and self._both_serving()):
+            for proc, name in ((self.switchyard.proc, "switchyard"), (self.vllm.proc, "vllm"),
+                               (self.gateway.proc, "gateway")):
+                assert proc.poll() is None, f"the {name} process exited during start-up"
+            assert time.monotonic() < deadline, "the fleet is not ready"
+            time.sleep(0.5)
+
+    def _both_serving(self) -> bool:
+        if not all("listening on" in w.log_text() for w in (self.switchyard, self.vllm)):
+            return False
+        time.sleep(1.0)  # a few stats frames: the gateway knows both
+        return True
+
+    def stop(self) -> None:
+        self.gateway.stop()
+        for w in (self.switchyard, self.vllm):
+            w.stop(grace=20)
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server) -> Iterator[Fleet]:  # noqa: ANN001 - tests/conftest.py's RedisServer
+    logs = Path(tempfile.mkdtemp(prefix="sy-vllm-fleet-"))
+    model = logs / "tiny-random-vllm"
+    subprocess.run([sys.executable, "-m", "worker.vllm_engine.hf_folder", "tiny-random-vllm", str(model)],
+                   check=True, timeout=300, capture_output=True)
+    saved = {k: os.environ.get(k) for k in VLLM_ENV}
+    os.environ.update(VLLM_ENV)
+    fleet = Fleet(logs, model, redis_server.url)
+    try:
+        fleet.wait_ready(900)
+        yield fleet
+    finally:
+        fleet.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _key(fleet: Fleet, name: str) -> str:
+    from tenancy import tenant_with_new_key
+
+    return tenant_with_new_key(fleet.redis_url, name, max_concurrent=100)
+
+
+async def _run(base: str, key: str, kill: WorkerProc | None = None) -> list[dict]:
+    import httpx
+
+    progress = [0] * STREAMS
+    async with httpx.AsyncClient(timeout=300) as http:
+        tasks = [asyncio.create_task(_stream(http, base, key, i, progress)) for i in range(STREAMS)]
+        if kill is not None:
+            async with asyncio.timeout(120):
+                while min(progress) < 10:  # every stream well under way
+                    await asyncio.sleep(0.01)
+            kill.proc.kill()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 300)
+
+
+def test_tensor_parallel_flags_reach_vllm(fleet: Fleet):
+    log = fleet.vllm.log_text()
+    assert "vLLM engine: tensor_parallel_size=2 pipeline_parallel_size=1 dtype=torch.float32" in log
+    assert "world_size=2" in log  # vLLM's own words: two ranks
+
+
+def test_both_engines_answer_alike_and_streams_carry_over_from_one_to_the_other(fleet: Fleet):
+    key, base = _key(fleet, "mixed"), fleet.gateway.base_url
+    want = asyncio.run(_run(base, key))  # spread over both workers: each engine's greedy tokens
+    assert all(w["error"] is None and w["usage"]["completion_tokens"] == MAX_TOKENS for w in want)
+    resumes = metric(base, "switchyard_router_resumes_total", 'reason="worker_lost"')
+    got = asyncio.run(_run(base, key, kill=fleet.switchyard))
+    _assert_whole(got, want)  # the same text and usage as the undisturbed run, whichever engine served it
+    assert metric(base, "switchyard_router_resumes_total", 'reason="worker_lost"') > resumes
