@@ -37,7 +37,7 @@ class EngineFleet:
         config.write_text(
             "[gateway]\nworker_timeout = 60.0\nstream_detach_grace = 0.0\n"
             f"block_size = {block}\nworkers = [\"{self.switchyard.endpoint}\", \"{self.vllm.endpoint}\"]\n"
-            f"[[gateway.kv_event_feeds]]\nworker_id = \"{VLLM_WORKER_ID}\"\n"
+            f"[[gateway.kv_event_feeds]]\nworker_id = \"{self.vllm.endpoint}\"\n"  # static: the endpoint
             f"endpoint = \"tcp://127.0.0.1:{pub}\"\nreplay_endpoint = \"tcp://127.0.0.1:{replay}\"\n"
             "hashes = \"vllm\"\n")
         self.gateway = GatewayProc.spawn(logs, ["--config", str(config), "--redis-url", self.redis_url,

@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import Literal
 
 from router.placement.kv_index import Applied, KvIndex
+from router.placement.routing_metrics import KV_INDEX_BLOCKS
 from worker.protocol import KvContract, KvReport, block_id, chain
 from worker.protocol.vllm_events import AllBlocksCleared, BlockStored, KvEvent, decode_batch, hash_id
 
@@ -215,7 +216,9 @@ class KvIngest:
         report = KvReport(KvContract(self.block_size, "", ""), self._epoch, self._n, snapshot,
                           list(acc.stored), [] if snapshot else list(acc.evicted), list(acc.tiered),
                           [] if snapshot else list(acc.untiered))
-        outcome = self.index.apply(self.source.worker_id, report, self.source.capacity_blocks)
+        worker_id = self.source.worker_id
+        outcome = self.index.apply(worker_id, report, self.source.capacity_blocks)
+        KV_INDEX_BLOCKS.labels(worker_id).set(self.index.blocks(worker_id))  # as the stats stream's reports
         if outcome is not Applied.APPLIED:
             self.counts[f"index:{outcome.value}"] += 1
             self._resync = True  # over a bound: the next report starts the view over

@@ -12,6 +12,7 @@ import zmq
 from router.links.kv_feed import REPLAY_TIMEOUT_S, KvFeed
 from router.links.kv_ingest import FeedSource
 from router.placement.kv_index import KvIndex
+from router.placement.routing_metrics import KV_INDEX_BLOCKS
 from worker.protocol import block_ids
 
 BS = 4
@@ -88,6 +89,7 @@ def test_a_vllm_servers_salted_blocks_are_indexed_under_the_tenants_ids() -> Non
         until(feed, lambda: index.blocks("v1") == 2)
         vllm.send(1, [stored([333], prompt[8:], parent=222)])
         until(feed, lambda: index.blocks("v1") == 3)
+        assert KV_INDEX_BLOCKS.labels("v1")._value.get() == 3  # the gauge the stats stream's reports set too
         ids = block_ids(NS, prompt, BS)
         assert index.match(ids, ["v1"]) == {"v1": 3}
         assert index.match(block_ids(b"x" * 16, prompt, BS), ["v1"]) == {}  # another tenant's: no match
