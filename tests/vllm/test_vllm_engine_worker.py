@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -168,3 +169,18 @@ def _gauge(port: int, name: str) -> float | None:
             if line.startswith(name + " "):
                 return float(line.split()[1])
     return None
+
+
+def test_sigterm_drains_running_streams_to_their_end(vllm_stack: tuple[Stack, int], client: openai.OpenAI):
+    """Last in this module: the worker stops. A lone worker finishes its streams in place (no hand-over)."""
+    stream = client.completions.create(model="default", prompt="Count: 1, 2, 3,", max_tokens=120,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True})
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            vllm_stack[0].procs["worker"].send_signal(signal.SIGTERM)
+    assert chunks[-1].usage.completion_tokens == 120
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert vllm_stack[0].procs["worker"].wait(timeout=60) == 0
