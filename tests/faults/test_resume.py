@@ -51,16 +51,21 @@ async def _stream(http: httpx.AsyncClient, base: str, key: str, i: int, progress
 
 
 async def _run(cluster: FaultCluster, key: str, disturb: Callable[[], None] | None = None) -> list[dict]:
-    base = cluster.gateways[0].base_url
-    progress = [0] * STREAMS
-    async with httpx.AsyncClient(timeout=120) as http:
-        tasks = [asyncio.create_task(_stream(http, base, key, i, progress)) for i in range(STREAMS)]
+    return await run_streams(cluster.gateways[0].base_url, key, disturb)
+
+
+async def run_streams(base: str, key: str, disturb: Callable[[], None] | None = None, streams: int = STREAMS,
+                      timeout: float = 120) -> list[dict]:
+    """`streams` greedy streams through the gateway at `base`; `disturb()` once every one is under way."""
+    progress = [0] * streams
+    async with httpx.AsyncClient(timeout=timeout) as http:
+        tasks = [asyncio.create_task(_stream(http, base, key, i, progress)) for i in range(streams)]
         if disturb is not None:
-            async with asyncio.timeout(60):
+            async with asyncio.timeout(timeout / 2):
                 while min(progress) < 10:  # every stream well under way
                     await asyncio.sleep(0.01)
             disturb()
-        return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
 
 
 def _assert_whole(got: list[dict], want: list[dict]) -> None:

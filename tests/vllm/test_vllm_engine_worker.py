@@ -5,7 +5,6 @@ tenant-salted caching, aborts."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,8 +21,6 @@ from config.local_stack.launcher import Stack, StackConfig, free_port
 
 pytestmark = pytest.mark.vllm
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # ~400 tokens of natural text (several of vLLM's 128-token CPU blocks)
 LONG_TEXT = (Path(__file__).resolve().parents[2] / "README.md").read_text()[:1800]
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -38,9 +35,7 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_stack(hf_model: Path) -> Iterator[tuple[Stack, int]]:
-    saved = {k: os.environ.get(k) for k in VLLM_ENV}
-    os.environ.update(VLLM_ENV)
+def vllm_stack(hf_model: Path, vllm_env: None) -> Iterator[tuple[Stack, int]]:
     metrics_port = free_port()
     logs = Path(tempfile.mkdtemp(prefix="sy-vllm-test-"))
     stack = Stack(StackConfig(
@@ -53,11 +48,6 @@ def vllm_stack(hf_model: Path) -> Iterator[tuple[Stack, int]]:
         yield stack, metrics_port
     finally:
         stack.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _client(stack: Stack, tenant: str) -> openai.OpenAI:

@@ -5,7 +5,6 @@ greedy tokens, and streams cut by a SIGKILLed Switchyard worker finish whole on 
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import tempfile
@@ -17,12 +16,10 @@ import pytest
 
 from config.local_stack.launcher import GatewayProc, WorkerProc
 from tests.faults.client import metric
-from tests.faults.test_resume import _assert_whole, _stream
+from tests.faults.test_resume import _assert_whole, run_streams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 STREAMS, MAX_TOKENS = 6, 300
 
 
@@ -61,44 +58,25 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(redis_server) -> Iterator[Fleet]:  # noqa: ANN001 - tests/conftest.py's RedisServer
+def fleet(redis_server, vllm_env: None) -> Iterator[Fleet]:  # noqa: ANN001 - tests/conftest.py's RedisServer
     logs = Path(tempfile.mkdtemp(prefix="sy-vllm-fleet-"))
     model = logs / "tiny-random-vllm"
     subprocess.run([sys.executable, "-m", "worker.vllm_engine.hf_folder", "tiny-random-vllm", str(model)],
                    check=True, timeout=300, capture_output=True)
-    saved = {k: os.environ.get(k) for k in VLLM_ENV}
-    os.environ.update(VLLM_ENV)
-    fleet = Fleet(logs, model, redis_server.url)
-    try:
-        fleet.wait_ready(900)
-        yield fleet
-    finally:
-        fleet.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core per tensor-parallel rank
+        fleet = Fleet(logs, model, redis_server.url)
+        try:
+            fleet.wait_ready(900)
+            yield fleet
+        finally:
+            fleet.stop()
 
 
 def _key(fleet: Fleet, name: str) -> str:
     from tenancy import tenant_with_new_key
 
     return tenant_with_new_key(fleet.redis_url, name, max_concurrent=100)
-
-
-async def _run(base: str, key: str, kill: WorkerProc | None = None) -> list[dict]:
-    import httpx
-
-    progress = [0] * STREAMS
-    async with httpx.AsyncClient(timeout=300) as http:
-        tasks = [asyncio.create_task(_stream(http, base, key, i, progress)) for i in range(STREAMS)]
-        if kill is not None:
-            async with asyncio.timeout(120):
-                while min(progress) < 10:  # every stream well under way
-                    await asyncio.sleep(0.01)
-            kill.proc.kill()
-        return await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
 
 def test_tensor_parallel_flags_reach_vllm(fleet: Fleet):
@@ -109,9 +87,9 @@ def test_tensor_parallel_flags_reach_vllm(fleet: Fleet):
 
 def test_both_engines_answer_alike_and_streams_carry_over_from_one_to_the_other(fleet: Fleet):
     key, base = _key(fleet, "mixed"), fleet.gateway.base_url
-    want = asyncio.run(_run(base, key))  # spread over both workers: each engine's greedy tokens
+    want = asyncio.run(run_streams(base, key, streams=STREAMS, timeout=300))  # on both engines
     assert all(w["error"] is None and w["usage"]["completion_tokens"] == MAX_TOKENS for w in want)
     resumes = metric(base, "switchyard_router_resumes_total", 'reason="worker_lost"')
-    got = asyncio.run(_run(base, key, kill=fleet.switchyard))
+    got = asyncio.run(run_streams(base, key, fleet.switchyard.proc.kill, STREAMS, 300))
     _assert_whole(got, want)  # the same text and usage as the undisturbed run, whichever engine served it
     assert metric(base, "switchyard_router_resumes_total", 'reason="worker_lost"') > resumes
