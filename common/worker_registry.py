@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-ROLES = ("both", "prefill", "decode")  # both: serves gateways and prefills itself; prefill: only `pf` work
+ROLES = ("both", "prefill", "decode")
+ENGINES = ("switchyard", "vllm")  # both: serves gateways and prefills itself; prefill: only `pf` work
 
 # Both under the hash tag `{sy:workers}`: one Redis Cluster slot, so one script reads the set and the records.
 REGISTRY_TAG = "{sy:workers}"
@@ -32,6 +33,7 @@ class Registration:
     spec: str = ""
     pool: str = ""
     role: str = "both"  # disaggregation: both, prefill (only prefills for decode workers) or decode
+    engine: str = "switchyard"  # the engine behind the worker protocol: switchyard or vllm (vllm-engine.md)
 
 
 OPTIONAL_TEXT = ("model_version", "tokenizer", "spec", "pool")
@@ -71,4 +73,8 @@ def parse_registration(raw: bytes | str) -> Registration:
     if role not in ROLES:
         raise ValueError(f"registration role must be one of {ROLES}")
     reg.role = role
+    engine = obj.get("engine", "switchyard")
+    if engine not in ENGINES:
+        raise ValueError(f"registration engine must be one of {ENGINES}")
+    reg.engine = engine
     return reg

@@ -32,3 +32,8 @@ def test_registration_round_trip_and_rejects_bad_records() -> None:
             parse_registration(bad)
     with pytest.raises(ValueError):
         parse_registration(encode_registration(Registration("w1", "tcp://h:1", "m", 1, 1.0, role="mystery")))
+    assert reg.engine == "switchyard"  # older records, without the field, are Switchyard's engine
+    vllm = Registration("w2", "tcp://h:2", "m", PROTOCOL_VERSION, 1.0, engine="vllm")
+    assert parse_registration(encode_registration(vllm)).engine == "vllm"
+    with pytest.raises(ValueError):
+        parse_registration(encode_registration(Registration("w1", "tcp://h:1", "m", 1, 1.0, engine="trt")))

@@ -60,6 +60,19 @@ def client(vllm_stack: tuple[Stack, int]) -> openai.OpenAI:
     return _client(vllm_stack[0], "vllm-a")
 
 
+def test_the_registry_names_the_engine_and_the_folder(vllm_stack: tuple[Stack, int], hf_model: Path):
+    from common.worker_registry import REGISTRY_SET_KEY, parse_registration, registration_key
+    from tenancy.redis_client import sync_client
+
+    r = sync_client(vllm_stack[0].redis_url)
+    try:
+        ids = [w.decode() for w in r.zrange(REGISTRY_SET_KEY, 0, -1)]
+        regs = [parse_registration(r.get(registration_key(w))) for w in ids]
+    finally:
+        r.close()
+    assert [(reg.engine, reg.spec, reg.model) for reg in regs] == [("vllm", str(hf_model), hf_model.name)]
+
+
 def test_greedy_chat_streams_what_it_answers_whole(client: openai.OpenAI):
     whole = client.chat.completions.create(model="default", messages=QUESTION, max_tokens=24, temperature=0)
     text = whole.choices[0].message.content
@@ -116,6 +129,18 @@ def test_structured_output_and_tool_calls(client: openai.OpenAI):
     assert call.choices[0].finish_reason == "tool_calls", call.choices[0]
     assert calls[0].function.name == "get_weather"
     assert "city" in json.loads(calls[0].function.arguments)
+
+
+def test_responses_api_whole_streamed_and_chained(client: openai.OpenAI):
+    question = QUESTION[0]["content"]
+    first = client.responses.create(model="default", input=question, temperature=0, max_output_tokens=20)
+    assert first.status in ("completed", "incomplete") and "Paris" in first.output_text
+    events = list(client.responses.create(model="default", input=question, temperature=0,
+                                          max_output_tokens=20, stream=True))
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == first.output_text
+    follow = client.responses.create(model="default", input="And of Germany?", temperature=0,
+                                     max_output_tokens=20, previous_response_id=first.id)
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
 
 
 def test_tenants_never_share_cached_blocks(vllm_stack: tuple[Stack, int], client: openai.OpenAI):

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 class Engine:
     runner_class: type[ModelRunner] = ModelRunner
+    kind = "switchyard"  # the registry's `engine` (worker.vllm_engine's is "vllm")
 
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()

@@ -95,7 +95,8 @@ class WorkerServer:
             reg = Registration(worker_id=self.worker_id, endpoint=self.endpoint, model=self.engine.model_id,
                                version=proto.PROTOCOL_VERSION, started_at=time.time(), role=self.config.role,
                                model_version=self.config.model_version, spec=self.config.model_spec,
-                               tokenizer=self.engine.tokenizer_version, pool=self.config.pool)
+                               tokenizer=self.engine.tokenizer_version, pool=self.config.pool,
+                               engine=self.engine.kind)
             self._registrar = Registrar(self.config.redis_url, reg)
             self._registrar.start()
 

@@ -42,6 +42,7 @@ class _Live:
 class VllmEngine:
     """Switchyard's engine interface over an in-process vLLM `LLMEngine` (v1)."""
 
+    kind = "vllm"  # registered, so operators and gateways can tell the engines apart
     cache = None  # no Switchyard radix cache: no block reports in stats, no disaggregation, no KV promises
     pool = None
     exports = None

@@ -231,6 +231,7 @@ async def test_sigterm_drains_running_streams(tmp_path: Path, redis_url: str) ->
         client = await _client(worker.endpoint, "d")
         reg = parse_registration(r.get(registration_key("drainer")))
         assert reg.endpoint == worker.endpoint and reg.version == p.PROTOCOL_VERSION
+        assert reg.engine == "switchyard"
         first_token = [asyncio.Event() for _ in range(8)]
 
         async def stream(i: int) -> tuple[int, str | None]:
