@@ -93,3 +93,18 @@ def test_both_engines_answer_alike_and_streams_carry_over_from_one_to_the_other(
     got = asyncio.run(run_streams(base, key, fleet.switchyard.proc.kill, STREAMS, 300))
     _assert_whole(got, want)  # the same text and usage as the undisturbed run, whichever engine served it
     assert metric(base, "switchyard_router_resumes_total", 'reason="worker_lost"') > resumes
+
+
+def test_a_dead_vllm_engine_process_ends_the_worker(fleet: Fleet):
+    """Last: SIGKILL of vLLM's engine process. The worker exits (code 3) instead of answering every request
+    with an error; with no worker left, a stream in flight ends with an error event, not silence."""
+    import psutil
+
+    key, base = _key(fleet, "core-death"), fleet.gateway.base_url
+    children = psutil.Process(fleet.vllm.proc.pid).children()
+    named = [c for c in children if "EngineCore" in c.name() + " ".join(c.cmdline())]
+    core = (named or [c for c in children if c.children()])[0]  # else: the one whose children are the ranks
+    got = asyncio.run(run_streams(base, key, core.kill, streams=2, timeout=120))
+    assert fleet.vllm.proc.wait(timeout=60) == 3
+    assert all(g["error"] is not None for g in got)
+    assert "the vLLM engine process died" in fleet.vllm.log_text()

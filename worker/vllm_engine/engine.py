@@ -8,9 +8,10 @@ tiers, page exports, fair scheduler) is None, so the server's features built on 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from worker.engine.records.outputs import EngineStats, StepOutput
 from worker.protocol import RequestError, SamplingParams, bad_request
@@ -21,6 +22,8 @@ from worker.vllm_engine.sampling import vllm_sampling_kwargs
 log = logging.getLogger(__name__)
 
 PRIORITY_POLICY = "priority"
+ENGINE_DEAD_EXIT = 3  # the worker's exit code when vLLM's engine process died
+CORE_WATCH_S = 0.5  # how often the watcher looks at vLLM's engine-dead flag
 
 
 @dataclass(slots=True)
@@ -69,6 +72,8 @@ class VllmEngine:
         self._counters = EngineCounters(llm, self.config.block_size,
                                         int(vcfg.cache_config.num_gpu_blocks or 0))
         self._costs = SmoothedCosts()
+        self._closed = False
+        threading.Thread(target=self._watch_core, name="vllm-core-watch", daemon=True).start()
         par = vcfg.parallel_config
         log.info("vLLM engine: tensor_parallel_size=%d pipeline_parallel_size=%d dtype=%s kv_cache_dtype=%s "
                  "%d KV blocks of %d tokens, max_model_len=%d", par.tensor_parallel_size,
@@ -97,6 +102,8 @@ class VllmEngine:
         prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
         if namespace:  # tenants never share cached blocks (vLLM's salt is text: the namespace's hex)
             prompt["cache_salt"] = namespace.hex() if isinstance(namespace, bytes) else str(namespace)
+        if self._core_dead():
+            self._exit_dead()
         self.llm.add_request(rid, prompt, params, priority=int(priority) if self._priorities else 0)
         self._live[rid] = _Live(len(token_ids), sampling.logprobs, sampling.top_logprobs)
 
@@ -124,7 +131,29 @@ class VllmEngine:
         return rid in self._live
 
     def ready(self) -> bool:
-        return bool(self._aborted) or bool(self._live)
+        return bool(self._aborted) or bool(self._live) or self._core_dead()
+
+    def _core_dead(self) -> bool:
+        """vLLM's engine process died (its client's monitor says so): unrecoverable."""
+        resources = getattr(getattr(self.llm, "engine_core", None), "resources", None)
+        return bool(getattr(resources, "engine_dead", False))
+
+    def _watch_core(self) -> None:
+        """Wake a step blocked on vLLM's outputs when its engine process dies: vLLM's sync client waits on its
+        output queue without a deadline, and its monitor marks the engine dead without waking it."""
+        while not self._closed:
+            if self._core_dead():
+                outputs = getattr(self.llm.engine_core, "outputs_queue", None)
+                if outputs is not None:
+                    outputs.put_nowait(RuntimeError("the vLLM engine process died"))
+                return
+            time.sleep(CORE_WATCH_S)
+
+    def _exit_dead(self) -> NoReturn:
+        """Stop the worker process: its gateways see the link drop and resume its streams on other workers at
+        once, and it leaves the registry (a worker that answers every request with an error is worse)."""
+        log.critical("the vLLM engine process died: the worker exits (exit code %d)", ENGINE_DEAD_EXIT)
+        raise SystemExit(ENGINE_DEAD_EXIT)
 
     def has_work(self) -> bool:
         return self.ready()
@@ -138,12 +167,19 @@ class VllmEngine:
         """One vLLM step's outputs as Switchyard's (aborts since the last step first)."""
         outputs = [StepOutput(rid, [], "abort", 0, None) for rid in self._aborted]
         self._aborted.clear()
+        if self._core_dead():
+            self._exit_dead()
         if not self._live:
             return outputs
         if not self.llm.has_unfinished_requests():  # its step would wait for outputs that never come
             return outputs + self._lost()
         started = time.perf_counter()
-        results = self.llm.step()
+        try:
+            results = self.llm.step()
+        except Exception:
+            if self._core_dead():
+                self._exit_dead()
+            raise
         prefilled = 0
         for res in results:
             live = self._live.get(res.request_id)
@@ -200,6 +236,7 @@ class VllmEngine:
 
     def close(self) -> None:
         """Stop vLLM's engine process (and its workers)."""
+        self._closed = True
         core = getattr(self.llm, "engine_core", None)
         if core is not None:
             core.shutdown()
