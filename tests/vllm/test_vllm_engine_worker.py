@@ -4,6 +4,7 @@ tenant-salted caching, aborts."""
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import subprocess
@@ -42,7 +43,8 @@ def vllm_stack(hf_model: Path, vllm_env: None) -> Iterator[tuple[Stack, int]]:
         port=free_port(), log_dir=logs, ready_timeout=900.0, model=str(hf_model),
         worker_args=["--engine", "vllm", "--engine-args", "--max-model-len 2048",
                      "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"],
-        gateway_args=["--worker-timeout", "60", "--stream-detach-grace", "0"]))
+        gateway_args=["--worker-timeout", "60", "--stream-detach-grace", "0",
+                      "--files-dir", str(logs / "files")]))
     try:
         stack.start()
         yield stack, metrics_port
@@ -141,6 +143,23 @@ def test_responses_api_whole_streamed_and_chained(client: openai.OpenAI):
     follow = client.responses.create(model="default", input="And of Germany?", temperature=0,
                                      max_output_tokens=20, previous_response_id=first.id)
     assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_a_batch_runs_at_batch_priority_to_completion(client: openai.OpenAI):
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "default", "messages": QUESTION, "max_tokens": 8, "temperature": 0}}
+             for i in range(3)]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    fid = client.files.create(file=("b.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = client.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts.completed == 3
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).content.splitlines()]
+    assert sorted(x["custom_id"] for x in out) == ["r0", "r1", "r2"]
+    assert all("Paris" in x["response"]["body"]["choices"][0]["message"]["content"] for x in out)
 
 
 def test_tenants_never_share_cached_blocks(vllm_stack: tuple[Stack, int], client: openai.OpenAI):
