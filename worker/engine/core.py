@@ -15,7 +15,7 @@ from worker.config import EngineConfig
 from worker.engine.export import PageExport
 from worker.engine.prefix_pins import PrefixPins
 from worker.engine.records.outputs import EngineStats, StepCosts, StepOutput
-from worker.engine.records.request_errors import RequestError, bad_request
+from worker.engine.records.request_errors import RequestError, bad_request, check_context, check_prompt
 from worker.engine.records.sequence import NgramIndex, Priority, ScheduledBatch, SeqStatus, Sequence
 from worker.engine.runner import ModelRunner, StepResult
 from worker.engine.scheduling.fairness import check_fair_params
@@ -125,17 +125,12 @@ class Engine:
                       priority: Priority = Priority.INTERACTIVE, namespace: bytes = b"", fkey: bytes = b"",
                       weight: float = 1.0, resumed: int = 0) -> None:
         """Every check `add_request` makes before changing any state: RequestError names the first failing."""
-        self._validate(rid, token_ids, sampling, priority)
-        if not 0 <= resumed < len(token_ids) or resumed >= sampling.max_tokens:
-            raise bad_request("resumed must count fewer tokens than the prompt and max_tokens", "resumed")
+        self._validate(rid, sampling)
+        check_prompt(token_ids, priority, resumed, sampling.max_tokens, self.vocab_size)
         if not isinstance(namespace, bytes):
             raise bad_request("cache namespace must be bytes", "ns")
         check_fair_params(fkey, weight)
-        prompt_len = len(token_ids) - resumed
-        total = prompt_len + sampling.max_tokens  # resumed tokens count within max_tokens
-        if total > self.max_context:
-            raise RequestError("capacity", f"prompt ({prompt_len}) + max_tokens ({sampling.max_tokens}) "
-                               f"exceeds the model context of {self.max_context} tokens", param="max_tokens")
+        total = check_context(token_ids, resumed, sampling.max_tokens, self.max_context)
         if pages_for(total, self.config.block_size) > self.pool.num_pages:
             raise RequestError("capacity", f"prompt + max_tokens = {total} tokens can never fit the KV cache "
                                f"({self.pool.num_pages * self.config.block_size} tokens)", param="max_tokens")
@@ -179,7 +174,7 @@ class Engine:
         if self.restorer is not None:
             self.restorer.tiers.close()
 
-    def _validate(self, rid: str, token_ids: list[int], sampling: SamplingParams, priority: int) -> None:
+    def _validate(self, rid: str, sampling: SamplingParams) -> None:
         if not isinstance(rid, str) or not rid:
             raise bad_request("rid must be a non-empty string", "rid")
         if rid in self._seqs:
@@ -187,17 +182,6 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise bad_request("sampling must be SamplingParams", "sampling")
         sampling.validate(self.vocab_size)
-        if not token_ids:
-            raise bad_request("prompt is empty", "prompt")
-        try:
-            ok = all(0 <= t < self.vocab_size for t in token_ids) and not any(
-                isinstance(t, bool) or not isinstance(t, int) for t in token_ids)
-        except TypeError:
-            ok = False
-        if not ok:
-            raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
-        if priority not in (Priority.INTERACTIVE, Priority.BATCH):
-            raise bad_request("priority must be 0 (interactive) or 1 (batch)", "priority")
 
     def abort(self, rid: str) -> bool:
         self.exports.forget(rid)

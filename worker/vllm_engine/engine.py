@@ -13,10 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from worker.engine.records.outputs import EngineStats, StepOutput
+from worker.engine.records.outputs import EngineStats, StepCosts, StepOutput
+from worker.engine.records.request_errors import check_context, check_prompt
 from worker.protocol import RequestError, SamplingParams, bad_request
 from worker.text.tokenizer import Tokenizer
-from worker.vllm_engine.load_report import EngineCounters, SmoothedCosts
+from worker.vllm_engine.load_report import EngineCounters
 from worker.vllm_engine.sampling import vllm_sampling_kwargs
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class VllmEngine:
         self._aborted: list[str] = []
         self._counters = EngineCounters(llm, self.config.block_size,
                                         int(vcfg.cache_config.num_gpu_blocks or 0))
-        self._costs = SmoothedCosts()
+        self._costs = StepCosts()
+        self._steps = 0
         self._closed = False
         threading.Thread(target=self._watch_core, name="vllm-core-watch", daemon=True).start()
         par = vcfg.parallel_config
@@ -90,7 +92,8 @@ class VllmEngine:
         `fkey`, `weight` and `ttft` are accepted and unused: vLLM schedules by priority, then arrival."""
         if rid in self._live:
             raise bad_request("duplicate request id", "rid")
-        self._check(token_ids, sampling, priority, resumed)
+        check_prompt(token_ids, priority, resumed, sampling.max_tokens, self.vocab_size)
+        check_context(token_ids, resumed, sampling.max_tokens, self.max_context)
         kw = vllm_sampling_kwargs(sampling, self.vocab_size, resumed)
         grammar = kw.pop("grammar", None)
         if grammar is not None:
@@ -106,18 +109,6 @@ class VllmEngine:
             self._exit_dead()
         self.llm.add_request(rid, prompt, params, priority=int(priority) if self._priorities else 0)
         self._live[rid] = _Live(len(token_ids), sampling.logprobs, sampling.top_logprobs)
-
-    def _check(self, token_ids: list[int], sampling: SamplingParams, priority: int, resumed: int) -> None:
-        if not token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
-            raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
-        if not 0 <= resumed < len(token_ids) or resumed >= sampling.max_tokens:
-            raise bad_request("resumed must count fewer tokens than the prompt and max_tokens", "resumed")
-        total = len(token_ids) - resumed + sampling.max_tokens
-        if total > self.max_context:
-            raise bad_request(f"prompt plus max_tokens ({total}) exceeds the model context of "
-                              f"{self.max_context} tokens", "max_tokens")
-        if priority not in (0, 1):
-            raise bad_request("priority must be 0 (interactive) or 1 (batch)", "priority")
 
     def abort(self, rid: str) -> bool:
         """Stop a request; its `abort` output comes with the next step. False: not running here."""
@@ -192,7 +183,8 @@ class VllmEngine:
             if out.finish_reason is not None:
                 del self._live[res.request_id]
             outputs.append(out)
-        self._costs.stepped(time.perf_counter() - started, prefilled)
+        self._steps += 1
+        self._costs.record(time.perf_counter() - started, prefilled)
         return outputs
 
     def _lost(self) -> list[StepOutput]:
@@ -231,7 +223,7 @@ class VllmEngine:
     def stats(self) -> EngineStats:
         waiting = [live for live in self._live.values() if not live.started]
         return self._counters.stats(num_waiting=len(waiting), num_running=len(self._live) - len(waiting),
-                                    costs=self._costs,
+                                    costs=self._costs, steps=self._steps,
                                     backlog=sum(live.prompt_len for live in waiting))
 
     def close(self) -> None:

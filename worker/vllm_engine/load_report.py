@@ -1,32 +1,14 @@
-"""A vLLM engine's load as Switchyard's `EngineStats`: KV use and cache hits from vLLM's own metrics, step
-costs measured around its steps."""
+"""A vLLM engine's load as Switchyard's `EngineStats`: KV use and cache hits from vLLM's own metrics, beside
+the step costs the adapter measures around its steps."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.records.outputs import EngineStats, smooth
+from worker.engine.records.outputs import EngineStats, StepCosts
 
 METRICS_TTL_S = 0.25  # vLLM's metric snapshot walks its registry: at most this often
-
-
-@dataclass(slots=True)
-class SmoothedCosts:
-    """Moving averages of a step's seconds and of prompt tokens a second in steps that prefilled."""
-
-    step_s: float = 0.0
-    prefill_tps: float = 0.0
-    steps: int = 0
-
-    def stepped(self, seconds: float, prefilled: int) -> None:
-        if seconds <= 0:
-            return
-        self.steps += 1
-        self.step_s = smooth(self.step_s, seconds)
-        if prefilled > 0:
-            self.prefill_tps = smooth(self.prefill_tps, prefilled / seconds)
 
 
 class EngineCounters:
@@ -51,7 +33,8 @@ class EngineCounters:
             self._values = values
         return self._values
 
-    def stats(self, *, num_waiting: int, num_running: int, costs: SmoothedCosts, backlog: int) -> EngineStats:
+    def stats(self, *, num_waiting: int, num_running: int, costs: StepCosts, steps: int,
+              backlog: int) -> EngineStats:
         v = self._read()
         used = min(1.0, max(0.0, v.get("vllm:kv_cache_usage_perc", 0.0)))
         queries, hits = v.get("vllm:prefix_cache_queries", 0.0), v.get("vllm:prefix_cache_hits", 0.0)
@@ -62,7 +45,7 @@ class EngineCounters:
             prefix_hit_rate=hits / queries if queries else 0.0,
             preemptions=int(v.get("vllm:num_preemptions", 0.0)), prompt_tokens=prompt,
             prefill_tokens_computed=max(0, prompt - int(hits)),
-            generated_tokens=int(v.get("vllm:generation_tokens", 0.0)), steps=costs.steps,
+            generated_tokens=int(v.get("vllm:generation_tokens", 0.0)), steps=steps,
             cached_tokens=int(hits), attention_backend="vllm", prefill_tps=costs.prefill_tps,
             step_s=costs.step_s, prefill_backlog=backlog)
 

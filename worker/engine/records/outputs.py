@@ -76,14 +76,17 @@ class StepCosts:
     prefill_tps: float = 0.0
 
     def stepped(self, batch: ScheduledBatch, seconds: float) -> None:
+        self.record(seconds, sum(n for _, n in batch.prefills))
+
+    def record(self, seconds: float, prefilled: int) -> None:
+        """A step of `seconds` that computed `prefilled` prompt tokens (0: decodes only)."""
         if seconds <= 0:
             return
-        self.step_s = smooth(self.step_s, seconds)
-        prefilled = sum(n for _, n in batch.prefills)
+        self.step_s = _mix(self.step_s, seconds)
         if prefilled:
-            self.prefill_tps = smooth(self.prefill_tps, prefilled / seconds)
+            self.prefill_tps = _mix(self.prefill_tps, prefilled / seconds)
 
 
-def smooth(old: float, new: float) -> float:
+def _mix(old: float, new: float) -> float:
     """The moving average's next value (its first sample is taken as is)."""
     return new if old <= 0 else old + COST_SMOOTHING * (new - old)
