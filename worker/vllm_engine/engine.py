@@ -29,10 +29,9 @@ CORE_WATCH_S = 0.5  # how often the watcher looks at vLLM's engine-dead flag
 
 @dataclass(slots=True)
 class EngineView:
-    """The engine settings the server and its metrics read (Switchyard's `EngineConfig` has them too)."""
+    """The engine setting the server and its metrics read (Switchyard's `EngineConfig` has it too)."""
 
     block_size: int
-    max_num_seqs: int
 
 
 @dataclass(slots=True)
@@ -64,7 +63,7 @@ class VllmEngine:
         self.tokenizer_version = tokenizer.version
         self.vocab_size = int(vcfg.model_config.get_vocab_size())
         self.max_context = int(vcfg.model_config.max_model_len)
-        self.config = EngineView(int(vcfg.cache_config.block_size), int(vcfg.scheduler_config.max_num_seqs))
+        self.config = EngineView(int(vcfg.cache_config.block_size))
         self.kv_dtype = str(vcfg.cache_config.cache_dtype)
         self.kv_fingerprint = b""  # no page transfers: a prefill peer never matches
         self._priorities = vcfg.scheduler_config.policy == PRIORITY_POLICY
