@@ -1,11 +1,11 @@
-"""Open-loop load: Poisson arrivals at set request rates over the natural-text mixed workload, with goodput.
+"""Open-loop load: Poisson arrivals at set request rates over a natural-text workload, with goodput.
 
 Requests arrive at exponential gaps (seeded), whatever the server's pace, as users do (a closed loop waits
 for a slot and so never overloads). Per rate: output tokens/s, TTFT and TPOT percentiles, and goodput, the
 requests per second whose own TTFT and TPOT both meet the SLO (DistServe's definition). A stream short of its
 `max_tokens` or any error fails the run. Runs with the peers' python (stdlib and httpx), as
 `bench/long_loadgen.py` does: `open_loop.py PEER_LOADGEN --url URL --key KEY --rates 0.5,1,2 --n 48
-[--slo-ttft-ms 2000 --slo-tpot-ms 200]`.
+[--workload ntrace] [--slo-ttft-ms 2000 --slo-tpot-ms 200]`. Its line holds the prompts' SHA-256.
 """
 
 import argparse
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from long_loadgen import checked, natural  # noqa: E402 - run as a script beside it
+from long_loadgen import checked, natural, prompts_sha256  # noqa: E402 - run as a script beside it
 
 
 def arrivals(rate: float, n: int, seed: int) -> list[float]:
@@ -66,19 +66,21 @@ async def warm_up(one, args: argparse.Namespace) -> None:  # noqa: ANN001 - the 
 
     out: list[dict] = []
     async with httpx.AsyncClient(timeout=args.timeout) as client:
-        for prompt, max_tokens in natural("nmixed", args.warmup, args.seed + 1000):
+        for prompt, max_tokens in natural(args.workload, args.warmup, args.seed + 1000):
             await one(client, args, prompt, max_tokens, out)
     errors = [r for r in out if "error" in r]
     if errors:
         raise SystemExit(f"warm-up failed: {errors[0]}")
 
 
-async def run_rate(one, args: argparse.Namespace, rate: float, seed: int) -> dict:  # noqa: ANN001
+async def run_rate(one, args: argparse.Namespace, rate: float, seed: int,  # noqa: ANN001
+                   digests: list[str]) -> dict:
     """One rate's requests (`one`: the shared generator's coroutine); each rate has its own prompts
     (`seed`), so no rate meets the prefix cache another one filled."""
     import httpx
 
-    reqs = natural("nmixed", args.n, seed)
+    reqs = natural(args.workload, args.n, seed)
+    digests.append(prompts_sha256(reqs))
     starts = arrivals(rate, args.n, seed)
     out: list[dict] = []
     limits = httpx.Limits(max_connections=args.n + 4)
@@ -100,6 +102,7 @@ def main() -> int:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--key", default="")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--workload", default="nmixed", choices=["nmixed", "ntrace"])
     ap.add_argument("--rates", default="0.5,1,2", help="requests per second, comma-separated, lowest first")
     ap.add_argument("--n", type=int, default=48, help="requests per rate")
     ap.add_argument("--seed", type=int, default=1)
@@ -116,10 +119,12 @@ def main() -> int:
     one = checked(peer.one)
     asyncio.run(warm_up(one, args))
     rates = [float(r) for r in args.rates.split(",")]
-    rows = [asyncio.run(run_rate(one, args, rate, args.seed + i)) for i, rate in enumerate(rates)]
-    print(json.dumps({"bench": "open_loop", "workload": "nmixed", "slo_ttft_ms": args.slo_ttft_ms,
+    digests: list[str] = []
+    rows = [asyncio.run(run_rate(one, args, rate, args.seed + i, digests)) for i, rate in enumerate(rates)]
+    print(json.dumps({"bench": "open_loop", "workload": args.workload, "slo_ttft_ms": args.slo_ttft_ms,
                       "slo_tpot_ms": args.slo_tpot_ms, "rates": rows,
-                      "max_goodput_rps": max(r["goodput_rps"] for r in rows)}))
+                      "max_goodput_rps": max(r["goodput_rps"] for r in rows),
+                      "prompts_sha256": prompts_sha256(digests)}))
     return 1 if any(r["errors"] for r in rows) else 0
 
 

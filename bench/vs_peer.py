@@ -1,197 +1,179 @@
-"""Benchmark: Switchyard against a peer server (vLLM) with the peers' own load generator, side by side.
+"""Benchmark: Switchyard against a peer server (vLLM), matched precision and best vs best, side by side.
 
-Two passes of ours, peer, ours, peer, never both up at once; the three workloads of
-`../shared/peers/loadgen.py` per pass plus `long` (2-3k-token prompts, 256 out, concurrency 8:
-`bench/long_loadgen.py`); one JSON line with both sides' raw figures and median ratios.
+Per pass, one system up at a time: ours at the peer's precision with no quantization and no speculation
+(`matched`), the peer, ours in its speed profile (`best`: w8a8, int8 KV pages, n-gram speculation), and that
+profile without speculation on the single-stream workload (`best_nospec`). vLLM's best documented CPU
+configuration is its `matched` one (bf16 on AVX-512 BF16 CPUs, fp32 on AVX2; its int8 W8A8 path needs a
+compressed-tensors checkpoint), so the peer runs once per pass and serves both comparisons.
+
+Workloads (`bench/long_loadgen.py`, natural text): `ntrace` (lengths from the Azure LLM inference trace
+2023's conversation service; closed loop, and open loop with Poisson arrivals at fractions of ours' measured
+capacity, with goodput at a TTFT and TPOT SLO), `nprefix`, `nsingle`; `--workloads` adds the random-word set.
+Any error, a request short of its `max_tokens`, or prompts that differ between sides fail the run. One JSON
+line: each side's configuration and figures, the median ratios per comparison, our speculation acceptance,
+and `targets_met`; exits 1 when a target is missed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.machine import cpu_model
+from bench import peer_sides
+from bench.machine import add_no_targets, cpu_model, emit, serving_dtype
+from bench.peer_sides import LOADGEN, Config, Server
 
-REPO = Path(__file__).resolve().parent.parent
+PRIMARY = ("ntrace", "nprefix", "nsingle")
+SECONDARY = ("mixed", "prefix", "single", "long", "nmixed")
+# workload -> (n, concurrency): full runs, and --quick (a smoke test, not a figure)
+FULL = {"ntrace": (64, 16), "nprefix": (32, 8), "nsingle": (8, 1), "mixed": (64, 16), "prefix": (32, 8),
+        "single": (8, 1), "long": (16, 8), "nmixed": (64, 16)}
+QUICK = {w: (max(2, n // 8), max(1, c // 4)) for w, (n, c) in FULL.items()}
+# ratio name -> (workload, field); all ours / peer; "open" is the open-loop run
+RATIOS = {"trace_out_tok_s": ("ntrace", "out_tok_s"), "goodput_rps": ("open", "max_goodput_rps"),
+          "prefix_ttft_p50": ("nprefix", "ttft_p50_ms"), "single_tpot_p50": ("nsingle", "tpot_p50_ms"),
+          "single_ttft_p50": ("nsingle", "ttft_p50_ms"), "rw_mixed_out_tok_s": ("mixed", "out_tok_s"),
+          "rw_prefix_ttft_p50": ("prefix", "ttft_p50_ms"), "rw_single_tpot_p50": ("single", "tpot_p50_ms"),
+          "long_out_tok_s": ("long", "out_tok_s"), "natural_mixed_out_tok_s": ("nmixed", "out_tok_s")}
+# comparison -> ratio -> (">=" or "<=", bound); best's throughput bounds are 1.5 on AVX2-only CPUs
+TARGETS = {"matched": {"trace_out_tok_s": (">=", 1.3), "goodput_rps": (">=", 1.3),
+                       "prefix_ttft_p50": ("<=", 0.5), "single_tpot_p50": ("<=", 0.8),
+                       "single_ttft_p50": ("<=", 1.0)},
+           "best": {"trace_out_tok_s": (">=", 1.8), "goodput_rps": (">=", 1.8),
+                    "prefix_ttft_p50": ("<=", 0.5)}}
 
-PEERS = Path(os.environ.get("PEERS", Path.home() / ".cache" / "peers"))
-# ../shared/peers/loadgen.py next to the checkout (or next to its worktrees' folder)
-LOADGEN = next((p for p in (REPO.parent / "shared" / "peers" / "loadgen.py",
-                            REPO.parent.parent / "shared" / "peers" / "loadgen.py") if p.exists()),
-               REPO.parent / "shared" / "peers" / "loadgen.py")
-# workload -> (n, concurrency): the README's figures, and the --quick ones
-FULL = {"mixed": (64, 16), "prefix": (32, 8), "single": (8, 1), "long": (16, 8),
-        "nmixed": (64, 16), "nprefix": (32, 8), "nsingle": (8, 1)}
-QUICK = {"mixed": (8, 4), "prefix": (4, 2), "single": (2, 1), "long": (2, 2),
-         "nmixed": (8, 4), "nprefix": (4, 2), "nsingle": (2, 1)}
-# ratio name -> (workload, loadgen field); all ours / peer
-RATIOS = {"mixed_out_tok_s": ("mixed", "out_tok_s"), "prefix_ttft_p50": ("prefix", "ttft_p50_ms"),
-          "single_tpot_p50": ("single", "tpot_p50_ms"), "single_ttft_p50": ("single", "ttft_p50_ms"),
-          "long_out_tok_s": ("long", "out_tok_s"),
-          "natural_mixed_out_tok_s": ("nmixed", "out_tok_s"),
-          "natural_prefix_ttft_p50": ("nprefix", "ttft_p50_ms"),
-          "natural_single_tpot_p50": ("nsingle", "tpot_p50_ms"),
-          "natural_single_ttft_p50": ("nsingle", "ttft_p50_ms")}
-# the shared generator plus `long` and the natural-text workloads (nmixed, nprefix, nsingle)
-LONG_LOADGEN = Path(__file__).with_name("long_loadgen.py")
-UNLIMITED = {"tpm": 0, "rpm": 0, "max_concurrent": 0, "max_tokens": 4096}
-
-Side = Callable[[], "Server"]
+Starter = Callable[[Config], Server]
 
 
-class Server:
-    """A running system under test: where to send load, and how to stop it."""
+def configs(args: argparse.Namespace) -> list[Config]:
+    """The sides of one pass, in the order they run."""
+    dtype = serving_dtype(args.dtype)
+    matched = Config("ours", "matched", dtype, "none", "model", False,
+                     ["--dtype", dtype, "--quantization", "none", "--kv-dtype", "model", "--spec-tokens", "0",
+                      "--num-threads", str(args.threads)])
+    peer = Config("peer", "peer", dtype, "none", dtype, False, peer_env={"VLLM_DTYPE": dtype})
+    best_args = ["--quantization", "w8a8", "--kv-dtype", "int8", "--num-threads", str(args.threads)]
+    best = Config("ours", "best", serving_dtype("auto"), "w8a8", "int8", True, best_args)
+    nospec = Config("ours", "best_nospec", best.dtype, "w8a8", "int8", False,
+                    [*best_args, "--spec-tokens", "0"])
+    wanted = {"peer", *args.compare, *(["best_nospec"] if "best" in args.compare else [])}
+    return [c for c in (matched, peer, best, nospec) if c.label in wanted]
 
-    def __init__(self, url: str, key: str, model: str, stop: Callable[[], None]) -> None:
-        self.url, self.key, self.model, self._stop = url, key, model, stop
 
-    def stop(self) -> None:
-        self._stop()
+def workloads_of(config: Config, args: argparse.Namespace) -> list[str]:
+    if config.label == "best_nospec":
+        return ["nsingle"] if "nsingle" in args.workloads else []
+    return [w for w in (*PRIMARY, *SECONDARY) if w in args.workloads]
 
 
-# ---------------------------------------------------------------- the two sides
-
-def start_ours(args: argparse.Namespace, log_dir: Path) -> Server:
-    """One worker and one gateway through the project's launcher, with a demo tenant with no limits."""
-    from config.local_stack.launcher import DEMO_TENANT, Stack, StackConfig, free_port
-
-    wargs = ["--quantization", args.quantization, "--num-threads", str(args.threads),
-             *shlex.split(args.worker_args)]
-    if args.dtype != "auto":
-        wargs += ["--dtype", args.dtype]
-    stack = Stack(StackConfig(port=free_port(), model=args.model, worker_args=wargs,
-                              ready_timeout=args.ready_timeout, log_dir=log_dir))
-    stack.start()
+def run_side(start: Starter, config: Config, args: argparse.Namespace, capacity: list[float]) -> dict:
+    """One configuration's figures: closed-loop workloads, then the open loop on `ntrace` at fractions of
+    `capacity` (the closed-loop `ntrace` requests/s of the first side that ran it: ours' matched one)."""
+    sizes = QUICK if args.quick else FULL
+    server = start(config)
     try:
-        key = stack.create_tenant(DEMO_TENANT, **UNLIMITED)
-    except BaseException:
-        stack.stop()
-        raise
-    return Server(stack.base_url, key, args.model, stack.stop)
-
-
-def start_peer(args: argparse.Namespace) -> Server:
-    """The peer at --peer-url, started by --peer-start (which prints a PID) when given, ready on
-    /v1/models."""
-    pid = None
-    if args.peer_start:
-        out = subprocess.run(shlex.split(args.peer_start), capture_output=True, text=True,
-                             timeout=60, check=True)
-        pid = out.stdout.strip().split()[-1] if out.stdout.strip() else None
-
-    def stop() -> None:
-        if args.peer_stop:
-            subprocess.run([*shlex.split(args.peer_stop), *([pid] if pid else [])], timeout=120, check=False)
-
-    try:
-        wait_models(args.peer_url, args.peer_ready_timeout)
-    except BaseException:
-        stop()
-        raise
-    return Server(args.peer_url, args.peer_key, args.peer_model, stop)
-
-
-def wait_models(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"peer at {url} not ready (/v1/models) after {timeout:.0f}s")
-
-
-# ---------------------------------------------------------------- load
-
-def loadgen_python() -> str:
-    feas = PEERS / "feas" / "bin" / "python"
-    return str(feas) if feas.exists() else sys.executable
-
-
-def run_workload(server: Server, workload: str, n: int, concurrency: int, args: argparse.Namespace) -> dict:
-    # the shared generator's workloads too, short outputs checked
-    gen = [str(LONG_LOADGEN), str(args.loadgen)]
-    cmd = [loadgen_python(), *gen, "--url", server.url, "--key", server.key, "--model", server.model,
-           "--workload", workload, "--n", str(n), "--concurrency", str(concurrency), "--json",
-           "--timeout", str(args.request_timeout)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.workload_timeout, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"loadgen {workload} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    # a failed or short request is never a fast one: no ratio from this run
-    if res["errors"] or res["ok"] != n:
-        raise RuntimeError(f"{server.url} {workload}: {res['errors']} of {n} requests failed or ended short "
-                           f"({res.get('first_error')})")
-    return res
-
-
-def run_side(start: Side, sizes: dict[str, tuple[int, int]], args: argparse.Namespace) -> dict[str, dict]:
-    server = start()
-    try:
-        return {w: run_workload(server, w, n, c, args) for w, (n, c) in sizes.items()}
+        figures = {w: peer_sides.run_workload(server, w, *sizes[w], args.loadgen, args.request_timeout,
+                                              args.workload_timeout) for w in workloads_of(config, args)}
+        if "ntrace" in figures and not capacity:
+            capacity.append(figures["ntrace"]["ok"] / figures["ntrace"]["wall_s"])
+        if args.open_loop and capacity and config.label != "best_nospec":
+            rates = [round(f * capacity[0], 3) for f in args.open_loop]
+            figures["open"] = peer_sides.run_open_loop(server, "ntrace", rates, sizes["ntrace"][0] // 2 or 2,
+                                                       args.slo_ttft_ms, args.slo_tpot_ms, args.loadgen,
+                                                       args.request_timeout, args.workload_timeout)
+        counters = peer_sides.spec_counters(server.metrics_url)
+        if counters is not None:
+            proposed, accepted = counters
+            figures["speculation"] = {"proposed": proposed, "accepted": accepted,
+                                      "acceptance_rate": round(accepted / proposed, 3) if proposed else None}
+        return figures
     finally:
         server.stop()
 
 
-# ---------------------------------------------------------------- result
+def same_prompts(passes: list[dict[str, dict]]) -> None:
+    """Every side of every pass sent each workload the same prompts (the load generators' digests)."""
+    seen: dict[str, set] = {}
+    for p in passes:
+        for figures in p.values():
+            for w, res in figures.items():
+                if isinstance(res, dict) and "prompts_sha256" in res:
+                    seen.setdefault(w, set()).add(res["prompts_sha256"])
+    differ = sorted(w for w, digests in seen.items() if len(digests) > 1 or None in digests)
+    if differ:
+        raise RuntimeError(f"prompts differ between sides (or were not reported) for {differ}")
 
-def ratios(passes: list[dict[str, dict[str, dict]]]) -> dict[str, float | None]:
-    """Median over passes of ours ÷ peer for each figure in RATIOS (None when a side has no figure)."""
+
+def ratios(passes: list[dict[str, dict]], ours: str, peer: str = "peer") -> dict[str, float | None]:
+    """Median over passes of `ours` ÷ `peer` for each figure in RATIOS (None when a side has no figure)."""
     out: dict[str, float | None] = {}
-    for name, (workload, field) in RATIOS.items():
+    for name, (workload, fld) in RATIOS.items():
         vals = []
         for p in passes:
-            ours, peer = p["ours"].get(workload, {}).get(field), p["peer"].get(workload, {}).get(field)
-            if isinstance(ours, int | float) and isinstance(peer, int | float) and peer > 0 and ours == ours:
-                vals.append(ours / peer)
+            a = p.get(ours, {}).get(workload, {}).get(fld)
+            b = p.get(peer, {}).get(workload, {}).get(fld)
+            if isinstance(a, int | float) and isinstance(b, int | float) and b > 0 and a == a:
+                vals.append(a / b)
         out[name] = round(statistics.median(vals), 3) if vals else None
     return out
 
 
-def resolved(args: argparse.Namespace) -> tuple[str, str]:
-    """(dtype, quantization) the worker will actually use on this machine for `auto`."""
-    import torch
-
-    from worker.model.loader import pick_device, pick_dtype
-    from worker.quant.weights import resolve_mode
-
-    dev = pick_device(None)
-    dt = pick_dtype(None if args.dtype == "auto" else args.dtype, dev)
-    return str(dt).removeprefix("torch."), resolve_mode(args.quantization, torch.device(dev))
+def speculation(passes: list[dict[str, dict]]) -> dict:
+    """Ours' best profile with and without speculation on `nsingle`: its TPOT ratio (on ÷ off; the target
+    is never worse than off) and acceptance rate."""
+    tpot = ratios(passes, "best", "best_nospec")["single_tpot_p50"]
+    rates = [p["best"]["speculation"]["acceptance_rate"] for p in passes
+             if p.get("best", {}).get("speculation", {}).get("acceptance_rate") is not None]
+    return {"single_tpot_on_over_off": tpot,
+            "acceptance_rate": round(statistics.median(rates), 3) if rates else None}
 
 
-def compare(args: argparse.Namespace, ours: Side, peer: Side) -> dict:
-    sizes = {w: nc for w, nc in (QUICK if args.quick else FULL).items()
-             if not args.workloads or w in args.workloads}
-    dtype, quantization = resolved(args)
-    passes = []
+def verdict(result: dict, avx512: bool) -> dict[str, bool]:
+    """Each measured target: met or not (unmeasured ones are left out)."""
+    met: dict[str, bool] = {}
+    for comparison, bounds in TARGETS.items():
+        for name, (op, bound) in bounds.items():
+            value = result["ratios"].get(comparison, {}).get(name)
+            if comparison == "best" and name in ("trace_out_tok_s", "goodput_rps") and not avx512:
+                bound = 1.5
+            if value is not None:
+                met[f"{comparison}.{name}"] = value >= bound if op == ">=" else value <= bound
+    spec = result["speculation"]["single_tpot_on_over_off"]
+    if spec is not None:
+        met["speculation_never_worse"] = spec <= 1.0
+    return met
+
+
+def compare(args: argparse.Namespace, start: Starter) -> dict:
+    """Every pass's sides in order, never two up at once; the checked, summarised JSON line."""
+    sides = configs(args)
+    passes: list[dict[str, dict]] = []
+    capacity: list[float] = []
     for i in range(args.passes):
-        done: dict[str, dict] = {}
-        for name, start in (("ours", ours), ("peer", peer)):
-            done[name] = run_side(start, sizes, args)
-            print(f"pass {i + 1} {name}: {json.dumps(done[name])}", file=sys.stderr, flush=True)
+        done = {}
+        for config in sides:
+            done[config.label] = run_side(start, config, args, capacity)
+            print(f"pass {i + 1} {config.label}: {done[config.label]}", file=sys.stderr,
+                  flush=True)
         passes.append(done)
-    return {"bench": "vs_peer", "quick": args.quick, "cpu": cpu_model(), "cores": os.cpu_count(),
-            "ours": {"model": args.model, "dtype": dtype, "quantization": quantization,
-                     "threads": args.threads, "worker_args": args.worker_args},
-            "peer": {"url": args.peer_url, "model": args.peer_model, "dtype": args.peer_dtype},
-            "sizes": {w: {"n": n, "concurrency": c} for w, (n, c) in sizes.items()},
-            "passes": passes, "ratios": ratios(passes)}
+    same_prompts(passes)
+    labels = [c.label for c in sides]
+    result = {"bench": "vs_peer", "quick": args.quick, "cpu": cpu_model(), "cores": os.cpu_count(),
+              "model": args.model, "configs": {c.label: c.describe() for c in sides},
+              "open_loop": {"fractions_of_capacity": args.open_loop, "capacity_rps": capacity[:1],
+                            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms},
+              "passes": passes,
+              "ratios": {c: ratios(passes, c) for c in ("matched", "best") if c in labels},
+              "speculation": speculation(passes)}
+    result["targets_met"] = verdict(result, "avx512" in (Path("/proc/cpuinfo").read_text()
+                                                         if Path("/proc/cpuinfo").exists() else ""))
+    return result
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -199,27 +181,31 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peer-url", default="http://127.0.0.1:8101")
     ap.add_argument("--peer-model", default="smollm2")
     ap.add_argument("--peer-key", default="")
-    ap.add_argument("--peer-dtype", default="bfloat16",
-                    help="reported only: the peer's start command sets it")
     ap.add_argument("--peer-start", default=None, help="command that starts the peer and prints its PID "
-                    "(e.g. ../shared/peers/start_vllm.sh)")
+                    "(e.g. ../shared/peers/start_vllm.sh); it gets VLLM_DTYPE=<the matched dtype>")
     ap.add_argument("--peer-stop", default=None,
                     help="command that stops it, given that PID (e.g. stop_vllm.sh)")
     ap.add_argument("--peer-ready-timeout", type=float, default=600.0)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    ap.add_argument("--quantization", default="auto", choices=["none", "int8", "int4", "w8a8", "auto"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="the matched precision (auto: bf16 on AVX-512 BF16 CPUs, else fp32)")
+    ap.add_argument("--compare", nargs="+", choices=["matched", "best"], default=["matched", "best"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the worker's torch threads")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="small n per workload (a smoke test, not a figure)")
-    ap.add_argument("--workloads", nargs="*", choices=list(FULL), default=[],
-                    help="run only these (default: all)")
-    ap.add_argument("--worker-args", default="",
-                    help="more worker flags for our side, e.g. '--spec-tokens 0'")
+    ap.add_argument("--workloads", nargs="*", choices=list(FULL), default=list(PRIMARY),
+                    help=f"closed-loop workloads (default: {' '.join(PRIMARY)}; the random-word set: "
+                         f"{' '.join(SECONDARY)})")
+    ap.add_argument("--open-loop", type=lambda s: [float(x) for x in s.split(",") if x],
+                    default=[0.5, 1.0, 1.5], help="open-loop rates as fractions of ours' closed-loop ntrace "
+                    "requests/s, comma-separated ('' for none)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=3000.0, help="goodput's TTFT bound per request")
+    ap.add_argument("--slo-tpot-ms", type=float, default=150.0, help="goodput's TPOT bound per request")
     ap.add_argument("--loadgen", type=Path, default=LOADGEN)
     ap.add_argument("--ready-timeout", type=float, default=300.0, help="our stack's start-up deadline")
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--workload-timeout", type=float, default=1800.0)
+    add_no_targets(ap)
     args = ap.parse_args(argv)
     if args.passes < 1:
         ap.error("--passes must be >= 1")
@@ -239,10 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     with tempfile.TemporaryDirectory(prefix="vs-peer-") as tmp:
         counter = iter(range(1_000))
-        result = compare(args, lambda: start_ours(args, Path(tmp) / f"ours{next(counter)}"),
-                         lambda: start_peer(args))
-    print(json.dumps(result))
-    return 0
+
+        def start(config: Config) -> Server:
+            if config.system == "peer":
+                return peer_sides.start_peer(config, args.peer_url, args.peer_key, args.peer_model,
+                                             args.peer_start, args.peer_stop, args.peer_ready_timeout)
+            log_dir = Path(tmp) / f"ours{next(counter)}"
+            return peer_sides.start_ours(config, args.model, args.ready_timeout, log_dir)
+
+        result = compare(args, start)
+    return emit(result, as_json=True, enforce=not args.no_targets)
 
 
 if __name__ == "__main__":
