@@ -25,7 +25,7 @@ from gateway.batches import batch_routes
 from gateway.batches.lifecycle import start_batches, stop_batches
 from gateway.files import file_routes
 from gateway.files.file_store import DirectoryFileStore
-from gateway.flow.choices import GenerationGroup
+from gateway.flow.choices import GenerationGroup, group_sse
 from gateway.flow.deadlines import TTFT_HEADER, header_target_ms
 from gateway.flow.generation import Delta, Generation, Prepared
 from gateway.flow.info_routes import get_model, health, list_models, ready
@@ -215,8 +215,9 @@ async def _generate_group(request: Request, svc: GatewayService, prepared: Prepa
             events = group.events()
             first = await until_disconnect(request, anext(events, None))
             trace.first_token(group.usage.completion_tokens)
-            body, closer = resumable(request.app.state.config, prepared, _group_sse(group, first, events),
-                                     functools.partial(_close, group, trace, span), request.app.state.drain)
+            body, closer = resumable(request.app.state.config, prepared, group_sse(group, first, events),
+                                     functools.partial(_close, group, trace, span), request.app.state.drain,
+                                     gen=group)
             response: Response = SSEResponse(body, closer, headers=group.headers,
                                              write_timeout_s=request.app.state.config.stream_write_timeout_s)
             group = None  # the response owns it now
@@ -230,28 +231,6 @@ async def _generate_group(request: Request, svc: GatewayService, prepared: Prepa
     finally:
         if group is not None:
             await _close(group, trace, span)
-
-
-async def _group_sse(group: GenerationGroup, first: dict | None,
-                     events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    left = group.prepared.choices  # choices without a finish reason yet
-    try:
-        chunk = first
-        while chunk is not None:
-            left -= sum(c.get("finish_reason") is not None for c in chunk.get("choices", ()))
-            if left <= 0:
-                await group.close()  # settle (the lease goes) before the client sees the end and sends again
-            yield event(chunk)
-            chunk = await anext(events, None)
-    except ApiError as exc:
-        gateway_metrics.current().stream_errors.labels(str(exc.status)).inc()
-        yield event(exc.body())
-        return
-    finally:
-        await events.aclose()
-    if group.prepared.req.include_usage:
-        yield event(group.prepared.shape.usage_chunk(group.usage))
-    yield DONE
 
 
 async def _close(gen: Generation | GenerationGroup, trace: gateway_metrics.RequestTrace,

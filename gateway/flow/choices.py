@@ -1,5 +1,9 @@
 """Requests with several choices (`n`, a batch of prompts), tool calls or `echo`: one admission, one worker
-stream per choice, their deltas merged into OpenAI bodies and chunks that carry each choice's `index`."""
+stream per choice, their deltas merged into OpenAI bodies and chunks that carry each choice's `index`.
+
+A streamed group records each delta it frames as a step (the choice, the tokens it took, its finish), so a
+stream another gateway carries on (`gateway.streams.carry_on`) replays the same steps through the same
+framing, in the same order, before its live tail."""
 
 from __future__ import annotations
 
@@ -10,11 +14,16 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
+from admission import AdmissionTicket
 from gateway.flow.generation import Delta, Generation, Prepared, close_stack
 from gateway.openai.bodies import TokenLogprob, Usage, _chat_logprobs, _completion_logprobs
 from gateway.openai.tool_output import ToolCallStream
+from gateway.telemetry import gateway_metrics
+from gateway.web.api_errors import ApiError
+from gateway.web.sse import DONE, event
 
 log = logging.getLogger("switchyard.gateway")
+FINISH_CODES = {"stop": 1, "length": 2}  # a step's code: new tokens * 4 + finish (0 none)
 
 
 @dataclass(slots=True)
@@ -24,6 +33,8 @@ class _Choice:
     echo: str  # completions `echo`: the prompt's text, sent before the choice's own
     tools: ToolCallStream | None
     first: bool = True
+    done: bool = False  # its finish was framed
+    taken: int = 0  # of gen.token_ids, recorded in steps
     offset: int = 0  # completions: text offset of the next chunk
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -45,7 +56,9 @@ class GenerationGroup:
     stack: AsyncExitStack
     usage: Usage
     headers: dict[str, str]
+    replay: list[int] = field(default_factory=list)  # a carried stream: the logged steps' choices, in order
     choices: list[_Choice] = field(init=False)
+    _steps: tuple[list[int], list[int], list[int]] = field(init=False)  # tokens, codes, choices
     _closed: bool = False
 
     def __post_init__(self) -> None:
@@ -53,6 +66,7 @@ class GenerationGroup:
         tools = p.req.tools is not None and p.req.tools.active
         self.choices = [_Choice(i, g, self._echo_text(i // p.req.n), ToolCallStream() if tools else None)
                         for i, g in enumerate(self.gens)]
+        self._steps = ([], [], [])
 
     def _echo_text(self, prompt_index: int) -> str:
         req = self.prepared.req
@@ -92,23 +106,61 @@ class GenerationGroup:
                 "finish_reason": c.finish_reason}
 
     async def events(self) -> AsyncIterator[dict]:
-        """Streaming: one chunk per choice delta, in arrival order, then the usage chunk if asked for."""
-        pending = {asyncio.ensure_future(c.gen.next()): c for c in self.choices}
+        """Streaming: one chunk per choice delta, in arrival order (a carried stream's logged steps first, in
+        their order), then the usage chunk if asked for."""
+        for index in self.replay:
+            c = self.choices[index]
+            chunk = self._frame(c, await c.gen.next())
+            if chunk is not None:
+                yield chunk
+        if self.replay:
+            self._steps = ([], [], [])  # the log holds them
+        pending = {asyncio.ensure_future(c.gen.next()): c for c in self.choices if not c.done}
         try:
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for fut in sorted(done, key=lambda f: pending[f].index):
                     c = pending.pop(fut)
                     delta = fut.result()
-                    if delta is None:
-                        continue
-                    chunk = self._chunk(c, delta)
+                    chunk = self._frame(c, delta)
                     if chunk is not None:
                         yield chunk
-                    if delta.finish_reason is None:
+                    if delta is not None and delta.finish_reason is None:
                         pending[asyncio.ensure_future(c.gen.next())] = c
         finally:
             await _cancel(list(pending))
+
+    def _frame(self, c: _Choice, delta: Delta | None) -> dict | None:
+        """The chunk of one delta (None: nothing to send yet), its step recorded."""
+        if delta is None:
+            return None
+        ids = c.gen.token_ids
+        tokens, codes, choices = self._steps
+        tokens += ids[c.taken:]
+        codes.append((len(ids) - c.taken) * 4 + FINISH_CODES.get(delta.finish_reason or "", 0))
+        choices.append(c.index)
+        c.taken = len(ids)
+        c.done = delta.finish_reason is not None
+        return self._chunk(c, delta)
+
+    def take_steps(self) -> tuple[list[int], list[int], list[int], int]:
+        """The steps framed since the last call (tokens, per step code and choice), and the cached prompt
+        tokens so far (`gateway.streams.event_log` logs them with each event)."""
+        steps, self._steps = self._steps, ([], [], [])
+        return (*steps, self.usage.cached_tokens)
+
+    @property
+    def open_choices(self) -> int:
+        return sum(not c.done for c in self.choices)
+
+    @property
+    def ticket(self) -> AdmissionTicket | None:
+        return self.gens[0].ticket if self.gens else None
+
+    def hand_over(self) -> None:
+        """Another gateway carries this stream on and settles it: closing it here aborts, charges nothing."""
+        if self.gens:
+            self.gens[0].hand_over()  # the choices share one ticket and one money hold
 
     def _chunk(self, c: _Choice, delta: Delta) -> dict | None:
         shape, req = self.prepared.shape, self.prepared.req
@@ -159,6 +211,29 @@ class GenerationGroup:
     @property
     def finished(self) -> bool:
         return all(g.finish_reason is not None for g in self.gens)
+
+
+async def group_sse(group: GenerationGroup, first: dict | None,
+                    events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """A group's SSE events: its chunks (`first`, then `events`), the usage chunk if asked for, `[DONE]`."""
+    try:
+        chunk = first
+        while chunk is not None:
+            if not group.open_choices:
+                await group.close()  # settle (the lease goes) before the client sees the end and sends again
+            yield event(chunk)
+            chunk = await anext(events, None)
+    except ApiError as exc:
+        gateway_metrics.current().stream_errors.labels(str(exc.status)).inc()
+        yield event(exc.body())
+        return
+    finally:
+        await events.aclose()
+    if not group.open_choices:
+        await group.close()
+    if group.prepared.req.include_usage:
+        yield event(group.prepared.shape.usage_chunk(group.usage))
+    yield DONE
 
 
 async def _cancel(tasks: list[asyncio.Future]) -> None:

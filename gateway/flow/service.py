@@ -189,9 +189,22 @@ class GatewayService:
             deadline=time.time() + self.config.request_timeout_s, cache_key=p.req.prompt_cache_key,
             fkey=fairness_key(p.tenant.name, self.router.secret), weight=p.tenant.weight, **extra)
 
+    def choice_route(self, p: Prepared, index: int, **extra: Any) -> RouteRequest:
+        """What the router gets for choice `index` of a group (prompt index // n, sibling j = index % n):
+        siblings of a prompt share its routing key, so they meet its cached pages on one worker."""
+        i, j = divmod(index, p.req.n)
+        ids = p.prompts[i]
+        return RouteRequest(
+            rid=p.shape.id if index == 0 else f"{p.shape.id}-{index}", ns=p.ns, tokens=ids,
+            cost=len(ids) + p.max_tokens, sampling=self._sampling(p, sibling_seed(p.req.seed, j)),
+            stable_len=p.stable_len if i == 0 else None, priority=p.priority,
+            deadline=time.time() + self.config.request_timeout_s, cache_key=p.req.prompt_cache_key,
+            fkey=fairness_key(p.tenant.name, self.router.secret), weight=p.tenant.weight,
+            **({"ttft_deadline": deadlines.worker_deadline(p)} | extra))
+
     async def start_group(self, p: Prepared) -> GenerationGroup:
         """Admit once for every choice (prompts once, n x max_tokens each) and open one worker stream per
-        choice; siblings of a prompt share its routing key, so they meet its cached pages on one worker."""
+        choice (`choice_route`)."""
         stack = AsyncExitStack()
         usage = Usage(prompt_tokens=sum(map(len, p.prompts)))
         target = self._target(p)
@@ -199,22 +212,13 @@ class GatewayService:
         gens: list[Generation] = []
         try:
             ticket = await self._gate(stack, p, usage, headers, p.choices * p.max_tokens)
-            fkey = fairness_key(p.tenant.name, self.router.secret)
-            deadline = time.time() + self.config.request_timeout_s
-            for i, ids in enumerate(p.prompts):
-                for j in range(p.req.n):
-                    index = i * p.req.n + j
-                    routed = self._route(target.router, ticket, RouteRequest(
-                        rid=p.shape.id if index == 0 else f"{p.shape.id}-{index}", ns=p.ns, tokens=ids,
-                        cost=len(ids) + p.max_tokens, sampling=self._sampling(p, sibling_seed(p.req.seed, j)),
-                        stable_len=p.stable_len if i == 0 else None, priority=p.priority, deadline=deadline,
-                        cache_key=p.req.prompt_cache_key, fkey=fkey, weight=p.tenant.weight,
-                        ttft_deadline=deadlines.worker_deadline(p)))
-                    stack.callback(target.router.release, routed)
-                    chunks = target.router.stream(routed)
-                    stack.push_async_callback(_aclose, chunks)
-                    gens.append(Generation(target.model, p, chunks, AsyncExitStack(), usage, headers,
-                                           self.config.first_token_timeout_s, ticket, tenants=self.tenants))
+            for index in range(p.choices):
+                routed = self._route(target.router, ticket, self.choice_route(p, index))
+                stack.callback(target.router.release, routed)
+                chunks = target.router.stream(routed)
+                stack.push_async_callback(_aclose, chunks)
+                gens.append(Generation(target.model, p, chunks, AsyncExitStack(), usage, headers,
+                                       self.config.first_token_timeout_s, ticket, tenants=self.tenants))
         except BaseException:
             await stack.aclose()
             raise

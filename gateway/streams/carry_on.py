@@ -15,10 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from gateway.flow.carried import groups, start_carried
+from gateway.flow.carried import choice_steps, groups, start_carried, start_carried_group
+from gateway.flow.choices import GenerationGroup, group_sse
 from gateway.flow.generation import Prepared
 from gateway.streams.carry_record import CarryRecord
 from gateway.streams.event_log import (
+    CACHED,
+    CHOICES,
     CODES,
     DATA,
     END,
@@ -49,25 +52,37 @@ BackgroundDriver = Callable[[Any, Any, Any, Callable[[bytes], None], float], Awa
 
 @dataclasses.dataclass(slots=True)
 class Logged:
-    """What the lost gateway logged: how many events, and the tokens they were made from."""
+    """What the lost gateway logged: how many events, and the tokens they were made from (a group's: per
+    step, its code and choice, and the cached prompt tokens it had seen)."""
 
     events: int
     tokens: list[int]
     codes: list[int]
+    choices: list[int] | None = None
+    cached: int = 0
 
 
-def read_logged(entries: list) -> Logged | None:
+def _ints(raw: bytes) -> list[int]:
+    return np.frombuffer(raw, dtype="<i4").tolist()
+
+
+def read_logged(entries: list, grouped: bool = False) -> Logged | None:
     """The log's events and tokens; None when it cannot be carried on (ended, trimmed, or without tokens)."""
-    events, tokens, codes = 0, [], []
+    logged = Logged(0, [], [], [] if grouped else None)
     for _, fields in entries:
         if END in fields:
             return None
-        if int(fields[FIRST]) != events or TOKENS not in fields:
-            return None  # trimmed, or an entry without its tokens
-        events += fields[DATA].count(b"\n\n")
-        tokens += np.frombuffer(fields[TOKENS], dtype="<i4").tolist()
-        codes += np.frombuffer(fields[CODES], dtype="<i4").tolist()
-    return Logged(events, tokens, codes) if len(codes) == events else None
+        if int(fields[FIRST]) != logged.events or TOKENS not in fields or grouped and CHOICES not in fields:
+            return None  # trimmed, or an entry without its tokens (or steps)
+        logged.events += fields[DATA].count(b"\n\n")
+        logged.tokens += _ints(fields[TOKENS])
+        logged.codes += _ints(fields[CODES])
+        if logged.choices is not None:
+            logged.choices += _ints(fields[CHOICES])
+            logged.cached = max(logged.cached, int(fields.get(CACHED, 0)))
+    if grouped:
+        return logged if len(logged.codes) == len(logged.choices or []) else None
+    return logged if len(logged.codes) == logged.events else None
 
 
 class CarryOn:
@@ -126,7 +141,7 @@ class CarryOn:
         owner = owner_key(tenant, stream_id)
         if not await redis.set(owner, self.logs.owner_id, nx=True, px=int(self.logs.live_ttl_s * 1000)):
             return await redis.exists(owner) > 0  # another gateway carries it on
-        logged = read_logged(await redis.xrange(key))
+        logged = read_logged(await redis.xrange(key), record.grouped)
         if logged is None:
             await redis.delete(owner)
             return False
@@ -155,19 +170,18 @@ class CarryOn:
 
         try:
             prepared = await self._prepare(record)
-            gen = await start_carried(self.service, prepared, _reservation(record, prepared),
-                                      record.money_hold(), groups(logged.tokens, logged.codes),
-                                      record.first_cached)
-            stream.source, stream.tokens_logged = gen, len(logged.tokens)
-            stream.finish_logged = any(code & 3 for code in logged.codes)
-            trace = gateway_metrics.current().trace(prepared.priority.label, record.tenant,
-                                                    time.perf_counter(), "")
-            first = await gen.next()
-            if record.run_deadline and self.drive_background is not None:
-                await self.drive_background(gen, first, trace, sink, record.run_deadline)
-            else:
-                async for data in self.build_body(record.api, gen, first, trace, prepared.req):
+            if record.grouped:
+                gen = await self._start_group(record, prepared, logged)
+                stream.source = gen
+                async for data in _group_body(gen):
                     sink(data)
+            else:
+                gen = await start_carried(self.service, prepared, _reservation(record, prepared),
+                                          record.money_hold(), groups(logged.tokens, logged.codes),
+                                          record.first_cached)
+                stream.source, stream.tokens_logged = gen, len(logged.tokens)
+                stream.finish_logged = any(code & 3 for code in logged.codes)
+                await self._single(record, prepared, gen, sink)
             whole = not stream.taken
         except StreamTaken:
             if gen is not None:
@@ -183,6 +197,24 @@ class CarryOn:
             if record.run_deadline and not stream.taken:
                 with contextlib.suppress(Exception):
                     await self.logs.redis.zrem(RUNS_KEY, run_member(record.tenant, record.stream_id))
+
+    async def _single(self, record: CarryRecord, prepared: Prepared, gen: Any,
+                      sink: Callable[[bytes], None]) -> None:
+        """A single stream's events (a background run's, driven to its stored end), through `sink`."""
+        trace = gateway_metrics.current().trace(prepared.priority.label, record.tenant, time.perf_counter(),
+                                                "")
+        first = await gen.next()
+        if record.run_deadline and self.drive_background is not None:
+            await self.drive_background(gen, first, trace, sink, record.run_deadline)
+        else:
+            async for data in self.build_body(record.api, gen, first, trace, prepared.req):
+                sink(data)
+
+    async def _start_group(self, record: CarryRecord, prepared: Prepared, logged: Logged) -> GenerationGroup:
+        steps = choice_steps(logged.tokens, logged.codes, logged.choices or [], prepared.choices)
+        return await start_carried_group(self.service, prepared, _reservation(record, prepared),
+                                         record.money_hold(), steps, logged.choices or [],
+                                         max(record.first_cached, logged.cached))
 
     async def _prepare(self, record: CarryRecord) -> Prepared:
         """The request again, as its first gateway prepared it (the same ids and creation time)."""
@@ -206,6 +238,14 @@ class CarryOn:
         if self._running:
             with contextlib.suppress(Exception):
                 await asyncio.wait(list(self._running.values()), timeout=5.0)
+
+
+async def _group_body(group: GenerationGroup) -> AsyncIterator[bytes]:
+    """A carried group's events: its logged steps framed again (the log holds their events), then live."""
+    events = group.events()
+    first = await anext(events, None)
+    async for data in group_sse(group, first, events):
+        yield data
 
 
 def _reservation(record: CarryRecord, prepared: Prepared) -> Any:

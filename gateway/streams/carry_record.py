@@ -43,9 +43,13 @@ class CarryRecord:
     lease: Lease | None = None
     money: dict[str, Any] | None = None  # `MoneyHold` as a dict
     run_deadline: float = 0.0  # a background run's stored deadline (0: a streamed request)
+    grouped: bool = False  # served by `gateway.flow.choices` (choices, tool calls, echo): its steps logged
 
     def encode(self) -> bytes:
-        return json.dumps({"v": VERSION, **dataclasses.asdict(self)}, separators=(",", ":")).encode()
+        fields = dataclasses.asdict(self)
+        if not self.grouped:  # a single stream's record reads as before (and a gateway that cannot carry a
+            del fields["grouped"]  # group on refuses a grouped one: an unknown field)
+        return json.dumps({"v": VERSION, **fields}, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> CarryRecord | None:
@@ -71,16 +75,16 @@ def money_dict(hold: MoneyHold | None) -> dict[str, Any] | None:
 
 
 def carry_record(prepared: Any, gen: Any, run_deadline: float = 0.0) -> CarryRecord | None:
-    """The record of a single stream (`Generation`) that another gateway can carry on; None when it cannot
-    be (several choices, tool calls, a body over MAX_BODY_BYTES: `raw_body` None)."""
-    body = prepared.raw_body
-    if body is None or prepared.grouped or (prepared.req.tools is not None and prepared.req.tools.active):
+    """The record of a stream (a `Generation`, or a `GenerationGroup` of several choices, chat tool calls or
+    echo) that another gateway can carry on; None when it cannot be (a body over MAX_BODY_BYTES: `raw_body`
+    None; a response's tool calls, whose events repeat item and call ids a replay would make anew)."""
+    body, req = prepared.raw_body, prepared.req
+    if body is None or (req.api == "responses" and req.tools is not None and req.tools.active):
         return None
-    req = prepared.req
     api = "responses" if req.api == "responses" else "chat" if req.kind == "chat" else "completions"
     res = gen.ticket.reservation if gen.ticket is not None else None
     local = res is None or res.result.local
     lease = None if local else Lease(res.lease_id, res.prompt_tokens, res.max_tokens)
     return CarryRecord(api, body, prepared.tenant.name, prepared.key_digest, prepared.shape.id,
                        prepared.shape.created, prepared.request_id, gen.usage.cached_tokens, lease,
-                       money_dict(prepared.money_hold), run_deadline)
+                       money_dict(prepared.money_hold), run_deadline, prepared.grouped)

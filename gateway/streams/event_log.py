@@ -40,6 +40,8 @@ DATA = b"d"
 END = b"end"  # the field of the entry that closes a log: "done" (it ended) or "cut" (it stopped early)
 TOKENS = b"t"  # a carried stream's entry: the token ids its events were made from (int32)
 CODES = b"n"  # ... and per event, new tokens * 4 + finish (0 none, 1 stop, 2 length) (int32)
+CHOICES = b"c"  # a carried group of choices: CODES per step (a delta it framed), and each step's choice
+CACHED = b"k"  # ... and its cached prompt tokens so far
 FINISH_CODES = {None: 0, "stop": 1, "length": 2}
 
 
@@ -83,7 +85,8 @@ def owner_key(tenant: str, stream_id: str) -> str:
 
 
 class TokenSource(Protocol):
-    """What a carried stream's events are made from (`gateway.flow.generation.Generation`)."""
+    """What a carried stream's events are made from (`gateway.flow.generation.Generation`; a
+    `gateway.flow.choices.GenerationGroup` also has `take_steps`)."""
 
     token_ids: list[int]
     finish_reason: str | None
@@ -117,6 +120,8 @@ class StreamLog:
     finish_logged: bool = False
     pending_tokens: list[int] = field(default_factory=list)
     pending_codes: list[int] = field(default_factory=list)
+    pending_choices: list[int] | None = None  # a group's: each pending step's choice
+    cached: int = 0  # a group's cached prompt tokens so far
     flushed: int = 0  # events before this one are in Redis
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set by each flush
     taken: bool = False  # another gateway carries it on now: this one stops
@@ -187,7 +192,15 @@ class EventLogs:
 
     @staticmethod
     def _log_tokens(stream: StreamLog, source: TokenSource) -> None:
-        """The tokens consumed since the last event, and the finish once it appears, go with this event."""
+        """The tokens consumed since the last event, and the finish once it appears, go with this event (a
+        group's: the steps it framed since)."""
+        take = getattr(source, "take_steps", None)
+        if take is not None:
+            tokens, codes, choices, stream.cached = take()
+            stream.pending_tokens += tokens
+            stream.pending_codes += codes
+            stream.pending_choices = (stream.pending_choices or []) + choices
+            return
         ids, done = source.token_ids, stream.tokens_logged
         stream.pending_tokens += ids[done:]
         stream.tokens_logged = len(ids)
@@ -227,15 +240,18 @@ class EventLogs:
             pipe.set(alive_key(self.owner_id), b"1", px=int(ALIVE_TTL_S * 1000))
         saved, owner_checks = [], []
         for s, chunk, next_seq, ended in batch:
-            saved.append((s.pending_tokens, s.pending_codes))
+            saved.append((s.pending_tokens, s.pending_codes, s.pending_choices))
             s.pending, s.pending_tokens, s.pending_codes = [], [], []  # later events: the next flush
+            s.pending_choices = None if s.pending_choices is None else []
             self._queue_writes(pipe, s, chunk, next_seq, ended, saved[-1], now, owner_checks)
         try:
             results = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # Redis down: the events wait for the next tick, within the pending bound
             log.warning("event log: a flush failed: %s", type(exc).__name__)
-            for (s, chunk, _, _), (tokens, codes) in zip(batch, saved, strict=True):
+            for (s, chunk, _, _), (tokens, codes, choices) in zip(batch, saved, strict=True):
                 s.pending[:0], s.pending_tokens[:0], s.pending_codes[:0] = chunk, tokens, codes
+                if choices is not None:
+                    s.pending_choices = choices + (s.pending_choices or [])
             return
         # an entry a failed flush wrote is refused as "equal or smaller" when sent again: it is there
         refused = [r for r in results if isinstance(r, Exception) and "equal or smaller" not in str(r)]
@@ -258,7 +274,8 @@ class EventLogs:
                 self._open.pop(s.key, None)
 
     def _queue_writes(self, pipe: Any, s: StreamLog, chunk: list[bytes], next_seq: int, ended: bool,
-                      tokens: tuple[list[int], list[int]], now: float, owner_checks: list) -> None:
+                      tokens: tuple[list[int], list[int], list[int] | None], now: float,
+                      owner_checks: list) -> None:
         if s.taken:  # another gateway writes this log now
             return
         if s.carry:
@@ -270,6 +287,9 @@ class EventLogs:
             if s.source is not None:
                 fields[TOKENS] = np.asarray(tokens[0], dtype="<i4").tobytes()
                 fields[CODES] = np.asarray(tokens[1], dtype="<i4").tobytes()
+                if tokens[2] is not None:
+                    fields[CHOICES] = np.asarray(tokens[2], dtype="<i4").tobytes()
+                    fields[CACHED] = s.cached
             pipe.xadd(s.key, fields, id=entry_id(next_seq - 1), maxlen=self.max_entries, approximate=False)
         if ended:
             pipe.xadd(s.key, {END: b"done" if s.whole else b"cut"}, id=entry_id(next_seq),
