@@ -164,3 +164,17 @@ def _bare(framed: list[bytes]) -> list[bytes]:
     return [b"\n".join(line for line in event.split(b"\n") if not line.startswith(b"id: "))
             for event in framed]
 
+
+
+def test_a_grouped_record_names_itself_and_a_single_one_reads_as_before():
+    single = CarryRecord("chat", {"n": 1}, "acme", "", "chatcmpl-s", 1, "req-1", 0)
+    grouped = CarryRecord("completions", {"n": 2}, "acme", "", "cmpl-g", 1, "req-1", 0, grouped=True)
+    assert b"grouped" not in single.encode() and CarryRecord.decode(single.encode()) == single
+    assert CarryRecord.decode(grouped.encode()) == grouped
+
+
+def test_logged_steps_split_per_choice_and_a_step_naming_no_choice_is_refused():
+    steps = choice_steps([1, 2, 3, 4, 5], [2 * 4, 1 * 4, 2 * 4 + 1, 0 * 4 + 2], [1, 0, 1, 0], 2)
+    assert steps == [[([3], None), ([], "length")], [([1, 2], None), ([4, 5], "stop")]]
+    with pytest.raises(ValueError):
+        choice_steps([1], [4], [2], 2)
