@@ -64,7 +64,8 @@ class GenerationGroup:
     def __post_init__(self) -> None:
         p = self.prepared
         tools = p.req.tools is not None and p.req.tools.active
-        self.choices = [_Choice(i, g, self._echo_text(i // p.req.n), ToolCallStream() if tools else None)
+        self.choices = [_Choice(i, g, self._echo_text(i // p.req.n),
+                                ToolCallStream(f"{p.shape.id}:{i}") if tools else None)
                         for i, g in enumerate(self.gens)]
         self._steps = ([], [], [])
 

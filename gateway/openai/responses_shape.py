@@ -159,7 +159,8 @@ class ResponsesShape:
 
     def output_items(self) -> OutputItems:
         tools = self.req.tools
-        return OutputItems(self.item_id, ToolCallStream() if tools is not None and tools.active else None)
+        active = tools is not None and tools.active
+        return OutputItems(self.item_id, ToolCallStream(self.id) if active else None)
 
     def full(self, text: str, finish_reason: str, usage: Usage, logprobs: list[TokenLogprob] | None) -> dict:
         items = self.output_items()

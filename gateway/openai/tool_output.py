@@ -7,6 +7,7 @@ JSON holds no raw newline, so the first `}\\n</tool_call>` ends the arguments.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -16,8 +17,12 @@ _END = "}\n</tool_call>"
 _HEAD = re.compile(r'\n?<tool_call>\n\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
 
 
-def call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+def call_id(seed: str = "", index: int = 0) -> str:
+    """A call's id: random, or (`seed`: its response and choice) the same each time that choice's text is
+    parsed, so a stream carried on by another gateway names its calls as its first gateway did."""
+    if not seed:
+        return "call_" + secrets.token_hex(12)
+    return "call_" + hashlib.sha256(f"{seed}:{index}".encode()).hexdigest()[:24]
 
 
 @dataclass(slots=True)
@@ -35,6 +40,7 @@ class ToolCall:
 class ToolCallStream:
     """Feed a choice's text deltas; get back (content text, tool-call deltas) to send now."""
 
+    id_seed: str = ""  # call ids derive from it and the call's index ("": random)
     mode: str = "start"  # start: undecided | text | calls
     calls: list[ToolCall] = field(default_factory=list)
     _buf: str = ""
@@ -74,7 +80,7 @@ class ToolCallStream:
                 m = _HEAD.match(buf, self._pos)
                 if m is None:
                     return out
-                self.calls.append(ToolCall(call_id(), m.group(1)))
+                self.calls.append(ToolCall(call_id(self.id_seed, len(self.calls)), m.group(1)))
                 out.append({"index": len(self.calls) - 1, "id": self.calls[-1].id, "type": "function",
                             "function": {"name": m.group(1), "arguments": ""}})
                 self._pos = self._args_sent = m.end()

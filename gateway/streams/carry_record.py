@@ -77,9 +77,9 @@ def money_dict(hold: MoneyHold | None) -> dict[str, Any] | None:
 def carry_record(prepared: Any, gen: Any, run_deadline: float = 0.0) -> CarryRecord | None:
     """The record of a stream (a `Generation`, or a `GenerationGroup` of several choices, chat tool calls or
     echo) that another gateway can carry on; None when it cannot be (a body over MAX_BODY_BYTES: `raw_body`
-    None; a response's tool calls, whose events repeat item and call ids a replay would make anew)."""
+    None)."""
     body, req = prepared.raw_body, prepared.req
-    if body is None or (req.api == "responses" and req.tools is not None and req.tools.active):
+    if body is None:
         return None
     api = "responses" if req.api == "responses" else "chat" if req.kind == "chat" else "completions"
     res = gen.ticket.reservation if gen.ticket is not None else None

@@ -1,11 +1,13 @@
 """Streams of several choices, tool calls and echo outlive their gateway: two real gateways (dollar budgets
 on) over one `tiny-random` worker (fp32, greedy) and Redis.
 
-Four streams start on gateway A: chat with `n=2`, a chat tool call (`tool_choice: required`), a completion
-with `echo`, and a completion of two prompts with `n=2`. Once each has sent some events, A is SIGKILLed; each
-client reconnects to gateway B with `Last-Event-ID` and gets the events it missed, then the live tail: per
-choice the text, tool calls and finish of an undisturbed run, with event ids unbroken and the usage of an
-undisturbed run, metered once, its token leases and dollar holds settled once (the spend exact)."""
+Five streams start on gateway A: chat with `n=2`, a chat tool call (`tool_choice: required`), a completion
+with `echo`, a completion of two prompts with `n=2`, and a response's tool call. Once each has sent some
+events, A is SIGKILLed; each client reconnects to gateway B (`Last-Event-ID`; the response with
+`starting_after`) and gets the events it missed, then the live tail: per choice the text, tool calls and
+finish of an undisturbed run, with event ids unbroken (a call's ids the same on both sides of the seam) and
+the usage of an undisturbed run, metered once, its token leases and dollar holds settled once (the spend
+exact)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ STREAMS = {  # name: (path, body)
     "two prompts n=2": ("/v1/completions", {**GREEDY, "prompt": ["Tell me a story.", "Once upon a time"],
                                             "n": 2, "max_tokens": 100, "ignore_eos": True}),
 }
+RESPONSE = {"model": "default", "input": "Tell me a story.", "temperature": 0, "stream": True,
+            "tools": [{"type": "function", **STORY["function"]}], "tool_choice": "required",
+            "parallel_tool_calls": False, "max_output_tokens": 300}
 SEEN_BEFORE_KILL = 8  # events each client reads from A
 
 
@@ -83,6 +88,18 @@ def without_ids(choices: dict) -> dict:
             for i, c in choices.items()}
 
 
+def response_call(events: list) -> tuple[dict, set[str]]:
+    """A response stream's final event's function call (ids aside), and every item id its events name."""
+    final = json.loads(events[-1][2])
+    assert final["type"] == "response.completed", final
+    (call,) = final["response"]["output"]
+    names = {call["id"]}
+    for _, _, data in events:
+        obj = json.loads(data)
+        names |= {obj.get("item_id"), (obj.get("item") or {}).get("id")} - {None}
+    return {k: call[k] for k in ("type", "name", "arguments", "status")}, names
+
+
 def test_streams_of_choices_tool_calls_and_echo_are_carried_on_after_a_sigkill(cluster: FaultCluster):
     a, b = cluster.gateways
     key = cluster.create_tenant("groups")
@@ -95,13 +112,14 @@ def test_streams_of_choices_tool_calls_and_echo_are_carried_on_after_a_sigkill(c
     with httpx.Client(timeout=120) as http:
         whole = {name: merged(read(http, "POST", b.base_url + path, key, body=body))
                  for name, (path, body) in STREAMS.items()}
+        whole_response = read(http, "POST", b.base_url + "/v1/responses", key, body=RESPONSE)
         before, spent = usage_today(cluster, "groups"), read_balance(r, "acme", "organization", "acme")
         parts: dict[str, list] = {}
         with contextlib.ExitStack() as stack:
             opened = {name: stack.enter_context(http.stream("POST", a.base_url + path, json=body,
                                                             headers=auth))
-                      for name, (path, body) in STREAMS.items()}
-            lines = {name: [] for name in STREAMS}
+                      for name, (path, body) in {**STREAMS, "response": ("/v1/responses", RESPONSE)}.items()}
+            lines: dict[str, list[str]] = {name: [] for name in opened}
             its = {name: resp.iter_lines() for name, resp in opened.items()}
             for name, it in its.items():
                 assert opened[name].status_code == 200
@@ -113,6 +131,13 @@ def test_streams_of_choices_tool_calls_and_echo_are_carried_on_after_a_sigkill(c
                 parts[name] = sse(lines[name])
         rests = {name: read(http, "POST", b.base_url + STREAMS[name][0], key,
                             headers={"last-event-id": parts[name][-1][0]}) for name in STREAMS}
+        rid = json.loads(parts["response"][0][2])["response"]["id"]
+        rests["response"] = read(http, "GET", f"{b.base_url}/v1/responses/{rid}?stream=true"
+                                 f"&starting_after={parts['response'][-1][0]}", key)
+    events = parts["response"] + rests["response"]
+    assert [int(e[0]) for e in events] == list(range(len(events)))
+    (call, item_ids), (want, _) = response_call(events), response_call(whole_response)
+    assert call == want and len(item_ids) == 1  # one function call item, named alike before and after
     for name in STREAMS:
         events = parts[name] + rests[name]
         assert [int(e[0].rpartition(":")[2]) for e in events] == list(range(len(events))), name
@@ -125,9 +150,10 @@ def test_streams_of_choices_tool_calls_and_echo_are_carried_on_after_a_sigkill(c
     assert all(len(whole[name][0]) == n for name, n in (("chat n=2", 2), ("two prompts n=2", 4)))
     assert all(c["text"].startswith("Once upon a time") for c in whole["echo"][0].values())
     tokens = sum(whole[name][1]["completion_tokens"] for name in STREAMS)
+    tokens += json.loads(whole_response[-1][2])["response"]["usage"]["output_tokens"]
     after = usage_today(cluster, "groups")
     metered = {k: after[k] - before.get(k, 0) for k in ("requests", "completion_tokens")}
-    assert metered == {"requests": len(STREAMS), "completion_tokens": tokens}  # once, by B
+    assert metered == {"requests": len(STREAMS) + 1, "completion_tokens": tokens}  # once, by B
     deadline = time.monotonic() + 10
     while (balance := read_balance(r, "acme", "organization", "acme"))["held_micro"] \
             and time.monotonic() < deadline:
@@ -136,5 +162,5 @@ def test_streams_of_choices_tool_calls_and_echo_are_carried_on_after_a_sigkill(c
     assert r.zcard(leases_key("groups")) == 0  # the lost gateway's leases are settled
     r.close()
     carried = [rec["msg"] for rec in gateway_log_records(b)[0] if "carrying on stream" in rec.get("msg", "")]
-    assert len(carried) == len(STREAMS), carried  # B carried them on (they had not ended when A died)
+    assert len(carried) == len(STREAMS) + 1, carried  # B carried them on (they had not ended when A died)
     assert not unattributed_errors(b)

@@ -58,3 +58,13 @@ def test_auto_grammar_allows_text_or_calls_only():
         m = llguidance.LLMatcher(lt, grammar, log_level=0)
         assert all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) == ok, text
     assert spec != tool_call_spec([{"name": "f", "parameters": {"type": "object"}}])
+
+
+def test_a_seeded_parser_names_its_calls_the_same_each_time():
+    def ids(parser: ToolCallStream) -> list[str]:
+        parser.feed(CALLS_TEXT)
+        return [c.id for c in parser.calls]
+
+    first, again = ids(ToolCallStream("resp_1:0")), ids(ToolCallStream("resp_1:0"))
+    assert first == again and len(set(first)) == 2 and all(len(i) == 29 for i in first)  # call_ + 24 hex
+    assert ids(ToolCallStream("resp_1:1")) != first and ids(ToolCallStream()) != ids(ToolCallStream())
