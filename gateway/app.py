@@ -77,7 +77,7 @@ class AppConfig:
     batch_claim_idle_s: float = 60.0  # a line claimed this long and not answered is taken over elsewhere
     event_logs: Any = None  # gateway.streams.event_log.EventLogs: event ids, resumable streams; None: off
     stream_detach_grace_s: float = 0.0  # a stream whose client left runs on this long for a reconnect
-    carry_on: bool = True  # with event logs: a lost gateway's single streams are carried on by a reconnect
+    carry_on: bool = True  # with event logs: a lost gateway's streams are carried on by a reconnect
 
 
 def _service(request: Request) -> GatewayService:

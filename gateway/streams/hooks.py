@@ -20,8 +20,9 @@ def resumable(config: Any, prepared: Any, body: AsyncIterator[bytes], on_close: 
               drain: DrainState | None = None,
               gen: Any = None) -> tuple[AsyncIterator[bytes], Callable[[], Awaitable[None]]]:
     """The body and clean-up an `SSEResponse` gets: unchanged when event logs are off (`config.event_logs`).
-    A draining gateway does not keep a stream whose client left. A single stream (`gen`, a `Generation`)
-    can be carried on by another gateway if this one is lost (`gateway.streams.carry_on`)."""
+    A draining gateway does not keep a stream whose client left. A stream (`gen`, a `Generation` or a
+    `GenerationGroup`) can be carried on by another gateway if this one is lost
+    (`gateway.streams.carry_on`)."""
     if config.event_logs is None:
         return body, on_close
     record = carry_record(prepared, gen) if gen is not None and config.carry_on else None
