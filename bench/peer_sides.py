@@ -131,12 +131,12 @@ def _checked(server: Server, what: str, out: subprocess.CompletedProcess, n: int
 
 
 def run_workload(server: Server, workload: str, n: int, concurrency: int, loadgen: Path,
-                 request_timeout: float, workload_timeout: float) -> dict:
+                 request_timeout: float, workload_timeout: float, seed: int = 1) -> dict:
     """One closed-loop workload through the shared generator (with `bench/long_loadgen.py`'s workloads);
     its figures and the digest of the prompts it sent."""
     cmd = [loadgen_python(), str(LONG_LOADGEN), str(loadgen), "--url", server.url, "--key", server.key,
            "--model", server.model, "--workload", workload, "--n", str(n), "--concurrency", str(concurrency),
-           "--json", "--timeout", str(request_timeout)]
+           "--json", "--timeout", str(request_timeout), "--seed", str(seed)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=workload_timeout, check=False)
     res = _checked(server, f"loadgen {workload}", out, n)
     digest = re.search(r"prompts_sha256 ([0-9a-f]{64})", out.stderr)

@@ -53,12 +53,17 @@ def fake_runs(monkeypatch):
     """run_workload, run_open_loop and spec_counters without processes; returns the open-loop calls."""
     opened: list[tuple[str, list[float]]] = []
 
-    def run_workload(server, workload, n, concurrency, *rest):
-        assert (n, concurrency) == vs_peer.QUICK[workload]
+    def run_workload(server, workload, n, concurrency, *rest, seed=1):
+        if seed == vs_peer.WARM_SEED:  # each side's uncounted warm-up, on prompts no workload sends
+            opened.append((server.url, "warm"))
+            return {}
+        assert (n, concurrency) == vs_peer.QUICK[workload] and seed == 1
+        assert opened and opened[-1] == (server.url, "warm")
         return fake_load(server.url, workload)
 
     def run_open_loop(server, workload, rates, n, *rest):
         opened.append((server.url, rates))
+        assert n == vs_peer.QUICK["ntrace"][0] // 2
         good = {"matched": 1.5, "best": 2.0, "peer": 1.0}[server.url]
         return {"max_goodput_rps": good, "prompts_sha256": "cd" * 32}
 
@@ -82,8 +87,10 @@ def test_alternates_sides_and_prints_ratios_per_comparison(fake_runs):
     assert result["configs"]["matched"]["dtype"] == result["configs"]["peer"]["dtype"] == "float32"
     assert result["configs"]["best"]["quantization"] == "w8a8" and result["configs"]["best"]["speculation"]
     # open loop at fractions of the first side's closed-loop capacity (8 requests in 4 s), never for nospec
-    assert [u for u, _ in fake_runs] == ["matched", "peer", "best"] * 2
-    assert all(r == [1.0, 2.0, 3.0] for _, r in fake_runs)
+    opened = [(u, r) for u, r in fake_runs if r != "warm"]
+    assert [u for u, _ in opened] == ["matched", "peer", "best"] * 2
+    assert all(r == [1.0, 2.0, 3.0] for _, r in opened)
+    assert [u for u, r in fake_runs if r == "warm"] == order * 2
     assert result["targets_met"] == {"matched.trace_out_tok_s": True, "matched.goodput_rps": True,
                                      "matched.prefix_ttft_p50": True, "matched.single_tpot_p50": True,
                                      "matched.single_ttft_p50": True, "best.trace_out_tok_s": True,
@@ -108,7 +115,9 @@ def test_a_missed_target_exits_one(fake_runs, monkeypatch, capsys):
 
 
 def test_prompts_that_differ_between_sides_fail_the_run(fake_runs, monkeypatch):
-    def run_workload(server, workload, *rest):
+    def run_workload(server, workload, *rest, seed=1):
+        if seed == vs_peer.WARM_SEED:
+            return {}
         return fake_load(server.url, workload) | {"prompts_sha256": server.url}
 
     monkeypatch.setattr(peer_sides, "run_workload", run_workload)
@@ -265,4 +274,5 @@ def test_workloads_narrow_the_run(fake_runs):
     assert {label: sorted(f) for label, f in result["passes"][0].items()} == {
         "matched": ["nsingle", "speculation"], "peer": ["nsingle"], "best": ["nsingle", "speculation"],
         "best_nospec": ["nsingle", "speculation"]}
-    assert result["ratios"]["matched"]["single_tpot_p50"] == 0.714 and fake_runs == []
+    assert result["ratios"]["matched"]["single_tpot_p50"] == 0.714
+    assert all(r == "warm" for _, r in fake_runs)  # no open loop
