@@ -145,3 +145,66 @@ def test_cpu_prefill_kernel_packs_shared_prefix_pages_once_and_stays_exact(dtype
                  TorchAttention(heads, kv_heads, head_dim, None, kernel)):
         outs.append(attn.forward(0, q, k_new, v_new, kv, attn.prepare(lay, torch.device("cpu"))).float())
     assert (outs[0] - outs[1]).abs().max().item() < tol
+
+
+def _shared_prefix_batch(bs: int, pages: int) -> tuple[list[list[int]], list[int]]:
+    """Block tables where sequences share leading pages as the radix cache makes them: eight over five common
+    pages (one of them ending on a page boundary), two over one, and three that share nothing."""
+    rng = random.Random(5)
+    free = list(range(pages))
+    rng.shuffle(free)
+    common, pair = [free.pop() for _ in range(5)], [free.pop()]
+    tables, lens = [], []
+    for extra in (1, 7, 16, 20, 3, 33, 12, 9):
+        n = 5 * bs + extra
+        tables.append(common + [free.pop() for _ in range(-(-n // bs) - 5)])
+        lens.append(n)
+    for extra in (2, 30):
+        tables.append(pair + [free.pop() for _ in range(-(-(bs + extra) // bs) - 1)])
+        lens.append(bs + extra)
+    for n in (1, 5 * bs, 44):
+        tables.append([free.pop() for _ in range(-(-n // bs))])
+        lens.append(n)
+    return tables, lens
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 2, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_over_shared_pages_equals_each_sequence_alone(int8, dtype, heads, kv_heads, head_dim, threads):
+    """Sequences whose tables share leading pages are read as one unit (each shared page once for all of
+    them): every output row is bit for bit the one the kernel gives that sequence alone, with 1 or 2
+    threads."""
+    from worker.kernels.cpu import int8_kv_kernels
+
+    torch.manual_seed(7)
+    bs, pages = 16, 96
+    tables, lens = _shared_prefix_batch(bs, pages)
+    width = max(len(t) for t in tables)
+    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    ln = torch.tensor(lens, dtype=torch.int64)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    if int8:
+        decode = int8_kv_kernels(heads, kv_heads, head_dim)[0]
+        kc = torch.randint(-127, 128, (kv_heads, pages * bs, head_dim), dtype=torch.int8)
+        vc = torch.randint(-127, 128, (kv_heads, pages * bs, head_dim), dtype=torch.int8)
+        ks, vs = torch.rand(kv_heads, pages) / 50, torch.rand(kv_heads, pages) / 50
+
+        def run(qq, tt, ll):
+            return decode(qq, kc, vc, ks, vs, tt, ll, bs, head_dim ** -0.5)
+    else:
+        decode = paged_decode_kernel()
+        kc = torch.randn(kv_heads, pages * bs, head_dim).to(dtype)
+        vc = torch.randn(kv_heads, pages * bs, head_dim).to(dtype)
+
+        def run(qq, tt, ll):
+            return decode(qq, kc, vc, tt, ll, bs, head_dim ** -0.5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = run(q, tab, ln)
+        alone = torch.cat([run(q[i:i + 1], tab[i:i + 1], ln[i:i + 1]) for i in range(len(lens))])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, alone)

@@ -1,4 +1,5 @@
-// Paged decode attention for CPU: K/V read straight from the pages, one (sequence, kv head) per task.
+// Paged decode attention for CPU: K/V read straight from the pages, one (unit of sequences, kv head) per task;
+// sequences whose tables share leading pages (a cached prefix) form a unit that reads those pages once.
 //
 // Head size and query group size are template constants for the common shapes (loops fully unrolled and
 // vectorized: 2x faster than with runtime sizes); other shapes take the same code with runtime sizes.
@@ -104,18 +105,18 @@ struct Shape {
   int64_t q_stride;  // elements between two sequences' query rows (nh * hd when q is contiguous)
 };
 
-// Longest-first assignment of the B * kvh tasks to `threads` buckets of about equal total context; `order` lists
-// the tasks bucket by bucket, bucket c being order[bounds[c] .. bounds[c + 1]).
-static void balance_tasks(const int64_t* lens, int64_t B, int64_t kvh, int64_t threads, std::vector<int64_t>& order,
-                          std::vector<int64_t>& bounds) {
-  const int64_t n = B * kvh, nb = std::max<int64_t>(1, std::min(threads, n));
+// Longest-first assignment of the units * kvh tasks (load_of[u]: unit u's cost per kv head) to `threads` buckets of
+// about equal total cost; `order` lists the tasks bucket by bucket, bucket c being order[bounds[c] .. bounds[c + 1]).
+static void balance_loads(const int64_t* load_of, int64_t units, int64_t kvh, int64_t threads,
+                          std::vector<int64_t>& order, std::vector<int64_t>& bounds) {
+  const int64_t n = units * kvh, nb = std::max<int64_t>(1, std::min(threads, n));
   std::vector<int64_t> tasks(n), load(nb, 0), owner(n);
   for (int64_t t = 0; t < n; ++t) tasks[t] = t;
-  std::stable_sort(tasks.begin(), tasks.end(), [&](int64_t a, int64_t b) { return lens[a / kvh] > lens[b / kvh]; });
+  std::stable_sort(tasks.begin(), tasks.end(), [&](int64_t a, int64_t b) { return load_of[a / kvh] > load_of[b / kvh]; });
   for (int64_t t : tasks) {
     const int64_t c = std::min_element(load.begin(), load.end()) - load.begin();
     owner[t] = c;
-    load[c] += lens[t / kvh] + 16;  // + a fixed cost per task
+    load[c] += load_of[t / kvh];
   }
   bounds.assign(nb + 1, 0);
   for (int64_t t = 0; t < n; ++t) ++bounds[owner[t] + 1];
@@ -123,6 +124,59 @@ static void balance_tasks(const int64_t* lens, int64_t B, int64_t kvh, int64_t t
   order.resize(n);
   std::vector<int64_t> next(bounds.begin(), bounds.end() - 1);
   for (int64_t t = 0; t < n; ++t) order[next[owner[t]]++] = t;
+}
+
+// The B * kvh (sequence, kv head) tasks by context length (+ a fixed cost per task).
+static void balance_tasks(const int64_t* lens, int64_t B, int64_t kvh, int64_t threads, std::vector<int64_t>& order,
+                          std::vector<int64_t>& bounds) {
+  std::vector<int64_t> w(B);
+  for (int64_t b = 0; b < B; ++b) w[b] = lens[b] + 16;
+  balance_loads(w.data(), B, kvh, threads, order, bounds);
+}
+
+// Sequences whose block tables begin with the same pages (a prefix the radix cache shares) are read as a unit: each
+// shared page comes from memory once for all the unit's query rows (from L1 for every member after the first), then
+// each member's own pages. A unit's members are members[first .. first + count); `shared` leading pages are common.
+struct Unit {
+  int64_t first, count, shared;
+};
+
+// Runs of sequences with the same full first page, their common full pages counted, split into parts of at most
+// `max_members` and into enough parts that the (unit, kv head) tasks spread over the threads; a sequence that shares
+// nothing is a unit of one.
+static void make_units(const int64_t* tables, const int64_t* lens, const Shape& sh, int64_t threads,
+                       int64_t max_members, std::vector<int64_t>& members, std::vector<Unit>& units) {
+  const int64_t B = sh.B, bs = sh.bs, mp = sh.max_pages;
+  members.resize(B);
+  for (int64_t b = 0; b < B; ++b) members[b] = b;
+  const auto key = [&](int64_t b) { return lens[b] > bs ? tables[b * mp] : -1 - b; };  // -1 - b: a key of its own
+  std::stable_sort(members.begin(), members.end(), [&](int64_t a, int64_t b) { return key(a) < key(b); });
+  units.clear();
+  for (int64_t s = 0; s < B;) {
+    int64_t e = s + 1;
+    while (e < B && key(members[e]) == key(members[s])) ++e;
+    int64_t shared = e - s > 1 ? lens[members[s]] / bs : 0;  // full pages only
+    for (int64_t i = s + 1; i < e && shared > 0; ++i) {
+      const int64_t* a = tables + members[s] * mp;
+      const int64_t* c = tables + members[i] * mp;
+      int64_t p = 0;
+      const int64_t lim = std::min(shared, lens[members[i]] / bs);
+      while (p < lim && a[p] == c[p]) ++p;
+      shared = p;
+    }
+    const int64_t m = e - s;
+    if (shared == 0) {
+      for (int64_t i = s; i < e; ++i) units.push_back({i, 1, 0});
+    } else {
+      int64_t parts = (m + max_members - 1) / max_members;
+      while (parts < m && (parts * sh.kvh) % threads != 0 && parts * sh.kvh < 4 * threads) ++parts;
+      for (int64_t k = 0; k < parts; ++k) {
+        const int64_t lo = s + m * k / parts, hi = s + m * (k + 1) / parts;
+        units.push_back({lo, hi - lo, shared});
+      }
+    }
+    s = e;
+  }
 }
 
 // int8 pages take scores8_int8 for q . k where AVX2 is built and the shape is a template constant
@@ -134,88 +188,135 @@ constexpr bool kInt8Dot = false;
 #endif
 
 // HD, G: head size and query heads per kv head, or 0 to read them from `hd_rt`, `g_rt`; C: the cache's element
-// type, T or int8_t (kv_int8.h: scores and probabilities times the page's K and V scales)
+// type, T or int8_t (kv_int8.h: scores and probabilities times the page's K and V scales). One task is a unit of
+// sequences (make_units) and a kv head; each member's rows see its pages in order, so every output row is the one
+// a task of its own would give.
 template <typename T, typename C, int64_t HD, int64_t G>
 static void decode_impl(const T* q, const C* kc, const C* vc, const KvScales sc, const int64_t* tables,
                         const int64_t* lens, T* out, const Shape sh, int64_t hd_rt, int64_t g_rt) {
   const int64_t hd = HD ? HD : hd_rt, g = G ? G : g_rt;
-  const int64_t nh = sh.nh, kvh = sh.kvh, bs = sh.bs;
-  // one bucket of (sequence, kv head) tasks per thread, balanced by context length: a static split of the
-  // task range leaves one thread with the long sequences and the other waiting
-  std::vector<int64_t> order, bounds;
-  balance_tasks(lens, sh.B, kvh, at::get_num_threads(), order, bounds);
+  const int64_t nh = sh.nh, kvh = sh.kvh, bs = sh.bs, mp = sh.max_pages, threads = at::get_num_threads();
+  std::vector<int64_t> members, order, bounds;
+  std::vector<Unit> units;
+  make_units(tables, lens, sh, threads, std::max<int64_t>(1, kMaxGroupFloats / (g * hd)), members, units);
+  std::vector<int64_t> load(units.size());
+  for (size_t u = 0; u < units.size(); ++u) {  // a shared page is read once, its scores computed per member
+    const Unit& x = units[u];
+    load[u] = 16 * x.count + x.shared * bs;
+    for (int64_t i = 0; i < x.count; ++i) load[u] += lens[members[x.first + i]] - x.shared * bs;
+  }
+  balance_loads(load.data(), static_cast<int64_t>(units.size()), kvh, threads, order, bounds);
   const int64_t buckets = static_cast<int64_t>(bounds.size()) - 1;
   at::parallel_for(0, buckets, 1, [&](int64_t c0, int64_t c1) {
     alignas(64) float qf[kMaxGroupFloats], acc[kMaxGroupFloats], row[kMaxHead];
-    alignas(64) int16_t q16[kInt8Dot<C, HD, G> ? G * HD : 1];  // the int8-page q . k path's queries, scales
-    float qscale[kInt8Dot<C, HD, G> ? G : 1];
-    std::vector<float> scores, denom(g);
+    // the int8-page q . k path's queries and their scales, a row each
+    alignas(64) int16_t q16[kInt8Dot<C, HD, G> ? kMaxGroupFloats : 1];
+    float qscale[kInt8Dot<C, HD, G> ? kMaxGroupFloats / (HD > 0 ? HD : 1) : 1];
+    std::vector<float> scores, denom;
     for (int64_t ti = bounds[c0]; ti < bounds[c1]; ++ti) {
       const int64_t task = order[ti];
-      const int64_t b = task / kvh, h = task % kvh;
-      const int64_t L = lens[b], npages = (L + bs - 1) / bs;
-      if (static_cast<int64_t>(scores.size()) < g * L) scores.resize(g * L);
-      row_to_float(q + b * sh.q_stride + h * g * hd, qf, g * hd);
-      for (int64_t i = 0; i < g * hd; ++i) qf[i] *= sh.scale;
+      const Unit u = units[task / kvh];
+      const int64_t h = task % kvh, m = u.count, rows = m * g, S = u.shared;
+      const int64_t* mem = members.data() + u.first;
+      int64_t Lmax = 0;
+      for (int64_t i = 0; i < m; ++i) Lmax = std::max(Lmax, lens[mem[i]]);
+      if (static_cast<int64_t>(scores.size()) < rows * Lmax) scores.resize(rows * Lmax);
+      if (static_cast<int64_t>(denom.size()) < rows) denom.resize(rows);
+      for (int64_t i = 0; i < m; ++i) row_to_float(q + mem[i] * sh.q_stride + h * g * hd, qf + i * g * hd, g * hd);
+      for (int64_t i = 0; i < rows * hd; ++i) qf[i] *= sh.scale;
       if constexpr (kInt8Dot<C, HD, G>)  // each query row as int16 with its own scale (2^-15 of its largest element)
-        for (int64_t j = 0; j < G; ++j) qscale[j] = quantize_query(qf + j * HD, 1.f, 32767.f, q16 + j * HD, HD);
+        for (int64_t r = 0; r < rows; ++r) qscale[r] = quantize_query(qf + r * HD, 1.f, 32767.f, q16 + r * HD, HD);
       const C* kbase = kc + h * sh.slots * hd;
       const C* vbase = vc + h * sh.slots * hd;
-      const int64_t* table = tables + b * sh.max_pages;
-      for (int64_t p = 0; p < npages; ++p) {  // scores = q . k, page by page
+      // scores of member i's g rows against page p of its table (row stride Lmax)
+      const auto score_page = [&](int64_t i, int64_t p) {
+        const int64_t b = mem[i];
+        const int64_t* table = tables + b * mp;
         const C* kp = kbase + table[p] * bs * hd;
-        const int64_t n = std::min(bs, L - p * bs);
+        const int64_t n = std::min(bs, lens[b] - p * bs);
         const float sk = page_scale(sc.k, sc.pages, h, table[p]);
-        // every dtype: 1-4 KB pages scattered over the cache defeat the hardware prefetcher
-        if (p + kKvPrefetch < npages) prefetch_bytes(kbase + table[p + kKvPrefetch] * bs * hd, bs * hd * sizeof(C));
+        float* srow = scores.data() + i * g * Lmax + p * bs;
 #if defined(__AVX2__)
         if constexpr (kInt8Dot<C, HD, G>) {
           float ps[G];
-          for (int64_t j = 0; j < G; ++j) ps[j] = qscale[j] * sk;
+          for (int64_t j = 0; j < G; ++j) ps[j] = qscale[i * G + j] * sk;
           for (int64_t i0 = 0; i0 < n; i0 += 8)
-            scores8_int8<HD, G>(q16, ps, kp + i0 * hd, std::min<int64_t>(8, n - i0), scores.data() + p * bs + i0, L);
-          continue;
+            scores8_int8<HD, G>(q16 + i * G * HD, ps, kp + i0 * hd, std::min<int64_t>(8, n - i0), srow + i0, Lmax);
+          return;
         }
 #endif
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<C, at::BFloat16> && HD != 0 && HD % 32 == 0) {
           for (int64_t i0 = 0; i0 < n; i0 += 16)
             scores16_bf16<HD>(q + b * sh.q_stride + h * g * hd, g, kp + i0 * hd, std::min<int64_t>(16, n - i0),
-                              scores.data() + p * bs + i0, L, sh.scale);
-          continue;
+                              srow + i0, Lmax, sh.scale);
+          return;
         }
 #endif
-        for (int64_t i = 0; i < n; ++i) {
-          row_to_float(kp + i * hd, row, hd);
+        for (int64_t r = 0; r < n; ++r) {
+          row_to_float(kp + r * hd, row, hd);
           for (int64_t j = 0; j < g; ++j) {
-            const float* qj = qf + j * hd;
+            const float* qj = qf + (i * g + j) * hd;
             float s = 0.f;
             #pragma omp simd reduction(+:s)
             for (int64_t d = 0; d < hd; ++d) s += qj[d] * row[d];
-            scores[j * L + p * bs + i] = s * sk;
+            srow[j * Lmax + r] = s * sk;
           }
         }
-      }
-      softmax_numerators(scores.data(), g, L, denom.data());
-      std::fill(acc, acc + g * hd, 0.f);
-      for (int64_t p = 0; p < npages; ++p) {  // acc = sum of p * v, page by page
+      };
+      // acc of members [i0, i1) += p x V over page p of member i0's table (the same page for all of them)
+      const auto add_page = [&](int64_t i0, int64_t i1, int64_t p) {
+        const int64_t* table = tables + mem[i0] * mp;
         const C* vp = vbase + table[p] * bs * hd;
-        const int64_t n = std::min(bs, L - p * bs);
+        const int64_t n = std::min(bs, lens[mem[i0]] - p * bs);
         const float sv = page_scale(sc.v, sc.pages, h, table[p]);
-        if (p + kKvPrefetch < npages) prefetch_bytes(vbase + table[p + kKvPrefetch] * bs * hd, bs * hd * sizeof(C));
-        for (int64_t i = 0; i < n; ++i) {
-          row_to_float(vp + i * hd, row, hd);
-          for (int64_t j = 0; j < g; ++j) {
-            const float pr = scores[j * L + p * bs + i] * sv;
-            float* aj = acc + j * hd;
-            #pragma omp simd
-            for (int64_t d = 0; d < hd; ++d) aj[d] += pr * row[d];
-          }
+        for (int64_t r = 0; r < n; ++r) {
+          row_to_float(vp + r * hd, row, hd);
+          for (int64_t i = i0; i < i1; ++i)
+            for (int64_t j = 0; j < g; ++j) {
+              const float pr = scores[(i * g + j) * Lmax + p * bs + r] * sv;
+              float* aj = acc + (i * g + j) * hd;
+              #pragma omp simd
+              for (int64_t d = 0; d < hd; ++d) aj[d] += pr * row[d];
+            }
+        }
+      };
+      // every dtype: 1-4 KB pages scattered over the cache defeat the hardware prefetcher
+      const auto prefetch = [&](const C* base, int64_t i, int64_t p, int64_t end) {
+        if (p + kKvPrefetch < end) prefetch_bytes(base + tables[mem[i] * mp + p + kKvPrefetch] * bs * hd, bs * hd * sizeof(C));
+      };
+      for (int64_t p = 0; p < S; ++p) {  // scores = q . k: the shared pages once, then each member's own
+        prefetch(kbase, 0, p, S);
+        for (int64_t i = 0; i < m; ++i) score_page(i, p);
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t npages = (lens[mem[i]] + bs - 1) / bs;
+        for (int64_t p = S; p < npages; ++p) {
+          prefetch(kbase, i, p, npages);
+          score_page(i, p);
         }
       }
-      for (int64_t j = 0; j < g; ++j)
-        for (int64_t d = 0; d < hd; ++d)
-          out[(b * nh + h * g + j) * hd + d] = static_cast<T>(acc[j * hd + d] / denom[j]);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores.data() + r * Lmax;
+        const int64_t L = lens[mem[r / g]];
+        denom[r] = exp_row(sr, L, row_max(sr, L));
+      }
+      std::fill(acc, acc + rows * hd, 0.f);
+      for (int64_t p = 0; p < S; ++p) {  // acc = sum of p * v, in the same page order
+        prefetch(vbase, 0, p, S);
+        add_page(0, m, p);
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t npages = (lens[mem[i]] + bs - 1) / bs;
+        for (int64_t p = S; p < npages; ++p) {
+          prefetch(vbase, i, p, npages);
+          add_page(i, i + 1, p);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t b = mem[r / g], j = r % g;
+        for (int64_t d = 0; d < hd; ++d) out[(b * nh + h * g + j) * hd + d] = static_cast<T>(acc[r * hd + d] / denom[r]);
+      }
     }
   });
 }
