@@ -14,7 +14,8 @@ from config.settings import Settings, WorkerSettings, flags_to_overrides, load_s
 
 _TOP_LEVEL = frozenset({"redis_url", "log_level", "log_format"})
 _ENGINE_FIELDS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes", "num_threads",
-                  "fairness", "fair_step_tokens", "spec_tokens", "spec_ngram_max", "spec_ngram_min",
+                  "fairness", "fair_step_tokens", "prefill_step_tokens", "spec_tokens", "spec_ngram_max",
+                  "spec_ngram_min",
                   "spec_max_batch", "fused_ops", "fused_linear", "attention", "cuda_graphs", "kv_dtype",
                   "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes", "kv_disk_min_hits")
 
@@ -79,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--fairness", choices=["vtc", "fifo"], help="order between tenants in a priority class (default vtc)")
     a("--fair-step-tokens", type=int,
       help="VTC: cap a step's prefill tokens while the worker serves several tenants (0: no cap)")
+    a("--prefill-step-tokens", type=int,
+      help="a step carrying a prefill takes another request's only within this many prefill tokens, so a "
+           "burst's first tokens come one after another (0: no cap)")
     a("--spec-tokens", type=int, help="n-gram speculative decoding: drafts per sequence per step (0: off)")
     a("--spec-max-batch", type=int, help="speculate only while this many sequences decode or fewer (0: off)")
     a("--spec-ngram-max", type=int, help="longest suffix matched for drafts (default 3)")

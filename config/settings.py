@@ -53,6 +53,7 @@ class WorkerSettings(BaseModel):
     fairness: Literal["vtc", "fifo"] = "vtc"
     # VTC, worker shared: prefill tokens per step cap (0: none)
     fair_step_tokens: int | None = Field(None, ge=0)
+    prefill_step_tokens: int | None = Field(None, ge=0)
     num_threads: int | None = None
     # weights; auto: worker.quant.resolve_mode (every way of starting a worker has this default: make run,
     # switchyard worker, compose, the Kubernetes manifests)

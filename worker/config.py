@@ -27,6 +27,10 @@ class EngineConfig:
     # VTC with more than one fairness key seen lately: prefill tokens per step are capped here, so a key that
     # arrives waits behind a short step at most (TTFT tail for light tenants vs step efficiency; 0: no cap)
     fair_step_tokens: int = 0
+    # A step that already carries a prefill takes another request's only while the step's prefill tokens stay
+    # within this (the first is never held): a burst of arrivals gets its first tokens one after another, not
+    # all at the end of one long step (TTFT mean and median vs step count; 0: no cap)
+    prefill_step_tokens: int = 0
     # "auto" | "triton" (CUDA) | "flash_attn" (CUDA, pages a multiple of 256 tokens) | "torch" (CPU: with the
     # C++ decode and prefill kernels when they build) | "torch_reference"; auto's rule:
     # worker.model.backends.choose_backend
@@ -105,6 +109,8 @@ class EngineConfig:
             raise ValueError("spec n-gram sizes must satisfy 1 <= spec_ngram_min <= spec_ngram_max <= 8")
         if self.fair_step_tokens < 0:
             raise ValueError("fair_step_tokens must be >= 0 (0: no cap)")
+        if self.prefill_step_tokens < 0:
+            raise ValueError("prefill_step_tokens must be >= 0 (0: no cap)")
         if (self.grammar_max_pending < 1 or self.grammar_max_pending_per_ns < 1
                 or self.grammar_compile_timeout_s <= 0):
             raise ValueError("grammar pending bounds must be >= 1 and the compile timeout > 0")

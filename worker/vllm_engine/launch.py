@@ -20,6 +20,7 @@ ENGINE_ONLY: dict[str, tuple[object, str]] = {
     "quantization": ("auto", "--quantization"), "kv_dtype": ("auto", "--kv-cache-dtype"),
     "attention": (None, ""), "fused_ops": (None, ""), "fused_linear": (None, ""),
     "cuda_graphs": (None, "--enforce-eager"), "fairness": ("vtc", ""), "fair_step_tokens": (None, ""),
+    "prefill_step_tokens": (None, "--max-num-batched-tokens"),
     "spec_tokens": (None, "--speculative-config"), "spec_max_batch": (None, "--speculative-config"),
     "spec_ngram_max": (None, "--speculative-config"), "spec_ngram_min": (None, "--speculative-config"),
     "kv_host_bytes": (None, "--kv-offloading-size"), "kv_disk_dir": (None, ""), "kv_disk_bytes": (None, ""),

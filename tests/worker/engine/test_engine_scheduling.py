@@ -237,3 +237,28 @@ def test_bad_input_is_rejected_without_state_change(tiny, tokens, params, param)
     assert err.value.code == "bad_request" and err.value.param == "rid"
     assert len(drain(eng)[0]["x"]) == 2
     assert len(eng.generate([[7, 8, 9]], greedy(3))[0]) == 3
+
+
+@pytest.mark.parametrize("cap,per_step", [(0, 8), (64, 1), (100, 2)])
+def test_prefill_step_tokens_spreads_a_burst_over_steps(tiny, cap, per_step):
+    """Eight requests over a cached 96-token prefix, 48 uncached tokens each, arrive together: with
+    `prefill_step_tokens` a step that carries one prefill takes another only within the cap (counting uncached
+    tokens), so their first tokens come one step after another, and every request still completes."""
+    rng = random.Random(9)
+    prefix = rand_prompt(rng, 96)
+    prompts = [prefix + rand_prompt(rng, 48) for _ in range(8)]
+    eng = make_engine(tiny, prefill_step_tokens=cap)
+    eng.add_request("warm", prefix + [5], greedy(1))
+    drain(eng)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, greedy(6))
+    firsts, early = [], {}
+    for _ in range(3):
+        outs = eng.step()
+        firsts.append(sum(1 for o in outs if o.new_tokens and len(eng._seqs[o.rid].tokens) == 145))
+        for o in outs:
+            early.setdefault(o.rid, []).extend(o.new_tokens)
+    tokens, _ = drain(eng)
+    assert pages_idle(eng)
+    assert firsts[0] == per_step and (per_step == 8 or firsts[1] == per_step)
+    assert all(len(early.get(f"r{i}", [])) + len(tokens.get(f"r{i}", [])) == 6 for i in range(8))

@@ -172,6 +172,8 @@ class Scheduler:
             if under_share and not self.fair.under_share(
                     seq.fkey, sum(s.fkey == seq.fkey for s in self.running), self.config.max_num_seqs):
                 break
+            if self._step_prefill_full(out, seq):
+                break
             if self._prefix_in_flight(seq) or not self._reserve(seq):
                 break  # the chosen request waits; others do not jump it
             self.waiting.pop(idx)
@@ -183,6 +185,15 @@ class Scheduler:
             out.prefills.append((seq, chunk))
             budget -= chunk
         return budget
+
+    def _step_prefill_full(self, out: ScheduledBatch, seq: Sequence) -> bool:
+        """`prefill_step_tokens`: whether this step, already carrying a prefill, has no room for seq's
+        uncached tokens (the first prefill of a step is never held)."""
+        cap = self.config.prefill_step_tokens
+        if not cap or not out.prefills:
+            return False
+        cached = cached_len(self.cache, seq) if self.cache is not None else 0
+        return sum(n for _, n in out.prefills) + len(seq.tokens) - cached > cap
 
     # ---- fair share of slots (VTC with several active keys; no-ops otherwise) ----
 
