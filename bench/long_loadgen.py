@@ -49,14 +49,21 @@ def trace_lengths() -> list[tuple[int, int]]:
             for c, g in rows if c.isdigit()]
 
 
+def trace_draw(n: int, rng: random.Random) -> list[tuple[int, int]]:
+    """`n` pairs spread evenly over the sample ordered by prompt length (so that even a small workload has the
+    trace's length distribution, not a lucky or unlucky draw), in a seeded random order."""
+    pairs = sorted(trace_lengths())
+    picked = [pairs[int((i + 0.5) * len(pairs) / n)] for i in range(n)]
+    rng.shuffle(picked)
+    return picked
+
+
 def natural(name: str, n: int, seed: int) -> list[tuple[str, int]]:
     """The shared generator's workload shapes (lengths and outputs) over passages of natural text; `ntrace`
-    draws each request's lengths from the trace sample."""
+    takes each request's lengths from the trace sample (`trace_draw`)."""
     words, rng = corpus_words(), random.Random(seed)
     if name == "ntrace":
-        lengths = trace_lengths()
-        return [(passage(words, rng, max(1, round(c / TOKENS_PER_WORD))), g)
-                for c, g in (rng.choice(lengths) for _ in range(n))]
+        return [(passage(words, rng, max(1, round(c / TOKENS_PER_WORD))), g) for c, g in trace_draw(n, rng)]
     if name == "nmixed":
         return [(passage(words, rng, rng.randint(32, 512)), rng.randint(16, 192)) for _ in range(n)]
     if name == "nprefix":
