@@ -3,8 +3,8 @@ Python layer loop would call, in its order, so the outputs are the same bits wit
 calls a layer.
 
 Used where every piece has a C++ kernel: fused ops, the C++ paged decode attention (int8 or model-dtype pages)
-and quantized linears whose path at the step's row count is a kernel (`linear_kind`); any other step runs the
-loop.
+and quantized or oneDNN-packed bf16 linears whose path at the step's row count is a kernel
+(`linear_kind`); any other step runs the loop.
 """
 
 from __future__ import annotations
@@ -17,17 +17,22 @@ from worker.kernels.layer_ops import FusedOps
 from worker.kvcache import quant
 from worker.kvcache.tensors import KVCache
 from worker.model.attention import TorchAttention, TorchMeta
+from worker.quant.packed import EXACT_ROWS, PackedLinear
 from worker.quant.weights import QuantLinear
 
 __all__ = ["DecodeStack", "linear_kind"]
 
-VNNI, AVX2, WEIGHT_ONLY, INT_MM, A16, A16_VNNI = 0, 1, 2, 3, 4, 5  # csrc/decode_stack.cpp's `stack::Kind`
+# csrc/decode_stack.cpp's `stack::Kind`
+VNNI, AVX2, WEIGHT_ONLY, INT_MM, A16, A16_VNNI, PACKED = 0, 1, 2, 3, 4, 5, 6
 MAX_PLANS = 256  # row counts remembered (a step has at most max_num_seqs decode rows)
 
 
 def linear_kind(lin: object, rows: int) -> tuple[int, list[torch.Tensor]] | None:
-    """How `QuantLinear.forward` runs `rows` rows of `lin`, as a kind and its tensors; None where it is not
-    one of the C++ stack's kernels (a dense or int4 product, or another module)."""
+    """How `QuantLinear.forward` or `PackedLinear.forward` runs `rows` rows of `lin`, as a kind and its
+    tensors; None where it is not one of the C++ stack's kernels (a plain dense or int4 product, a padded
+    packed one, or another module)."""
+    if isinstance(lin, PackedLinear):
+        return (PACKED, [lin.packed]) if rows <= EXACT_ROWS else None
     if not isinstance(lin, QuantLinear):
         return None
     if rows <= lin.max_rows:

@@ -156,6 +156,21 @@ def test_weight_only_int8_on_int16_rows(dtype, kind):
     _same_as_loop(model, "model", 5, ds.A16 if kind == "avx2" else ds.A16_VNNI)
 
 
+@pytest.mark.parametrize("kv_dtype", ["model", "int8"])
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_packed_bf16_linears(kv_dtype, rows):
+    """An unquantized bf16 model's oneDNN-packed linears (`PackedLinear`) run in the stack up to their
+    unpadded row count; above it (padded rows) the loop runs them."""
+    from worker.quant.packed import EXACT_ROWS, can_pack, pack_model
+
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("oneDNN bf16 packing is not available on this CPU")
+    model = _model("none")
+    assert pack_model(model) > 0
+    _same_as_loop(model, kv_dtype, rows, ds.PACKED)
+    assert ds.DecodeStack.build(model, *_setup(model, kv_dtype)[:3]).plan(EXACT_ROWS + 1) is None
+
+
 def test_steps_it_does_not_cover_take_the_loop():
     model = _kernel_model()
     attn, kv, ops, stack = _setup(model, "int8")

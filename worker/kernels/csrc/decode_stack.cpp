@@ -6,6 +6,7 @@
 #include "bf16.h"
 #include "vec_exp.h"
 #include "kv_int8.h"
+#include <ATen/core/dispatch/Dispatcher.h>
 namespace stack {
 
 // How one linear runs at this step's row count (`worker.model.decode_stack.linear_kind`), and the tensors it takes
@@ -16,6 +17,7 @@ enum Kind : int64_t {
   kIntMm = 3,      // w8a8_quantize, torch._int_mm, w8a8_dequantize: inv_smooth, wt, col_scale
   kA16 = 4,        // w8a16_avx2_linear (int8 weight-only on int16 rows): packed, col_scale
   kA16Vnni = 5,    // w8a16_small_linear (the same on VNNI): packed, colsum, col_scale
+  kPacked = 6,     // mkldnn::_linear_pointwise over a oneDNN-packed bf16 weight (worker.quant.packed): packed
 };
 
 static int64_t arity(int64_t kind) {
@@ -26,13 +28,25 @@ static int64_t arity(int64_t kind) {
     case kIntMm: return 3;
     case kA16: return 2;
     case kA16Vnni: return 3;
+    case kPacked: return 1;
     default: TORCH_CHECK(false, "decode_stack: unknown linear kind ", kind);
   }
+}
+
+// x [rows, in] @ packed.T through the op `PackedLinear` calls (rows up to its EXACT_ROWS: no padding), boxed: its
+// schema's C++ types are the dispatcher's business
+static torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> st{x, packed, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                       std::string("")};
+  op.callBoxed(&st);
+  return st[0].toTensor();
 }
 
 // x [rows, in] contiguous -> [rows, out] of x's dtype; `t` points at the linear's tensors
 static torch::Tensor linear(const torch::Tensor& x, int64_t kind, const torch::Tensor* t) {
   switch (kind) {
+    case kPacked: return packed_linear(x, t[0]);
     case kVnni: return w8a8_small_linear(x, t[0], t[1], t[2], t[3]);
     case kAvx2: return w8a8_avx2_linear(x, t[0], t[1], t[2]);
     case kWeightOnly: return at::_weight_int8pack_mm(x.to(t[1].scalar_type()), t[0], t[1]).to(x.scalar_type());
