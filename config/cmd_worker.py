@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="VTC: cap a step's prefill tokens while the worker serves several tenants (0: no cap)")
     a("--prefill-step-tokens", type=int,
       help="a step carrying a prefill takes another request's only within this many prefill tokens, so a "
-           "burst's first tokens come one after another (0: no cap)")
+           "burst's first tokens come one after another (default: 64 on CPU, none on CUDA; 0: no cap)")
     a("--spec-tokens", type=int, help="n-gram speculative decoding: drafts per sequence per step (0: off)")
     a("--spec-max-batch", type=int, help="speculate only while this many sequences decode or fewer (0: off)")
     a("--spec-ngram-max", type=int, help="longest suffix matched for drafts (default 3)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 LAYER_LINEARS = ("qkv", "o", "gate_up", "down")  # a decoder layer's linears, by attribute name
+CPU_PREFILL_STEP_TOKENS = 64  # `prefill_step_tokens`'s auto on CPU (docs/engine.md, "Prefill steps")
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -27,10 +28,12 @@ class EngineConfig:
     # VTC with more than one fairness key seen lately: prefill tokens per step are capped here, so a key that
     # arrives waits behind a short step at most (TTFT tail for light tenants vs step efficiency; 0: no cap)
     fair_step_tokens: int = 0
-    # A step that already carries a prefill takes another request's only while the step's prefill tokens stay
-    # within this (the first is never held): a burst of arrivals gets its first tokens one after another, not
-    # all at the end of one long step (TTFT mean and median vs step count; 0: no cap)
-    prefill_step_tokens: int = 0
+    # A step that already carries a prefill takes another request's only while the step's uncached prefill
+    # tokens stay within this (the first is never held): a burst of arrivals gets its first tokens one after
+    # another, not all at the end of one long step (TTFT mean and median vs step count; 0: no cap; None: auto,
+    # CPU_PREFILL_STEP_TOKENS on CPU, where a prefill of more tokens than the machine's FLOP/byte balance is
+    # compute-bound and batching it only delays the earlier request, and no cap on CUDA, not measured there)
+    prefill_step_tokens: int | None = None
     # "auto" | "triton" (CUDA) | "flash_attn" (CUDA, pages a multiple of 256 tokens) | "torch" (CPU: with the
     # C++ decode and prefill kernels when they build) | "torch_reference"; auto's rule:
     # worker.model.backends.choose_backend
@@ -109,7 +112,7 @@ class EngineConfig:
             raise ValueError("spec n-gram sizes must satisfy 1 <= spec_ngram_min <= spec_ngram_max <= 8")
         if self.fair_step_tokens < 0:
             raise ValueError("fair_step_tokens must be >= 0 (0: no cap)")
-        if self.prefill_step_tokens < 0:
+        if self.prefill_step_tokens is not None and self.prefill_step_tokens < 0:
             raise ValueError("prefill_step_tokens must be >= 0 (0: no cap)")
         if (self.grammar_max_pending < 1 or self.grammar_max_pending_per_ns < 1
                 or self.grammar_compile_timeout_s <= 0):

@@ -5,13 +5,14 @@ Requests are validated before any state changes; stop rules and page release hap
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
 
 import torch
 
-from worker.config import EngineConfig
+from worker.config import CPU_PREFILL_STEP_TOKENS, EngineConfig
 from worker.engine.export import PageExport
 from worker.engine.prefix_pins import PrefixPins
 from worker.engine.records.outputs import EngineStats, StepCosts, StepOutput
@@ -45,6 +46,9 @@ class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         config.validate()
+        if config.prefill_step_tokens is None:
+            auto = CPU_PREFILL_STEP_TOKENS if model.device.type == "cpu" else 0
+            config = dataclasses.replace(config, prefill_step_tokens=auto)
         if config.num_threads is not None and model.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.config = config

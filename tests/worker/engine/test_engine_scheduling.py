@@ -262,3 +262,12 @@ def test_prefill_step_tokens_spreads_a_burst_over_steps(tiny, cap, per_step):
     assert pages_idle(eng)
     assert firsts[0] == per_step and (per_step == 8 or firsts[1] == per_step)
     assert all(len(early.get(f"r{i}", [])) + len(tokens.get(f"r{i}", [])) == 6 for i in range(8))
+
+
+def test_prefill_step_tokens_is_auto_on_cpu(tiny):
+    from worker.config import CPU_PREFILL_STEP_TOKENS
+
+    assert make_engine(tiny).config.prefill_step_tokens == CPU_PREFILL_STEP_TOKENS
+    assert make_engine(tiny, prefill_step_tokens=0).config.prefill_step_tokens == 0
+    with pytest.raises(ValueError, match="prefill_step_tokens"):
+        make_engine(tiny, prefill_step_tokens=-1)
