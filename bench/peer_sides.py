@@ -162,10 +162,9 @@ def spec_counters(metrics_url: str | None) -> tuple[float, float] | None:
     """(proposed, accepted) draft tokens from our worker's /metrics, or None for the peer."""
     if metrics_url is None:
         return None
+    from bench.fairness import worker_metric
+
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
-    values = []
-    for name in SPEC_COUNTERS:
-        m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
-        values.append(float(m.group(1)) if m else 0.0)
-    return values[0], values[1]
+    proposed, accepted = (worker_metric(text, name) for name in SPEC_COUNTERS)
+    return proposed, accepted

@@ -28,6 +28,7 @@ from pathlib import Path
 from bench import peer_sides
 from bench.machine import add_no_targets, cpu_model, emit, serving_dtype
 from bench.peer_sides import LOADGEN, Config, Server
+from worker.kernels.cpu_features import cpu_flags
 
 PRIMARY = ("ntrace", "nprefix", "nsingle")
 SECONDARY = ("mixed", "prefix", "single", "long", "nmixed")
@@ -176,8 +177,7 @@ def compare(args: argparse.Namespace, start: Starter) -> dict:
               "passes": passes,
               "ratios": {c: ratios(passes, c) for c in ("matched", "best") if c in labels},
               "speculation": speculation(passes)}
-    result["targets_met"] = verdict(result, "avx512" in (Path("/proc/cpuinfo").read_text()
-                                                         if Path("/proc/cpuinfo").exists() else ""))
+    result["targets_met"] = verdict(result, "avx512f" in cpu_flags())
     return result
 
 
