@@ -95,7 +95,7 @@ class WorkerClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
         self._closed = False
-        self._lost_reported = False
+        self._lost_rids: set[str] = set()  # streams told of this outage (one error each; stats clear it)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -229,6 +229,7 @@ class WorkerClient:
                     return
         finally:
             self._streams.pop(rid, None)
+            self._lost_rids.discard(rid)
             if not ended and not self._closed:
                 self._send_soon(encode_abort(rid))
 
@@ -263,11 +264,12 @@ class WorkerClient:
             await self._link_events()
             if await self._drain():
                 self._quiet_at = time.monotonic()
-            if self._streams and self.stats is not None and not self.alive and not self._lost_reported:
-                self._lost_reported = True  # once per outage; the next stats frame re-arms it
+            if self.stats is not None and not self.alive and len(self._lost_rids) < len(self._streams):
+                # every stream of this outage, also one opened after it was first reported (the router
+                # picked this worker just before its link dropped): none waits for its deadline
                 link = "up" if self.link_up else "down"
-                self._fail_all(WorkerError(LinkError.WORKER_LOST, f"no stats from {self.endpoint} "
-                                           f"for {self.silence_limit}s (link {link})", True))
+                self._fail_lost(WorkerError(LinkError.WORKER_LOST, f"no stats from {self.endpoint} "
+                                            f"for {self.silence_limit}s (link {link})", True))
 
     async def _link_events(self) -> None:
         """Follow the link's state from the socket monitor (handshakes up, disconnects down)."""
@@ -290,10 +292,8 @@ class WorkerClient:
     def _link_lost(self) -> None:
         """The connection dropped: the open streams end now (worker_lost, so they resume elsewhere) rather
         than after worker_timeout of silence. Output sent meanwhile is gone with the connection either way."""
-        if self._streams and not self._lost_reported:
-            self._lost_reported = True
-            self._fail_all(WorkerError(LinkError.WORKER_LOST, f"link to {self.endpoint} closed (link down)",
-                                       True))
+        lost = WorkerError(LinkError.WORKER_LOST, f"link to {self.endpoint} closed (link down)", True)
+        self._fail_lost(lost)
 
     async def _drain(self) -> bool:
         """Take every waiting frame, up to MAX_FRAMES_PER_DRAIN; True when the socket was left empty."""
@@ -339,7 +339,7 @@ class WorkerClient:
                 log.error("%s; refusing it", self.incompatible)
                 self._fail_all(WorkerError(LinkError.INCOMPATIBLE, self.incompatible, False))
         self.stats = stats
-        self._lost_reported = False
+        self._lost_rids.clear()
         self._ready.set()
         if self.on_stats is not None:
             try:
@@ -360,6 +360,13 @@ class WorkerClient:
     def _fail_all(self, error: WorkerError) -> None:
         for queue in self._streams.values():
             queue.put_nowait(error)
+
+    def _fail_lost(self, error: WorkerError) -> None:
+        """End with `error` every open stream not yet told of this outage."""
+        for rid, queue in self._streams.items():
+            if rid not in self._lost_rids:
+                self._lost_rids.add(rid)
+                queue.put_nowait(error)
 
 
 def _consume_exception(fut: asyncio.Future[Any]) -> None:
