@@ -40,13 +40,13 @@ from gateway.responses.response_store import ResponseStore
 from gateway.responses.routes import cancel_response, stored_response
 from gateway.streams import resume_routes
 from gateway.streams.carry_on import CarryOn
-from gateway.streams.carry_record import MAX_BODY_BYTES
 from gateway.streams.hooks import resumable
 from gateway.telemetry import gateway_metrics, gateway_spans
 from gateway.web import api_errors
 from gateway.web.api_errors import ApiError, install_handlers
 from gateway.web.drain_middleware import DrainMiddleware, DrainState
 from gateway.web.request_io import (
+    THREAD_TOKENIZE_BYTES,
     ClientGone,
     CloseUnreadBodyMiddleware,
     RequestIdMiddleware,
@@ -59,7 +59,6 @@ from tenancy import Tenant
 log = logging.getLogger("switchyard.gateway")
 _T = TypeVar("_T")
 
-THREAD_TOKENIZE_BYTES = 16 * 1024  # bodies from this size parse and tokenize on a thread
 CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"; never seen by the client
 
 
@@ -161,9 +160,9 @@ async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenan
                             rid: str) -> tuple[GenerationRequest, Prepared]:
     config = request.app.state.config
     # a token-id prompt longer than the context is refused while the body is decoded
-    body, size = await read_json(request, config.max_body_bytes, config.body_timeout_s,
-                                 max_numbers=body_number_cap(svc.model.max_context))
-    if size < THREAD_TOKENIZE_BYTES:
+    body, raw = await read_json(request, config.max_body_bytes, config.body_timeout_s,
+                                max_numbers=body_number_cap(svc.model.max_context))
+    if len(raw) < THREAD_TOKENIZE_BYTES:
         req = parse(body)
         await request.app.state.conversations.continue_previous(tenant, req)
         prepared = svc.prepare(tenant, req, rid)
@@ -172,7 +171,7 @@ async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenan
         await request.app.state.conversations.continue_previous(tenant, req)
         prepared = await run_in_threadpool(svc.prepare, tenant, req, rid)
     prepared.ttft_slo_ms = header_target_ms(prepared.ttft_slo_ms, request.headers.get(TTFT_HEADER))
-    prepared.raw_body = body if size <= MAX_BODY_BYTES else None  # a stream another gateway may carry on
+    prepared.raw_body = raw  # a stream another gateway may carry on keeps the body as sent
     return req, prepared
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,6 +39,7 @@ from gateway.streams.event_log import (
 )
 from gateway.telemetry import gateway_metrics
 from gateway.web.api_errors import ApiError
+from gateway.web.request_io import THREAD_TOKENIZE_BYTES
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -223,9 +225,15 @@ class CarryOn:
                         else svc.tenants.tenant(record.tenant))  # the key's model scope applies again
         if tenant is None or not tenant.active or tenant.name != record.tenant:
             raise ApiError(403, "The stream's tenant or key is no longer active.", "permission_error")
-        req = self.parsers[record.api](record.body)
-        await self.continue_previous(tenant, req)
-        prepared = svc.prepare(tenant, req, record.request_id)
+        parse = self.parsers[record.api]
+        if len(record.body) < THREAD_TOKENIZE_BYTES:
+            req = parse(json.loads(record.body))
+            await self.continue_previous(tenant, req)
+            prepared = svc.prepare(tenant, req, record.request_id)
+        else:  # a large body parses and tokenizes off the event loop, as on its first gateway
+            req = await asyncio.to_thread(lambda: parse(json.loads(record.body)))
+            await self.continue_previous(tenant, req)
+            prepared = await asyncio.to_thread(svc.prepare, tenant, req, record.request_id)
         prepared.shape = dataclasses.replace(prepared.shape, id=record.stream_id, created=record.created)
         prepared.key_digest, prepared.raw_body = record.key_digest, record.body
         return prepared

@@ -1,5 +1,6 @@
 """What another gateway needs to carry a stream on: the request as the client sent it, its ids, and the
-reservations it holds (one typed record, JSON in Redis under `event_log.carry_key`)."""
+reservations it holds (one typed record in Redis under `event_log.carry_key`: its fields as one JSON line,
+then the body's bytes as the client sent them, never encoded again)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from typing import Any
 from admission import ADMITTED, MoneyHold, MoneyPath, Price, Reservation, ReserveResult
 from tenancy import Tenant
 
-VERSION = 1
-MAX_BODY_BYTES = 256 * 1024  # a bigger body is not kept: its stream ends `stream_lost` with its gateway
+VERSION = 2  # 1: the body inside the JSON (a gateway of either version carries on only its own version's)
 APIS = ("chat", "completions", "responses")
 
 
@@ -33,7 +33,7 @@ class Lease:
 @dataclass(slots=True)
 class CarryRecord:
     api: str  # chat | completions | responses
-    body: dict[str, Any]  # the request body as the client sent it
+    body: bytes  # the request body as the client sent it (JSON; up to the gateway's max_body_bytes)
     tenant: str
     key_digest: str
     stream_id: str  # the response id (chatcmpl-..., cmpl-..., resp_...)
@@ -46,20 +46,25 @@ class CarryRecord:
     grouped: bool = False  # served by `gateway.flow.choices` (choices, tool calls, echo): its steps logged
 
     def encode(self) -> bytes:
-        fields = dataclasses.asdict(self)
-        if not self.grouped:  # a single stream's record reads as before (and a gateway that cannot carry a
-            del fields["grouped"]  # group on refuses a grouped one: an unknown field)
-        return json.dumps({"v": VERSION, **fields}, separators=(",", ":")).encode()
+        """One JSON line of the fields, then the body's bytes: a body of megabytes costs a copy, not an
+        encode, on the event loop."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "body"}
+        if self.lease is not None:
+            fields["lease"] = dataclasses.asdict(self.lease)
+        if not self.grouped:  # a gateway that cannot carry a group on refuses a grouped one: an unknown field
+            del fields["grouped"]
+        return json.dumps({"v": VERSION, **fields}, separators=(",", ":")).encode() + b"\n" + self.body
 
     @classmethod
     def decode(cls, raw: bytes) -> CarryRecord | None:
         """The record, or None when it is not one this gateway reads (another version, damaged)."""
+        head, sep, body = raw.partition(b"\n")
         try:
-            data = json.loads(raw)
-            if data.pop("v", None) != VERSION or data.get("api") not in APIS:
+            data = json.loads(head)
+            if not sep or data.pop("v", None) != VERSION or data.get("api") not in APIS:
                 return None
             lease = data.pop("lease", None)
-            return cls(**data, lease=Lease(**lease) if lease else None)
+            return cls(**data, body=body, lease=Lease(**lease) if lease else None)
         except (ValueError, TypeError):
             return None
 
@@ -76,8 +81,7 @@ def money_dict(hold: MoneyHold | None) -> dict[str, Any] | None:
 
 def carry_record(prepared: Any, gen: Any, run_deadline: float = 0.0) -> CarryRecord | None:
     """The record of a stream (a `Generation`, or a `GenerationGroup` of several choices, chat tool calls or
-    echo) that another gateway can carry on; None when it cannot be (a body over MAX_BODY_BYTES: `raw_body`
-    None)."""
+    echo) that another gateway can carry on; None when it cannot be (no body as sent: `raw_body` None)."""
     body, req = prepared.raw_body, prepared.req
     if body is None:
         return None

@@ -27,6 +27,7 @@ CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 BODY_TIMEOUT_S = 10.0
 THREAD_DECODE_BYTES = 64 * 1024  # bodies larger than this are decoded in a thread
+THREAD_TOKENIZE_BYTES = 16 * 1024  # bodies from this size parse and tokenize on a thread
 EARLY_DRAIN_BYTES = 64 * 1024  # an unread body this small is read and dropped after an early response
 EARLY_DRAIN_S = 1.0  # ... if it all arrives within this; else the response closes the connection
 
@@ -145,9 +146,9 @@ async def drop_small_body(headers: dict[bytes, bytes], receive: Receive) -> bool
 
 
 async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S,
-                    max_numbers: int | None = None) -> tuple[Any, int]:
-    """The decoded JSON body and its size in bytes; 413 past `limit`, 408 past `timeout_s`, 415/400 when not
-    JSON, 400 (param `prompt`) when it holds more than `max_numbers` numbers."""
+                    max_numbers: int | None = None) -> tuple[Any, bytes]:
+    """The decoded JSON body and its bytes as sent; 413 past `limit`, 408 past `timeout_s`, 415/400 when
+    not JSON, 400 (param `prompt`) when it holds more than `max_numbers` numbers."""
     _check_content_type(request.headers.get("content-type"))
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -162,8 +163,8 @@ async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOU
     except TimeoutError:
         raise request_timeout(timeout_s) from None
     if len(buf) > THREAD_DECODE_BYTES:
-        return await asyncio.to_thread(_decode_json, buf, max_numbers), len(buf)
-    return _decode_json(buf, max_numbers), len(buf)
+        return await asyncio.to_thread(_decode_json, buf, max_numbers), bytes(buf)
+    return _decode_json(buf, max_numbers), bytes(buf)
 
 
 def _check_content_type(value: str | None) -> None:

@@ -5,7 +5,8 @@ A client reads part of a stream from gateway A, drops its connection and reconne
 (`Last-Event-ID` on chat, `starting_after` on responses): the events it missed, then the live tail, give the
 text and usage of an undisturbed run, with no event twice. A background run streams from B (raw, and through
 the `openai` SDK's `responses.retrieve(stream=True, starting_after=...)`). A SIGKILLed gateway's stream
-ends, on B, with the events it logged and a `stream_lost` error (its worker request is not reattached yet)."""
+is carried on by B: the events it logged, then its worker request again after the logged tokens (a body of any
+size the gateway accepts: one over 256 KiB too)."""
 
 from __future__ import annotations
 
@@ -201,9 +202,14 @@ def test_a_killed_gateway_s_streams_are_carried_on_by_another(cluster: FaultClus
         run = http.post(a.base_url + "/v1/responses", json={**long_run, "background": True},
                         headers=auth).json()
         with contextlib.ExitStack() as stack:
-            streams = [stack.enter_context(http.stream("POST", a.base_url + path, json=body, headers=auth))
-                       for path, body in (("/v1/chat/completions", CHAT), ("/v1/responses", RESP))]
-            lines: list[list[str]] = [[], []]
+            # the third: the chat request in a body of 300 KB (JSON whitespace), kept whole for carrying on
+            big = json.dumps(CHAT).encode() + b" " * 300_000
+            bodies = [("/v1/chat/completions", json.dumps(CHAT).encode()),
+                      ("/v1/responses", json.dumps(RESP).encode()), ("/v1/chat/completions", big)]
+            streams = [stack.enter_context(http.stream("POST", a.base_url + path, content=body,
+                                                       headers={**auth, "content-type": "application/json"}))
+                       for path, body in bodies]
+            lines: list[list[str]] = [[], [], []]
             its = [resp.iter_lines() for resp in streams]
             for it, seen in zip(its, lines, strict=True):
                 while sum(x.startswith("data: ") for x in seen) < 12:
@@ -211,9 +217,11 @@ def test_a_killed_gateway_s_streams_are_carried_on_by_another(cluster: FaultClus
             a.kill()
             for it, seen in zip(its, lines, strict=True):
                 read_until_cut(it, seen)
-        chat_part, resp_part = sse(lines[0]), sse(lines[1])
+        chat_part, resp_part, big_part = sse(lines[0]), sse(lines[1]), sse(lines[2])
         chat_rest = read(http, "POST", b.base_url + "/v1/chat/completions", key,
                          headers={"last-event-id": chat_part[-1][0]})
+        big_rest = read(http, "POST", b.base_url + "/v1/chat/completions", key,
+                        headers={"last-event-id": big_part[-1][0]})
         rid = json.loads(resp_part[0][2])["response"]["id"]
         resp_rest = read(http, "GET", f"{b.base_url}/v1/responses/{rid}?stream=true"
                          f"&starting_after={resp_part[-1][0]}", key)
@@ -227,16 +235,17 @@ def test_a_killed_gateway_s_streams_are_carried_on_by_another(cluster: FaultClus
     assert [int(e[0].rpartition(":")[2]) for e in chat_part + chat_rest[:-1]] == list(
         range(len(chat_part) + len(chat_rest) - 1))
     assert chat_text(chat_part + chat_rest) == whole_chat  # the text and usage of an undisturbed run
+    assert chat_text(big_part + big_rest) == whole_chat
     text, final = response_text(resp_part + resp_rest)
     assert [int(e[0]) for e in resp_part + resp_rest] == list(range(len(resp_part) + len(resp_rest)))
     assert (text, final["response"]["usage"]) == (whole_resp[0], whole_resp[1]["response"]["usage"])
     after = usage_today(cluster, "carried")
-    want = whole_chat[1]["completion_tokens"] + whole_resp[1]["response"]["usage"]["output_tokens"]
+    want = 2 * whole_chat[1]["completion_tokens"] + whole_resp[1]["response"]["usage"]["output_tokens"]
     metered = {k: after[k] - before.get(k, 0) for k in ("requests", "completion_tokens")}
     want += whole_run["usage"]["output_tokens"]
-    assert metered == {"requests": 3, "completion_tokens": want}  # once, by the gateway that carried them on
+    assert metered == {"requests": 4, "completion_tokens": want}  # once, by the gateway that carried them on
     with redis.Redis.from_url(cluster.redis.url) as r:
         assert r.zcard(leases_key("carried")) == 0  # the lost gateway's leases are settled
     carried = [r["msg"] for r in gateway_log_records(b)[0] if "carrying on stream" in r.get("msg", "")]
-    assert len(carried) == 3, carried  # B carried them on (they had not ended when A died)
+    assert len(carried) == 4, carried  # B carried them on (they had not ended when A died)
     assert not unattributed_errors(b)

@@ -116,7 +116,7 @@ async def test_a_carried_group_replays_its_logged_steps_and_sends_what_an_undist
     whole = await sse_of(group(model, p, [chunked(t, rng) for t in outputs]))
     logs = EventLogs(client, flush_s=0.005)
     first = group(model, p, [chunked(t, rng) for t in outputs])
-    record = CarryRecord("chat", {}, "acme", "", "chatcmpl-g", 1, "req-1", 0, grouped=True)
+    record = CarryRecord("chat", b"{}", "acme", "", "chatcmpl-g", 1, "req-1", 0, grouped=True)
     stream = ResumableStream(logs, "acme", "chatcmpl-g", _first_events(first, len(whole) // 2), _nothing,
                              source=first, carry=record.encode())
     part = _split(b"".join([e async for e in stream.body()]))
@@ -167,8 +167,8 @@ def _bare(framed: list[bytes]) -> list[bytes]:
 
 
 def test_a_grouped_record_names_itself_and_a_single_one_reads_as_before():
-    single = CarryRecord("chat", {"n": 1}, "acme", "", "chatcmpl-s", 1, "req-1", 0)
-    grouped = CarryRecord("completions", {"n": 2}, "acme", "", "cmpl-g", 1, "req-1", 0, grouped=True)
+    single = CarryRecord("chat", b'{"n": 1}', "acme", "", "chatcmpl-s", 1, "req-1", 0)
+    grouped = CarryRecord("completions", b'{"n": 2}', "acme", "", "cmpl-g", 1, "req-1", 0, grouped=True)
     assert b"grouped" not in single.encode() and CarryRecord.decode(single.encode()) == single
     assert CarryRecord.decode(grouped.encode()) == grouped
 

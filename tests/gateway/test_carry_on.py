@@ -5,6 +5,8 @@ groups the logged tokens are replayed in, and a stalled first gateway that stops
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -37,8 +39,8 @@ async def nothing() -> None:
 
 
 def record(stream_id: str) -> CarryRecord:
-    return CarryRecord("chat", {"model": "default", "messages": []}, "acme", "d" * 64, stream_id, 1764374400,
-                       "req-1", 5, Lease("lease-1", 10, 20))
+    return CarryRecord("chat", b'{"model": "default", "messages": []}', "acme", "d" * 64, stream_id,
+                       1764374400, "req-1", 5, Lease("lease-1", 10, 20))
 
 
 async def tokens_then_events(gen: FakeGeneration, steps: list[tuple[list[int], str | None, int]]):
@@ -84,6 +86,11 @@ async def test_the_carry_record_round_trips_and_refuses_what_it_cannot_read():
     assert CarryRecord.decode(rec.encode()) == rec
     assert CarryRecord.decode(b'{"v": 99}') is None and CarryRecord.decode(b"not json") is None
     assert CarryRecord.decode(rec.encode().replace(b'"api":"chat"', b'"api":"embeddings"')) is None
+    # the body's bytes as sent, newlines and all, and of any size the gateway takes (over 256 KiB too)
+    big = dataclasses.replace(rec, body=b'{"model": "default",\n "messages": []}' + b"\n " * 200_000)
+    assert CarryRecord.decode(big.encode()) == big
+    first_version = json.dumps({"v": 1, "api": "chat", "body": {}}).encode()  # the body inside the JSON
+    assert CarryRecord.decode(first_version) is None
     res = rec.lease.reservation(tenant=None)  # type: ignore[arg-type]
     assert (res.lease_id, res.prompt_tokens, res.max_tokens, res.renewed_at) == ("lease-1", 10, 20, 0.0)
 

@@ -221,6 +221,11 @@ class TorchAttention:
                  vc: torch.Tensor, ch: _Chunk) -> torch.Tensor:
         if ch.ctx_slots is None:
             return self._sdpa(q, k.transpose(0, 1), v.transpose(0, 1), None)
+        past = ch.ctx_slots.shape[0] - ch.q_len
+        if past > 0 and ch.q_len >= cascade.SPLIT_MIN_Q and cascade.available(q.device):
+            prefix = ch.ctx_slots[:past]
+            return cascade.after_prefix(q, kc.index_select(1, prefix), vc.index_select(1, prefix),
+                                        k.transpose(0, 1), v.transpose(0, 1), self.scale)
         return self._sdpa(q, kc.index_select(1, ch.ctx_slots), vc.index_select(1, ch.ctx_slots), ch.mask)
 
     def _sdpa(self, q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,

@@ -81,3 +81,36 @@ def test_plan_stops_at_the_first_page_the_chunks_do_not_share():
     assert groups == [] and taken == set()
     groups, _ = cascade.plan([SHARED[:10] + [1], SHARED[:10] + [2]], [5, 5], [170, 170], [0, 5], BS)
     assert groups == []  # 160 common tokens: below MIN_SHARED
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_long_chunk_over_a_cached_prefix_matches_the_masked_product(dtype, tol, monkeypatch):
+    """A chunk of SPLIT_MIN_Q tokens or more after a cached prefix takes the prefix unmasked and itself
+    causally (`cascade.after_prefix`), with the masked product's result; a shorter one keeps the mask."""
+    kv = _cache(dtype)
+    calls: list[int] = []
+    split = cascade.after_prefix
+
+    def counted(q: torch.Tensor, *rest: torch.Tensor | float) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return split(q, *rest)
+
+    table, past = list(range(70, 90)), 150
+    for q_len in (cascade.SPLIT_MIN_Q + 6, cascade.SPLIT_MIN_Q - 1):
+        ctx = past + q_len
+        slots = [table[i // BS] * BS + i % BS for i in range(past, ctx)]
+        lay = BatchLayout(BS, torch.tensor(slots), [], [], [table], [q_len], [ctx])
+        torch.manual_seed(5)
+        q = torch.randn(q_len, HEADS, HEAD_DIM).mul(2).to(dtype)
+        k_new = torch.randn(q_len, KV_HEADS, HEAD_DIM).mul(2).to(dtype)
+        v_new = torch.randn(q_len, KV_HEADS, HEAD_DIM).to(dtype)
+        attn = TorchAttention(HEADS, KV_HEADS, HEAD_DIM)
+        calls.clear()
+        with monkeypatch.context() as m:
+            m.setattr(cascade, "after_prefix", counted)
+            got = attn.forward(0, q, k_new, v_new, kv, attn.prepare(lay, torch.device("cpu"))).float()
+        with monkeypatch.context() as m:
+            m.setattr(cascade, "available", lambda device: False)
+            ref = attn.forward(0, q, k_new, v_new, kv, attn.prepare(lay, torch.device("cpu"))).float()
+        assert calls == ([q_len] if q_len >= cascade.SPLIT_MIN_Q else [])
+        assert (got - ref).abs().max().item() < tol and torch.isfinite(got).all()
