@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 from opentelemetry.trace import Span, use_span
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -46,7 +45,6 @@ from gateway.web import api_errors
 from gateway.web.api_errors import ApiError, install_handlers
 from gateway.web.drain_middleware import DrainMiddleware, DrainState
 from gateway.web.request_io import (
-    THREAD_TOKENIZE_BYTES,
     ClientGone,
     CloseUnreadBodyMiddleware,
     RequestIdMiddleware,
@@ -162,14 +160,8 @@ async def _read_and_prepare(request: Request, svc: GatewayService, tenant: Tenan
     # a token-id prompt longer than the context is refused while the body is decoded
     body, raw = await read_json(request, config.max_body_bytes, config.body_timeout_s,
                                 max_numbers=body_number_cap(svc.model.max_context))
-    if len(raw) < THREAD_TOKENIZE_BYTES:
-        req = parse(body)
-        await request.app.state.conversations.continue_previous(tenant, req)
-        prepared = svc.prepare(tenant, req, rid)
-    else:  # large bodies (long prompts, big JSON schemas to validate) are handled off the event loop
-        req = await run_in_threadpool(parse, body)
-        await request.app.state.conversations.continue_previous(tenant, req)
-        prepared = await run_in_threadpool(svc.prepare, tenant, req, rid)
+    req, prepared = await svc.parse_and_prepare(tenant, functools.partial(parse, body), len(raw), rid,
+                                                request.app.state.conversations.continue_previous)
     prepared.ttft_slo_ms = header_target_ms(prepared.ttft_slo_ms, request.headers.get(TTFT_HEADER))
     prepared.raw_body = raw  # a stream another gateway may carry on keeps the body as sent
     return req, prepared

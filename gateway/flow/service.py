@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.concurrency import run_in_threadpool
 
 from admission import Admission, AdmissionTicket, MoneyGate, error_response
 from common.priorities import Priority
@@ -26,7 +28,7 @@ from gateway.openai.schemas import GenerationRequest
 from gateway.telemetry import gateway_metrics
 from gateway.web import api_errors
 from gateway.web.api_errors import ApiError, invalid
-from gateway.web.request_io import bearer_key
+from gateway.web.request_io import THREAD_TOKENIZE_BYTES, bearer_key
 from router import NoWorkerAvailable, Routed, Router, RouteRequest, fairness_key, namespace_root
 from tenancy import QuotaServiceUnavailable, Tenant, TenantDirectory, key_digest
 from worker.protocol import OutItem, SamplingParams
@@ -112,6 +114,21 @@ class GatewayService:
                     priority: Priority | None = None) -> Target:
         """The model version serving `model` for this tenant (404, 403 or 503 in OpenAI's shape otherwise)."""
         return self.pools.resolve(model, tenant, prefix, priority)
+
+    async def parse_and_prepare(self, tenant: Tenant, parse: Callable[[], GenerationRequest], size: int,
+                                request_id: str,
+                                continue_previous: Callable[[Tenant, GenerationRequest], Awaitable[None]],
+                                ) -> tuple[GenerationRequest, Prepared]:
+        """Parse a body of `size` bytes, continue its stored conversation and prepare it; from
+        THREAD_TOKENIZE_BYTES on (long prompts, big JSON schemas to validate) the parse and the preparation
+        run off the event loop."""
+        if size < THREAD_TOKENIZE_BYTES:
+            req = parse()
+            await continue_previous(tenant, req)
+            return req, self.prepare(tenant, req, request_id)
+        req = await run_in_threadpool(parse)
+        await continue_previous(tenant, req)
+        return req, await run_in_threadpool(self.prepare, tenant, req, request_id)
 
     def prepare(self, tenant: Tenant, req: GenerationRequest, request_id: str) -> Prepared:
         target = self.check_model(tenant, req.model, sticky_prefix(req),

@@ -39,7 +39,6 @@ from gateway.streams.event_log import (
 )
 from gateway.telemetry import gateway_metrics
 from gateway.web.api_errors import ApiError
-from gateway.web.request_io import THREAD_TOKENIZE_BYTES
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -226,14 +225,8 @@ class CarryOn:
         if tenant is None or not tenant.active or tenant.name != record.tenant:
             raise ApiError(403, "The stream's tenant or key is no longer active.", "permission_error")
         parse = self.parsers[record.api]
-        if len(record.body) < THREAD_TOKENIZE_BYTES:
-            req = parse(json.loads(record.body))
-            await self.continue_previous(tenant, req)
-            prepared = svc.prepare(tenant, req, record.request_id)
-        else:  # a large body parses and tokenizes off the event loop, as on its first gateway
-            req = await asyncio.to_thread(lambda: parse(json.loads(record.body)))
-            await self.continue_previous(tenant, req)
-            prepared = await asyncio.to_thread(svc.prepare, tenant, req, record.request_id)
+        _, prepared = await svc.parse_and_prepare(tenant, lambda: parse(json.loads(record.body)),
+                                                  len(record.body), record.request_id, self.continue_previous)
         prepared.shape = dataclasses.replace(prepared.shape, id=record.stream_id, created=record.created)
         prepared.key_digest, prepared.raw_body = record.key_digest, record.body
         return prepared

@@ -103,10 +103,14 @@ def after_prefix(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor
     qh = q.transpose(0, 1)[None]
     out, lse = _FLASH(qh, prefix_k[None], prefix_v[None], 0.0, False, scale=scale)
     own, own_lse = _FLASH(qh, own_k[None], own_v[None], 0.0, True, scale=scale)
-    total = torch.logaddexp(lse, own_lse)
-    merged = out.float() * torch.exp(lse - total)[..., None]
-    merged += own.float() * torch.exp(own_lse - total)[..., None]
-    return merged[0].transpose(0, 1).to(q.dtype)
+    return _merge(out.float(), lse, own, own_lse)[0].transpose(0, 1).to(q.dtype)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
+    """Two attention results over disjoint keys, out (fp32) and part, as one: weighted by their
+    log-sum-exps."""
+    total = torch.logaddexp(lse, part_lse)
+    return out * torch.exp(lse - total)[..., None] + part.float() * torch.exp(part_lse - total)[..., None]
 
 
 def attend(group: CascadeGroup, q: torch.Tensor, gather_k: Gather, gather_v: Gather,
@@ -122,8 +126,6 @@ def attend(group: CascadeGroup, q: torch.Tensor, gather_k: Gather, gather_v: Gat
         rows = slice(row, row + m.q_len)
         keys, values = gather_k(m.rest_slots)[None], gather_v(m.rest_slots)[None]
         part, part_lse = _FLASH(qg[:, :, rows], keys, values, 0.0, False, attn_mask=m.rest_mask, scale=scale)
-        total = torch.logaddexp(lse[:, :, rows], part_lse)
-        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - total)[..., None]
-                           + part.float() * torch.exp(part_lse - total)[..., None])
+        out[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
         row += m.q_len
     return out[0].transpose(0, 1).to(q.dtype)
